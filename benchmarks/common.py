@@ -1,0 +1,95 @@
+"""Shared conventions for fxopt benchmarks.
+
+Every benchmark script measures fxopt *and* its anchor (cuBLAS, cuDNN, FA2, tinygemm, ...) in the same run, prints a
+table, and writes ``benchmarks/results/<name>.json`` and ``<name>.md`` with the device name and torch / Triton
+versions, so the committed tables say where and how they were made. Timings are medians of
+``triton.testing.do_bench`` (CUDA events), on random inputs, never zeros.
+
+Usage::
+
+    from common import bench_ms, write_results
+    rows = [{"shape": "...", "fxopt_ms": bench_ms(lambda: f(x)), "anchor_ms": bench_ms(lambda: g(x))}]
+    write_results("w4a16", rows, title="W4A16 linear", notes="...")
+
+``--out DIR`` (parsed by :func:`parse_args`) writes the files somewhere else (e.g. ``$OUT`` on the device machine).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, no install
+
+
+def parse_args(description: str, extra=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and markdown results")
+    p.add_argument("--quick", action="store_true", help="a few rows only (smoke run)")
+    if extra:
+        extra(p)
+    return p.parse_args()
+
+
+def env_info() -> dict:
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    if torch.cuda.is_available():
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (CUDA events through ``triton.testing.do_bench``)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(rows[0].keys())
+    for r in rows[1:]:
+        cols += [c for c in r if c not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", out_dir: str | None = None,
+                  command: str | None = None) -> None:
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    info = env_info()
+    command = command or "python " + " ".join(sys.argv)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"title": title, "env": info, "command": command, "notes": notes, "rows": rows}, f, indent=1)
+    env_line = ", ".join(f"{k} {v}" for k, v in info.items())
+    md = f"# {title}\n\n{env_line}\n\nCommand: `{command}`\n\n{markdown_table(rows)}"
+    if notes:
+        md += f"\n{notes}\n"
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    print(markdown_table(rows))
+    print(f"wrote {out_dir}/{name}.json and .md")

@@ -1,0 +1,187 @@
+"""fxopt's configuration: one dataclass per pass, nested in :class:`Config`.
+
+``torch.compile(model, backend="fxopt", options={...})`` passes a dict that :meth:`Config.from_options` validates.
+Keys are either nested (``{"attention": {"enabled": False}}``) or dotted (``{"attention.enabled": False}``); the
+top-level ``enabled`` switches every pass off. An unknown key or a value of the wrong type raises
+:class:`ConfigError` (a ``ValueError``) naming the valid keys: an option is never ignored silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad fxopt option: unknown key, wrong type or invalid value."""
+
+
+@dataclass
+class AttentionConfig:
+    """Attention pass settings.
+
+    Args:
+        enabled: rewrite attention subgraphs (SDPA and hand-written) into ``torch.ops.fxopt.flash_attention``.
+        fp8: route eligible inference attention to the FP8 kernel (Hopper only).
+        lower_masks: prove causal / sliding-window / key-padding structure of in-graph masks and pass kernel
+            arguments instead of the mask tensor.
+    """
+
+    enabled: bool = True
+    fp8: bool = False
+    lower_masks: bool = True
+
+
+@dataclass
+class W4A16Config:
+    """W4A16 pass settings.
+
+    Args:
+        enabled: fuse ``dequantize_w4 -> linear`` into ``torch.ops.fxopt.w4a16_linear``.
+    """
+
+    enabled: bool = True
+
+
+@dataclass
+class TensorParallelConfig:
+    """Tensor-parallel pass settings (used by :func:`fxopt.parallelize`).
+
+    Args:
+        enabled: run the pass (off unless a process group and ``tp`` > 1 are given).
+        tp: tensor-parallel degree; must equal the process group's world size.
+        vocab_parallel: also shard the embedding and lm_head over the vocabulary (with a gather of logits).
+    """
+
+    enabled: bool = False
+    tp: int = 1
+    vocab_parallel: bool = False
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline pass settings (used by :func:`fxopt.pipeline`).
+
+    Args:
+        enabled: run the pass (off unless stages > 1).
+        stages: number of pipeline stages.
+        microbatches: micro-batches per step.
+        schedule: one of ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``.
+        split_points: module names (qualified) that must start a new stage; the pass balances the rest.
+    """
+
+    enabled: bool = False
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    split_points: list = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    """All fxopt settings.
+
+    Args:
+        enabled: master switch; ``False`` runs no pass (the graph goes to Inductor as Dynamo produced it).
+        attention: :class:`AttentionConfig`.
+        w4a16: :class:`W4A16Config`.
+        tensor_parallel: :class:`TensorParallelConfig`.
+        pipeline: :class:`PipelineConfig`.
+        inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
+            ``{"max_autotune": True}``.
+    """
+
+    enabled: bool = True
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    w4a16: W4A16Config = field(default_factory=W4A16Config)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    inductor_options: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, options: Optional[dict] = None, base: Optional["Config"] = None) -> "Config":
+        """Build a Config from ``torch.compile``'s ``options`` dict, validating every key and type."""
+        cfg = dataclasses.replace(base) if base is not None else cls()
+        cfg = _deepcopy(cfg)
+        if options is None:
+            return cfg
+        if not isinstance(options, dict):
+            raise ConfigError(f"fxopt options must be a dict, got {type(options).__name__}")
+        for key, value in options.items():
+            _apply(cfg, str(key).split("."), value, prefix="")
+        return cfg
+
+    @staticmethod
+    def valid_keys() -> list[str]:
+        return _keys(Config, "")
+
+
+def _deepcopy(cfg):
+    import copy
+
+    return copy.deepcopy(cfg)
+
+
+def _keys(cls, prefix: str) -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out += _keys(t, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
+    cls = type(obj)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    name = path[0]
+    if name not in names:
+        raise ConfigError(
+            f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: {', '.join(Config.valid_keys())}"
+        )
+    t = hints[name]
+    full = prefix + name
+    if dataclasses.is_dataclass(t):
+        sub = getattr(obj, name)
+        if len(path) > 1:
+            _apply(sub, path[1:], value, full + ".")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _apply(sub, str(k).split("."), v, full + ".")
+        elif isinstance(value, t):
+            setattr(obj, name, value)
+        else:
+            raise ConfigError(f"fxopt option {full!r} takes a dict or {t.__name__}, got {type(value).__name__}")
+        return
+    if len(path) > 1:
+        raise ConfigError(
+            f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: {', '.join(Config.valid_keys())}"
+        )
+    setattr(obj, name, _check_type(full, value, t))
+
+
+def _check_type(key: str, value: Any, t: Any) -> Any:
+    origin = typing.get_origin(t) or t
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, (list, tuple)),
+        dict: lambda v: isinstance(v, dict),
+    }.get(origin)
+    if ok is None or not ok(value):
+        raise ConfigError(
+            f"fxopt option {key!r} must be {getattr(origin, '__name__', origin)}, got {type(value).__name__} "
+            f"{value!r}; valid keys: {', '.join(Config.valid_keys())}"
+        )
+    if origin is float:
+        return float(value)
+    if origin is list:
+        return list(value)
+    return value

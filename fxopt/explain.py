@@ -1,0 +1,87 @@
+"""``fxopt.explain``: what fxopt would do to a model, without code generation.
+
+The model is captured with Dynamo (fresh: Dynamo's caches are reset first, as ``torch._dynamo.explain`` does), each
+graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and the per-pass results are gathered into an
+:class:`ExplainReport`: rewrites per pass, every candidate left alone with its reason, the number of graphs and of
+graph breaks (with their reasons).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .config import Config
+from .passes.manager import PASS_ORDER, Skip
+
+
+@dataclass
+class ExplainReport:
+    """Result of :func:`fxopt.explain`.
+
+    Args:
+        rewrites: pass name → number of rewrites (every pass in ``PASS_ORDER`` is a key; 0 if it did not run).
+        skipped: every candidate a pass left alone, as :class:`fxopt.passes.Skip` (pass, node, reason).
+        graphs: number of graphs Dynamo captured.
+        graph_breaks: number of graph breaks.
+        break_reasons: Dynamo's reasons for the breaks.
+        pass_seconds: pass name → total time spent in it.
+        notes: free-form lines the passes left (e.g. a parallel plan).
+    """
+
+    rewrites: dict = field(default_factory=lambda: {p: 0 for p in PASS_ORDER})
+    skipped: list = field(default_factory=list)
+    graphs: int = 0
+    graph_breaks: int = 0
+    break_reasons: list = field(default_factory=list)
+    pass_seconds: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fxopt.explain: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
+        for r in self.break_reasons:
+            lines.append(f"  break: {r}")
+        lines.append(f"{'pass':<16}{'rewrites':>9}{'skipped':>9}{'ms':>9}")
+        for p in PASS_ORDER:
+            n_skip = sum(1 for s in self.skipped if s.pass_name == p)
+            ms = self.pass_seconds.get(p)
+            lines.append(f"{p:<16}{self.rewrites.get(p, 0):>9}{n_skip:>9}{'-' if ms is None else f'{ms * 1e3:.1f}':>9}")
+        if self.skipped:
+            lines.append("left alone:")
+            for s in self.skipped:
+                lines.append(f"  [{s.pass_name}] {s.node}: {s.reason}")
+        for n in self.notes:
+            lines.append(n)
+        return "\n".join(lines)
+
+
+def report_from_results(all_results: list, graphs: int, graph_breaks: int = 0,
+                        break_reasons: Optional[list] = None) -> ExplainReport:
+    rep = ExplainReport(graphs=graphs, graph_breaks=graph_breaks, break_reasons=list(break_reasons or []))
+    for results in all_results:
+        for r in results:
+            rep.rewrites[r.name] = rep.rewrites.get(r.name, 0) + r.rewrites
+            rep.skipped.extend(r.skipped)
+            rep.pass_seconds[r.name] = rep.pass_seconds.get(r.name, 0.0) + r.seconds
+            rep.notes.extend(r.notes)
+    return rep
+
+
+def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwargs: Any) -> ExplainReport:
+    """Capture ``model_or_fn(*args, **kwargs)`` with Dynamo, run fxopt's passes without codegen, and report."""
+    from torch._dynamo.utils import counters
+
+    from .backends import Backend
+
+    backend = Backend(config, inductor=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model_or_fn, backend=backend)
+    compiled(*args, **kwargs)
+    breaks = counters["graph_break"]
+    reasons = list(breaks.keys())
+    report = report_from_results(backend.results, graphs=len(backend.results),
+                                 graph_breaks=sum(breaks.values()), break_reasons=reasons)
+    torch._dynamo.reset()
+    return report

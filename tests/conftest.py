@@ -1,0 +1,47 @@
+"""Test-session setup shared by every fxopt test.
+
+* Each pytest run gets its own Inductor and Triton cache directories, so a stale
+  cache from another run can never hide a change.
+* Without CUDA, Triton kernels run through the Triton interpreter
+  (``TRITON_INTERPRET=1``) on CPU tensors. This must be set before Triton is
+  imported anywhere, hence at the very top of this file.
+* ``@pytest.mark.gpu`` tests are skipped without CUDA.
+* ``run_on_ranks(fn, world_size=2)`` runs ``fn(rank, world_size, *args)`` on
+  ``world_size`` gloo processes (spawn) and re-raises the first failure.
+"""
+import os
+import tempfile
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="fxopt-test-cache-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
+
+import torch  # noqa: E402  (torch does not import Triton eagerly)
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fxopt.testing import run_on_ranks  # noqa: E402,F401  (re-exported for tests)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on 2 cores")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def interpret_device():
+    """Device for Triton kernel tests: CUDA when present, else CPU via the interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
