@@ -1,0 +1,129 @@
+"""W4A16 linear (group 128, bf16): fxopt's Triton kernels vs bf16 F.linear (cuBLAS) vs tinygemm.
+
+tinygemm = ``torch.ops.aten._weight_int4pack_mm`` with weights from ``_convert_weight_to_int4pack`` (uint8 [N, K/2],
+inner_k_tiles=8) and scales_and_zeros [K/G, N, 2]. Every weight set (ours, bf16, tinygemm) is rotated over enough
+copies to exceed 3x the 60 MB L2, and do_bench also flushes L2 between runs, so small shapes read from HBM.
+Every timed call is a CUDA-graph replay (host overhead of the Python op path excluded, for all three; inside
+torch.compile with CUDA graphs that is what a model sees). Each row: times in us, speedups of fxopt over both, achieved GB/s of fxopt for M <= 64 (packed weight + scales +
+zeros + x + y bytes / time), and the config the tuner chose. Run from the repo root:
+``python benchmarks/w4a16.py [--quick] [--out DIR]``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, parse_args, write_results  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fxopt.kernels import w4a16 as K4  # noqa: E402
+
+SHAPES = [(8192, 8192), (4096, 11008), (11008, 4096), (8192, 28672)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+QUICK = [((8192, 8192), [1, 16, 64, 256, 4096]), ((8192, 28672), [1])]
+G = 128
+L2_BYTES = 60 * 2**20
+
+
+def rotations(bytes_per_copy: int) -> int:
+    return max(1, min(8, -(-3 * L2_BYTES // bytes_per_copy)))
+
+
+def make_sets(K, N, device="cuda"):
+    n_rot = rotations(K * N // 2)
+    ours = []
+    for _ in range(n_rot):
+        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=device)
+        s = (torch.rand(K // G, N, device=device) * 0.02 + 0.005).bfloat16()
+        z = torch.randint(4, 12, (K // G, N), device=device).bfloat16()
+        ours.append((q, s, z))
+    bf = [torch.randn(N, K, device=device, dtype=torch.bfloat16) for _ in range(rotations(K * N * 2))]
+    tg = []
+    for _ in range(n_rot):
+        w_u8 = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(w_u8, 8)
+        sz = torch.rand(K // G, N, 2, device=device).bfloat16()
+        tg.append((packed, sz))
+    return ours, bf, tg
+
+
+def graphed(fn, items):
+    """CUDA graphs of fn(item), one per rotated item; replaying them times GPU work only (no host overhead)."""
+    for it in items:
+        fn(it)
+    torch.cuda.synchronize()
+    graphs = []
+    for it in items:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(it)
+        graphs.append(g)
+    rot = Rot(graphs)
+    return lambda: rot.next().replay()
+
+
+class Rot:
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def main():
+    def extra(p):
+        p.add_argument("--no-tinygemm-large", type=int, default=256, help="skip tinygemm above this M")
+        p.add_argument("--verbose", action="store_true", help="log every tuning candidate's time")
+
+    args = parse_args(__doc__.splitlines()[0], extra=extra)
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        logging.getLogger(K4.__name__).setLevel(logging.DEBUG)
+    plan = QUICK if args.quick else [(s, MS) for s in SHAPES]
+    rows = []
+    t0 = time.time()
+    for (K, N), ms in plan:
+        ours, bf, tg = make_sets(K, N)
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            q, s, z = ours[0]
+            cfg = K4.choose_config(x, q, s, z, G)  # tune once, outside the timed region
+
+            run_ours = graphed(lambda it: torch.ops.fxopt.w4a16_linear(x, *it, G), ours)
+            run_bf16 = graphed(lambda w: F.linear(x, w), bf)
+            t_ours = bench_ms(run_ours) * 1e3
+            t_bf = bench_ms(run_bf16) * 1e3
+            t_tg = float("nan")
+            if M <= args.no_tinygemm_large:
+                run_tg = graphed(lambda it: torch.ops.aten._weight_int4pack_mm(x, it[0], G, it[1]), tg)
+                t_tg = bench_ms(run_tg, warmup=5, rep=20) * 1e3
+            row = {"K": K, "N": N, "M": M, "fxopt_us": t_ours, "bf16_us": t_bf, "tinygemm_us": t_tg,
+                   "x_vs_bf16": t_bf / t_ours, "x_vs_tinygemm": t_tg / t_ours}
+            if M <= 64:
+                nbytes = K * N // 2 + 2 * 2 * (K // G) * N + 2 * M * (K + N)
+                row["fxopt_GBps"] = nbytes / (t_ours * 1e-6) / 1e9
+            row["config"] = (cfg.method if cfg.method == "dequant_matmul" else
+                             f"{cfg.method} bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} "
+                             f"{'code' if cfg.code_dot else 'deq'} w{cfg.num_warps} s{cfg.num_stages}")
+            rows.append(row)
+            print(f"[{time.time() - t0:6.1f}s] K={K} N={N} M={M}: fxopt {t_ours:.1f} us, bf16 {t_bf:.1f}, "
+                  f"tinygemm {t_tg:.1f} ({row['config']})", flush=True)
+        del ours, bf, tg
+        torch.cuda.empty_cache()
+    write_results("w4a16", rows, title="W4A16 linear, group 128, bf16 (fxopt vs cuBLAS bf16 vs tinygemm)",
+                  out_dir=args.out,
+                  notes="Times are do_bench medians in us of CUDA-graph replays (L2 flushed, weights rotated). "
+                        "x_vs_*: speedup of fxopt. "
+                        "GB/s: packed weight + scales + zeros + activations moved per fxopt call / time. "
+                        "config: the tuner's pick (dequant_matmul = Triton dequant to bf16 then cuBLAS).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+"""W4A16 linear kernels: int4 weights (fxopt's packed format), fp16/bf16 activations, fused dequantization.
+
+Ops (registered on import):
+
+* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype`` (contiguous).
+  CUDA: a Triton kernel; elsewhere: :func:`fxopt.quant.format.dequantize`.
+* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias=None) -> y [..., N]`` (contiguous,
+  ``x.dtype``). CUDA: the Triton kernels below; CPU: the reference (dequantize + matmul in float32, cast). Autograd
+  with respect to ``x`` (and ``bias``): ``grad_x = grad_y @ W``; the packed tensors get no gradient.
+
+Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i+j];
+``scales``/``zeros`` [K/G, N]; ``W = (q - zero) * scale``.
+
+Design
+------
+One Triton kernel, ``_w4a16_kernel``, computes ``y[BLOCK_M, BLOCK_N]`` tiles over a slice of K. The packed tile
+[BLOCK_K/8, BLOCK_N] int32 is one coalesced load along N; it is unpacked in registers as a [BLOCK_K/8, 8, BLOCK_N]
+broadcast shift-and-mask that reshapes to [BLOCK_K, BLOCK_N] in natural K order. No 16-bit weight is written to
+memory. Codes become floats without an int->float conversion: ``code | 0x4300`` read as bf16 is exactly ``128 + q``
+(``code | 0x6400`` read as fp16 is ``1024 + q``), so the unpack is a shift, an and/or, and a 16-bit truncation.
+BLOCK_K always divides the group size, so one tile has a single (scale, zero) row. Two modes (constexpr CODE_DOT):
+
+* CODE_DOT (small M, memory-bound): the tensor cores multiply x by the raw offset codes, and scale and zero are
+  applied once per group to the [BLOCK_M, BLOCK_N] result: ``acc += (x @ (OFF + q) - (OFF + z) * sum_k x) * s``.
+  With BLOCK_M = 16 this costs a few ALU ops per weight, which is what the memory-bound regime can afford.
+* dequant (large M, compute-bound): ``w = (OFF + q) * s - (OFF + z) * s`` (one FMA in fp32, exact codes), cast to
+  the activation dtype, then ``tl.dot`` accumulates; the per-tile dequant is shared by BLOCK_M rows.
+
+Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
+(SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
+(acq_rel atomic after a CTA barrier) and the last one to arrive sums the partials, adds the bias, writes y and resets
+the counter. One launch, no memset, no extra reduction kernel.
+
+Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
+time a shape is seen (L2 flushed between runs), then cached. Under CUDA-graph capture or in the Triton interpreter
+no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). For M > 256 the candidate list also contains "dequantize to a 16-bit W with
+the Triton dequant kernel, then cuBLAS": at M in the thousands the GEMM is compute-bound and cuBLAS's bf16 GEMM is
+faster than Triton's, so the extra ~30-150 us of dequant can win; the tuner keeps it only where it measures faster.
+Measurements and predictions: ``docs/notes_w4a16.md``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fxopt.quant.format import PACK, dequantize as _dequantize_reference
+
+log = logging.getLogger(__name__)
+
+__all__ = ["W4A16Config", "w4a16_matmul", "dequantize_w4_triton", "w4a16_reference", "choose_config",
+           "candidate_configs"]
+
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_pairs(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """packed int32 [BLOCK_K/8, BLOCK_N] -> OFFSET + q as DTYPE [BLOCK_N, BLOCK_K], K in PERM order per 8-group.
+
+    ``(p >> 4 j) & 0x000F000F | MAGIC2`` (MAGIC2 = MAGIC * 0x10001, a run-time argument so that it sits in a
+    register and the and/or is a single LOP3) holds the 16-bit float bits of OFFSET + nibble j (low half) and
+    OFFSET + nibble j + 4 (high half): one shift and one and/or for two weights, and the pair is already adjacent.
+    """
+    sh = tl.arange(0, 4) * 4
+    pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]; K contiguous per thread
+    t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4]
+    lo = t.to(tl.int16)
+    hi = (t >> 16).to(tl.int16)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    return w.to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CODE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # -- which output tile (grouped ordering along M for L2 reuse of the weight) and which K slice
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # in-bounds (wrapped) column addresses, so weight loads need no mask and stay 16-byte vectorized
+    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_kp = tl.arange(0, BLOCK_K // 8)
+    # Tile position r of the unpacked weight holds k = 8 (r // 8) + PERM[r % 8], PERM = 0 4 1 5 2 6 3 7: one 32-bit
+    # shift-and-mask then yields the 16-bit floats of nibbles j and j + 4 side by side (see _unpack_pairs).
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # natural order, 16-byte loads
+    q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
+    s_ptrs = s_ptr + offs_n_safe * stride_sn
+    z_ptrs = z_ptr + offs_n_safe * stride_sn
+
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+        x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptrs + g * stride_sg).to(tl.float32)
+        z = tl.load(z_ptrs + g * stride_sg).to(tl.float32)
+        wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+        if CODE_DOT:
+            d = tl.dot(x, tl.trans(wq_t))
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (d - xsum[:, None] * (z + OFFSET)[None, :]) * s[None, :]
+        else:
+            c = (z + OFFSET) * s
+            w_t = tl.fma(wq_t.to(tl.float32), s[:, None], -c[:, None]).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x, tl.trans(w_t), acc)
+
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if USE_SPLIT:
+        # partial -> workspace [SPLIT_K, M, N] fp32; the last program of this tile reduces
+        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mask_y)
+        tl.debug_barrier()
+        tile_id = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_tile + sk * M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+                     acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+                 acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of x per program, CUDA-core FMAs, no shared memory: for M of a few rows.
+
+    Per packed word and pair j: ``t = (p >> 4 j) & 0x000F000F | MAGIC2``; ``t << 16`` and ``t & 0xFFFF0000`` read
+    as fp32 are exactly OFFSET + q_j and OFFSET + q_(j+4) (MAGIC2 = 0x43004300 and OFFSET = 128 for both
+    activation dtypes: the bf16 bits of 128 + q shifted into the top half are the fp32 bits). Scale is applied per element into a [BLOCK_K/8, BLOCK_N]
+    fp32 accumulator, the zero term once per tile on [BLOCK_N]; one cross-thread reduction at the end.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_i = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    q_ptrs = qw_ptr + offs_i[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
+    x_row = x_ptr + pid_m * stride_xm
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * stride_sg + offs_n_safe * stride_sn).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n_safe * stride_sn).to(tl.float32)
+        xsum = tl.sum(tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32), axis=0)
+        acc_z += (z + OFFSET) * s * xsum
+        part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for jj in tl.static_range(4):
+            tw = ((packed >> (4 * jj)) & 0x000F000F) | MAGIC2
+            lo = (tw << 16).to(tl.float32, bitcast=True)
+            hi = (tw & -65536).to(tl.float32, bitcast=True)
+            xl = tl.load(x_row + (k0 + offs_i * 8 + jj) * stride_xk).to(tl.float32)
+            xh = tl.load(x_row + (k0 + offs_i * 8 + jj + 4) * stride_xk).to(tl.float32)
+            part += lo * xl[:, None] + hi * xh[:, None]
+        acc2 += part * s[None, :]
+    acc = tl.sum(acc2, axis=0) - acc_z
+    y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
+    if USE_SPLIT:
+        ws_row = ws_ptr + pid_m * N + offs_n
+        tl.store(ws_row + pid_k * M * N, acc, mask=mask_n)
+        tl.debug_barrier()
+        tile_id = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_row + sk * M * N, mask=mask_n, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K,
+    stride_qk, stride_qn, stride_sg, stride_sn, stride_wn, stride_wk,
+    GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """W[n, k] = (q - z) * s for one [BLOCK_K, BLOCK_N] tile (BLOCK_K divides GROUP_SIZE), stored as W [N, K]."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_kp = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    packed = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_n[None, :],
+                     other=0)
+    g = (pid_k * BLOCK_K) // GROUP_SIZE
+    s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+    shifts = tl.arange(0, 8) * 4
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    wq = (codes | MAGIC).to(tl.int16).to(w_ptr.dtype.element_ty, bitcast=True)
+    wq = tl.reshape(wq, (BLOCK_K, BLOCK_N))
+    w = tl.fma(wq.to(tl.float32), s[None, :], -((z + OFFSET) * s)[None, :]).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, w, mask=mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs and tuning
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class W4A16Config:
+    """One launch configuration. ``method``: "fused" (``_w4a16_kernel``), "gemv" (``_w4a16_gemv_kernel``, one row
+    per program), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    code_dot: bool = True
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    method: str = "fused"
+
+
+_NUM_SMS_DEFAULT = 132
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS_DEFAULT
+
+
+def _m_bucket(M: int) -> int:
+    return min(triton.next_power_of_2(max(M, 1)), 4096)
+
+
+def _fit_block_k(block_k: int, K: int, group_size: int) -> int:
+    """Largest power-of-two block_k' <= block_k dividing the group size (hence K)."""
+    bk = block_k
+    while bk > 8 and (group_size % bk or K % bk):
+        bk //= 2
+    return bk
+
+
+def _split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
+    split = max(1, round(target_ctas / max(n_tiles_mn, 1)))
+    split = min(split, k_tiles)
+    # balance: every split gets the same number of K tiles
+    tiles_per = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, tiles_per)
+
+
+def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[W4A16Config]:
+    """The short list of configs the tuner times for this shape (first = heuristic default)."""
+    bucket = _m_bucket(M)
+    out: list[W4A16Config] = []
+
+    def add(bm, bn, bk, waves, code_dot, warps, stages, method="fused"):
+        bk = _fit_block_k(bk, K, group_size)
+        if bk < 16:
+            return
+        n_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
+        cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method)
+        if cfg not in out:
+            out.append(cfg)
+
+    if bucket <= 4:
+        for bn, waves, warps in ((256, 4, 4), (128, 4, 4), (256, 8, 4), (512, 4, 8), (128, 8, 2)):
+            bk = _fit_block_k(256 if group_size >= 256 else 128, K, group_size)
+            n_mn = M * triton.cdiv(N, bn)
+            split = _split_for(n_mn, K // bk, int(waves * num_sms))
+            out.append(W4A16Config(1, bn, bk, split, False, 8, warps, 2, "gemv"))
+    if bucket <= 16:
+        for bn, waves, stages in ((256, 4, 4), (128, 4, 3), (256, 2, 4), (128, 8, 4)):
+            add(16, bn, 256, waves, True, 8, stages)
+        for bn, waves, stages in ((64, 4, 4), (128, 2, 4), (64, 2, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3)):
+            add(16, bn, 256, waves, True, 4, stages)
+    elif bucket <= 64:
+        for bn, waves, cd, stages in ((64, 2, True, 4), (128, 2, True, 4), (64, 2, False, 4), (128, 1, False, 4),
+                                      (64, 4, True, 3)):
+            add(bucket, bn, 128, waves, cd, 4, stages)
+    elif bucket <= 256:
+        for bm, bn, bk, waves, warps, stages in ((64, 128, 128, 1, 4, 4), (128, 128, 64, 1, 8, 4),
+                                                 (64, 256, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
+                                                 (128, 128, 128, 0, 8, 3)):
+            add(bm, bn, bk, waves, False, warps, stages)
+    else:
+        for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+                                          (128, 256, 128, 8, 3)):
+            add(bm, bn, bk, 0, False, warps, stages)
+        out.append(W4A16Config(method="dequant_matmul"))
+    return out
+
+
+_TUNED: dict = {}
+
+
+def _bench_us(fn, reps: int = 10) -> float:
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
+    """Tuned config for this shape (timed once per key on CUDA, then cached); heuristic when tuning is impossible."""
+    M, K = x2d.shape
+    N = qweight.shape[1]
+    interp = _interpreting() or x2d.device.type != "cuda"
+    if interp:
+        return _interpreter_config(M, K, group_size)
+    key = (x2d.device.index, x2d.dtype, _m_bucket(M), K, N, group_size, bias is not None)
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device))
+    if torch.cuda.is_current_stream_capturing() or len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
+        return cands[0]
+    best, best_t = cands[0], float("inf")
+    for c in cands:
+        try:
+            t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c))
+        except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
+            log.debug("w4a16 config %s failed: %s", c, e)
+            continue
+        log.debug("w4a16 M=%d K=%d N=%d %s: %.1f us", M, K, N, c, t)
+        if t < best_t:
+            best, best_t = c, t
+    log.info("w4a16 tuned M-bucket %d K=%d N=%d G=%d -> %s (%.1f us)", key[2], K, N, group_size, best, best_t)
+    _TUNED[key] = best
+    return best
+
+
+def _interpreter_config(M: int, K: int, group_size: int) -> W4A16Config:
+    bk = _fit_block_k(32, K, group_size)
+    if M <= 16:
+        return W4A16Config(block_m=16, block_n=32, block_k=bk, split_k=min(2, K // bk), code_dot=True)
+    return W4A16Config(block_m=32, block_n=32, block_k=bk, split_k=1, code_dot=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------------------------
+def _check_inputs(x, qweight, scales, zeros, group_size, bias):
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"w4a16: qweight must be int32 [K // 8, N], got "
+                         f"{getattr(qweight, 'dtype', type(qweight))} {tuple(getattr(qweight, 'shape', ()))}")
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"w4a16: x must be float16 or bfloat16, got {x.dtype}")
+    if scales.dtype != x.dtype or zeros.dtype != x.dtype:
+        raise ValueError(f"w4a16: x dtype {x.dtype} must equal scales/zeros dtype ({scales.dtype}, {zeros.dtype})")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"w4a16: x must be 2-D or 3-D, got shape {tuple(x.shape)}")
+    if x.shape[-1] != K:
+        raise ValueError(f"w4a16: x has {x.shape[-1]} input features but qweight packs K = {K}")
+    if group_size == -1:
+        group_size = K
+    if group_size not in (32, 64, 128, K) or K % group_size:
+        raise ValueError(f"w4a16: group size {group_size} not supported for K = {K} (32, 64, 128 or K)")
+    G = K // group_size
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (G, N):
+            raise ValueError(f"w4a16: {name} must be [{G}, {N}] (K={K}, group {group_size}), got {tuple(t.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+        raise ValueError(f"w4a16: bias must be [{N}], got {tuple(bias.shape)}")
+    devs = {t.device for t in (x, qweight, scales, zeros) + ((bias,) if bias is not None else ())}
+    if len(devs) != 1:
+        raise ValueError(f"w4a16: all tensors must be on one device, got {sorted(map(str, devs))}")
+    return K, N, group_size
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
+    M, K = x2d.shape
+    N = qweight.shape[1]
+    if cfg.method == "dequant_matmul":
+        w = dequantize_w4_triton(qweight, scales, zeros, group_size)
+        return torch.nn.functional.linear(x2d, w, bias)
+    if K % cfg.block_k or group_size % cfg.block_k or cfg.block_k % 16:
+        raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
+    magic, offset = _MAGIC[x2d.dtype]
+    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    k_tiles = K // cfg.block_k
+    split = max(1, min(cfg.split_k, k_tiles))
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)
+    n_mn = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if cfg.method == "gemv":
+        n_mn = M * triton.cdiv(N, cfg.block_n)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2d.device)
+        cnt = _counters(x2d.device, n_mn)
+    else:
+        ws, cnt = y, y  # unused
+    if cfg.method == "gemv":
+        _w4a16_gemv_kernel[(triton.cdiv(N, cfg.block_n), split, M)](
+            x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+            M, N, K, split, tiles_per_split, 0x43004300,  # fp32 math: bf16 magic (its bits << 16 are fp32)
+            x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
+            scales.stride(1), y.stride(0), y.stride(1),
+            GROUP_SIZE=group_size, OFFSET=128.0, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y
+    grid = (n_mn, split)
+    _w4a16_kernel[grid](
+        x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+        M, N, K, split, tiles_per_split, magic * 0x10001,
+        x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+        y.stride(0), y.stride(1),
+        GROUP_SIZE=group_size, MAGIC=magic, OFFSET=offset, HAS_BIAS=bias is not None, CODE_DOT=cfg.code_dot,
+        USE_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
+                 config: Optional[W4A16Config] = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias) with the Triton kernel; x [..., K] (2-D or 3-D). Works on CPU tensors under
+    ``TRITON_INTERPRET=1`` (fp16, tiny shapes). ``config`` forces a launch config (else tuned / heuristic)."""
+    K, N, group_size = _check_inputs(x, qweight, scales, zeros, group_size, bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, K)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    if x2d.shape[0] == 0:
+        return x.new_empty(*lead, N)
+    if config is None:
+        config = choose_config(x2d, qweight, scales, zeros, group_size, bias)
+    elif config.method in ("fused", "gemv"):
+        config = replace(config, block_k=_fit_block_k(config.block_k, K, group_size))
+    y = _launch(x2d, qweight, scales, zeros, group_size, bias, config)
+    return y.reshape(*lead, N)
+
+
+def dequantize_w4_triton(qweight, scales, zeros, group_size: int, block_n: int = 64,
+                         block_k: int = 128) -> torch.Tensor:
+    """W [N, K] (contiguous, scales.dtype) with the Triton dequant kernel (CUDA, or CPU under the interpreter)."""
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    if group_size == -1:
+        group_size = K
+    if scales.dtype not in _MAGIC:
+        raise ValueError(f"dequantize_w4: scales must be fp16/bf16 for the Triton kernel, got {scales.dtype}")
+    bk = _fit_block_k(block_k, K, group_size)
+    if bk < 8:
+        raise ValueError(f"dequantize_w4: group size {group_size} / K {K} not a multiple of 8")
+    magic, offset = _MAGIC[scales.dtype]
+    w = torch.empty((N, K), dtype=scales.dtype, device=qweight.device)
+    grid = (K // bk, triton.cdiv(N, block_n))
+    _dequant_kernel[grid](
+        qweight, scales, zeros, w, N, K,
+        qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), w.stride(0), w.stride(1),
+        GROUP_SIZE=group_size, MAGIC=magic, OFFSET=offset, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4,
+    )
+    return w
+
+
+def w4a16_reference(x, qweight, scales, zeros, group_size: int, bias=None) -> torch.Tensor:
+    """Reference: dequantize and matmul in float32, add bias, cast to x.dtype (the op's CPU path)."""
+    K = qweight.shape[0] * PACK
+    w = _dequantize_reference(qweight, scales, zeros, K if group_size == -1 else group_size, dtype=torch.float32)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fxopt::dequantize_w4", mutates_args=())
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [N, K] = (q - zeros) * scales in scales.dtype, contiguous."""
+    from fxopt.quant.format import check_packed
+
+    K = qweight.shape[0] * PACK
+    gs = K if group_size == -1 else group_size
+    check_packed(qweight, scales, zeros, gs)
+    if qweight.device.type == "cuda" and scales.dtype in _MAGIC:
+        return dequantize_w4_triton(qweight, scales.contiguous(), zeros.contiguous(), gs)
+    return _dequantize_reference(qweight, scales, zeros, gs).contiguous()
+
+
+@dequantize_w4.register_fake
+def _(qweight, scales, zeros, group_size):
+    return scales.new_empty((qweight.shape[1], qweight.shape[0] * PACK))
+
+
+@torch.library.custom_op("fxopt::w4a16_linear", mutates_args=())
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ ((q - zeros) * scales).T (+ bias); x [..., K] 2-D or 3-D fp16/bf16; y [..., N] contiguous."""
+    _check_inputs(x, qweight, scales, zeros, group_size, bias)
+    if x.device.type == "cuda":
+        return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
+    return w4a16_reference(x, qweight, scales, zeros, group_size, bias)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size, bias=None):
+    _check_inputs(x, qweight, scales, zeros, group_size, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, scales, zeros, group_size, bias = inputs
+    ctx.save_for_backward(qweight, scales, zeros)
+    ctx.group_size = group_size
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad_y):
+    qweight, scales, zeros = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N, K]
+        grad_x = torch.matmul(grad_y, w.to(grad_y.dtype))
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return grad_x, None, None, None, None, grad_bias
+
+
+w4a16_linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,255 @@
+"""W4A16 kernels and ops (fxopt/kernels/w4a16.py) against a float64 dequantized reference.
+
+CPU: the Triton kernels run through the interpreter (fp16, tiny shapes, both the small-M split-K path and the
+large-M path); the ops run their reference path. GPU (``@pytest.mark.gpu``): bf16 and fp16 at realistic shapes.
+"""
+import pytest
+import torch
+
+from fxopt.kernels import w4a16 as K4
+from fxopt.kernels.w4a16 import W4A16Config, dequantize_w4_triton, w4a16_matmul
+from fxopt.quant.format import dequantize, pack_int4
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def make_packed(K, N, group_size, dtype, device="cpu", seed=0):
+    """Random codes, scales and (non-integer as well as integer) zeros; never all-zero."""
+    g = torch.Generator().manual_seed(seed)
+    G = K if group_size == -1 else group_size
+    codes = torch.randint(0, 16, (K, N), generator=g)
+    qweight = pack_int4(codes)
+    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 0.005).to(dtype)
+    zeros = torch.randint(4, 12, (K // G, N), generator=g).float()
+    zeros[0] += 0.5  # a non-integer zero row (float zero points must work too)
+    return qweight.to(device), scales.to(device), zeros.to(dtype).to(device), G
+
+
+def reference(x, qweight, scales, zeros, G, bias=None):
+    w = dequantize(qweight.cpu(), scales.cpu(), zeros.cpu(), G, dtype=torch.float64)
+    y = x.cpu().double() @ w.T
+    if bias is not None:
+        y = y + bias.cpu().double()
+    return y
+
+
+def assert_close_to_ref(y, ref, dtype):
+    y = y.cpu().double()
+    assert y.shape == ref.shape
+    scale = ref.abs().max().item()
+    assert scale > 0
+    tol = (2e-3 if dtype == torch.float16 else 1.6e-2) * scale + 1e-3
+    err = (y - ref).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g} (|ref| max {scale:.3g})"
+
+
+SMALL = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, code_dot=True)
+SMALL_NOSPLIT = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=1, code_dot=True)
+LARGE = W4A16Config(block_m=32, block_n=32, block_k=32, split_k=1, code_dot=False)
+LARGE_SPLIT = W4A16Config(block_m=32, block_n=32, block_k=32, split_k=3, code_dot=False)
+GEMV = W4A16Config(block_m=1, block_n=32, block_k=32, split_k=2, method="gemv")
+GEMV_NOSPLIT = W4A16Config(block_m=1, block_n=64, block_k=32, split_k=1, method="gemv")
+
+
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("cfg,M", [(SMALL, 3), (SMALL_NOSPLIT, 1), (LARGE, 40), (LARGE_SPLIT, 33),
+                                    (GEMV, 2), (GEMV_NOSPLIT, 1)])
+def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
+    K, N = 128, 48  # N not a multiple of block_n: exercises the column masks
+    qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).half().to(interpret_device)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)
+    assert y.dtype == torch.float16 and y.shape == (M, N) and y.is_contiguous()
+    assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV])
+def test_triton_wrapper_bias_and_3d(interpret_device, cfg):
+    K, N = 128, 64
+    qweight, scales, zeros, G = make_packed(K, N, 128, torch.float16, interpret_device, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    B, S = {id(SMALL): (1, 5), id(GEMV): (1, 3)}.get(id(cfg), (2, 17))
+    x = torch.randn(B, S, K, generator=gen).half().to(interpret_device)
+    bias = torch.randn(N, generator=gen).half().to(interpret_device)
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)
+    assert y.shape == (B, S, N) and y.is_contiguous()
+    ref = reference(x.reshape(-1, K), qweight, scales, zeros, G, bias).reshape(B, S, N)
+    assert_close_to_ref(y, ref, torch.float16)
+
+
+def test_triton_wrapper_default_config_paths(interpret_device):
+    """No config given: the wrapper picks the small-M (split-K) or large-M path by M."""
+    K, N = 64, 32
+    qweight, scales, zeros, G = make_packed(K, N, 64, torch.float16, interpret_device, seed=4)
+    for M in (2, 20):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).half().to(interpret_device)
+        y = w4a16_matmul(x, qweight, scales, zeros, 64)
+        assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+
+
+def test_split_k_counters_reset(interpret_device):
+    """The split-K fixup leaves its tile counters at zero, so repeated launches stay correct."""
+    K, N = 128, 32
+    qweight, scales, zeros, G = make_packed(K, N, 32, torch.float16, interpret_device, seed=5)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(5)).half().to(interpret_device)
+    cfg = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=4, code_dot=True)
+    y1 = w4a16_matmul(x, qweight, scales, zeros, 32, config=cfg)
+    y2 = w4a16_matmul(x, qweight, scales, zeros, 32, config=cfg)
+    assert torch.equal(y1, y2)
+    assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+    assert_close_to_ref(y2, reference(x, qweight, scales, zeros, G), torch.float16)
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_triton_dequant_kernel(interpret_device, group_size):
+    qweight, scales, zeros, G = make_packed(64, 40, group_size, torch.float16, interpret_device, seed=6)
+    w = dequantize_w4_triton(qweight, scales, zeros, group_size)
+    ref = dequantize(qweight.cpu(), scales.cpu(), zeros.cpu(), G, dtype=torch.float64)
+    assert w.shape == (40, 64) and w.is_contiguous() and w.dtype == torch.float16
+    torch.testing.assert_close(w.cpu().double(), ref, rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------- ops (CPU path)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 64)])
+def test_op_cpu_reference(dtype, shape):
+    qweight, scales, zeros, G = make_packed(64, 24, 32, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    bias = torch.randn(24, generator=gen).to(dtype)
+    y = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 32, bias)
+    assert y.shape == (*shape[:-1], 24) and y.dtype == dtype and y.is_contiguous()
+    ref = reference(x.reshape(-1, 64), qweight, scales, zeros, G, bias).reshape(*shape[:-1], 24)
+    assert_close_to_ref(y, ref, dtype)
+
+
+def test_op_dequantize_w4_cpu():
+    qweight, scales, zeros, G = make_packed(128, 16, 64, torch.bfloat16, seed=9)
+    w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, 64)
+    assert w.shape == (16, 128) and w.dtype == torch.bfloat16 and w.is_contiguous()
+    ref = dequantize(qweight, scales, zeros, G, dtype=torch.float64)
+    torch.testing.assert_close(w.double(), ref, rtol=8e-3, atol=1e-5)
+    w_pc = torch.ops.fxopt.dequantize_w4(*make_packed(128, 16, -1, torch.bfloat16, seed=9)[:3], -1)
+    assert w_pc.shape == (16, 128)
+
+
+def test_fake_impl_strides():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qweight, scales, zeros, _ = make_packed(64, 24, 32, torch.float16, seed=10)
+    x = torch.randn(2, 3, 64).half()
+    real = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 32)
+    real_w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, 32)
+    with FakeTensorMode() as mode:
+        fx, fq, fs, fz = (mode.from_tensor(t) for t in (x, qweight, scales, zeros))
+        fake = torch.ops.fxopt.w4a16_linear(fx, fq, fs, fz, 32)
+        fake_w = torch.ops.fxopt.dequantize_w4(fq, fs, fz, 32)
+    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+    assert fake_w.shape == real_w.shape and fake_w.stride() == real_w.stride() and fake_w.dtype == real_w.dtype
+
+
+def test_opcheck():
+    qweight, scales, zeros, _ = make_packed(64, 16, 32, torch.float16, seed=11)
+    x = torch.randn(3, 64).half().requires_grad_()
+    bias = torch.randn(16).half()
+    torch.library.opcheck(torch.ops.fxopt.w4a16_linear.default, (x, qweight, scales, zeros, 32, bias))
+    torch.library.opcheck(torch.ops.fxopt.w4a16_linear.default, (x.detach(), qweight, scales, zeros, 32, None))
+    torch.library.opcheck(torch.ops.fxopt.dequantize_w4.default, (qweight, scales, zeros, 32))
+
+
+def test_grad_wrt_x_and_bias():
+    qweight, scales, zeros, G = make_packed(64, 16, 32, torch.float32 if False else torch.float16, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 3, 64, generator=gen).half().requires_grad_()
+    bias = torch.randn(16, generator=gen).half().requires_grad_()
+    gy = torch.randn(2, 3, 16, generator=gen).half()
+    torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 32, bias).backward(gy)
+    w = dequantize(qweight, scales, zeros, G, dtype=torch.float64)
+    torch.testing.assert_close(x.grad.double(), gy.double() @ w, rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(bias.grad.double(), gy.double().sum((0, 1)), rtol=2e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("dtype", "must equal scales/zeros dtype"),
+    ("kmismatch", "input features"),
+    ("group", "group size"),
+    ("qdtype", "qweight must be int32"),
+    ("xdtype", "float16 or bfloat16"),
+    ("bias", "bias must be"),
+])
+def test_clear_errors(bad, match):
+    qweight, scales, zeros, _ = make_packed(64, 16, 32, torch.float16, seed=14)
+    x = torch.randn(2, 64).half()
+    args = dict(x=x, qweight=qweight, scales=scales, zeros=zeros, group_size=32, bias=None)
+    if bad == "dtype":
+        args["x"] = x.bfloat16()
+    elif bad == "kmismatch":
+        args["x"] = torch.randn(2, 72).half()
+    elif bad == "group":
+        args["group_size"] = 48
+    elif bad == "qdtype":
+        args["qweight"] = qweight.to(torch.int64)
+    elif bad == "xdtype":
+        args["x"], args["scales"], args["zeros"] = x.float(), scales.float(), zeros.float()
+    elif bad == "bias":
+        args["bias"] = torch.randn(15).half()
+    with pytest.raises(ValueError, match=match):
+        torch.ops.fxopt.w4a16_linear(**args)
+    with pytest.raises(ValueError, match=match):
+        w4a16_matmul(**args)
+
+
+def test_candidate_configs_respect_group_size():
+    for M in (1, 16, 64, 256, 4096):
+        for G in (32, 128, 4096):
+            for c in K4.candidate_configs(M, 4096, 4096, G):
+                if c.method in ("fused", "gemv"):
+                    assert G % c.block_k == 0 and c.split_k >= 1
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 7, 16, 64, 200, 1024])
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_gpu_op_realistic(dtype, M, group_size):
+    K, N = 4096, 2048 + 64
+    qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=M)
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda()
+    y = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias)
+    assert y.dtype == dtype and y.shape == (M, N)
+    ref = reference(x, qweight, scales, zeros, G, bias)
+    assert_close_to_ref(y, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_every_candidate_config(dtype):
+    """Each config the tuner may choose is correct (not only the winner)."""
+    K, N = 1024, 1024
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=21)
+    for M in (1, 16, 48, 128, 512):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
+        ref = reference(x, qweight, scales, zeros, G)
+        for cfg in K4.candidate_configs(M, N, K, 128):
+            y = w4a16_matmul(x, qweight, scales, zeros, 128, config=cfg)
+            assert_close_to_ref(y, ref, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_3d_group32_and_grad():
+    K, N = 2048, 1024
+    qweight, scales, zeros, G = make_packed(K, N, 32, torch.bfloat16, "cuda", seed=22)
+    x = torch.randn(2, 9, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 32)
+    assert_close_to_ref(y.detach().reshape(-1, N), reference(x.detach().reshape(-1, K), qweight, scales, zeros, G),
+                        torch.bfloat16)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    w = dequantize(qweight.cpu(), scales.cpu(), zeros.cpu(), G, dtype=torch.float64)
+    ref_g = gy.cpu().double().reshape(-1, N) @ w
+    assert_close_to_ref(x.grad.reshape(-1, K), ref_g, torch.bfloat16)
+    w_gpu = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, 32)
+    torch.testing.assert_close(w_gpu.cpu().double(), w, rtol=8e-3, atol=1e-5)
