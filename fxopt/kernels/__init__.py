@@ -1,4 +1,4 @@
 """Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op.
 
-Importing this package registers every op (``fxopt.kernels.ops``).
+Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
 """

@@ -1,0 +1,269 @@
+"""FlashAttention benchmark: fxopt Triton kernels vs SDPA's FlashAttention-2 and cuDNN backends, same run.
+
+Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
+H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
+forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
+``--quick``: a few rows. ``--explore``: time fixed kernel configs (tuning aid, writes attention_explore.*).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, parse_args, write_results  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from fxopt.kernels import attention as A  # noqa: E402
+
+
+def _rand(*shape, grad=False):
+    t = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    return t.requires_grad_() if grad else t
+
+
+BENCH = dict(warmup=25, rep=100)
+
+
+def _graph(fn):
+    """Capture fn() in a CUDA graph (decode serving style: no host launch overhead); returns replay."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _try(fn, graph=False):
+    try:
+        return bench_ms(_graph(fn) if graph else fn, **BENCH)
+    except Exception as e:  # a backend that does not support the shape
+        print(f"  ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None
+
+
+def _sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _fwd_bwd(f, q, k, v, do):
+    return lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def attention_rows(d, S, causal, bwd=True):
+    B, H = 16384 // S, 2048 // d
+    flops = 4 * B * H * S * S * d / (2 if causal else 1)
+    q, k, v = (_rand(B, H, S, d, grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    ours = lambda a, b, c: torch.ops.fxopt.flash_attention(a, b, c, is_causal=causal)  # noqa: E731
+    fa2 = lambda a, b, c: _sdpa(SDPBackend.FLASH_ATTENTION, a, b, c, causal)  # noqa: E731
+    cud = lambda a, b, c: _sdpa(SDPBackend.CUDNN_ATTENTION, a, b, c, causal)  # noqa: E731
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    row = {"d": d, "S": S, "B": B, "H": H, "causal": causal}
+    t = {}
+    t["fxopt"] = _try(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal))
+    t["fa2"] = _try(lambda: fa2(qd, kd, vd))
+    t["cudnn"] = _try(lambda: cud(qd, kd, vd))
+    for name, ms in t.items():
+        row[f"fwd_{name}_tflops"] = round(flops / ms / 1e9, 1) if ms else None
+    row["fwd_vs_cudnn"] = _ratio(row["fwd_fxopt_tflops"], row["fwd_cudnn_tflops"])
+    row["fwd_vs_fa2"] = _ratio(row["fwd_fxopt_tflops"], row["fwd_fa2_tflops"])
+    if bwd:
+        tb = {}
+        tb["fxopt"] = _try(_fwd_bwd(ours, q, k, v, do))
+        tb["fa2"] = _try(_fwd_bwd(fa2, q, k, v, do))
+        tb["cudnn"] = _try(_fwd_bwd(cud, q, k, v, do))
+        for name, ms in tb.items():
+            row[f"fb_{name}_tflops"] = round(3.5 * flops / ms / 1e9, 1) if ms else None
+        row["fb_vs_cudnn"] = _ratio(row["fb_fxopt_tflops"], row["fb_cudnn_tflops"])
+        row["fb_vs_fa2"] = _ratio(row["fb_fxopt_tflops"], row["fb_fa2_tflops"])
+    # correctness of the timed kernel against SDPA on the same inputs
+    ref = fa2(qd, kd, vd)
+    row["max_err_vs_fa2"] = round((A.flash_attention_triton(qd, kd, vd, is_causal=causal) - ref).abs().max().item(),
+                                  4)
+    print(row, flush=True)
+    return row
+
+
+def decode_rows(S, B=8, H=32, d=128, **split_kw):
+    q = _rand(B, H, 1, d)
+    k, v = _rand(B, H, S, d), _rand(B, H, S, d)
+    nbytes = 2 * B * H * S * d * 2
+    row = {"decode_S": S, "B": B, "H": H, "d": d}
+    t = {"fxopt": _try(lambda: A.flash_attention_triton(q, k, v)),
+         "fa2": _try(lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, False)),
+         "cudnn": _try(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, False))}
+    for name, ms in t.items():
+        row[f"{name}_TBps"] = round(nbytes / ms / 1e9, 2) if ms else None
+    row["vs_cudnn"] = _ratio(row["fxopt_TBps"], row["cudnn_TBps"])
+    row["vs_fa2"] = _ratio(row["fxopt_TBps"], row["fa2_TBps"])
+    # the same calls replayed from CUDA graphs (host launch overhead removed for both)
+    tg = {"fxopt": _try(lambda: A.flash_attention_triton(q, k, v), graph=True),
+          "cudnn": _try(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, False), graph=True)}
+    for name, ms in tg.items():
+        row[f"graph_{name}_TBps"] = round(nbytes / ms / 1e9, 2) if ms else None
+    row["graph_vs_cudnn"] = _ratio(row["graph_fxopt_TBps"], row["graph_cudnn_TBps"])
+    ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, False)
+    row["max_err_vs_fa2"] = round((A.flash_attention_triton(q, k, v) - ref).abs().max().item(), 4)
+    print(row, flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --explore: fixed configs, for choosing the autotune lists (time-boxed; appends JSON lines as it goes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def explore(out_dir, budget_s=110.0):
+    t0 = time.time()
+    path = os.path.join(out_dir, "attention_explore.jsonl")
+    rows = []
+
+    def emit(r):
+        rows.append(r)
+        with open(path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(r, flush=True)
+
+    def left():
+        return budget_s - (time.time() - t0)
+
+    fwd_sets = [
+        (128, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 0, 0),
+                      (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0), (128, 64, 8, 3, 1, 0),
+                      (128, 128, 4, 2, 1, 1), (128, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1)]),
+        (128, True, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0),
+                     (128, 128, 4, 2, 1, 1)]),
+        (64, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 3, 1, 0),
+                     (128, 128, 4, 3, 1, 1)]),
+        (256, False, [(128, 64, 8, 2, 0, 0), (64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0)]),
+    ]
+    S = 4096
+    for d, causal, cfgs in fwd_sets:
+        B, H = 16384 // S, 2048 // d
+        q, k, v = (_rand(B, H, S, d) for _ in range(3))
+        flops = 4 * B * H * S * S * d / (2 if causal else 1)
+        ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
+        for bm, bn, w, s, tma, ws in cfgs:
+            if left() < 0:
+                break
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, WARP_SPEC=bool(ws))
+            r = {"kind": "fwd", "d": d, "causal": causal, "cfg": [bm, bn, w, s], "tma": tma, "ws": ws}
+            t1 = time.time()
+            try:
+                fn = lambda: A.flash_attention_triton(q, k, v, is_causal=causal, config=cfg, use_tma=bool(tma))  # noqa
+                err = (fn() - ref).abs().max().item()
+                ms = bench_ms(fn, warmup=10, rep=40)
+                r.update(tflops=round(flops / ms / 1e9, 1), err=round(err, 4))
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            r["secs"] = round(time.time() - t1, 1)
+            emit(r)
+    bwd_sets = [
+        (128, False, [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
+         [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3)]),
+        (128, True, [(64, 128, 8, 2), (32, 128, 8, 2)], [(128, 64, 8, 2), (64, 64, 4, 2)]),
+        (64, False, [(64, 128, 8, 2), (64, 64, 4, 2)], [(128, 64, 8, 2), (64, 64, 4, 3)]),
+    ]
+    for d, causal, dkdv_cfgs, dq_cfgs in bwd_sets:
+        B, H = 16384 // S, 2048 // d
+        q, k, v = (_rand(B, H, S, d) for _ in range(3))
+        flops = 4 * B * H * S * S * d / (2 if causal else 1)
+        o, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+        do = torch.randn_like(o)
+        base_dkdv, base_dq = dkdv_cfgs[0], dq_cfgs[0]
+        trials = [(c, base_dq) for c in dkdv_cfgs] + [(base_dkdv, c) for c in dq_cfgs[1:]]
+        for c1, c2 in trials:
+            if left() < 0:
+                break
+            k1 = dict(BLOCK_M=c1[0], BLOCK_N=c1[1], num_warps=c1[2], num_stages=c1[3])
+            k2 = dict(BLOCK_M=c2[0], BLOCK_N=c2[1], num_warps=c2[2], num_stages=c2[3])
+            r = {"kind": "bwd", "d": d, "causal": causal, "dkdv": list(c1), "dq": list(c2)}
+            t1 = time.time()
+            try:
+                fn = lambda: A.flash_attention_triton_bwd(do, q, k, v, o, lse, is_causal=causal,  # noqa: E731
+                                                          dkdv_config=k1, dq_config=k2)
+                fn()
+                ms = bench_ms(fn, warmup=10, rep=40)
+                r.update(bwd_ms=round(ms, 3), bwd_tflops=round(2.5 * flops / ms / 1e9, 1))
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            r["secs"] = round(time.time() - t1, 1)
+            emit(r)
+    for S in (4096, 32768):
+        B, H, d = 8, 32, 128
+        q, k, v = _rand(B, H, 1, d), _rand(B, H, S, d), _rand(B, H, S, d)
+        nbytes = 2 * B * H * S * d * 2
+        for bn, w, st, cps in [(64, 4, 3, 4), (64, 4, 4, 8), (128, 4, 3, 4), (128, 8, 3, 8), (64, 4, 3, 16),
+                               (32, 4, 4, 8)]:
+            if left() < -20:
+                break
+            r = {"kind": "decode", "S": S, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": cps}
+            try:
+                def fn():
+                    o = torch.empty_like(q)
+                    lse = torch.empty((B, H, 1), device="cuda", dtype=torch.float32)
+                    flags = dict(HEAD_DIM=d, BLOCK_D=d, IS_CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=False,
+                                 MASK_KIND=0, HAS_KPM=False, PREC="tf32")
+                    A._launch_split(q, k, v, o, lse, q, (0, 0, 0, 0), q, (0, 0), 1, d ** -0.5, 0.0, -1, flags,
+                                    block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps)
+                    return o
+                ms = bench_ms(fn, warmup=10, rep=40)
+                r["TBps"] = round(nbytes / ms / 1e9, 2)
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            emit(r)
+    return rows
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--explore", action="store_true"))
+    torch.manual_seed(0)
+    if args.explore:
+        os.makedirs(args.out, exist_ok=True)
+        rows = explore(args.out, float(os.environ.get("EXPLORE_BUDGET_S", "110")))
+        write_results("attention_explore", rows, title="FlashAttention config exploration (H200, bf16, S=4096)",
+                      out_dir=args.out)
+        return
+    if args.quick:
+        shapes = [(128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 16384, True)]
+    else:  # d = 128 first, so that a time-out still leaves the headline rows
+        BENCH.update(warmup=10, rep=50)
+        shapes = [(d, S, c) for d in (128, 64, 256) for S in (512, 1024, 2048, 4096, 8192, 16384)
+                  for c in (False, True)]
+    name = "attention" + ("_quick" if args.quick else "")
+    rows = []
+    t0 = time.time()
+    for S in (4096, 32768):
+        rows.append(decode_rows(S))
+    for i, (d, S, c) in enumerate(shapes):
+        rows.append(attention_rows(d, S, c))
+        if i % 6 == 5:  # partial results survive a time-out
+            write_results(name + "_partial", rows, title="partial", out_dir=args.out)
+    notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch); fwd+bwd through "
+             "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`. FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
+             "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
+             "replayed from a CUDA graph (no host launch overhead). Medians of triton.testing.do_bench "
+             f"(warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms). Wall time {time.time() - t0:.0f} s.")
+    write_results(name, rows,
+                  title="FlashAttention (bf16, 16k tokens/batch, hidden 2048; decode B=8 H=32 d=128)",
+                  notes=notes, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""FP8 attention forward speed on the H200 vs cuDNN bf16 and SDPA flash (FA2) bf16, measured in the same run.
+
+16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / d), d in {128, 64}, S = 1k ... 16k, causal and not.
+TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal). Columns:
+
+* ``fp8_kernel``: the attention kernel alone on pre-quantized inputs (Q, K block-quantized after the Hadamard
+  transform, V transposed) - what FA3 reports for its FP8 kernel.
+* ``fp8_op``: ``torch.ops.fxopt.fp8_attention`` end to end (Hadamard + quantization of Q, K, V + attention).
+* ``cudnn_bf16`` / ``fa2_bf16``: ``F.scaled_dot_product_attention`` forced to cuDNN / flash via ``sdpa_kernel``.
+* ``check``: relative L2 error of the fp8 op vs the emulating reference at that shape's first 512 queries (S = 1k
+  rows only), so every autotuned choice is also checked.
+
+Afterwards each fp8 config of the d = 128 table is timed at S = 4096 (non-causal and causal).
+
+    python benchmarks/fp8_attention.py --out $OUT     # about 2 minutes on an H200, compiles included
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as Fn
+
+from common import bench_ms, parse_args, write_results  # noqa: I001
+
+from fxopt.kernels import fp8_attention as F
+
+
+def tflops(b, h, s, d, causal, ms):
+    flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def sdpa_ms(q, k, v, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    try:
+        with sdpa_kernel([be]):
+            Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return bench_ms(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    except RuntimeError as e:  # backend unavailable for this shape
+        print(f"{backend}: {e}")
+        return float("nan")
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--dims", default="128,64"))
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t0 = time.time()
+    seqs = [1024, 4096] if args.quick else [4096, 16384, 8192, 1024, 2048]
+    rows = []
+    notes = ("TFLOP/s (higher is better); fp8_kernel excludes quantization (FA3's convention), fp8_op includes the "
+             "Hadamard transform and block quantization of Q, K, V. Anchors measured in the same process.")
+    for d in [int(x) for x in args.dims.split(",")]:
+        for s in seqs:
+            b, h = 16384 // s, 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(s + d)
+            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+            for causal in (False, True):
+                row = {"d": d, "S": s, "B": b, "H": h, "causal": causal}
+                qq, qs = F.quantize_blocks(q, hadamard=True, seed=0)
+                kq, ks = F.quantize_blocks(k, hadamard=True, seed=0)
+                vt, vs = F.quantize_blocks(v, hadamard=False, transpose=True)
+                out = torch.empty_like(q)
+
+                def kernel():
+                    return F.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=q.shape, seq_k=s, n_kv_heads=h,
+                                                     out_dtype=q.dtype, is_causal=causal, out=out)
+
+                def op():
+                    return torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0)
+
+                kernel()
+                op()
+                ms = {"fp8_kernel": bench_ms(kernel), "fp8_op": bench_ms(op),
+                      "cudnn_bf16": sdpa_ms(q, k, v, causal, "cudnn"), "fa2_bf16": sdpa_ms(q, k, v, causal, "flash")}
+                for name, t in ms.items():
+                    row[name] = tflops(b, h, s, d, causal, t)
+                row["fp8_kernel/cudnn"] = row["fp8_kernel"] / row["cudnn_bf16"]
+                row["fp8_op/cudnn"] = row["fp8_op"] / row["cudnn_bf16"]
+                if s == 1024:
+                    sl = (slice(0, 1), slice(0, 2))
+                    o = op()[sl]
+                    emu = F.fp8_attention_reference(q[sl], k[sl], v[sl], is_causal=causal, hadamard=True, seed=0)
+                    row["check"] = ((o.float() - emu.float()).norm() / emu.float().norm()).item()
+                row["quant_ms"] = ms["fp8_op"] - ms["fp8_kernel"]
+                rows.append(row)
+                print(row, f"[{time.time() - t0:.0f}s]", flush=True)
+                write_results("fp8_attention", rows, title="FP8 attention forward (H200), TFLOP/s", notes=notes,
+                              out_dir=args.out)
+            del q, k, v, qq, kq, vt
+    # every d = 128 config at S = 4096
+    cfg_rows = []
+    s, d = 4096, 128
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qq, qs = F.quantize_blocks(q, hadamard=True, seed=0)
+    kq, ks = F.quantize_blocks(k, hadamard=True, seed=0)
+    vt, vs = F.quantize_blocks(v, hadamard=False, transpose=True)
+    for causal in (False, True):
+        for bm, bn, w, st in F.FWD_CONFIGS[d]:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            try:
+                def kern():
+                    return F.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=q.shape, seq_k=s, n_kv_heads=h,
+                                                     out_dtype=q.dtype, is_causal=causal, config=cfg)
+                kern()
+                t = tflops(b, h, s, d, causal, bench_ms(kern))
+            except Exception as e:  # noqa: BLE001  (report, keep going)
+                t = float("nan")
+                print(cfg, e)
+            cfg_rows.append({"d": d, "S": s, "causal": causal, "config": f"{bm}x{bn} w{w} s{st}", "fp8_kernel": t})
+            print(cfg_rows[-1], flush=True)
+    write_results("fp8_attention_configs", cfg_rows, title="FP8 attention kernel configs, d=128 S=4096 (TFLOP/s)",
+                  out_dir=args.out)
+    print(f"total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1151 @@
+"""FlashAttention for fxopt: Triton kernels, host wrappers, custom ops, CPU reference, autograd.
+
+Public op (registered on import)::
+
+    torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                    window=-1, softcap=0.0, key_padding_mask=None) -> Tensor
+
+Design
+------
+* Layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with any strides (a transposed view of [B, S, H, D] is read in
+  place; only a tensor whose *last* dim is not contiguous is copied). Hq % Hkv == 0: query head h reads kv head
+  h // (Hq / Hkv) (GQA / MQA, K/V never repeated in memory). D <= 256 is padded to a power of two inside the kernel
+  (masked loads or zero-filled TMA boxes), so 80, 96, 112, 160, 192 work.
+* Semantics: scores = q.k * scale (scale defaults to 1/sqrt(D)); softcap > 0 turns them into
+  softcap * tanh(scores / softcap); then the float mask is added / the bool mask (True = attend) applied,
+  causal is bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), window >= 0 additionally keeps
+  (i + Sk - Sq) - j < window, key_padding_mask [B, Sk] (True = valid) drops keys. Masks broadcast to
+  [B, Hq, Sq, Sk] through stride-0 views (never expanded in memory). A row with no visible key gives 0 and its
+  log-sum-exp is stored as +inf, so the backward also gives exact zeros (never NaN).
+* Forward (``_attn_fwd``, FA2): grid (query blocks, B*Hq), online softmax in base 2 (log2(e) folded into the scale),
+  fp32 accumulators. Each program walks its key range in three segments: masked blocks at the window edge, full
+  blocks that need no per-element causal/window/bounds test, masked blocks at the causal diagonal / sequence end;
+  blocks that are entirely invisible are never visited. Causal grids are walked longest-row-block first.
+  Hopper: with ``USE_TMA`` the tiles are read through device-side tensor descriptors (``tl.make_tensor_descriptor``,
+  zero padding doubles as the D / sequence masking); on the H200 this only paid at head dim 256, so the host uses it
+  there (``FXOPT_ATTN_TMA`` = auto / 1 / 0; never for misaligned inputs). ``WARP_SPEC`` (Triton's automatic warp
+  specialization of the key loop) is kept as a meta-parameter for experiments only: in Triton 3.6 on sm_90 the
+  ``NVGPUWarpSpecialization`` pass failed on most configs of this kernel, and the one that compiled was slower.
+* Decode (``_attn_fwd_split`` + ``_attn_combine``, flash-decoding): used automatically for few query tokens
+  (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
+  packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
+  GPU; a combine kernel merges the partial (output, lse) pairs.
+* Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
+  KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
+  ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp.
+* Dropout RNG: Philox (``tl.rand``) keyed by a per-call 31-bit seed (drawn from torch's default CPU generator, so
+  ``torch.manual_seed`` reproduces it) and the counter ((b * Hq + h) * Sq + i) * Sk + j; an element is kept when
+  its uniform >= dropout_p and scaled by 1 / (1 - dropout_p). The backward regenerates the same mask from the same
+  seed. The CPU reference draws its mask from ``torch.Generator().manual_seed(seed)`` instead (same seed, other
+  stream; each path is self-consistent between forward and backward).
+* fp32 inputs: computed with exact fp32 dots (``input_precision="ieee"``, no TF32) and smaller tiles; correct but
+  not fast (use bf16/fp16 for speed).
+* Ops: ``fxopt::flash_attention_fwd`` -> (out, lse) and ``fxopt::flash_attention_bwd`` -> (dq, dk, dv) are
+  ``custom_op``s (fake impls allocate like the real ones: out = empty_like(q)); the public ``fxopt::flash_attention``
+  is a CompositeImplicitAutograd op on top (draws the dropout seed, returns out only). Autograd lives on the fwd
+  op. CPU tensors take the float32 PyTorch reference (``attention_reference``); CUDA tensors the Triton kernels.
+  ``flash_attention_triton`` / ``flash_attention_triton_bwd`` launch the kernels directly and also run on CPU
+  tensors under ``TRITON_INTERPRET=1`` (one config there).
+* Tuning: small per-head-dim config lists (chosen from H200 measurements, see docs/notes_attention.md), autotuned
+  once per (flags, power-of-two bucket of Sq and Sk). Knobs: ``FXOPT_ATTN_TMA`` (auto/1/0),
+  ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton device helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2: saturates cleanly to +-1 for large |x|.
+    return 2.0 / (1.0 + tl.exp2(-2.8853900817779268 * x)) - 1.0
+
+
+@triton.jit
+def _load_rows(base, offs_r, offs_d, stride_r, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile (last dim contiguous), zero outside rows < n_rows and d < HEAD_DIM."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _scores(qk, qpos, kpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q, SEQ_K,
+            sm_scale, softcap, window,
+            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, CHECK: tl.constexpr):
+    """Raw q.k (fp32) -> base-2 logits with -inf where masked, plus tanh(.) for the softcap backward.
+
+    Works in either orientation: qpos / row_ok / mask_rows broadcast along the query axis, kpos along the key axis.
+    """
+    if HAS_SOFTCAP:
+        t = _tanh(qk * (sm_scale / softcap))
+        s = t * (softcap * 1.4426950408889634)
+    else:
+        t = qk
+        s = qk * (sm_scale * 1.4426950408889634)
+    if MASK_KIND == 1:  # bool mask, True = attend
+        keep = tl.load(mask_rows + kpos * stride_mn, mask=row_ok & (kpos < SEQ_K), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == 2:  # additive float mask
+        add = tl.load(mask_rows + kpos * stride_mn, mask=row_ok & (kpos < SEQ_K), other=0.0)
+        s = s + add.to(tl.float32) * 1.4426950408889634
+    if HAS_KPM:
+        kp = tl.load(kpm_base + kpos * stride_kpn, mask=kpos < SEQ_K, other=0)
+        s = tl.where(kp != 0, s, float("-inf"))
+    if CHECK:
+        visible = kpos < SEQ_K
+        if IS_CAUSAL:
+            visible = visible & (kpos <= qpos + (SEQ_K - SEQ_Q))
+        if HAS_WINDOW:
+            visible = visible & ((qpos + (SEQ_K - SEQ_Q)) - kpos < window)
+        s = tl.where(visible, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _kv_range(start_m, SEQ_Q, SEQ_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key range for query rows [start_m, start_m + BLOCK_M) as lo <= full_lo <= full_hi <= hi (multiples of
+    BLOCK_N except hi): [lo, full_lo) and [full_hi, hi) need per-element masks, [full_lo, full_hi) does not."""
+    shift = SEQ_K - SEQ_Q
+    lo = 0
+    hi = SEQ_K
+    full_lo = 0
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.maximum(start_m + BLOCK_M + shift, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N)
+    if HAS_WINDOW:
+        lo = (tl.maximum(start_m + shift - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M + shift - window, 0), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(lo, hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _q_range(start_n, SEQ_Q, SEQ_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Query range that can see keys [start_n, start_n + BLOCK_N), split like ``_kv_range``."""
+    shift = SEQ_K - SEQ_Q
+    lo = 0
+    hi = SEQ_Q
+    full_lo = 0
+    full_hi = (SEQ_Q // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:  # row i sees key j iff i >= j - shift
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:  # row i sees key j iff i < j + window - shift
+        hi = tl.minimum(hi, tl.maximum(start_n + BLOCK_N - 1 + window - shift, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_n + window - shift, 0) // BLOCK_M) * BLOCK_M)
+    lo = tl.minimum(lo, hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
+              qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
+              offs_d, lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, WARP_SPEC: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_nb
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = _load_rows(k_base, offs_n, offs_d, stride_kn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q, SEQ_K,
+                       sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if CHECK or MASK_KIND != 0 or HAS_KPM:  # only then can a row still be empty
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rng_rows + offs_n[None, :]) >= dropout_p
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = _load_rows(v_base, offs_n, offs_d, stride_vn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, MASK, KPM,
+              stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+              stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
+              stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
+              H_Q, GROUP, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed, TUNE_SEQ,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # heaviest query blocks first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H_Q
+    off_h = off_hz % H_Q
+    off_hk = off_h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_base = Q + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_z.to(tl.int64) * stride_kz + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_z.to(tl.int64) * stride_vz + off_hk.to(tl.int64) * stride_vh
+    o_base = O + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[SEQ_Q, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[SEQ_K, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[SEQ_K, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        q = q_desc.load([start_m, 0])
+    else:
+        k_desc = k_base
+        v_desc = v_base
+        q = _load_rows(q_base, offs_m, offs_d, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_D, True)
+
+    mask_rows = MASK + off_z.to(tl.int64) * stride_mz + off_h.to(tl.int64) * stride_mh + offs_m[:, None] * stride_mm
+    kpm_base = KPM + off_z.to(tl.int64) * stride_kpz
+    qpos = offs_m[:, None]
+    row_ok = qpos < SEQ_Q
+    rng_rows = (off_hz.to(tl.int64) * SEQ_Q + offs_m[:, None]) * SEQ_K
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _kv_range(start_m, SEQ_Q, SEQ_K, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
+                                  qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
+                                  offs_d, lo, full_lo, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                  MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
+                              qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
+                              offs_d, full_lo, full_hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                              HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, WARP_SPEC)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
+                              qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
+                              offs_d, full_hi, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                              HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False)
+    # epilogue: empty rows (l == 0) give 0 and lse = +inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + off_hz.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[SEQ_Q, HEAD_DIM], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        o_desc.store([start_m, 0], out.to(O.dtype.element_ty))
+    else:
+        o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode: split-KV forward + combine
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
+                    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                    stride_vz, stride_vh, stride_vn,
+                    stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
+                    H_Q, GROUP, SEQ_Q, SEQ_K, SPLIT_LEN, NUM_SPLITS, sm_scale, softcap, window,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = tl.program_id(0)
+    off_zk = tl.program_id(1)
+    H_KV = H_Q // GROUP
+    off_z = off_zk // H_KV
+    off_hk = off_zk % H_KV
+    # rows = (query head within the group, query position), packed
+    rows = tl.arange(0, BLOCK_R)
+    g = rows // SEQ_Q
+    qi = rows % SEQ_Q
+    rok = rows < GROUP * SEQ_Q
+    hq = off_hk * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (Q + off_z.to(tl.int64) * stride_qz + hq[:, None].to(tl.int64) * stride_qh + qi[:, None] * stride_qm
+              + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=rok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + off_z.to(tl.int64) * stride_kz + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_z.to(tl.int64) * stride_vz + off_hk.to(tl.int64) * stride_vh
+    mask_rows = (MASK + off_z.to(tl.int64) * stride_mz + hq[:, None].to(tl.int64) * stride_mh
+                 + qi[:, None] * stride_mm)
+    kpm_base = KPM + off_z.to(tl.int64) * stride_kpz
+
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, SEQ_K)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_base, v_base, stride_kn, stride_vn,
+                              qi[:, None], rok[:, None], mask_rows, stride_mn, kpm_base, stride_kpn, rows[:, None],
+                              offs_d, lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, 0.0, 0,
+                              HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, False, False, PREC, False)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    # partials laid out [B, Hq, Sq, NUM_SPLITS, BLOCK_D] / [B, Hq, Sq, NUM_SPLITS]
+    prow = ((off_z * H_Q + hq).to(tl.int64) * SEQ_Q + qi) * NUM_SPLITS + split
+    tl.store(LPART + prow, lse2, mask=rok)
+    tl.store(OPART + prow[:, None] * BLOCK_D + offs_d[None, :], out, mask=rok[:, None])
+
+
+@triton.jit
+def _attn_combine(OPART, LPART, O, LSE, stride_oz, stride_oh, stride_om, H_Q, SEQ_Q, NUM_SPLITS,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # over B * Hq * Sq
+    off_z = row // (H_Q * SEQ_Q)
+    off_h = (row // SEQ_Q) % H_Q
+    off_m = row % SEQ_Q
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    lse_s = tl.load(LPART + row * NUM_SPLITS + offs_s, mask=smask, other=float("-inf"))
+    mx = tl.max(lse_s, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse_s - mx_safe)
+    tot = tl.sum(w, 0)
+    o = tl.load(OPART + (row * NUM_SPLITS + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None],
+                other=0.0)
+    tot_safe = tl.where(tot == 0.0, 1.0, tot)
+    out = tl.sum(o * w[:, None], 0) / tot_safe
+    lse = tl.where(tot == 0.0, float("inf"), (mx_safe + tl.log2(tot_safe)) * 0.6931471805599453)
+    tl.store(LSE + row, lse)
+    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + off_m * stride_om + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, DELTA, stride_oz, stride_oh, stride_om, stride_doz, stride_doh, stride_dom,
+                         H_Q, SEQ_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H_Q
+    off_h = off_hz % H_Q
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh, offs_m, offs_d,
+                   stride_om, SEQ_Q, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh, offs_m, offs_d,
+                    stride_dom, SEQ_Q, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + off_hz.to(tl.int64) * SEQ_Q + offs_m, delta, mask=offs_m < SEQ_Q)
+
+
+@triton.jit
+def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, stride_qm, stride_dom,
+                 stride_mm, stride_mn, kpm_base, stride_kpn, rng_base, offs_n, offs_d, lo, hi,
+                 SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, CHECK: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    # transposed formulation: scores are [BLOCK_N (keys), BLOCK_M (queries)]
+    offs_mb = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_mb
+        q = _load_rows(q_base, offs_m, offs_d, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_D, CHECK)
+        do = _load_rows(do_base, offs_m, offs_d, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_D, CHECK)
+        if CHECK:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < SEQ_Q, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
+        qpos = offs_m[None, :]
+        sT, tT = _scores(qkT, qpos, offs_n[:, None], qpos < SEQ_Q, mask_base + qpos * stride_mm, stride_mn,
+                         kpm_base, stride_kpn, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                         IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
+        pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rng_base + qpos.to(tl.int64) * SEQ_K + offs_n[:, None]) >= dropout_p
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pdT = tl.where(keep, pT * inv_keep, 0.0)
+            dpT = tl.where(keep, dpT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM,
+                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                   stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                   stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                   stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
+                   H_Q, GROUP, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed, TUNE_SEQ,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                   HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    off_zk = tl.program_id(1)
+    H_KV = H_Q // GROUP
+    off_z = off_zk // H_KV
+    off_hk = off_zk % H_KV
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(K + off_z.to(tl.int64) * stride_kz + off_hk.to(tl.int64) * stride_kh, offs_n, offs_d,
+                   stride_kn, SEQ_K, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + off_z.to(tl.int64) * stride_vz + off_hk.to(tl.int64) * stride_vh, offs_n, offs_d,
+                   stride_vn, SEQ_K, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _q_range(start_n, SEQ_Q, SEQ_K, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    kpm_base = KPM + off_z.to(tl.int64) * stride_kpz
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        off_hz = off_z * H_Q + off_h
+        q_base = Q + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
+        lse_base = LSE + off_hz.to(tl.int64) * SEQ_Q
+        delta_base = DELTA + off_hz.to(tl.int64) * SEQ_Q
+        mask_base = MASK + off_z.to(tl.int64) * stride_mz + off_h.to(tl.int64) * stride_mh
+        rng_base = off_hz.to(tl.int64) * SEQ_Q * SEQ_K
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, stride_qm,
+                              stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base, offs_n, offs_d,
+                              lo, full_lo, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                              HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, stride_qm,
+                              stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base, offs_n, offs_d,
+                              full_lo, full_hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                              HEAD_DIM, BLOCK_D, BLOCK_M, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, stride_qm,
+                              stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base, offs_n, offs_d,
+                              full_hi, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                              HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+    dk = dk * sm_scale
+    nmask = (offs_n[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = (DK + off_z.to(tl.int64) * stride_dkz + off_hk.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dkn + offs_d[None, :])
+    dv_ptrs = (DV + off_z.to(tl.int64) * stride_dvz + off_hk.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvn + offs_d[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, qpos, row_ok, mask_rows, stride_mn,
+                kpm_base, stride_kpn, rng_rows, offs_d, lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                dropout_p, seed, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                CHECK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_nb
+        k = _load_rows(k_base, offs_n, offs_d, stride_kn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
+        v = _load_rows(v_base, offs_n, offs_d, stride_vn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q, SEQ_K,
+                       sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rng_rows + offs_n[None, :]) >= dropout_p
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, MASK, KPM,
+                 stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                 stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                 stride_dqz, stride_dqh, stride_dqm,
+                 stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
+                 H_Q, GROUP, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed, TUNE_SEQ,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                 HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H_Q
+    off_h = off_hz % H_Q
+    off_hk = off_h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh, offs_m, offs_d,
+                   stride_qm, SEQ_Q, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh, offs_m, offs_d,
+                    stride_dom, SEQ_Q, HEAD_DIM, BLOCK_D, True)
+    lse = tl.load(LSE + off_hz.to(tl.int64) * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=float("inf"))
+    lse = lse * 1.4426950408889634
+    delta = tl.load(DELTA + off_hz.to(tl.int64) * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+    k_base = K + off_z.to(tl.int64) * stride_kz + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_z.to(tl.int64) * stride_vz + off_hk.to(tl.int64) * stride_vh
+    mask_rows = MASK + off_z.to(tl.int64) * stride_mz + off_h.to(tl.int64) * stride_mh + offs_m[:, None] * stride_mm
+    kpm_base = KPM + off_z.to(tl.int64) * stride_kpz
+    qpos = offs_m[:, None]
+    row_ok = qpos < SEQ_Q
+    rng_rows = (off_hz.to(tl.int64) * SEQ_Q + offs_m[:, None]) * SEQ_K
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _kv_range(start_m, SEQ_Q, SEQ_K, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, qpos, row_ok, mask_rows,
+                     stride_mn, kpm_base, stride_kpn, rng_rows, offs_d, lo, full_lo, SEQ_Q, SEQ_K, sm_scale,
+                     softcap, window, dropout_p, seed, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                     HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+    dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, qpos, row_ok, mask_rows,
+                     stride_mn, kpm_base, stride_kpn, rng_rows, offs_d, full_lo, full_hi, SEQ_Q, SEQ_K, sm_scale,
+                     softcap, window, dropout_p, seed, HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW,
+                     HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+    dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, qpos, row_ok, mask_rows,
+                     stride_mn, kpm_base, stride_kpn, rng_rows, offs_d, full_hi, hi, SEQ_Q, SEQ_K, sm_scale,
+                     softcap, window, dropout_p, seed, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                     HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+    dq = dq * sm_scale
+    dq_ptrs = (DQ + off_z.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
+               + offs_m[:, None] * stride_dqm + offs_d[None, :])
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _dropout_keep_kernel(KEEP, SEQ_Q, SEQ_K, dropout_p, seed, BLOCK: tl.constexpr):
+    """Writes the kernels' dropout keep mask for row (b * Hq + h) * Sq + i (tests and debugging)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = tl.rand(seed, row * SEQ_K + offs) >= dropout_p
+    tl.store(KEEP + row * SEQ_K + offs, keep.to(tl.int8), mask=offs < SEQ_K)
+
+
+def dropout_keep_mask_triton(seed, shape, dropout_p, device):
+    """The bool keep mask [B, Hq, Sq, Sk] that the Triton kernels use for ``seed`` (Philox, see module doc)."""
+    B, Hq, Sq, Sk = shape
+    keep = torch.empty((B, Hq, Sq, Sk), dtype=torch.int8, device=device)
+    _dropout_keep_kernel[(B * Hq * Sq, triton.cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
+    return keep.bool()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autotuning (one config under the interpreter; small lists per head-dim class on GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cfg(bm, bn, warps, stages, **extra):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (kernel, head-dim class); fp32 takes the "f32" list.
+FWD_CONFIGS = {
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2)],
+    "f32": [(64, 32, 4, 2), (32, 32, 4, 2)],
+}
+DKDV_CONFIGS = {
+    64: [(64, 64, 4, 2), (64, 128, 8, 2)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
+    256: [(32, 64, 8, 2), (64, 64, 8, 2)],
+    "f32": [(32, 32, 4, 2), (16, 32, 4, 2)],
+}
+DQ_CONFIGS = {
+    64: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3)],
+    256: [(64, 32, 8, 2), (32, 32, 4, 2)],
+    "f32": [(32, 32, 4, 2), (32, 16, 4, 2)],
+}
+INTERPRET_CONFIG = (16, 16, 4, 1)
+
+
+def _configs(table, ws_ok=False):
+    if _INTERPRET:
+        return [_cfg(*INTERPRET_CONFIG, WARP_SPEC=False) if ws_ok else _cfg(*INTERPRET_CONFIG)]
+    seen, out = set(), []
+    for key, rows in table.items():
+        for r in rows:
+            if r not in seen:
+                seen.add(r)
+                out.append(_cfg(*r, WARP_SPEC=False) if ws_ok else _cfg(*r))
+    return out
+
+
+def _pruner(table):
+    def prune(configs, named_args, **kwargs):
+        if _INTERPRET:
+            return configs
+        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        q = named_args["Q"]
+        cls = "f32" if q.dtype == torch.float32 else (64 if bd <= 64 else 128 if bd <= 128 else 256)
+        wanted = set(table[cls])
+        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+        kept = kept or configs[:1]
+        if os.environ.get("FXOPT_ATTN_AUTOTUNE", "1") == "0":  # first config of the class (fast GPU tests)
+            kept = kept[:1]
+        return kept
+    return prune
+
+
+def _quick_bench(fn, quantiles=None):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+# TUNE_SEQ = power-of-two bucket of (Sq, Sk) (an unused kernel argument): one tuning per bucket, not per length.
+_TUNE_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP", "MASK_KIND", "HAS_KPM", "HAS_DROPOUT", "PREC",
+             "TUNE_SEQ"]
+
+
+def _tune_bucket(Sq, Sk):
+    """(Sq, Sk) -> one int, each rounded up to a power of two in [16, 16384]; always a multiple of 16."""
+    qb = min(max(16, triton.next_power_of_2(Sq)), 16384)
+    kb = min(max(16, triton.next_power_of_2(Sk)), 16384)
+    return qb * 32768 + kb
+_attn_fwd_tuned = triton.autotune(_configs(FWD_CONFIGS, ws_ok=True), key=_TUNE_KEY + ["USE_TMA"],
+                                  prune_configs_by={"early_config_prune": _pruner(FWD_CONFIGS)},
+                                  do_bench=_quick_bench)(_attn_fwd)
+_attn_bwd_dkdv_tuned = triton.autotune(_configs(DKDV_CONFIGS), key=_TUNE_KEY + ["GROUP"],
+                                       prune_configs_by={"early_config_prune": _pruner(DKDV_CONFIGS)},
+                                       do_bench=_quick_bench)(_attn_bwd_dkdv)
+_attn_bwd_dq_tuned = triton.autotune(_configs(DQ_CONFIGS), key=_TUNE_KEY,
+                                     prune_configs_by={"early_config_prune": _pruner(DQ_CONFIGS)},
+                                     do_bench=_quick_bench)(_attn_bwd_dq)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks and host wrappers
+# ----------------------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"flash_attention: {name} dtype {t.dtype} unsupported (float16, bfloat16, float32)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: device mismatch q {q.device}, k {k.device}, v {v.device}")
+    B, Hq, Sq, D = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"flash_attention: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} "
+                         "in batch or head dim")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"flash_attention: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if D > 256 or D < 1:
+        raise ValueError(f"flash_attention: head dim {D} unsupported (1..256)")
+    Sk = k.shape[2]
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise ValueError(f"flash_attention: attn_mask must be bool or floating, got {attn_mask.dtype}")
+        if attn_mask.dim() > 4:
+            raise ValueError(f"flash_attention: attn_mask has {attn_mask.dim()} dims (at most 4)")
+        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        for have, want in zip(shape, (B, Hq, Sq, Sk)):
+            if have not in (1, want):
+                raise ValueError(f"flash_attention: attn_mask shape {tuple(attn_mask.shape)} does not broadcast to "
+                                 f"[B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"flash_attention: attn_mask on {attn_mask.device}, q on {q.device}")
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, Sk):
+            raise ValueError(f"flash_attention: key_padding_mask must be bool [B, Sk] = {[B, Sk]}, got "
+                             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"flash_attention: key_padding_mask on {key_padding_mask.device}, q on {q.device}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if softcap < 0:
+        raise ValueError(f"flash_attention: softcap must be >= 0, got {softcap}")
+    if window < -1:
+        raise ValueError(f"flash_attention: window must be -1 (off) or >= 0, got {window}")
+
+
+def _last_contig(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk):
+    """(mask tensor, MASK_KIND, 4 strides, kpm tensor, HAS_KPM, 2 strides); broadcast dims get stride 0."""
+    if attn_mask is None:
+        mask, kind, mstr = q, 0, (0, 0, 0, 0)
+    else:
+        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 \
+            else attn_mask
+        m = m.expand(B, Hq, Sq, Sk)
+        if m.dtype == torch.bool:
+            m = m.view(torch.uint8)
+            kind = 1
+        else:
+            kind = 2
+        mask, mstr = m, tuple(m.stride())
+    if key_padding_mask is None:
+        kpm, has_kpm, kstr = q, False, (0, 0)
+    else:
+        kpm = key_padding_mask.view(torch.uint8)
+        has_kpm, kstr = True, tuple(kpm.stride())
+    return mask, kind, mstr, kpm, has_kpm, kstr
+
+
+def _block_d(D):
+    return max(16, triton.next_power_of_2(D))
+
+
+def _tma_ok(*tensors):
+    """TMA (tensor-descriptor) tiles: measured faster only at head dim 256 on H200 (517 vs 499 TFLOP/s), slower at
+    64 / 128 (466 vs 493 TFLOP/s at d=128), so "auto" uses them for BLOCK_D = 256 only; FXOPT_ATTN_TMA=1 / 0
+    forces them on / off."""
+    mode = os.environ.get("FXOPT_ATTN_TMA", "auto")
+    if _INTERPRET or mode == "0":
+        return False
+    if mode == "auto" and _block_d(tensors[0].shape[-1]) < 256:
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    for t in tensors:
+        el = t.element_size()
+        if t.data_ptr() % 16 or any((s * el) % 16 for s in t.stride()[:-1]) or t.stride(-1) != 1:
+            return False
+    return True
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+        _ALLOCATOR_SET = True
+
+
+def _num_sms(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _use_split(q, k, dropout_p):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    return dropout_p == 0.0 and Sq <= 16 and (Hq // Hkv) * Sq <= 128 and Sk >= 1024
+
+
+def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
+                           softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
+                           config=None, use_tma=None, out=None):
+    """Launch the Triton forward. Returns out (and the natural-log lse [B, Hq, Sq] fp32 when return_lse).
+
+    decode: None = choose automatically, True/False = force the split-KV path on/off.
+    config: dict(BLOCK_M, BLOCK_N, num_warps, num_stages[, WARP_SPEC]) bypasses autotuning (benchmarks).
+    """
+    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    BLOCK_D = _block_d(D)
+    mask, kind, mstr, kpm, has_kpm, kstr = _mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    o = torch.empty_like(q) if out is None else out
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
+                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, PREC=prec)
+    if B * Hq * Sq == 0:
+        return (o, lse.fill_(float("inf"))) if return_lse else o
+    if Sk == 0:
+        o.zero_()
+        lse.fill_(float("inf"))
+        return (o, lse) if return_lse else o
+    if decode is None:
+        decode = _use_split(q, k, dropout_p)
+    if decode:
+        if dropout_p > 0:
+            raise ValueError("flash_attention: the split-KV decode path does not support dropout")
+        _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags)
+        return (o, lse) if return_lse else o
+    auto_tma = use_tma is None
+    if auto_tma:
+        use_tma = _tma_ok(q, k, v, o) and (q.dtype, D, bool(is_causal)) not in _TMA_FAILED
+    if use_tma:
+        _ensure_allocator()
+    args = (q, k, v, o, lse, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            *mstr, *kstr, Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
+            _tune_bucket(Sq, Sk))
+    flags.update(HAS_DROPOUT=dropout_p > 0, USE_TMA=bool(use_tma))
+    if config is not None:
+        c = dict(config)
+        meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
+        grid = (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+        _attn_fwd[grid](*args, **flags, **meta, **c)
+    else:
+        grid = lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        try:
+            _attn_fwd_tuned[grid](*args, **flags)
+        except Exception as e:  # a TMA build the compiler rejects: remember it and use plain pointers
+            if not (auto_tma and use_tma):
+                raise
+            log.warning("flash_attention: TMA forward failed (%s: %s); using pointer loads for %s",
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", (q.dtype, D, is_causal))
+            _TMA_FAILED.add((q.dtype, D, bool(is_causal)))
+            flags["USE_TMA"] = False
+            _attn_fwd_tuned[grid](*args, **flags)
+    return (o, lse) if return_lse else o
+
+
+_TMA_FAILED: set = set()
+
+
+def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
+    """Number of key chunks so that B * Hkv * chunks fills the GPU a few times over."""
+    ctas_per_sm = ctas_per_sm or int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))
+    target = _num_sms(device) * ctas_per_sm
+    splits = max(1, min(triton.cdiv(target, B * Hkv), triton.cdiv(Sk, 2 * block_n), 128))
+    split_len = triton.cdiv(triton.cdiv(Sk, splits), block_n) * block_n
+    return triton.cdiv(Sk, split_len), split_len
+
+
+def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
+                  block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    BLOCK_D = flags["BLOCK_D"]
+    if _INTERPRET:
+        block_n, num_warps, num_stages = 16, 4, 1
+    BLOCK_R = max(16, triton.next_power_of_2(group * Sq))
+    block_n = block_n or (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32)
+    num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
+    opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
+    lpart = torch.empty((B, Hq, Sq, num_splits), device=q.device, dtype=torch.float32)
+    _attn_fwd_split[(num_splits, B * Hkv)](
+        q, k, v, opart, lpart, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr, *kstr,
+        Hq, group, Sq, Sk, split_len, num_splits, sm_scale, float(softcap), int(window),
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
+    _attn_combine[(B * Hq * Sq,)](opart, lpart, o, lse, *o.stride()[:3], Hq, Sq, num_splits,
+                                  HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                                  num_warps=4 if _INTERPRET else 1)
+
+
+def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
+                               dq_config=None):
+    """Launch the Triton backward; returns (dq, dk, dv) allocated like q, k, v."""
+    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
+    q, k, v, out, dout = (_last_contig(t) for t in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    BLOCK_D = _block_d(D)
+    mask, kind, mstr, kpm, has_kpm, kstr = _mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if B * Hq * Sq == 0 or Sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    pre_bm = 16 if _INTERPRET else 64
+    _attn_bwd_preprocess[(triton.cdiv(Sq, pre_bm), B * Hq)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_M=pre_bm)
+    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
+                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, HAS_DROPOUT=dropout_p > 0,
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    common = (Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
+              _tune_bucket(Sq, Sk))
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                 *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *mstr, *kstr, *common)
+    dq_args = (q, k, v, dout, lse, delta, dq, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+               *dout.stride()[:3], *dq.stride()[:3], *mstr, *kstr, *common)
+    if dkdv_config is not None:
+        c = dict(dkdv_config)
+        bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
+        _attn_bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
+    else:
+        _attn_bwd_dkdv_tuned[lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
+    if dq_config is not None:
+        c = dict(dq_config)
+        bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
+        _attn_bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*dq_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
+    else:
+        _attn_bwd_dq_tuned[lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference (CPU path of the ops, and the tests' oracle in float64)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _visible(B, Hq, Sq, Sk, is_causal, window, key_padding_mask, device):
+    i = torch.arange(Sq, device=device)[:, None] + (Sk - Sq)
+    j = torch.arange(Sk, device=device)[None, :]
+    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    if is_causal:
+        vis &= j <= i
+    if window >= 0:
+        vis &= (i - j) < window
+    vis = vis.expand(B, Hq, Sq, Sk)
+    if key_padding_mask is not None:
+        vis = vis & key_padding_mask[:, None, None, :]
+    return vis
+
+
+def _reference_probs(q, k, attn_mask, is_causal, scale, window, softcap, key_padding_mask, dtype):
+    """(p [B, Hq, Sq, Sk], lse [B, Hq, Sq], visible, tanh-or-None, GQA group) computed in ``dtype``."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    qf = q.to(dtype).reshape(B, Hkv, g, Sq, D)
+    kf = k.to(dtype)[:, :, None]
+    s = (qf @ kf.transpose(-1, -2)).reshape(B, Hq, Sq, Sk) * sm_scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    vis = _visible(B, Hq, Sq, Sk, is_causal, window, key_padding_mask, q.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            vis = vis & attn_mask
+        else:
+            s = s + attn_mask.to(dtype)
+            vis = vis & (s > float("-inf"))
+    any_vis = vis.any(-1, keepdim=True)
+    s_m = torch.where(vis, s, torch.full_like(s, float("-inf")))
+    s_m = torch.where(any_vis, s_m, torch.zeros_like(s_m))  # keeps logsumexp (and its grad) finite
+    lse = torch.logsumexp(s_m, -1)
+    p = torch.where(vis, torch.exp(s - lse[..., None]), torch.zeros_like(s))
+    lse = torch.where(any_vis[..., 0], lse, torch.full_like(lse, float("inf")))
+    return p, lse, vis, t, g
+
+
+def _cpu_dropout_keep(seed, shape, dropout_p, device):
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    return (torch.rand(shape, generator=gen) >= dropout_p).to(device)
+
+
+def attention_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
+                        softcap=0.0, key_padding_mask=None, *, dropout_keep=None, compute_dtype=torch.float32,
+                        return_lse=False):
+    """Plain PyTorch attention with the op's semantics (differentiable; ``dropout_keep`` = bool keep mask)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    p, lse, _, _, g = _reference_probs(q, k, attn_mask, is_causal, scale, window, softcap, key_padding_mask,
+                                       compute_dtype)
+    if dropout_keep is not None and dropout_p > 0:
+        p = torch.where(dropout_keep, p / (1.0 - dropout_p), torch.zeros_like(p))
+    out = (p.reshape(B, Hkv, g, Sq, Sk) @ v.to(compute_dtype)[:, :, None]).reshape(B, Hq, Sq, D)
+    return (out, lse) if return_lse else out
+
+
+def _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
+    B, Hq, Sq, _ = q.shape
+    keep = None
+    if dropout_p > 0:
+        keep = _cpu_dropout_keep(seed, (B, Hq, Sq, k.shape[2]), dropout_p, q.device)
+    o, lse = attention_reference(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                 key_padding_mask, dropout_keep=keep, return_lse=True)
+    out = torch.empty_like(q)
+    out.copy_(o)
+    return out, lse.float().contiguous()
+
+
+def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                   key_padding_mask, seed):
+    """Explicit backward in float32 from the saved lse (mirrors the kernels)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    f = torch.float32
+    p, _, vis, t, _ = _reference_probs(q, k, attn_mask, is_causal, scale, window, softcap, key_padding_mask, f)
+    # recompute p from the saved lse, as the kernels do
+    s = torch.log(p.clamp_min(1e-38)) + torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
+    p = torch.where(vis & ~torch.isinf(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(p))
+    do = dout.to(f)
+    vf = v.to(f)[:, :, None]
+    dp = (do.reshape(B, Hkv, g, Sq, D) @ vf.transpose(-1, -2)).reshape(B, Hq, Sq, Sk)
+    pd = p
+    if dropout_p > 0:
+        keep = _cpu_dropout_keep(seed, (B, Hq, Sq, Sk), dropout_p, q.device)
+        pd = torch.where(keep, p / (1 - dropout_p), torch.zeros_like(p))
+        dp = torch.where(keep, dp / (1 - dropout_p), torch.zeros_like(dp))
+    delta = (do * out.to(f)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1 - t * t)
+    ds = ds * sm_scale
+    dv = (pd.reshape(B, Hkv, g, Sq, Sk).transpose(-1, -2) @ do.reshape(B, Hkv, g, Sq, D)).sum(2)
+    dk = (ds.reshape(B, Hkv, g, Sq, Sk).transpose(-1, -2) @ q.to(f).reshape(B, Hkv, g, Sq, D)).sum(2)
+    dq = (ds.reshape(B, Hkv, g, Sq, Sk) @ k.to(f)[:, :, None]).reshape(B, Hq, Sq, D)
+    res = []
+    for grad, like in ((dq, q), (dk, k), (dv, v)):
+        r = torch.empty_like(like)
+        r.copy_(grad)
+        res.append(r)
+    return tuple(res)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _seed_int(seed):
+    return 0 if seed is None else int(seed.item())
+
+
+@torch.library.custom_op("fxopt::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                        dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                        window: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None,
+                        seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward -> (out like q, lse [B, Hq, Sq] float32, natural log, +inf on fully masked rows)."""
+    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
+    if q.device.type == "cuda":
+        return flash_attention_triton(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                      key_padding_mask, _seed_int(seed), return_lse=True)
+    return _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask,
+                          _seed_int(seed))
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1, softcap=0.0,
+      key_padding_mask=None, seed=None):
+    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
+    B, Hq, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fxopt::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
+                        scale: Optional[float], window: int, softcap: float,
+                        key_padding_mask: Optional[torch.Tensor],
+                        seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward from the saved lse -> (dq, dk, dv) allocated like q, k, v."""
+    if q.device.type == "cuda":
+        return flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window,
+                                          softcap, key_padding_mask, _seed_int(seed))
+    return _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                          key_padding_mask, _seed_int(seed))
+
+
+@flash_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
+    ctx.params = (dropout_p, is_causal, scale, window, softcap)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    dropout_p, is_causal, scale, window, softcap = ctx.params
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.fxopt.flash_attention_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
+                                                     scale, window, softcap, key_padding_mask, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+flash_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+torch.library.define(
+    "fxopt::flash_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
+    "float? scale=None, int window=-1, float softcap=0.0, Tensor? key_padding_mask=None) -> Tensor")
+
+
+@torch.library.impl("fxopt::flash_attention", "CompositeImplicitAutograd")
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1, softcap=0.0,
+                    key_padding_mask=None):
+    """Public op: attention output only (dropout seed drawn here from torch's default CPU generator)."""
+    seed = None
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    out, _ = torch.ops.fxopt.flash_attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                                 key_padding_mask, seed)
+    return out

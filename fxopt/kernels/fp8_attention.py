@@ -1,0 +1,673 @@
+"""FP8 (e4m3) forward attention for Hopper: block quantization + incoherent processing (FA3-style), in Triton.
+
+Public ops (registered on import)::
+
+    torch.ops.fxopt.fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0) -> Tensor
+    torch.ops.fxopt.hadamard_transform(x, seed=0) -> Tensor
+
+and the host helpers ``fp8_attention_supported(q, k, v, training)`` (for the attention pass), ``quantize_blocks``,
+``fp8_attention_quantized`` (kernel only, on pre-quantized inputs: what the speed benchmark times) and the references
+``fp8_attention_reference`` / ``hadamard_reference``.
+
+Design
+------
+* Incoherent processing. q and k (last dim D, a power of two) are multiplied by the same orthogonal matrix
+  M = H_D * diag(signs) / sqrt(D): H_D is the Sylvester Hadamard matrix and ``signs`` a random +-1 vector drawn from
+  ``torch.Generator().manual_seed(seed)`` (the same on every device, so fixed per model by its seed). Since
+  M M^T = I, (q M)(k M)^T = q k^T exactly, while an outlier channel is spread over all D channels before
+  quantization. x M is computed by a fast Walsh-Hadamard transform: log2(D) butterfly stages in fp32 (``_fwht``:
+  reshape a [rows, D] tile to [rows, D / 2h, 2, h], split the size-2 axis, join (a + b, a - b)), then the signs and
+  1 / sqrt(D). ``hadamard_transform`` runs that alone (``_hadamard_kernel``); the quantization kernel fuses it.
+* Block quantization (``_quant_kernel``, one program per block of QBLOCK = 128 rows of one head): load the rows,
+  optionally transform them, take amax over the [QBLOCK, D] tile, store x * (448 / amax) cast to e4m3 and the
+  dequantization scale amax / 448 (fp32, [B * H, S_pad / QBLOCK]). Q is quantized per 128 query rows, K per 128 key
+  rows, V per 128 key rows (no transform). Outputs are padded to S_pad = a multiple of 128 with zero rows, so the
+  attention kernel never masks its loads. V is written transposed, [B, H, D, S_pad]: Hopper's fp8 wgmma reads its
+  B operand from shared memory K-major only, and for P @ V the contraction runs over the keys, so each V^T tile
+  [D, BLOCK_N] is loaded as is and used as ``vt.T`` (contiguous along the keys). K [S, D] is already K-major for
+  q @ k^T (contraction over D).
+* Attention (``_fp8_attn_fwd``, FA2 online softmax in base 2, grid (query blocks, B * Hq), causal grids heaviest
+  block first). Scores = dot_fp8(q, k^T) * (q_scale * k_scale * sm_scale * log2 e): both block scales are scalars for
+  a (query block, key block) pair, so dequantizing costs nothing beyond the softmax scale. P = exp2(s - m + 8) lies in
+  [0, 256] (a static scale 2^8: exact, and 256 <= 448 so no saturation), is cast to e4m3 and multiplied with the V
+  tile; l (the row sum) is accumulated from the fp32 P, so the 2^8 cancels in acc / l. The per-block V scale is folded
+  into the rescale the online softmax already does: acc is kept in units of the current V block's scale, and the
+  factor alpha becomes alpha * v_scale_prev / v_scale_cur (one scalar per iteration); the epilogue multiplies by the
+  last v_scale / l. Accumulation is fp32 (the wgmma accumulator), output in the input dtype. Causal is bottom-right
+  aligned (key j visible to query i iff j <= i + Sk - Sq, as ``fxopt::flash_attention``); rows with no visible key
+  give 0. GQA: query head h reads kv head h // (Hq / Hkv). Key blocks that need no causal / length mask run a loop
+  without any per-element test. On sm_90 the tiles come through host-side TMA tensor descriptors (``USE_TMA``);
+  elsewhere (sm_89, interpreter) through plain pointers.
+* Emulation. The quantized dtype is a parameter of the kernels (``qdtype``): with float16 the same code runs on CPU
+  under the Triton interpreter (which has no fp8), which is how the CPU tests check the kernels' indexing, scales and
+  masks. ``fp8_attention_reference`` is the op's CPU path: it performs the same transform, the same block
+  quantization (torch.float8_e4m3fn casts, same scales), the same online softmax over 128-key blocks with the same
+  P quantization, in fp32 — so CPU results show the real FP8 error. It also offers per-tensor scales (the baseline
+  of the accuracy benchmark).
+* Speed (H200, ``benchmarks/results/fp8_attention.md``): the kernel reaches ~750-770 TFLOP/s at d = 128, S >= 4k
+  (1.22-1.35x cuDNN bf16), short of FA3's ~1.2 PFLOP/s: Triton 3.6 waits for each wgmma right after issuing it, so
+  a program's exp2 / convert work never overlaps its own tensor-core work (the sm_90 SASS shows QGMMA followed at
+  once by WARPGROUP.DEPBAR), and ``warp_specialize`` fails to build on sm_90. The only overlap left is between
+  programs: 64-row query blocks on one warpgroup, two programs per SM (``FWD_CONFIGS``). See docs/notes_fp8.md.
+* Scope: forward only (inference; no autograd is registered, ``fp8_attention_supported`` refuses training), no
+  attention mask / dropout / window, D in {64, 128, 256}, q/k/v float16 or bfloat16. ``fp8_attention`` = quantize
+  (3 small memory-bound launches) + attention; ``fp8_attention_quantized`` is the attention kernel alone (the
+  figure FA3 reports, K/V quantization being amortised in a KV cache).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+FP8_MAX = 448.0
+P_SHIFT = 8.0  # P is stored as p * 2**P_SHIFT in e4m3
+QUANT_BLOCK = 128  # rows per quantization block (Q, K, V)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+HADAMARD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (torch.float16, torch.bfloat16)
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+# ----------------------------------------------------------------------------------------------------------------
+# Walsh-Hadamard transform and block quantization kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwht(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """x @ H_D for a [ROWS, D] fp32 tile (unnormalised Sylvester Hadamard), log2(D) butterfly stages."""
+    for i in tl.static_range(LOG2_D):  # stage i pairs elements 2**i apart
+        x4 = tl.reshape(x, [ROWS, D // (2 << i), 2, 1 << i])
+        a, b = tl.split(tl.permute(x4, [0, 1, 3, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
+    return x
+
+
+@triton.jit
+def _hadamard_kernel(X, Y, SIGNS, stride_xr, stride_yr, N_ROWS, norm,
+                     D: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_r[:, None] < N_ROWS
+    x = tl.load(X + offs_r[:, None].to(tl.int64) * stride_xr + offs_d[None, :], mask=row_ok, other=0.0)
+    y = _fwht(x.to(tl.float32), BLOCK_R, D, LOG2_D)
+    signs = tl.load(SIGNS + offs_d)
+    y = y * (signs * norm)[None, :]
+    tl.store(Y + offs_r[:, None].to(tl.int64) * stride_yr + offs_d[None, :], y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _quant_kernel(X, XQ, SCALE, SIGNS, stride_xz, stride_xh, stride_xs, stride_qz, stride_qh, stride_qs, stride_qd,
+                  H, SEQ, N_BLOCKS, norm,
+                  HEAD_DIM: tl.constexpr, LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr):
+    """Quantize rows [pid * QBLOCK, +QBLOCK) of head (z, h): XQ = x / s with s = amax / 448, one s per block.
+
+    XQ's strides are free, so the same kernel writes Q / K row-major and V transposed ([D, S_pad])."""
+    pid = tl.program_id(0)
+    off_zh = tl.program_id(1)
+    off_z = off_zh // H
+    off_h = off_zh % H
+    offs_s = pid * QBLOCK + tl.arange(0, QBLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x_ptrs = X + off_z.to(tl.int64) * stride_xz + off_h.to(tl.int64) * stride_xh \
+        + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :]
+    x = tl.load(x_ptrs, mask=offs_s[:, None] < SEQ, other=0.0).to(tl.float32)
+    if HADAMARD:
+        x = _fwht(x, QBLOCK, HEAD_DIM, LOG2_D)
+        signs = tl.load(SIGNS + offs_d)
+        x = x * (signs * norm)[None, :]
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30)
+    xq = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
+    q_ptrs = XQ + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh \
+        + offs_s[:, None].to(tl.int64) * stride_qs + offs_d[None, :].to(tl.int64) * stride_qd
+    tl.store(q_ptrs, xq.to(XQ.dtype.element_ty))
+    tl.store(SCALE + off_zh * N_BLOCKS + pid, amax / 448.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 attention forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0, qk_scale, qpos,
+                   lo, hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CHECK: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if USE_TMA:
+            k = K.load([kv_row0 + start_n, 0])
+        else:
+            k = tl.load(K + (kv_row0 + start_n + offs_nb)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :])
+        ks = tl.load(ks_base + start_n // QBLOCK)
+        vs = tl.load(vs_base + start_n // QBLOCK)
+        qk = tl.dot(q, tl.trans(k))
+        c = qk_scale * ks
+        if CHECK:
+            kpos = start_n + offs_nb[None, :]
+            visible = kpos < SEQ_K
+            if IS_CAUSAL:
+                visible = visible & (kpos <= qpos + (SEQ_K - SEQ_Q))
+            s = tl.where(visible, qk * c, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - (m_use - 8.0)[:, None])
+        else:  # c > 0: max of the raw dot, scale folded into one FMA with the subtraction
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
+            m_use = m_new
+            p = tl.exp2(qk * c - (m_use - 8.0)[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * (alpha * (vs_prev / vs))[:, None]
+        if USE_TMA:
+            vt = VT.load([vt_row0, start_n])
+        else:
+            vt = tl.load(VT + (vt_row0 + offs_d)[:, None].to(tl.int64) * SEQ_K_PAD + (start_n + offs_nb)[None, :])
+        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
+        m_i = m_new
+        vs_prev = vs
+    return acc, l_i, m_i, vs_prev
+
+
+@triton.jit
+def _fp8_attn_fwd(Q, K, VT, QS, KS, VS, O, stride_oz, stride_oh, stride_om,
+                  H_Q, H_KV, GROUP, SEQ_Q, SEQ_K, SEQ_Q_PAD, SEQ_K_PAD, sm_scale,
+                  HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, QBLOCK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # heaviest query blocks first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H_Q
+    off_h = off_hz % H_Q
+    off_kvh = off_z * H_KV + off_h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_row = off_hz * SEQ_Q_PAD + start_m
+    kv_row0 = off_kvh * SEQ_K_PAD
+    vt_row0 = off_kvh * HEAD_DIM
+    if USE_TMA:
+        q = Q.load([q_row, 0])
+    else:
+        q = tl.load(Q + (q_row + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :])
+    n_kb = SEQ_K_PAD // QBLOCK
+    q_scale = tl.load(QS + off_hz * (SEQ_Q_PAD // QBLOCK) + start_m // QBLOCK)
+    qk_scale = q_scale * sm_scale * 1.4426950408889634
+    ks_base = KS + off_kvh * n_kb
+    vs_base = VS + off_kvh * n_kb
+    qpos = offs_m[:, None]
+
+    # key blocks [0, full_hi) need no mask; [full_hi, hi) are cut by the causal diagonal or the sequence end
+    hi = SEQ_K
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.maximum(start_m + BLOCK_M + SEQ_K - SEQ_Q, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + SEQ_K - SEQ_Q + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.minimum(full_hi, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    vs_prev = tl.load(vs_base)
+    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0,
+                                            qk_scale, qpos, 0, full_hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
+                                            HEAD_DIM, BLOCK_N, QBLOCK, False, IS_CAUSAL, USE_TMA, WARP_SPEC)
+    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0,
+                                            qk_scale, qpos, full_hi, hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
+                                            HEAD_DIM, BLOCK_N, QBLOCK, True, IS_CAUSAL, USE_TMA, False)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * (vs_prev / l_safe)[:, None]
+    o_ptrs = O + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh \
+        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < SEQ_Q)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M and BLOCK_N must divide QUANT_BLOCK
+# ----------------------------------------------------------------------------------------------------------------
+
+# Chosen from sm_90 builds (registers, shared memory, no spills): one warpgroup per 64 query rows and two or three
+# programs per SM let one program's softmax overlap another's tensor-core work (Triton 3.6 keeps a program's own
+# wgmma synchronous with its softmax, and its warp specialization does not build this kernel on sm_90).
+FWD_CONFIGS = {
+    64: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2)],
+}
+INTERPRET_CONFIG = (16, 16, 4, 1)
+INTERPRET_QBLOCK = 32
+
+
+def _tma_pre_hook(nargs):
+    if not nargs.get("USE_TMA"):
+        return
+    bm, bn, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["HEAD_DIM"]
+    nargs["Q"].block_shape = [bm, d]
+    nargs["K"].block_shape = [bn, d]
+    nargs["VT"].block_shape = [d, bn]
+
+
+def _cfg(bm, bn, warps, stages, ws=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPEC": ws}, num_warps=warps, num_stages=stages,
+                         pre_hook=_tma_pre_hook)
+
+
+def _all_configs():
+    if _INTERPRET:
+        return [_cfg(*INTERPRET_CONFIG)]
+    seen, out = set(), []
+    for rows in FWD_CONFIGS.values():
+        for r in rows:
+            if r not in seen:
+                seen.add(r)
+                out.append(_cfg(*r))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    if _INTERPRET:
+        return configs
+    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    wanted = FWD_CONFIGS.get(d, FWD_CONFIGS[128])
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+    kept.sort(key=lambda c: wanted.index((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)))
+    kept = kept or configs[:1]
+    if os.environ.get("FXOPT_FP8_AUTOTUNE", "1") == "0":
+        kept = kept[:1]
+    return kept
+
+
+def _quick_bench(fn, quantiles=None):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+_fp8_attn_fwd_tuned = triton.autotune(_all_configs(), key=["HEAD_DIM", "IS_CAUSAL", "USE_TMA", "SEQ_Q_PAD",
+                                                           "SEQ_K_PAD"],
+                                      prune_configs_by={"early_config_prune": _prune},
+                                      do_bench=_quick_bench)(_fp8_attn_fwd)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side: signs, checks, support query, launches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fp8_dtype():
+    return torch.float8_e4m3fn
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_cpu(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(seed))
+    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(torch.float32)
+
+
+_SIGNS_CACHE: dict = {}
+
+
+def hadamard_signs(d: int, seed: int, device) -> torch.Tensor:
+    """The random +-1 diagonal of M = H diag(signs) / sqrt(d), fp32, identical on every device for a seed."""
+    device = torch.device(device)
+    key = (d, int(seed), str(device))
+    s = _SIGNS_CACHE.get(key)
+    if s is None:
+        s = _signs_cpu(d, int(seed)).to(device)
+        _SIGNS_CACHE[key] = s
+    return s
+
+
+def hadamard_matrix(d: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    """Dense M = H_d diag(signs) / sqrt(d) (for tests and documentation; the kernels never build it)."""
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * _signs_cpu(d, seed).to(dtype)[None, :] / math.sqrt(d)
+
+
+def hadamard_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x @ M along the last dim, butterfly in fp32 (float64 stays float64); returns x's dtype."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard_transform: last dim {d} is not a power of two")
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(work).reshape(-1, d)
+    h = 1
+    while h < d:
+        y4 = y.reshape(-1, d // (2 * h), 2, h)
+        a, b = y4[:, :, 0, :], y4[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, d)
+        h *= 2
+    y = y * (hadamard_signs(d, seed, x.device).to(work) / math.sqrt(d))
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def _check_hadamard_input(x):
+    d = x.shape[-1] if x.dim() else 0
+    if d not in HADAMARD_DIMS:
+        raise ValueError(f"hadamard_transform: last dim {d} unsupported (a power of two in {HADAMARD_DIMS})")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"hadamard_transform: dtype {x.dtype} is not floating point")
+
+
+def hadamard_triton(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x @ M along the last dim with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    _check_hadamard_input(x)
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y2 = y.view(-1, d)
+    n = x2.shape[0]
+    if n == 0:
+        return y
+    block_r = 16 if _INTERPRET else max(1, min(64, 2048 // d))  # 16 fp32 per thread: no spills on sm_90
+    grid = (triton.cdiv(n, block_r),)
+    _hadamard_kernel[grid](x2, y2, hadamard_signs(d, seed, x.device), x2.stride(0), y2.stride(0), n,
+                           1.0 / math.sqrt(d), D=d, LOG2_D=d.bit_length() - 1, BLOCK_R=block_r, num_warps=4)
+    return y
+
+
+def fp8_attention_supported(q, k, v, training: bool = False, *, allow_cpu_reference: bool = False):
+    """(ok, reason) for routing this attention to ``fxopt::fp8_attention``; reason is '' when ok.
+
+    Works on real and fake tensors (only shapes, dtypes and devices are read)."""
+    if training:
+        return False, "fp8 attention is forward-only (inference); training mode keeps bf16/fp16 attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            return False, f"{name} is {t.dim()}-D, fp8 attention needs [B, H, S, D]"
+        if t.dtype not in _DTYPES:
+            return False, f"{name} dtype {t.dtype} unsupported (float16 / bfloat16)"
+    if not (q.dtype == k.dtype == v.dtype):
+        return False, f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        return False, f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return False, f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}"
+    d = q.shape[3]
+    if d not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {d} unsupported by the fp8 kernel (needs one of {SUPPORTED_HEAD_DIMS})"
+    dev = q.device
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "no CUDA device available for the fp8 kernel"
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < (8, 9):
+            return False, f"fp8 tensor cores need sm_89+ (Ada/Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+        return True, ""
+    if dev.type == "cpu" and allow_cpu_reference:
+        return True, ""
+    return False, f"inputs on {dev.type}: the fp8 kernel needs a CUDA sm_89+/sm_90 GPU"
+
+
+def _check_attn_inputs(q, k, v, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"fp8_attention: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"fp8_attention: {name} dtype {t.dtype} unsupported (float16, bfloat16)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"fp8_attention: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"fp8_attention: device mismatch q {q.device}, k {k.device}, v {v.device}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"fp8_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    B, Hq, Sq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"fp8_attention: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch "
+                         "or head dim")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"fp8_attention: query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"fp8_attention: head dim {D} unsupported (the Hadamard transform and the fp8 kernel "
+                         f"support {SUPPORTED_HEAD_DIMS})")
+    if scale is not None and not (scale > 0):
+        raise ValueError(f"fp8_attention: scale must be > 0, got {scale}")
+
+
+def _qblock():
+    return INTERPRET_QBLOCK if _INTERPRET else QUANT_BLOCK
+
+
+def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose: bool = False,
+                    qblock: Optional[int] = None, qdtype=None):
+    """Block-quantize x [B, H, S, D] (Triton). Returns (xq, scales): xq [B, H, S_pad, D] (or [B, H, D, S_pad] when
+    ``transpose``) in ``qdtype`` (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock], x ~ xq * s."""
+    qblock = qblock or _qblock()
+    qdtype = qdtype or _fp8_dtype()
+    B, H, S, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_blocks = max(1, triton.cdiv(S, qblock))
+    s_pad = n_blocks * qblock
+    shape = (B, H, D, s_pad) if transpose else (B, H, s_pad, D)
+    xq = torch.empty(shape, device=x.device, dtype=qdtype)
+    scales = torch.empty((B * H, n_blocks), device=x.device, dtype=torch.float32)
+    sqz, sqh = xq.stride(0), xq.stride(1)
+    sqs, sqd = (xq.stride(3), xq.stride(2)) if transpose else (xq.stride(2), xq.stride(3))
+    signs = hadamard_signs(D, seed, x.device) if hadamard else scales
+    if B * H:
+        _quant_kernel[(n_blocks, B * H)](x, xq, scales, signs, x.stride(0), x.stride(1), x.stride(2),
+                                         sqz, sqh, sqs, sqd, H, S, n_blocks, 1.0 / math.sqrt(D),
+                                         HEAD_DIM=D, LOG2_D=D.bit_length() - 1, QBLOCK=qblock,
+                                         HADAMARD=bool(hadamard),
+                                         num_warps=4 if _INTERPRET else _QUANT_WARPS.get(D, 4))
+    return xq, scales
+
+
+# warps for a [128, D] tile: the butterflies' layout changes need ~2 registers per element (sm_90 builds: no spills
+# at D <= 128; a small spill at D = 256)
+_QUANT_WARPS = {64: 8, 128: 16, 256: 32}
+
+
+def _use_tma(device) -> bool:
+    if _INTERPRET or TensorDescriptor is None or os.environ.get("FXOPT_FP8_TMA", "1") != "1":
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype, is_causal=False,
+                            scale=None, out=None, config=None, use_tma=None, qblock=None):
+    """Attention kernel alone, on inputs from :func:`quantize_blocks` (Q and K row-major, V transposed).
+
+    shape_q = (B, Hq, Sq, D) of the original q; seq_k = Sk; config = dict(BLOCK_M, BLOCK_N, num_warps, num_stages[,
+    WARP_SPEC]) bypasses autotuning."""
+    B, Hq, Sq, D = shape_q
+    Hkv = n_kv_heads
+    qblock = qblock or _qblock()
+    sq_pad, sk_pad = qq.shape[2], kq.shape[2]
+    o = out if out is not None else torch.empty((B, Hq, Sq, D), device=qq.device, dtype=out_dtype)
+    if B * Hq * Sq == 0:
+        return o
+    if seq_k == 0:
+        return o.zero_()
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    if use_tma is None:
+        use_tma = _use_tma(qq.device)
+    if use_tma:
+        dummy = [16, 16]
+        q_arg = TensorDescriptor(qq, shape=[B * Hq * sq_pad, D], strides=[D, 1], block_shape=dummy)
+        k_arg = TensorDescriptor(kq, shape=[B * Hkv * sk_pad, D], strides=[D, 1], block_shape=dummy)
+        v_arg = TensorDescriptor(vt, shape=[B * Hkv * D, sk_pad], strides=[sk_pad, 1], block_shape=dummy)
+    else:
+        q_arg, k_arg, v_arg = qq, kq, vt
+    args = (q_arg, k_arg, v_arg, qs, ks, vs, o, o.stride(0), o.stride(1), o.stride(2),
+            Hq, Hkv, Hq // Hkv, Sq, seq_k, sq_pad, sk_pad, sm_scale)
+    flags = dict(HEAD_DIM=D, IS_CAUSAL=bool(is_causal), USE_TMA=bool(use_tma), QBLOCK=qblock)
+    if config is not None:
+        c = dict(config)
+        meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
+        if use_tma:
+            _tma_pre_hook(dict(Q=q_arg, K=k_arg, VT=v_arg, USE_TMA=True, HEAD_DIM=D, **meta))
+        grid = (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+        _fp8_attn_fwd[grid](*args, **flags, **meta, **c)
+    else:
+        grid = lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        _fp8_attn_fwd_tuned[grid](*args, **flags)
+    return o
+
+
+def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0, *, qdtype=None, out=None,
+                         config=None, use_tma=None):
+    """Quantize (Triton) + attention (Triton). ``qdtype=torch.float16`` runs the same kernels without fp8 (for the
+    interpreter on CPU)."""
+    _check_attn_inputs(q, k, v, scale)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    qq, qs = quantize_blocks(q, hadamard=hadamard, seed=seed, qdtype=qdtype)
+    kq, ks = quantize_blocks(k, hadamard=hadamard, seed=seed, qdtype=qdtype)
+    vt, vs = quantize_blocks(v, hadamard=False, transpose=True, qdtype=qdtype)
+    return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
+                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
+                                   use_tma=use_tma)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference (the op's CPU path): same transform, same quantization, same online softmax, in fp32
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def quantize_reference(x: torch.Tensor, granularity: str = "block", qblock: int = QUANT_BLOCK,
+                       qdtype=None):
+    """Fake-quantize x [B, H, S, D] (fp32 math): returns (x_q as fp32 values of the qdtype grid, scale broadcastable
+    to x). granularity: 'block' (one scale per qblock rows of a head, as the kernel), 'tensor' (one scale)."""
+    qdtype = qdtype or _fp8_dtype()
+    x = x.float()
+    B, H, S, D = x.shape
+    if granularity == "tensor":
+        amax = x.abs().amax().clamp_min(1e-30)
+        inv, scale = 448.0 / amax, amax / 448.0
+        return (x * inv).clamp(-FP8_MAX, FP8_MAX).to(qdtype).float(), scale
+    if granularity != "block":
+        raise ValueError(f"granularity must be 'block' or 'tensor', got {granularity!r}")
+    n = max(1, -(-S // qblock))
+    xp = torch.nn.functional.pad(x, (0, 0, 0, n * qblock - S)).reshape(B, H, n, qblock, D)
+    amax = xp.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-30)
+    xq = (xp * (448.0 / amax)).clamp(-FP8_MAX, FP8_MAX).to(qdtype).float()
+    scale = (amax / 448.0).expand(B, H, n, qblock, 1).reshape(B, H, n * qblock, 1)[:, :, :S]
+    return xq.reshape(B, H, n * qblock, D)[:, :, :S], scale
+
+
+def fp8_attention_reference(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0, *,
+                            granularity: str = "block", qblock: int = QUANT_BLOCK, block_n: Optional[int] = None,
+                            qdtype=None, quantize_p: bool = True):
+    """Emulates the kernel in fp32 with real e4m3 rounding (``qdtype``), any device. Returns q's dtype."""
+    qdtype = qdtype or _fp8_dtype()
+    block_n = block_n or qblock
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    qf, kf = q.float(), k.float()
+    if hadamard:
+        qf, kf = hadamard_reference(qf, seed), hadamard_reference(kf, seed)
+    q8, qsc = quantize_reference(qf, granularity, qblock, qdtype)
+    k8, ksc = quantize_reference(kf, granularity, qblock, qdtype)
+    v8, vsc = quantize_reference(v.float(), granularity, qblock, qdtype)
+    if group > 1:
+        k8, v8 = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
+        if granularity == "block":
+            ksc, vsc = ksc.repeat_interleave(group, 1), vsc.repeat_interleave(group, 1)
+    if granularity == "tensor":
+        ksc = ksc.reshape(1, 1, 1, 1).expand(B, Hq, Sk, 1)
+        vsc = vsc.reshape(1, 1, 1, 1).expand(B, Hq, Sk, 1)
+    c = qsc * (sm_scale * LOG2E)  # [B, Hq, Sq, 1] or scalar
+    qpos = torch.arange(Sq, device=q.device)[:, None]
+    m = torch.full((B, Hq, Sq, 1), float("-inf"), device=q.device)
+    l = torch.zeros((B, Hq, Sq, 1), device=q.device)
+    acc = torch.zeros((B, Hq, Sq, D), device=q.device)
+    for n0 in range(0, Sk, block_n):
+        n1 = min(n0 + block_n, Sk)
+        s = (q8 @ k8[:, :, n0:n1].transpose(-1, -2)) * c * ksc[:, :, n0:n1, 0][:, :, None, :]
+        if is_causal:
+            kpos = torch.arange(n0, n1, device=q.device)[None, :]
+            s = s.masked_fill(kpos > qpos + (Sk - Sq), float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        p = torch.exp2(s - (m_use - P_SHIFT))
+        alpha = torch.exp2(m - m_use)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        if quantize_p:
+            p = p.to(qdtype).float()
+        acc = acc * alpha + p @ (v8[:, :, n0:n1] * vsc[:, :, n0:n1])
+        m = m_new
+    out = acc / torch.where(l == 0, torch.ones_like(l), l)
+    return out.to(q.dtype)
+
+
+def attention_float64(q, k, v, is_causal=False, scale=None):
+    """Exact attention in float64 (the accuracy yardstick); same causal convention as the kernel."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    if Hq != Hkv:
+        kd, vd = kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1)
+    s = (qd @ kd.transpose(-1, -2)) * sm_scale
+    if is_causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vd
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fxopt::hadamard_transform", mutates_args=())
+def hadamard_transform(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x @ (H diag(signs(seed)) / sqrt(D)) along the last dim (D a power of two in 16..256)."""
+    _check_hadamard_input(x)
+    if x.device.type == "cuda":
+        return hadamard_triton(x, seed)
+    return hadamard_reference(x, seed).contiguous()
+
+
+@hadamard_transform.register_fake
+def _(x, seed=0):
+    _check_hadamard_input(x)
+    return torch.empty(x.shape, device=x.device, dtype=x.dtype)
+
+
+@torch.library.custom_op("fxopt::fp8_attention", mutates_args=())
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                  scale: Optional[float] = None, hadamard: bool = True, seed: int = 0) -> torch.Tensor:
+    """FP8 e4m3 attention forward (block-quantized Q/K/V, optional Hadamard incoherent processing)."""
+    _check_attn_inputs(q, k, v, scale)
+    out = torch.empty_like(q)  # same strides as the fake impl
+    if q.device.type == "cuda" and out.stride(-1) == 1:
+        return fp8_attention_triton(q, k, v, is_causal, scale, hadamard, seed, out=out)
+    if q.device.type == "cuda":
+        out.copy_(fp8_attention_triton(q, k, v, is_causal, scale, hadamard, seed))
+    else:
+        out.copy_(fp8_attention_reference(q, k, v, is_causal, scale, hadamard, seed))
+    return out
+
+
+@fp8_attention.register_fake
+def _(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0):
+    _check_attn_inputs(q, k, v, scale)
+    return torch.empty_like(q)

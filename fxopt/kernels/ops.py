@@ -1,0 +1,8 @@
+"""Registers every fxopt custom op (``torch.ops.fxopt.*``) by importing the kernel modules.
+
+Passes import this module, never kernel internals: a pass only needs the op to exist (its CPU reference runs the graph
+on CPU; the Triton kernel runs it on CUDA).
+"""
+from . import attention  # noqa: F401  fxopt::flash_attention
+from . import w4a16  # noqa: F401  fxopt::w4a16_linear, fxopt::dequantize_w4
+from . import fp8_attention  # noqa: F401  fxopt::fp8_attention, fxopt::hadamard_transform

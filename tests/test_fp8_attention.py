@@ -1,0 +1,234 @@
+"""FP8 attention (fxopt.kernels.fp8_attention): Hadamard transform, block quantization, reference, kernels.
+
+CPU: the math in float64 / with real e4m3 casts, and the Triton kernels through the interpreter with float16 standing
+in for e4m3 (the interpreter has no fp8). GPU (``@pytest.mark.gpu``): the real fp8 kernels against the emulation and
+against float64 attention.
+"""
+import math
+
+import pytest
+import torch
+
+from fxopt.kernels import fp8_attention as F
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+# ---------------------------------------------------------------- Hadamard transform
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_hadamard_matrix_orthogonal(d):
+    m = F.hadamard_matrix(d, seed=3)
+    assert torch.allclose(m @ m.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    assert set(m.abs().unique().tolist()) == {1 / math.sqrt(d)}
+    assert not torch.equal(F.hadamard_matrix(d, seed=3), F.hadamard_matrix(d, seed=4))  # the seed matters
+
+
+def test_hadamard_reference_matches_dense_and_keeps_qk_exact():
+    q = _rand(2, 3, 17, 128, dtype=torch.float64, seed=1)
+    k = _rand(2, 3, 19, 128, dtype=torch.float64, seed=2)
+    m = F.hadamard_matrix(128, seed=7)
+    qh, kh = F.hadamard_reference(q, 7), F.hadamard_reference(k, 7)
+    assert torch.allclose(qh, q @ m, atol=1e-12)
+    assert torch.allclose(qh @ kh.transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-10)
+    # an outlier channel is spread over all channels
+    x = torch.zeros(1, 128, dtype=torch.float64)
+    x[0, 5] = 100.0
+    assert F.hadamard_reference(x, 7).abs().max().item() == pytest.approx(100 / math.sqrt(128))
+
+
+def test_hadamard_op_cpu_and_fake():
+    x = _rand(4, 64, seed=3)
+    y = torch.ops.fxopt.hadamard_transform(x, 5)
+    assert torch.allclose(y.double(), x.double() @ F.hadamard_matrix(64, 5), atol=1e-5)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fy = torch.ops.fxopt.hadamard_transform(torch.empty(4, 64), 5)
+    assert fy.shape == y.shape and fy.stride() == y.stride()
+    with pytest.raises(ValueError, match="power of two"):
+        torch.ops.fxopt.hadamard_transform(torch.randn(4, 96), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hadamard_triton_interpreter(interpret_device, dtype):
+    x = _rand(37, 64, dtype=dtype, seed=4, device=interpret_device)
+    y = F.hadamard_triton(x, seed=11)
+    ref = x.double().cpu() @ F.hadamard_matrix(64, 11)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert y.dtype == dtype
+    assert torch.allclose(y.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- block quantization
+
+
+def test_quantize_reference_roundtrip_bound():
+    x = _rand(2, 3, 300, 64, seed=5) * 3
+    x[0, 1, 7, 3] = 80.0  # an outlier only inflates its own block's scale
+    xq, s = F.quantize_reference(x, "block", qblock=128)
+    err = (xq * s - x).abs()
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normal values, absolute <= 2^-10 * s for subnormals
+    bound = torch.maximum(x.abs() * 2.0 ** -4, s * 2.0 ** -10)
+    assert (err <= bound * 1.0001).all()
+    assert s[0, 1, 7].item() == pytest.approx(80.0 / 448)
+    assert s[0, 1, 200].item() < 80.0 / 448 / 4
+    assert xq.abs().max().item() == 448.0
+
+
+def test_quantize_triton_interpreter_matches_reference(interpret_device):
+    x = _rand(2, 3, 50, 64, dtype=torch.float16, seed=6, device=interpret_device)
+    for hadamard in (False, True):
+        xq, s = F.quantize_blocks(x, hadamard=hadamard, seed=2, qblock=32, qdtype=torch.float16)
+        assert xq.shape == (2, 3, 64, 64) and s.shape == (6, 2)
+        src = F.hadamard_reference(x.float(), 2) if hadamard else x.float()
+        rq, rs = F.quantize_reference(src, "block", qblock=32, qdtype=torch.float16)
+        assert torch.allclose(s.cpu(), rs.reshape(6, 50)[:, ::32], rtol=1e-5)
+        assert torch.allclose(xq[:, :, :50].float().cpu(), rq.cpu(), atol=0.5, rtol=2e-3)
+        assert (xq[:, :, 50:] == 0).all()  # padding rows
+    vt, vs = F.quantize_blocks(x, hadamard=False, transpose=True, qblock=32, qdtype=torch.float16)
+    xq, _ = F.quantize_blocks(x, hadamard=False, qblock=32, qdtype=torch.float16)
+    assert vt.shape == (2, 3, 64, 64) and torch.equal(vt.transpose(-1, -2), xq)
+
+
+# ---------------------------------------------------------------- reference vs float64
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_reference_close_to_float64(causal, hadamard):
+    q = _rand(1, 4, 256, 128, dtype=torch.bfloat16, seed=7)
+    k = _rand(1, 2, 256, 128, dtype=torch.bfloat16, seed=8)
+    v = _rand(1, 2, 256, 128, dtype=torch.bfloat16, seed=9)
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    out = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, hadamard, 0)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    rel = (out.double() - exact).norm() / exact.norm()
+    assert rel < 0.08, rel  # e4m3 keeps ~2^-4 relative precision per element
+    # and it is fp8, not bf16: no quantization gives a much smaller error
+    noq = F.fp8_attention_reference(q, k, v, is_causal=causal, hadamard=hadamard, qdtype=torch.float32,
+                                    quantize_p=False)
+    assert (noq.double() - exact).norm() / exact.norm() < rel / 4
+
+
+def test_hadamard_helps_on_outliers():
+    g = torch.Generator().manual_seed(10)
+    shape = (1, 2, 512, 128)
+    qkv = [torch.randn(shape, generator=g) + torch.randn(shape, generator=g) * 10 *
+           (torch.rand(shape, generator=g) < 0.001) for _ in range(3)]
+    q, k, v = (t.to(torch.bfloat16) for t in qkv)
+    exact = F.attention_float64(q, k, v)
+    err = {}
+    for name, gran, had in (("tensor", "tensor", False), ("block", "block", False), ("hadamard", "block", True)):
+        out = F.fp8_attention_reference(q, k, v, hadamard=had, granularity=gran)
+        err[name] = (out.double() - exact).pow(2).mean().sqrt().item()
+    assert err["hadamard"] < err["block"] <= err["tensor"] * 1.05, err
+
+
+def test_reference_hadamard_equals_unrotated_without_quantization():
+    q, k, v = (_rand(1, 2, 64, 64, seed=s) for s in (11, 12, 13))
+    a = F.fp8_attention_reference(q, k, v, hadamard=True, seed=3, qdtype=torch.float32, quantize_p=False)
+    exact = F.attention_float64(q, k, v)
+    assert torch.allclose(a.double(), exact, atol=1e-5)
+
+
+def test_fake_impl_and_strides():
+    q = _rand(1, 8, 2, 64, dtype=torch.float16, seed=14).transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]
+    k = _rand(1, 2, 8, 64, dtype=torch.float16, seed=15)
+    out = torch.ops.fxopt.fp8_attention(q, k, k, False, None, True, 0)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        fo = torch.ops.fxopt.fp8_attention(fq, fk, fk, False, None, True, 0)
+    assert fo.shape == out.shape and fo.stride() == out.stride() == torch.empty_like(q).stride()
+
+
+# ---------------------------------------------------------------- unsupported inputs
+
+
+def test_unsupported_inputs_give_reasons():
+    q = torch.empty(1, 4, 16, 128, dtype=torch.bfloat16)
+    ok, why = F.fp8_attention_supported(q, q, q, training=True)
+    assert not ok and "training" in why
+    ok, why = F.fp8_attention_supported(q[..., :96], q[..., :96], q[..., :96], training=False)
+    assert not ok and "head dim 96" in why
+    ok, why = F.fp8_attention_supported(q.float(), q.float(), q.float(), training=False)
+    assert not ok and "dtype" in why
+    ok, why = F.fp8_attention_supported(q, q[:, :3], q[:, :3], training=False)
+    assert not ok and "multiple" in why
+    ok, why = F.fp8_attention_supported(q, q, q, training=False)
+    assert not ok and "GPU" in why  # CPU tensors
+    assert F.fp8_attention_supported(q, q, q, training=False, allow_cpu_reference=True) == (True, "")
+    with pytest.raises(ValueError, match="head dim 96"):
+        torch.ops.fxopt.fp8_attention(q[..., :96], q[..., :96], q[..., :96], False, None, True, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        torch.ops.fxopt.fp8_attention(q.float(), q.float(), q.float(), False, None, True, 0)
+
+
+# ---------------------------------------------------------------- Triton attention kernel (interpreter: fp16 stand-in)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter path (CPU only); GPU tests below cover CUDA")
+@pytest.mark.parametrize("causal,sq,sk,hadamard", [(False, 50, 70, True), (True, 50, 70, False), (True, 70, 40, True)])
+def test_attention_kernel_interpreter(causal, sq, sk, hadamard):
+    q = _rand(1, 4, sq, 64, dtype=torch.float16, seed=16)
+    k = _rand(1, 2, sk, 64, dtype=torch.float16, seed=17)
+    v = _rand(1, 2, sk, 64, dtype=torch.float16, seed=18)
+    out = F.fp8_attention_triton(q, k, v, is_causal=causal, hadamard=hadamard, seed=1, qdtype=torch.float16)
+    emu = F.fp8_attention_reference(q, k, v, is_causal=causal, hadamard=hadamard, seed=1, qblock=32, block_n=16,
+                                    qdtype=torch.float16)
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    assert torch.allclose(out.double(), emu.double(), atol=2e-3)
+    assert torch.allclose(out.double(), exact, atol=3e-3)
+    if causal and sq > sk:  # rows that see no key give 0
+        assert (out[:, :, : sq - sk] == 0).all()
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_kernel_gpu(d, causal):
+    q = _rand(2, 8, 300, d, dtype=torch.bfloat16, seed=19, device="cuda")
+    k = _rand(2, 2, 333 if not causal else 300, d, dtype=torch.bfloat16, seed=20, device="cuda")
+    v = _rand(*k.shape, dtype=torch.bfloat16, seed=21, device="cuda")
+    out = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 5)
+    emu = F.fp8_attention_reference(q, k, v, is_causal=causal, hadamard=True, seed=5)
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+    rel_emu = ((out.double() - emu.double()).norm() / exact.norm()).item()
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel_emu < 0.03, rel_emu  # same quantization up to P rounding / block order
+    assert rel < 0.08, rel
+
+
+@pytest.mark.gpu
+def test_fp8_kernel_gpu_odd_shapes_and_fp16():
+    q = _rand(1, 4, 77, 128, dtype=torch.float16, seed=22, device="cuda")
+    k = _rand(1, 4, 130, 128, dtype=torch.float16, seed=23, device="cuda")
+    v = _rand(1, 4, 130, 128, dtype=torch.float16, seed=24, device="cuda")
+    for causal in (False, True):
+        out = torch.ops.fxopt.fp8_attention(q, k, v, causal, 0.1, False, 0)
+        exact = F.attention_float64(q, k, v, is_causal=causal, scale=0.1)
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 0.08
+    qs = _rand(1, 4, 200, 128, dtype=torch.float16, seed=25, device="cuda")  # Sq > Sk causal: empty rows are 0
+    out = torch.ops.fxopt.fp8_attention(qs, k, v, True, None, True, 0)
+    assert (out[:, :, :70] == 0).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_hadamard_and_quant_gpu():
+    x = _rand(3, 5, 257, 128, dtype=torch.bfloat16, seed=26, device="cuda")
+    y = torch.ops.fxopt.hadamard_transform(x, 9)
+    ref = F.hadamard_reference(x.cpu(), 9)
+    assert torch.allclose(y.float().cpu(), ref.float(), atol=2e-2, rtol=1e-2)
+    xq, s = F.quantize_blocks(x, hadamard=True, seed=9)
+    rq, rs = F.quantize_reference(F.hadamard_reference(x.float(), 9), "block")
+    assert torch.allclose(s, rs.reshape(15, 257)[:, ::128], rtol=1e-5)
+    agree = (xq[:, :, :257].float() == rq).float().mean().item()
+    assert agree > 0.98, agree  # the same e4m3 codes up to fp32 rounding of the transform
