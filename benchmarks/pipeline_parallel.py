@@ -1,0 +1,219 @@
+"""Pipeline parallelism: bubble, throughput and the cost model's stage times.
+
+Two GPUs (training step, 2 stages, 1F1B, M ∈ {1, 2, 4, 8, 16} micro-batches)::
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/pipeline_parallel.py [--out DIR]
+
+For every M: step time, tokens/s against the same step on one GPU (the whole model compiled with fxopt on rank 0),
+the measured bubble ``1 - M * t_slowest_stage / t_step`` (``t_slowest_stage``: fwd+bwd of one micro-batch on the
+slowest stage, timed alone) against the ideal ``(p - 1) / (M + p - 1)``, and the predicted against the measured
+forward time of each stage. Results: ``pipeline_parallel.{json,md}``.
+
+One GPU (cost model check, < 2 min)::
+
+    python benchmarks/pipeline_parallel.py --single-gpu [--stages 4] [--no-compile]
+
+captures the model, splits it with the pipeline pass (H200 profile calibrated by one matmul and one copy), and times
+every stage's forward on one micro-batch alone, eager and compiled with fxopt: predicted vs measured per stage, and
+the measured balance against the predicted one. Results: ``pipeline_cost_model.{json,md}``.
+
+``NCCL_NVLS_ENABLE=0`` is set here (NVLink multicast is not used by point-to-point sends and must stay off on the
+shared machines).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, parse_args, write_results  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def _extra(p):
+    p.add_argument("--single-gpu", action="store_true", help="cost model vs stage times measured one by one")
+    p.add_argument("--stages", type=int, default=4, help="stages for --single-gpu")
+    p.add_argument("--no-compile", action="store_true", help="--single-gpu: eager stage times only")
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+
+
+def _model(args, device, dtype=torch.bfloat16):
+    from fxopt.models import TinyLlamaConfig, build_demo_model
+
+    cfg = TinyLlamaConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=args.dim // 128,
+                          n_kv_heads=max(1, args.dim // 512), ffn_dim=int(args.dim * 8 / 3) // 64 * 64,
+                          max_seq_len=args.seq)
+    return build_demo_model(0, cfg).to(device=device, dtype=dtype).train()
+
+
+def _lm_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+
+def single_gpu(args):
+    from fxopt.parallel.pipeline import _state_names, build_stage_modules, capture
+    from fxopt.passes.manager import ensure_meta_val
+    from fxopt.passes.pipeline import DeviceProfile, build_plan
+
+    dev = torch.device("cuda")
+    t0 = time.time()
+    model = _model(args, dev)
+    mb = max(1, args.batch // 4)
+    ids = torch.randint(0, 32000, (mb, args.seq), device=dev)
+    gm, ex = capture(model, [ids], {})
+    ensure_meta_val(gm, ex)
+    names = _state_names(model)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state = {n.name: names[id(v)] for n, v in zip(phs, ex) if id(v) in names}
+    tensors = {names[id(v)]: v for v in ex if id(v) in names}
+    profile = DeviceProfile.measure(dev)
+    plan = build_plan(gm, args.stages, state=state, profile=profile)
+    print(plan)
+    mods = build_stage_modules(gm, plan, state, tensors, [n.name for n in phs if n.name not in state])
+    rows = []
+    with torch.no_grad():
+        h = (ids,)
+        for s in range(args.stages):
+            m = mods[s]
+            inp = h
+            eager = bench_ms(lambda: m(*inp))
+            row = {"stage": s, "modules": f"{plan.stages[s].modules[0]}..{plan.stages[s].modules[1]}",
+                   "predicted_us": plan.stages[s].seconds * 1e6, "eager_us": eager * 1e3}
+            if not args.no_compile:
+                cm = torch.compile(m, backend="fxopt", dynamic=False)
+                cm(*inp)
+                row["compiled_us"] = bench_ms(lambda: cm(*inp)) * 1e3
+            row["pred/eager"] = row["predicted_us"] / row["eager_us"]
+            if "compiled_us" in row:
+                row["pred/compiled"] = row["predicted_us"] / row["compiled_us"]
+            rows.append(row)
+            out = m(*inp)
+            h = out if isinstance(out, tuple) else (out,)
+    for key in ("eager_us", "compiled_us"):
+        if key in rows[0]:
+            t = [r[key] for r in rows]
+            print(f"measured balance ({key}): {max(t) / (sum(t) / len(t)):.3f}; predicted {plan.balance:.3f}")
+    notes = (f"Model: demo Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, micro-batch {mb}, bf16, "
+             f"forward only. Cost model profile: {profile.name} (matmul {profile.matmul_peak(torch.bfloat16) / 1e12:.0f} "
+             f"TFLOP/s, {profile.mem_bw / 1e9:.0f} GB/s). Predicted balance {plan.balance:.3f}. "
+             f"Wall time {time.time() - t0:.0f} s.\n\n```\n{plan}\n```")
+    write_results("pipeline_cost_model", rows, title="Pipeline cost model: predicted vs measured stage times",
+                  notes=notes, out_dir=args.out)
+
+
+def two_gpus(args):
+    import torch.distributed as dist
+
+    from fxopt.parallel.pipeline import pipeline
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    model = _model(args, dev)
+    ids = torch.randint(0, 32000, (args.batch, args.seq), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    tgt = torch.randint(0, 32000, (args.batch, args.seq), device=dev, generator=torch.Generator(dev).manual_seed(1))
+    tokens = args.batch * args.seq
+
+    def timed(fn, reps=5):
+        fn()
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    # One GPU: the whole model, compiled with fxopt, same batch (rank 0; the other rank waits).
+    single_s = None
+    if rank == 0:
+        cm = torch.compile(model, backend="fxopt")
+
+        def one_gpu_step():
+            _lm_loss(cm(ids), tgt).backward()
+
+        one_gpu_step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            one_gpu_step()
+        torch.cuda.synchronize()
+        single_s = (time.perf_counter() - t0) / 5
+        model.zero_grad(set_to_none=True)
+    dist.barrier()
+    box = [single_s]
+    dist.broadcast_object_list(box, src=0)
+    single_s = box[0]
+
+    rows = []
+    ms = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16]
+    for m in ms:
+        runner = pipeline(model, (ids,), stages=world, microbatches=m, schedule="1F1B", loss_fn=_lm_loss,
+                          device=dev)
+        step_s = timed(lambda: runner.step(ids, target=tgt if runner.is_last else None))
+        # Each rank's stage alone: fwd and fwd+bwd of one micro-batch.
+        mb_ids = ids.chunk(m)[0]
+        stage = runner._compiled[runner.stage_indices[0]]
+        if rank == 0:
+            x_in = (mb_ids,)
+        else:
+            prev = runner.plan.boundaries[-1].values
+            x_in = tuple(torch.randn(shape, device=dev, dtype=dt, requires_grad=dt.is_floating_point)
+                         for _, shape, dt in prev)
+        with torch.no_grad():
+            fwd_ms = bench_ms(lambda: stage(*x_in))
+
+        def fwd_bwd():
+            out = stage(*x_in)
+            out = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward([o for o in out if o.requires_grad],
+                                    [torch.ones_like(o) for o in out if o.requires_grad])
+
+        fb_ms = bench_ms(fwd_bwd)
+        for p in runner.parameters():
+            p.grad = None
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (fwd_ms, fb_ms))
+        slowest = max(g[1] for g in gathered) / 1e3
+        p = world
+        row = {"microbatches": m, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
+               "speedup_vs_1gpu": single_s / step_s, "bubble_measured": max(0.0, 1 - m * slowest / step_s),
+               "bubble_ideal": (p - 1) / (m + p - 1)}
+        for s in range(world):
+            row[f"stage{s}_fwd_pred_us"] = runner.plan.stages[s].seconds * 1e6
+            row[f"stage{s}_fwd_meas_us"] = gathered[s][0] * 1e3
+        rows.append(row)
+        if rank == 0:
+            print(runner.plan)
+            print(row)
+    if rank == 0:
+        notes = (f"2 stages on {world} GPUs, 1F1B, demo Llama dim {args.dim}, {args.layers} layers, batch {args.batch} x "
+                 f"seq {args.seq}, bf16, stages compiled with backend='fxopt'. One-GPU step: {single_s * 1e3:.1f} ms. "
+                 "bubble_measured = 1 - M * (fwd+bwd of one micro-batch on the slowest stage, alone) / step time. "
+                 "NCCL_NVLS_ENABLE=0.")
+        write_results("pipeline_parallel", rows, title="Pipeline parallel training step (2 stages)", notes=notes,
+                      out_dir=args.out)
+    dist.destroy_process_group()
+
+
+def main():
+    args = parse_args("pipeline parallel benchmark", _extra)
+    if args.single_gpu:
+        single_gpu(args)
+    else:
+        two_gpus(args)
+
+
+if __name__ == "__main__":
+    main()

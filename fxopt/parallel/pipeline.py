@@ -1,0 +1,445 @@
+"""``fxopt.pipeline``: pipeline parallelism with an automatic, cost-balanced split of the captured graph.
+
+Flow (on every rank of an initialized process group, with the same model and example inputs)::
+
+    runner = fxopt.pipeline(model, (x,), stages=2, microbatches=4, schedule="1F1B")
+    print(runner.plan)                                    # stage costs, balance, bytes per boundary
+    out = runner.forward(x)                               # inference: output on the last stage, None elsewhere
+    loss = runner.step(x, target=y, loss_fn=F.cross_entropy)   # training: mean micro-batch loss on the last stage
+    opt = torch.optim.AdamW(runner.parameters()); opt.step()
+
+1. Capture: Dynamo (``fullgraph=True``, static shapes) traces ``model`` on one micro-batch (the example inputs cut
+   along dim 0 into ``microbatches`` chunks); a graph break is a :class:`PipelineError` with Dynamo's reason.
+2. Plan: the ``pipeline`` pass (:mod:`fxopt.passes.pipeline`) prices the nodes and chooses the boundaries.
+3. Split (:func:`build_stage_modules`): one ``GraphModule`` per stage. Stage ``s`` takes the values crossing boundary
+   ``s-1`` (stage 0: the model's tensor inputs, args then kwargs) and returns those crossing boundary ``s`` (the last
+   stage: the model's output). Parameters and buffers become ``get_attr`` nodes under their qualified names
+   (``layers.0.attn.q_proj.weight``): each stage owns exactly the ones it uses, as the *same* ``nn.Parameter``
+   objects as ``model``'s, so gradients land in the model's parameters.
+4. Run: each local stage is compiled with ``torch.compile(stage, backend="fxopt")`` (``compile=False`` skips it;
+   a string picks another backend) so that attention / W4A16 rewrites apply inside stages, wrapped in
+   ``torch.distributed.pipelining.PipelineStage`` and driven by PyTorch's ``ScheduleGPipe``, ``Schedule1F1B`` or
+   ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % world_size``; interleaved needs
+   ``stages = v * world_size``). Only public constructor arguments are used (same on torch 2.11 and 2.13).
+
+Gradients. Schedules run with ``scale_grads=False``; :meth:`PipelineRunner.step` divides this step's gradients by the
+number of micro-batches itself (a ``mean`` loss then gives the full-batch gradient) and adds them to whatever the
+parameters held before the step, so gradient accumulation over several steps works.
+
+Shared (tied) parameters. A parameter used by stages on different ranks (a tied embedding and lm_head) exists once per
+rank. At setup it is broadcast from the lowest such rank; after each backward its gradient is all-reduced (summed)
+over exactly the ranks that use it, so every copy gets the full gradient and identical optimizer updates keep the
+copies equal. Stages on the same rank share the one Parameter object, whose gradient accumulates naturally.
+
+Limits: static shapes (the batch must be ``microbatches`` times the captured micro-batch); the model returns a tensor
+or a tuple of tensors; values crossing a boundary are tensors; tensor parallelism is not combined with it here.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from ..config import Config, PipelineConfig
+from ..passes.pipeline import PLAN_KEY, STAGE_KEY, DeviceProfile, PipelineError, PipelinePlan
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Capture
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _flat_inputs(args: Sequence, kwargs: dict) -> list:
+    return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+
+
+def _chunk0(v: Any, m: int) -> Any:
+    return v.chunk(m, dim=0)[0] if isinstance(v, torch.Tensor) else v
+
+
+def _check_batch(args: Sequence, kwargs: dict, m: int) -> None:
+    if m < 1:
+        raise PipelineError(f"microbatches must be >= 1, got {m}")
+    for i, t in enumerate(_flat_inputs(args, kwargs)):
+        if t.dim() == 0 or t.shape[0] % m != 0:
+            raise PipelineError(f"microbatches={m} does not divide the batch: input {i} has shape {tuple(t.shape)} "
+                                f"(the batch dimension 0 must be a multiple of {m})")
+
+
+def capture(model: nn.Module, args: Sequence, kwargs: dict) -> tuple:
+    """Dynamo graph of ``model(*args, **kwargs)`` (one graph, static shapes) and its example inputs."""
+    captured: list = []
+
+    def recorder(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    for attempt in range(2):
+        captured.clear()
+        try:
+            with torch.no_grad():
+                torch.compile(model, backend=recorder, fullgraph=True, dynamic=False)(*args, **kwargs)
+        except Exception as e:  # Dynamo: Unsupported / graph break / user error, all with a reason
+            raise PipelineError(f"fxopt.pipeline needs the model as one graph, but Dynamo could not capture it "
+                                f"(graph break or unsupported code): {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        if captured:
+            break
+        torch._dynamo.reset()  # a cached graph from an earlier compile: retrace once from scratch
+    if len(captured) != 1:
+        raise PipelineError(f"fxopt.pipeline needs the model as one graph, Dynamo produced {len(captured)}")
+    return captured[0]
+
+
+def _state_names(model: nn.Module) -> dict:
+    """id(tensor) → qualified name (first one; tied parameters have several)."""
+    names: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), name)
+    return names
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Split
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, tensors: dict,
+                        input_order: Sequence[str], only: Optional[Sequence[int]] = None) -> dict:
+    """One ``GraphModule`` per stage (those in ``only``, default all) from the annotated graph.
+
+    ``state``: placeholder name → qualified name; ``tensors``: qualified name → the Parameter/buffer object;
+    ``input_order``: the user-input placeholder names in the order stage 0 receives them.
+    """
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    n_stages = len(plan.stages)
+    out_node = next(n for n in nodes if n.op == "output")
+
+    def stages_of(n):
+        s = n.meta.get(STAGE_KEY)
+        return set(s) if isinstance(s, list) else ({s} if s is not None else set())
+
+    home = {}  # value node → the one stage that produces it (inputs: stage 0)
+    for n in nodes:
+        if n.op == "placeholder" and n.name not in state:
+            home[n] = 0
+        elif n.op in ("call_function", "call_method", "call_module") and isinstance(n.meta.get(STAGE_KEY), int):
+            home[n] = n.meta[STAGE_KEY]
+    last_use = {}
+    for n in home:
+        last = home[n]
+        for u in n.users:
+            if u.op == "output":
+                last = n_stages - 1
+            elif isinstance(u.meta.get(STAGE_KEY), int):
+                last = max(last, u.meta[STAGE_KEY])
+            elif isinstance(u.meta.get(STAGE_KEY), list):  # a replicated node never reads a flowing value
+                raise PipelineError(f"internal error: replicated node {u.name} reads {n.name}")
+        last_use[n] = last
+    crossing = [[n for n in nodes if n in home and home[n] <= b < last_use[n]] for b in range(n_stages - 1)]
+
+    mods = {}
+    for s in range(n_stages) if only is None else only:
+        g = fx.Graph()
+        env: dict = {}
+        ins = [by_name[x] for x in input_order] if s == 0 else crossing[s - 1]
+        for n in ins:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        root: dict = {}
+        for n in nodes:
+            if n in env or n.op in ("placeholder", "output") and n.name not in state:
+                continue
+            if n.op == "get_attr" or n.name in state:
+                if s in stages_of(n):
+                    qual = state.get(n.name, n.target)
+                    root[qual] = tensors[qual]
+                    env[n] = g.get_attr(qual)
+                    env[n].meta = dict(n.meta)
+                continue
+            if s in stages_of(n):
+                env[n] = g.node_copy(n, lambda a: env[a])
+        if s == n_stages - 1:
+            outs = fx.node.map_arg(out_node.args[0], lambda a: env[a])
+            if isinstance(outs, (tuple, list)) and len(outs) == 1:
+                outs = outs[0]  # a single tensor: what a loss_fn expects
+        else:
+            outs = tuple(env[n] for n in crossing[s])
+            outs = outs[0] if len(outs) == 1 else outs
+        g.output(outs)
+        sm = fx.GraphModule(root, g, class_name=f"PipelineStage{s}")
+        sm.graph.lint()
+        mods[s] = sm
+    return mods
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class PipelineRunner:
+    """What :func:`pipeline` returns: this rank's stages and PyTorch schedules over them.
+
+    Attributes:
+        plan: the :class:`fxopt.passes.pipeline.PipelinePlan` (``print(runner.plan)``).
+        stage_modules: stage index → this rank's stage ``GraphModule`` (uncompiled).
+        stage_indices: the stages this rank holds.
+        is_last: whether this rank holds the last stage (where outputs and losses appear).
+    """
+
+    def __init__(self, plan, stage_modules, compiled, stage_indices, n_stages, microbatches, schedule, device, group,
+                 loss_fn, shared_groups, input_spec):
+        self.plan: PipelinePlan = plan
+        self.stage_modules = stage_modules
+        self._compiled = compiled
+        self.stage_indices = list(stage_indices)
+        self.n_stages = n_stages
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.device = device
+        self.group = group
+        self.loss_fn = loss_fn
+        self._shared = shared_groups  # list of (param, process group) this rank takes part in
+        self._input_spec = input_spec  # (shapes of the full-batch tensor inputs, kwargs keys)
+        self._fwd = None
+        self._train = None
+        self._train_loss_fn = None
+        self.is_last = (n_stages - 1) in self.stage_indices
+
+    def parameters(self):
+        """This rank's parameters (each once, also when several local stages share one)."""
+        seen = set()
+        for s in self.stage_indices:
+            for p in self.stage_modules[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self):
+        seen = set()
+        for s in self.stage_indices:
+            for name, p in self.stage_modules[s].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def _make(self, loss_fn):
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        stages = [PipelineStage(self._compiled[s], s, self.n_stages, self.device, group=self.group)
+                  for s in self.stage_indices]
+        kw = {"loss_fn": loss_fn, "scale_grads": False}
+        if self.schedule == "Interleaved1F1B":
+            return ScheduleInterleaved1F1B(stages, self.microbatches, **kw)
+        cls = ScheduleGPipe if (self.schedule == "GPipe" or loss_fn is None) else Schedule1F1B
+        return cls(stages[0], self.microbatches, **kw)
+
+    def _inputs(self, args, kwargs):
+        flat = _flat_inputs(args, kwargs)
+        shapes, keys = self._input_spec
+        got = [tuple(t.shape) for t in flat]
+        if got != shapes or list(kwargs) != keys:
+            raise PipelineError(f"inputs must match the example the pipeline was built for: tensor shapes {shapes} "
+                                f"(kwargs {keys}), got {got} (kwargs {list(kwargs)}); shapes are static")
+        return [t.to(self.device) for t in flat]
+
+    def forward(self, *args, **kwargs):
+        """Inference over micro-batches (GPipe order, no grad): the output on the last stage, ``None`` elsewhere."""
+        flat = self._inputs(args, kwargs)
+        if self._fwd is None:
+            self._fwd = self._make(None)
+        with torch.no_grad():
+            out = self._fwd.step(*flat) if 0 in self.stage_indices else self._fwd.step()
+        return out if self.is_last else None
+
+    __call__ = forward
+
+    def step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs):
+        """One training step over micro-batches: forward, ``loss_fn(output, target)`` per micro-batch on the last
+        stage, backward. Gradients (of the mean micro-batch loss) accumulate in the stage parameters. Returns the
+        mean micro-batch loss (detached) on the last stage, ``None`` elsewhere."""
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise PipelineError("step() needs a loss_fn (here or in fxopt.pipeline(..., loss_fn=...))")
+        flat = self._inputs(args, kwargs)
+        if self.is_last and target is None:
+            raise PipelineError("step() needs target= on the rank holding the last stage")
+        if self._train is None or self._train_loss_fn is not loss_fn:
+            self._train, self._train_loss_fn = self._make(loss_fn), loss_fn
+        params = list(self.parameters())
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses: list = []
+        kw = {"target": target.to(self.device), "losses": losses} if self.is_last else {}
+        if 0 in self.stage_indices:
+            self._train.step(*flat, **kw)
+        else:
+            self._train.step(**kw)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
+        for p, grp in self._shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=grp)
+        for p, g in zip(params, before):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        if self.is_last:
+            return torch.stack([l.detach() for l in losses]).mean()
+        return None
+
+
+def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[dict] = None, *,
+             stages: Optional[int] = None, microbatches: int = 1, schedule: str = "1F1B",
+             split_points: Sequence[str] = (), loss_fn: Optional[Callable] = None, compile: Any = True,
+             device: Any = None, group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
+             profile: Optional[DeviceProfile] = None, balance_slack: float = 0.05) -> PipelineRunner:
+    """Split ``model`` into pipeline stages balanced by a cost model and run them with PyTorch's schedules.
+
+    Call on every rank of ``group`` (default: the world) with the same model (same initial weights) and example
+    inputs (the full batch).
+
+    Args:
+        model: an ``nn.Module`` Dynamo can capture as one graph; it returns a tensor or a tuple of tensors.
+        example_args / example_kwargs: a full batch; tensors are cut along dim 0 into ``microbatches`` chunks.
+        stages: number of stages (default: the world size; ``Interleaved1F1B``: twice the world size).
+        microbatches: micro-batches per step (must divide the batch).
+        schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"``.
+        split_points: module names that must start a stage (``["layers.2"]``); the rest is balanced.
+        loss_fn: default ``loss_fn(output, target)`` for :meth:`PipelineRunner.step`.
+        compile: ``True`` compiles each stage with ``backend="fxopt"`` (the passes of ``config``, minus pipeline
+            and tensor_parallel); ``False`` runs stages eagerly; a string names another backend
+            (``"fxopt_eager"``).
+        device: where this rank's stages run (default ``cuda:<local rank>`` with CUDA, else CPU); the parameters
+            the local stages use are moved there.
+        group: the pipeline process group (default: world).
+        config: an :class:`fxopt.Config` for the stage compiles; its ``pipeline`` section is overridden by the
+            arguments here.
+        profile: the cost model's :class:`DeviceProfile` (default: the preset for ``device``).
+        balance_slack: a stage may be predicted up to this fraction slower than the best bottleneck when that
+            sends fewer bytes between stages (0 = strict balance first).
+    """
+    import os
+
+    from ..passes.manager import run_passes
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineError("fxopt.pipeline needs an initialized process group (torch.distributed.init_process_group)")
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if stages is None:
+        stages = 2 * world if schedule == "Interleaved1F1B" else world
+    if stages < 2:
+        raise PipelineError(f"stages must be >= 2, got {stages}")
+    if schedule == "Interleaved1F1B":
+        if stages % world:
+            raise PipelineError(f"Interleaved1F1B needs stages to be a multiple of the world size {world}, got {stages}")
+    elif stages != world:
+        raise PipelineError(f"schedule {schedule} runs one stage per rank: stages must equal the world size {world}, "
+                            f"got {stages} (use Interleaved1F1B for several stages per rank)")
+    example_kwargs = dict(example_kwargs or {})
+    _check_batch(example_args, example_kwargs, microbatches)
+    if device is None:
+        device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank) or 0) % torch.cuda.device_count())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device)
+
+    # 1. Capture one micro-batch.
+    mb_args = [_chunk0(a, microbatches) for a in example_args]
+    mb_kwargs = {k: _chunk0(v, microbatches) for k, v in example_kwargs.items()}
+    gm, example_inputs = capture(model, mb_args, mb_kwargs)
+    names = _state_names(model)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(example_inputs):
+        raise PipelineError(f"captured graph has {len(phs)} inputs but {len(example_inputs)} example values "
+                            "(symbolic shapes?)")
+    flat_mb = _flat_inputs(mb_args, mb_kwargs)
+    state, tensors, user_pos = {}, {}, {}
+    for n, v in zip(phs, example_inputs):
+        if isinstance(v, torch.Tensor) and id(v) in names:
+            state[n.name] = names[id(v)]
+            tensors[names[id(v)]] = v
+        else:
+            pos = next((i for i, t in enumerate(flat_mb) if t is v), None)
+            if pos is None:
+                raise PipelineError(f"graph input {n.name} is neither a model parameter/buffer nor a tensor argument "
+                                    f"(a global tensor or a non-tensor input Dynamo lifted): not supported")
+            user_pos[n.name] = pos
+    input_order = sorted(user_pos, key=user_pos.get)
+
+    # 2. Plan (the pipeline pass alone; the other passes run later, inside each stage's compile).
+    cfg = Config()
+    cfg.attention.enabled = cfg.w4a16.enabled = cfg.tensor_parallel.enabled = False
+    cfg.pipeline = PipelineConfig(enabled=True, stages=stages, microbatches=microbatches, schedule=schedule,
+                                  split_points=list(split_points))
+    trainable = {q for q, t in tensors.items() if isinstance(t, nn.Parameter) and t.requires_grad}
+    extras = {"pipeline_state": state, "pipeline_trainable": trainable, "pipeline_slack": balance_slack,
+              "pipeline_profile": profile or DeviceProfile.for_device(device)}
+    gm, results = run_passes(gm, example_inputs, cfg, extras)
+    plan = gm.meta.get(PLAN_KEY)
+    if plan is None:
+        reasons = "; ".join(s.reason for r in results for s in r.skipped) or "the pipeline pass did not run"
+        raise PipelineError(f"no pipeline split: {reasons}")
+    if rank == 0:
+        log.info("%s", plan)
+
+    # 3. Split; this rank builds its own stages.
+    local = [s for s in range(stages) if s % world == rank]
+    mods = build_stage_modules(gm, plan, state, tensors, input_order, only=local)
+    for m in mods.values():
+        m.to(device)
+
+    # Shared parameters across ranks: one group per rank set (created by every rank, in the same order).
+    shared_groups = []
+    for qual, st in plan.shared.items():
+        ranks = sorted({s % world for s in st})
+        if len(ranks) < 2 or not isinstance(tensors.get(qual), nn.Parameter):
+            continue
+        global_ranks = [dist.get_global_rank(group, r) for r in ranks] if group is not None else ranks
+        grp = dist.new_group(global_ranks)
+        if rank in ranks:
+            p = tensors[qual]
+            with torch.no_grad():
+                dist.broadcast(p.data, src=global_ranks[0], group=grp)
+            shared_groups.append((p, grp))
+
+    # 4. Compile the local stages.
+    compiled = {}
+    for s, m in mods.items():
+        if compile is False or compile is None:
+            compiled[s] = m
+            continue
+        if compile is True:
+            from ..backends import Backend
+
+            scfg = Config.from_options(None, base=config) if config is not None else Config()
+            scfg.pipeline = PipelineConfig(enabled=False)
+            scfg.tensor_parallel.enabled = False
+            backend = Backend(scfg)
+        else:
+            backend = compile
+        compiled[s] = torch.compile(m, backend=backend, dynamic=False)
+
+    spec = ([tuple(t.shape) for t in _flat_inputs(example_args, example_kwargs)], list(example_kwargs))
+    return PipelineRunner(plan, mods, compiled, local, stages, microbatches, schedule, device, group, loss_fn,
+                          shared_groups, spec)
+
+
+__all__ = ["pipeline", "PipelineRunner", "PipelineError", "build_stage_modules", "capture", "SCHEDULES"]
