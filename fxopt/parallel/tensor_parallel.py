@@ -1,0 +1,319 @@
+"""``fxopt.parallelize``: tensor parallelism found in the model's graph.
+
+Design
+------
+``parallelize(model, example_args, example_kwargs, tp=N)`` runs on every rank of an initialized process group
+(torchrun: NCCL on GPUs, gloo on CPU; keep ``NCCL_NVLS_ENABLE=0`` in the environment on NVLink machines):
+
+1. **Capture.** Dynamo traces ``model(*example_args, **example_kwargs)`` (``fullgraph=True``, static shapes) into
+   its torch-level graph with a recording backend: parameters and buffers are placeholders, matched to their names
+   by identity with the example inputs Dynamo hands the backend. The recorder runs fxopt's passes (attention →
+   w4a16 → **tensor_parallel** → pipeline, as configured) and returns a stand-in that produces dummy outputs, so
+   the full model never runs; the structured output Dynamo rebuilds from those dummies tells which graph output
+   goes where in the model's own output (a tensor, tuple, dict or ``ModelOutput``).
+2. **Plan.** The ``tensor_parallel`` pass (:mod:`fxopt.passes.tensor_parallel`) finds Megatron's layout and
+   rewrites the graph for this rank; its :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` says how to
+   cut each tensor.
+3. **Shard.** :class:`TensorParallelModule` holds this rank's cut of every sharded parameter/buffer (new
+   ``nn.Parameter``\\ s, ``requires_grad`` as the original) and shares the replicated ones with the original model,
+   under the original names (``state_dict()`` keys are the model's). ``forward`` takes the model's inputs, checks
+   them against the captured signature and runs the rewritten graph. ``torch.compile(module, backend="fxopt")``
+   then compiles it like any module.
+4. **New input shapes.** The graph is static. A call with another input signature re-captures a *skeleton* of the
+   model (a deep copy whose parameters and buffers are zero-memory stand-ins: one element expanded to the full
+   shape) with the same passes, checks that the new plan cuts every tensor exactly as before, and caches that
+   graph; no full weight is needed again. (Run a new shape once eagerly before a ``fullgraph`` compile.)
+
+``training`` (default: grad enabled and some parameter requires grad) selects the autograd-correct form of the
+collectives; ``reduce_replicated_grads()`` sums the partial gradients of GQA kv projections that several ranks
+hold (only needed when tp exceeds the number of kv heads).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..config import Config, TensorParallelConfig
+from ..passes import match
+from ..passes.manager import run_passes
+from ..passes.tensor_parallel import TensorParallelPlan, TPContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["parallelize", "TensorParallelModule"]
+
+
+class _Captured:
+    """One rewritten graph and how to feed it / rebuild the model's output."""
+
+    def __init__(self, gm, in_bind, out_bind, out_spec, plan, results):
+        self.gm = gm
+        self.in_bind = in_bind  # per placeholder: ("input", leaf index) | ("state", fqn) | ("const", tensor)
+        self.out_bind = out_bind  # per output leaf: ("graph", i) | ("input", leaf index) | ("const", value)
+        self.out_spec = out_spec
+        self.plan = plan
+        self.results = results
+
+
+def _key(args, kwargs, leaves) -> tuple:
+    """Hashable input signature (Dynamo-traceable: no TreeSpec in it)."""
+    return (tuple(type(a).__name__ for a in args), tuple(kwargs), _signature(leaves))
+
+
+def _signature(leaves) -> tuple:
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+        else:
+            try:
+                hash(x)
+                sig.append(("V", type(x).__name__, x))
+            except TypeError:
+                sig.append(("O", type(x).__name__))
+    return tuple(sig)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_factory, training: bool) -> _Captured:
+    """Dynamo-capture ``model(*args, **kwargs)``, run the passes with a TPContext, return the rewritten graph."""
+    state = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        state.setdefault(id(t), name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        state.setdefault(id(t), name)
+    leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
+    leaf_ids = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    rec: dict = {}
+
+    def recorder(gm: fx.GraphModule, example_inputs):
+        if "gm" in rec:
+            raise RuntimeError("fxopt.parallelize: the model was captured as more than one graph")
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        bind, params, grads = [], {}, set()
+        for n, ex in zip(phs, example_inputs):
+            if isinstance(ex, torch.Tensor) and ex.requires_grad:
+                grads.add(n.name)
+            if isinstance(ex, torch.Tensor) and id(ex) in state:
+                bind.append(("state", state[id(ex)]))
+                params[n.name] = state[id(ex)]
+            elif isinstance(ex, torch.Tensor) and id(ex) in leaf_ids:
+                bind.append(("input", leaf_ids[id(ex)]))
+            elif isinstance(ex, torch.Tensor):
+                bind.append(("const", ex))
+            else:
+                raise RuntimeError(f"fxopt.parallelize: graph input {n.name} is a {type(ex).__name__} "
+                                   f"(symbolic sizes?); capture is static")
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = out_node.args[0]
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        dummies = []
+        for o in outs:
+            v = match.val(o) if isinstance(o, fx.Node) else o
+            dummies.append(torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor)
+                           else v)
+        tpc = tpc_factory(params, frozenset(grads))
+        gm, results = run_passes(gm, list(example_inputs), cfg, {"tensor_parallel": tpc})
+        real_recompile = getattr(gm, "real_recompile", None)  # Dynamo hands a lazy GraphModule: make it real
+        if real_recompile is not None:
+            real_recompile()
+        rec.update(gm=gm, bind=bind, tpc=tpc, results=results, dummies=dummies)
+
+        def stand_in(*_):
+            return tuple(rec["dummies"])
+
+        return stand_in
+
+    compiled = torch.compile(model, backend=recorder, fullgraph=True, dynamic=False)
+    try:
+        with torch.set_grad_enabled(training):
+            out = compiled(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()  # drop the cache entry (it references the full parameters)
+    out_leaves, out_spec = tree_flatten(out)
+    dummy_ids = {id(d): i for i, d in enumerate(rec["dummies"]) if isinstance(d, torch.Tensor)}
+    out_bind = []
+    for x in out_leaves:
+        if isinstance(x, torch.Tensor) and id(x) in dummy_ids:
+            out_bind.append(("graph", dummy_ids[id(x)]))
+        elif isinstance(x, torch.Tensor) and id(x) in leaf_ids:
+            out_bind.append(("input", leaf_ids[id(x)]))
+        elif isinstance(x, torch.Tensor):
+            raise RuntimeError("fxopt.parallelize: an output tensor is neither a graph output nor an input")
+        else:
+            out_bind.append(("const", x))
+    plan = rec["tpc"].plan
+    return _Captured(rec["gm"], rec["bind"], out_bind, out_spec, plan, rec["results"]), in_spec, leaves
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    z = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return nn.Parameter(z, requires_grad=False) if isinstance(t, nn.Parameter) else z
+
+
+class TensorParallelModule(nn.Module):
+    """This rank's part of a tensor-parallel model (returned by :func:`parallelize`).
+
+    Attributes:
+        plan: the :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` (``print(module.plan)``).
+        graph_module: the rewritten graph for the example inputs.
+        pass_results: the per-pass results of that capture (rewrites, skips with reasons, notes).
+    """
+
+    def __init__(self, model: nn.Module, captured: _Captured, in_spec, leaves, *, rank: int, tp: int,
+                 group, cfg: Config, training: bool):
+        super().__init__()
+        self.plan: TensorParallelPlan = captured.plan
+        self.graph_module = captured.gm
+        self.pass_results = captured.results
+        self._rank, self._tp, self._group, self._cfg, self._training = rank, tp, group, cfg, training
+        self._cuts = {ts.name: ts for ts in self.plan.shards.values()}
+        self._slots: dict = {}  # fqn -> (owner module, attribute)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        for kind, what in captured.in_bind:
+            if kind != "state" or what in self._slots:
+                continue
+            full = params.get(what, buffers.get(what))
+            ts = self._cuts.get(what)
+            t = full if ts is None else ts.cut(full.detach(), rank, tp)
+            if what in params:
+                t = t if ts is None else nn.Parameter(t, requires_grad=full.requires_grad)
+            self._register(what, t, is_param=what in params)
+        # a zero-memory skeleton for re-capturing at new input shapes
+        memo = {id(t): _stand_in(t) for t in list(params.values()) + list(buffers.values())}
+        self._skeleton = [copy.deepcopy(model, memo)]  # in a list: not a submodule
+        args_, kwargs_ = tree_unflatten(leaves, in_spec)
+        self._graphs = {_key(args_, kwargs_, leaves): captured}
+
+    def _register(self, fqn: str, t, is_param: bool):
+        owner = self
+        parts = fqn.split(".")
+        for p in parts[:-1]:
+            child = owner._modules.get(p)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(p, child)
+            owner = child
+        if is_param:
+            owner.register_parameter(parts[-1], t if isinstance(t, nn.Parameter) else nn.Parameter(
+                t, requires_grad=t.requires_grad))
+        else:
+            owner.register_buffer(parts[-1], t)
+        self._slots[fqn] = (owner, parts[-1])
+
+    def _get(self, fqn: str) -> torch.Tensor:
+        owner, attr = self._slots[fqn]
+        return getattr(owner, attr)
+
+    def forward(self, *args, **kwargs):
+        leaves, _ = tree_flatten((args, kwargs))
+        key = _key(args, kwargs, leaves)
+        cap = self._graphs.get(key)
+        if cap is None:
+            cap = self._recapture(args, kwargs, key)
+        inputs = []
+        for kind, what in cap.in_bind:
+            inputs.append(leaves[what] if kind == "input" else self._get(what) if kind == "state" else what)
+        outs = cap.gm(*inputs)
+        out_leaves = [outs[w] if k == "graph" else leaves[w] if k == "input" else w for k, w in cap.out_bind]
+        return tree_unflatten(out_leaves, cap.out_spec)
+
+    @torch._dynamo.disable
+    def _recapture(self, args, kwargs, key):
+        skeleton = self._skeleton[0]
+        log.info("fxopt.parallelize: new input signature, re-capturing the skeleton")
+        cap, _, _ = _capture(skeleton, args, kwargs, self._cfg, self._tpc_factory(), self._training)
+        new = {ts.name: ts.shard for ts in cap.plan.shards.values()}
+        old = {name: ts.shard for name, ts in self._cuts.items()}
+        used = {what for kind, what in cap.in_bind if kind == "state"}
+        for name in used:
+            if new.get(name) != old.get(name):
+                raise RuntimeError(f"fxopt.parallelize: at the new input shapes the plan cuts {name} as "
+                                   f"{new.get(name)}, not as {old.get(name)}; call parallelize with these shapes")
+            if name not in self._slots:
+                raise RuntimeError(f"fxopt.parallelize: the new graph needs {name}, unused at capture time")
+        self._graphs[key] = cap
+        return cap
+
+    def _tpc_factory(self):
+        group_name, rank, tp, training = self._group.group_name, self._rank, self._tp, self._training
+        return lambda params, grads: TPContext(group_name, rank, tp, params, training, grads)
+
+    @torch.no_grad()
+    def reduce_replicated_grads(self) -> None:
+        """Sum the gradients of tensors several ranks hold a copy of (GQA kv heads when tp > kv heads)."""
+        for name, ts in self._cuts.items():
+            if all(rf == 1 for _, rf in ts.shard.sections):
+                continue
+            p = self._get(name)
+            if not isinstance(p, nn.Parameter) or p.grad is None:
+                continue
+            idx = torch.tensor(ts.shard.indices(self._rank, self._tp), device=p.grad.device)
+            shape = list(p.grad.shape)
+            shape[ts.shard.dim] = ts.global_shape[ts.shard.dim]
+            full = torch.zeros(shape, dtype=p.grad.dtype, device=p.grad.device)
+            full.index_add_(ts.shard.dim, idx, p.grad)
+            dist.all_reduce(full, group=self._group)
+            p.grad.copy_(full.index_select(ts.shard.dim, idx))
+
+
+def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, tp: int,
+                group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
+                vocab_parallel: Optional[bool] = None, training: Optional[bool] = None) -> TensorParallelModule:
+    """Return this rank's tensor-parallel module for ``model`` (call on every rank of the process group).
+
+    Args:
+        model: the full model (same weights on every rank).
+        example_args: positional example inputs (a tuple, or one tensor); their shapes are the captured ones.
+        example_kwargs: keyword example inputs.
+        tp: tensor-parallel degree; must equal the group's size.
+        group: the process group (default: the world group).
+        config: an :class:`fxopt.Config` for the passes run during capture (default: ``fxopt.Config()``); its
+            ``tensor_parallel`` section is set to ``enabled=True, tp=tp``.
+        vocab_parallel: also cut the embedding and the lm_head by vocabulary (logits are all-gathered).
+            Default: ``config.tensor_parallel.vocab_parallel``.
+        training: emit the autograd-correct collectives (default: grad enabled and a parameter requires grad).
+
+    Raises:
+        RuntimeError: no initialized process group, or the model is not captured as one graph.
+        ValueError: ``tp`` differs from the group's size.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fxopt.parallelize needs an initialized process group (torchrun + "
+                           "dist.init_process_group)")
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"fxopt.parallelize: tp must be a positive int, got {tp!r}")
+    if tp != world:
+        raise ValueError(f"fxopt.parallelize: tp={tp} but the process group has {world} ranks (they must match)")
+    cfg = copy.deepcopy(config) if config is not None else Config()
+    vp = cfg.tensor_parallel.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
+    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp)
+    cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
+    if training is None:
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    args = example_args if isinstance(example_args, (tuple, list)) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    group_name = group.group_name
+
+    def factory(params, grads):
+        return TPContext(group_name, rank, tp, params, bool(training), grads)
+
+    cap, in_spec, leaves = _capture(model, tuple(args), kwargs, cfg, factory, bool(training))
+    if cap.plan is None:
+        raise RuntimeError("fxopt.parallelize: the tensor_parallel pass did not run (is it disabled in config?)")
+    if not cap.plan.shards:
+        log.warning("fxopt.parallelize: nothing could be sharded; every rank runs the full model:\n%s", cap.plan)
+    mod = TensorParallelModule(model, cap, in_spec, leaves, rank=rank, tp=tp, group=group, cfg=cfg,
+                               training=bool(training))
+    log.info("%s", cap.plan)
+    return mod

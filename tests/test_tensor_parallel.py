@@ -1,0 +1,280 @@
+"""Tensor parallelism found in the graph (``fxopt.parallelize`` + the ``tensor_parallel`` pass).
+
+* gloo, 2 ranks: outputs and gradients of the demo decoder, a transformers Llama (GQA), GPT-2 (fused c_attn Conv1D)
+  and an MLP equal the single-device model's; all_reduce count = Megatron's prediction; each rank holds 1/2 of
+  every sharded weight. Vocab-parallel embedding/lm_head; int4 QuantLinear shards; ``torch.compile`` of the result.
+* fake process group, world size 4 and 8 (one process): plans, local shapes, GQA kv replication, refusals.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.testing import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _cfg():
+    cfg = fxopt.Config()
+    cfg.attention.enabled = False  # keep these tests about sharding (flash attention has its own tests)
+    return cfg
+
+
+def _demo(seed=0, layers=2):
+    from fxopt.models import TinyLlamaConfig, build_demo_model
+
+    torch.manual_seed(seed)
+    cfg = TinyLlamaConfig(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                          max_seq_len=16)
+    return build_demo_model(seed, cfg).train()
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    c = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(c).train()
+
+
+def _gpt2(seed=0, attn="sdpa"):
+    torch.manual_seed(seed)
+    c = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn, bos_token_id=0,
+                                eos_token_id=0)
+    m = transformers.GPT2LMHeadModel(c).train()
+    with torch.no_grad():  # GPT-2 initializes biases to zero: make them count
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.02)
+    return m
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32, h=64, blocks=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(blocks))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(self.norm(x))
+        return x
+
+
+def _count(gm, name):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _check_model(rank, ws, model, args, kwargs, expected_ar, expected_ag=0, **kw):
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    tpm = parallelize(model, args, kwargs, tp=ws, config=_cfg(), **kw)
+    gm = tpm.graph_module
+    assert _count(gm, "_c10d_functional.all_reduce") == expected_ar == tpm.plan.all_reduces, str(tpm.plan)
+    assert _count(gm, "_c10d_functional.all_gather_into_tensor") == expected_ag
+    assert _count(gm, "wait_tensor") == expected_ar + expected_ag
+    # each rank holds 1/ws of every sharded weight
+    assert tpm.plan.shards
+    for ts in tpm.plan.shards.values():
+        local = tpm.get_parameter(ts.name) if ts.name in dict(tpm.named_parameters()) else tpm.get_buffer(ts.name)
+        assert local.numel() * ws == torch.Size(ts.global_shape).numel(), ts
+    gen = torch.Generator().manual_seed(123)
+    ref = _logits(model(*args, **kwargs))
+    w = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(ref.dtype)
+    (ref.double() * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    out = _logits(tpm(*args, **kwargs))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (out.double() * w).sum().backward()
+    checked = 0
+    for n, p in tpm.named_parameters():
+        if n not in ref_grads:
+            continue
+        exp = ref_grads[n]
+        ts = tpm._cuts.get(n)
+        if ts is not None:
+            exp = ts.cut(exp, rank, ws)
+        torch.testing.assert_close(p.grad, exp, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {n}: {m}")
+        checked += 1
+    assert checked >= len(tpm.plan.shards)
+    return tpm
+
+
+def _worker_models(rank, ws):
+    torch.use_deterministic_algorithms(False)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    _check_model(rank, ws, _demo(), (ids,), {}, expected_ar=2 * 2)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    tpm = _check_model(rank, ws, _llama(), (), {"input_ids": ids, "use_cache": False}, expected_ar=2 * 2)
+    assert tpm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (16, 64)  # 1 of 2 kv heads
+    tpm = _check_model(rank, ws, _gpt2(), (), {"input_ids": ids, "use_cache": False}, expected_ar=2 * 2)
+    text = str(tpm.plan)
+    assert "sections [64, 64, 64]" in text and "c_attn" in text, text
+    x = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(2))
+    _check_model(rank, ws, MLP(), (x,), {}, expected_ar=2)
+
+
+def _worker_vocab_quant_compile(rank, ws):
+    from fxopt.parallel.tensor_parallel import parallelize
+    from fxopt.quant.linear import QuantLinear
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    # vocab-parallel embedding + lm_head: one more all_reduce, one all_gather of the logits
+    tpm = _check_model(rank, ws, _demo(), (ids,), {}, expected_ar=2 * 2 + 1, expected_ag=1, vocab_parallel=True)
+    assert tpm.get_parameter("embed.weight").shape == (32, 64)
+    # tied GPT-2 embedding / lm_head cut together by vocabulary rows
+    ids2 = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    _check_model(rank, ws, _gpt2(), (), {"input_ids": ids2, "use_cache": False}, expected_ar=2 * 2 + 1,
+                 expected_ag=1, vocab_parallel=True)
+    # int4 QuantLinear (dequantize_w4 -> linear; fp16 activations as the w4a16 kernels take them)
+    torch.manual_seed(3)
+    mlp = MLP(d=64, h=128, blocks=1)
+    for blk in mlp.blocks:
+        blk[0] = QuantLinear.from_linear(blk[0], group_size=32)
+        blk[2] = QuantLinear.from_linear(blk[2], group_size=32)
+    mlp = mlp.half().eval().requires_grad_(False)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(4)).half()
+    q = parallelize(mlp, (x,), tp=ws, config=_cfg())
+    assert q.plan.all_reduces == 1, str(q.plan)
+    assert q.get_buffer("blocks.0.0.qweight").shape == (8, 64)  # column: N cut
+    assert q.get_buffer("blocks.0.2.qweight").shape == (8, 64)  # row: K/8 cut (128 / 8 / 2)
+    assert q.get_buffer("blocks.0.2.scales").shape == (2, 64)
+    torch.testing.assert_close(q(x).float(), mlp(x).float(), rtol=2e-3, atol=2e-3)
+    # default config: the attention pass runs first, so heads are split in fxopt::flash_attention; the returned
+    # module compiles (Dynamo retraces it; fxopt passes, no Inductor) and runs a new shape (re-captured)
+    model = _demo().eval().requires_grad_(False)
+    tpm = parallelize(model, (ids,), tp=ws)
+    assert _count(tpm.graph_module, "fxopt.flash_attention") == 2 and tpm.plan.all_reduces == 4
+    compiled = torch.compile(tpm, backend="fxopt_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    ids3 = ids[:1, :5]
+    torch.testing.assert_close(tpm(ids3), model(ids3), rtol=1e-5, atol=1e-5)
+    assert len(tpm._graphs) == 2
+
+
+def _worker_all(rank, ws):
+    import time
+
+    t0 = time.perf_counter()
+    _worker_models(rank, ws)
+    t1 = time.perf_counter()
+    _worker_vocab_quant_compile(rank, ws)
+    if rank == 0:
+        print(f"models {t1 - t0:.1f}s, vocab/quant/compile {time.perf_counter() - t1:.1f}s")
+
+
+def test_gloo_two_ranks():
+    """One spawn for every gloo check (process start-up and imports dominate on 2 cores)."""
+    run_on_ranks(_worker_all, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fake process group: plans and shapes at world size 4 and 8, in this process
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_pg(request):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    ws = request.param
+    dist.init_process_group("fake", rank=0, world_size=ws, store=FakeStore())
+    try:
+        yield ws
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_fake_pg_world4_gqa_kv_replicated(fake_pg):
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _demo().eval().requires_grad_(False)
+    ids = torch.randint(0, 64, (2, 8))
+    tpm = parallelize(model, (ids,), tp=4, config=_cfg())
+    text = str(tpm.plan)
+    assert "kv projections replicated over 2 ranks" in text, text
+    assert tpm.get_parameter("layers.0.attn.q_proj.weight").shape == (16, 64)  # 1 of 4 q heads
+    assert tpm.get_parameter("layers.0.attn.k_proj.weight").shape == (16, 64)  # the 1 kv head rank 0 reads
+    assert tpm.get_parameter("layers.0.attn.o_proj.weight").shape == (64, 16)
+    assert tpm.get_parameter("layers.0.mlp.down_proj.weight").shape == (64, 24)
+    assert tpm.plan.all_reduces == 4
+    assert tpm(ids).shape == (2, 8, 64)
+    report_notes = [l for r in tpm.pass_results if r.name == "tensor_parallel" for l in r.notes]
+    assert any("tp=4" in l for l in report_notes)
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_fake_pg_world8_heads_not_divisible(fake_pg):
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _llama().eval().requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 8))
+    tpm = parallelize(model, (), {"input_ids": ids, "use_cache": False}, tp=8, config=_cfg())
+    text = str(tpm.plan)
+    # 4 q heads cannot be split 8 ways: attention stays replicated, with the reason; the MLP (96 = 8 x 12) is cut
+    assert "replicated model.layers.0.self_attn.q_proj" in text and "splits the sharded dim" in text, text
+    assert tpm.get_parameter("model.layers.0.self_attn.q_proj.weight").shape == (64, 64)
+    assert tpm.get_parameter("model.layers.0.mlp.up_proj.weight").shape == (12, 64)
+    assert tpm.plan.all_reduces == 2
+    assert tpm(input_ids=ids, use_cache=False).logits.shape == (2, 8, 128)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_fake_pg_refusals(fake_pg):
+    from fxopt.parallel.tensor_parallel import parallelize
+    from fxopt.quant.linear import QuantLinear
+
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(ValueError, match="tp=2 but the process group has 4 ranks"):
+        parallelize(MLP(), (x,), tp=2)
+    # nothing provable: a single linear whose output is the model's output -> replicated, with the reason
+    lin = nn.Linear(32, 16)
+    tpm = parallelize(lin, (x,), tp=4)
+    assert not tpm.plan.shards and "reaches the graph output" in str(tpm.plan)
+    torch.testing.assert_close(tpm(x), lin(x))
+    # act-order int4 row-parallel linear: the permutation mixes features across ranks -> refused
+    torch.manual_seed(0)
+    mlp = MLP(d=64, h=256, blocks=1)
+    from fxopt.quant.format import quantize_rtn
+    packed = quantize_rtn(mlp.blocks[0][2].weight.detach(), group_size=32)
+    packed.perm = torch.randperm(256)
+    mlp.blocks[0][2] = QuantLinear.from_packed(packed)
+    mlp = mlp.half().eval().requires_grad_(False)
+    tpm = parallelize(mlp, (x.half().repeat(1, 1, 2),), tp=4, config=_cfg())
+    text = str(tpm.plan)
+    assert tpm.plan.all_reduces == 0 and "index_select" in text, text
+
+
+def test_pass_outside_parallelize_leaves_graph():
+    cfg = fxopt.Config()
+    cfg.tensor_parallel.enabled = True
+    cfg.tensor_parallel.tp = 2
+    rep = fxopt.explain(MLP(), torch.randn(2, 32), config=cfg)
+    assert rep.rewrites["tensor_parallel"] == 0
+    assert any("fxopt.parallelize" in s.reason for s in rep.skipped if s.pass_name == "tensor_parallel")
+
+
+def test_reshape_map_rules():
+    from fxopt.passes.tensor_parallel import Shard, _Conflict, _reshape_map
+
+    s = Shard(2, ((64, 1),))
+    assert _reshape_map((2, 8, 64), (2, 8, 4, 16), s, 2) == Shard(2, ((4, 1),))  # heads
+    assert _reshape_map((2, 8, 4, 16), (2, 8, 64), Shard(2, ((4, 1),)), 2) == Shard(2, ((64, 1),))
+    # fused qkv viewed as (3, H, D): the shard moves to H
+    assert _reshape_map((2, 8, 192), (2, 8, 3, 4, 16), Shard(2, ((64, 1),) * 3), 2) == Shard(3, ((4, 1),))
+    # merging (B, S) keeps a feature shard
+    assert _reshape_map((2, 8, 64), (16, 64), s, 2) == Shard(1, ((64, 1),))
+    with pytest.raises(_Conflict):  # 4 heads over 8 ranks
+        _reshape_map((2, 8, 64), (2, 8, 4, 16), s, 8)
+    with pytest.raises(_Conflict):  # head_dim first: would cut inside heads
+        _reshape_map((2, 8, 64), (2, 8, 16, 4), Shard(2, ((64, 1),) * 1), 32)
+    # indices: sections and replication
+    assert Shard(0, ((4, 1), (4, 1))).indices(1, 2) == [2, 3, 6, 7]
+    assert Shard(0, ((2, 2),)).indices(3, 4) == [1]
