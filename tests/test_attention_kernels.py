@@ -117,6 +117,20 @@ def test_fully_masked_rows_give_zero_and_no_nan():
     _assert_close(out, _ref64(q, k, v, is_causal=True), torch.float32)
 
 
+def test_finite_min_fill_matches_eager_softmax():
+    """A float mask filled with finfo.min is not "masked": eager softmax averages such a row uniformly."""
+    B, H, S, D = 1, 2, 16, 16
+    q, k, v = _inputs(B, H, H, S, S, D)
+    fill = torch.finfo(torch.float32).min
+    m = torch.randn(B, 1, S, S, generator=torch.Generator().manual_seed(5))
+    m[:, :, 3, :] = fill  # a dead row under a finite fill
+    m[:, :, 5, :4] = fill
+    ref = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / D**0.5 + m.double(), -1) @ v.double()
+    for out in (A.flash_attention_triton(q, k, v, attn_mask=m.to(DEV)),
+                torch.ops.fxopt.flash_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=m)):
+        _assert_close(out.cpu(), ref, torch.float32)
+
+
 def test_transposed_bshd_inputs_read_in_place():
     q, k, v = _inputs(2, 4, 2, 20, 28, 32, bshd=True)
     assert not q.is_contiguous() and q.stride(-1) == 1

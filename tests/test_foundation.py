@@ -11,8 +11,6 @@ import torch
 import fxopt
 from fxopt.passes import PASS_ORDER, registered_passes
 
-NEEDS_ATTENTION_PASS = pytest.mark.xfail(
-    "attention" not in [p.name for p in registered_passes()], reason="attention pass not landed yet", strict=True)
 from fxopt.config import Config, ConfigError
 from fxopt.models import TinyLlamaConfig, build_demo_model
 
@@ -72,14 +70,12 @@ def test_backend_rejects_non_config():
 
 # --- backends and the pass manager -----------------------------------------------------------------------------
 
-@NEEDS_ATTENTION_PASS
 def test_registry_order_is_documented_order():
     names = [p.name for p in registered_passes()]
     assert names == [n for n in PASS_ORDER if n in names]
     assert "attention" in names and "w4a16" in names
 
 
-@NEEDS_ATTENTION_PASS
 def test_fxopt_eager_matches_eager_and_records_results():
     model = tiny_model()
     ids = tiny_ids()
@@ -128,7 +124,6 @@ def test_backend_by_name_in_a_fresh_process_that_never_imports_fxopt():
     assert "ok" in res.stdout
 
 
-@NEEDS_ATTENTION_PASS
 def test_dump_dir_writes_before_and_after_each_pass(tmp_path, monkeypatch):
     monkeypatch.setenv("FXOPT_DUMP_DIR", str(tmp_path))
     torch.compile(tiny_model(n_layers=1), backend="fxopt_eager")(tiny_ids())
@@ -140,7 +135,6 @@ def test_dump_dir_writes_before_and_after_each_pass(tmp_path, monkeypatch):
     assert "def forward" in text
 
 
-@NEEDS_ATTENTION_PASS
 def test_pass_timing_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="fxopt"):
         torch.compile(tiny_model(n_layers=1), backend="fxopt_eager")(tiny_ids())
@@ -165,7 +159,6 @@ def test_new_nodes_keep_meta_val():
 
 # --- explain -------------------------------------------------------------------------------------------------------
 
-@NEEDS_ATTENTION_PASS
 def test_explain_on_demo_model():
     report = fxopt.explain(tiny_model(), tiny_ids())
     assert set(PASS_ORDER) <= set(report.rewrites)
@@ -185,7 +178,6 @@ def test_explain_counts_graph_breaks():
     assert report.graphs == 2 and report.graph_breaks >= 1
 
 
-@NEEDS_ATTENTION_PASS
 def test_explain_on_transformers_llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -201,7 +193,6 @@ def test_explain_on_transformers_llama():
 
 # --- demo CLI and test helpers --------------------------------------------------------------------------------------
 
-@NEEDS_ATTENTION_PASS
 def test_demo_cli_runs_and_reports(capsys):
     from fxopt.cli import main
 

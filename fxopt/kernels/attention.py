@@ -115,8 +115,11 @@ def _scores(qk, qpos, kpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, 
         keep = tl.load(mask_rows + kpos * stride_mn, mask=row_ok & (kpos < SEQ_K), other=0)
         s = tl.where(keep != 0, s, float("-inf"))
     if MASK_KIND == 2:  # additive float mask
-        add = tl.load(mask_rows + kpos * stride_mn, mask=row_ok & (kpos < SEQ_K), other=0.0)
-        s = s + add.to(tl.float32) * 1.4426950408889634
+        add = tl.load(mask_rows + kpos * stride_mn, mask=row_ok & (kpos < SEQ_K), other=0.0).to(tl.float32)
+        # A finite fill such as finfo(fp32).min would overflow to -inf once scaled by log2(e), turning eager's
+        # uniform row into an empty one: clamp finite values to a bound whose base-2 image is still finite.
+        add = tl.where(add == float("-inf"), add, tl.maximum(add, -2.0e38))
+        s = s + add * 1.4426950408889634
     if HAS_KPM:
         kp = tl.load(kpm_base + kpos * stride_kpn, mask=kpos < SEQ_K, other=0)
         s = tl.where(kp != 0, s, float("-inf"))
@@ -990,9 +993,14 @@ def _reference_probs(q, k, attn_mask, is_causal, scale, window, softcap, key_pad
             vis = vis & (s > float("-inf"))
     any_vis = vis.any(-1, keepdim=True)
     s_m = torch.where(vis, s, torch.full_like(s, float("-inf")))
-    s_m = torch.where(any_vis, s_m, torch.zeros_like(s_m))  # keeps logsumexp (and its grad) finite
-    lse = torch.logsumexp(s_m, -1)
-    p = torch.where(vis, torch.exp(s - lse[..., None]), torch.zeros_like(s))
+    s_m = torch.where(any_vis, s_m, torch.zeros_like(s_m))  # keeps the row max (and its grad) finite
+    # Normalize by the sum rather than through exp(s - logsumexp): with a finite fill like finfo.min the
+    # log-sum is absorbed by the huge max, and exp(s - lse) would sum to Sk instead of 1.
+    m = s_m.amax(-1, keepdim=True).detach()
+    e = torch.where(vis, torch.exp(s - m), torch.zeros_like(s))
+    den = e.sum(-1, keepdim=True)
+    p = e / torch.where(den > 0, den, torch.ones_like(den))
+    lse = (m + torch.log(den.clamp_min(torch.finfo(den.dtype).tiny)))[..., 0]
     lse = torch.where(any_vis[..., 0], lse, torch.full_like(lse, float("inf")))
     return p, lse, vis, t, g
 

@@ -1,0 +1,1354 @@
+"""Attention pass: SDPA and hand-written attention → ``torch.ops.fxopt.flash_attention``.
+
+Matching (on Dynamo's torch-level graph, through :mod:`fxopt.passes.match`):
+
+* ``F.scaled_dot_product_attention`` (every argument). SDPA's ``is_causal`` is top-left aligned, the kernel's
+  bottom-right: they agree when Sq == Sk; otherwise an explicit ``ones(Sq, Sk).tril()`` mask is built.
+* Hand-written attention, anchored at each softmax over the last dim::
+
+      QK  = matmul(q, kᵀ) | bmm | einsum          (q, kᵀ may carry a scalar mul/div: number, sqrt(d), math.sqrt)
+      s   = QK [* c | / c]... [softcap: tanh(s / c) * c] [+ mask | masked_fill(m, fill) | where(m, s, fill)]...
+      p   = softmax(s [.float()], -1 [, dtype]) [.to(dtype)] [dropout(p, training)]
+      out = matmul(p, v) | bmm | einsum
+
+  Casts in the score chain may only go to float32 or to q's dtype (the kernel computes scores in fp32).
+  3-D bmm graphs [B*H, S, D] run as one batch of B*H heads; einsum operands are permuted into [B, H, S, D].
+* repeat_kv (``x[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, Hkv*rep, S, D)`` or ``repeat_interleave`` on dim
+  1) on *both* k and v is dropped: the kernel does GQA natively (query head h reads kv head h // rep).
+
+Masks. Every mask on the score chain is turned into a conjunction of "keep" literals (bool, True = attend) with a
+fill value (``-inf`` for bool / masked_fill(-inf) / SDPA bool masks; a finite fill such as ``finfo.min``) plus
+additive float masks. transformers' eager additive mask ``where(bool_mask, 0, fill)`` is read as a keep literal.
+With ``cfg.lower_masks`` each keep literal is analysed:
+
+* a subgraph with no data-dependent input (only constants, sizes, ``arange``...) is *evaluated* on CPU for the
+  captured shapes (Dynamo guards re-capture on a shape change, so the proof holds for the graph it is made on) and
+  compared with the causal (bottom-right), sliding-window and all-True patterns;
+* a subgraph reading exactly one placeholder P [B, L] through gathers only (indexing with constant indices,
+  unsqueeze/view/expand/permute, casts to bool, device moves) is evaluated on an index probe (``arange`` in P's
+  shape, casts skipped: casting commutes with gathering); when the gathered index is ``b * L + j`` everywhere the
+  literal is ``key_padding_mask = P[:, :Sk].bool()``.
+
+If everything lowers, the kernel gets ``is_causal`` / ``window`` / ``key_padding_mask`` and no S×S tensor.
+A finite fill is equivalent to ``-inf`` except on rows where every key is masked (the model then averages all
+values; the kernel returns 0), so a finite-fill mask is lowered only when no row can be fully masked (no padding
+literal, and the constant pattern has a visible key in every row); otherwise the original mask tensor is passed
+(an additive mask as is). Anything that is not proven stays a tensor mask; anything not understood stays as it was,
+with a reason (``result.skip``). Nodes the rewrite leaves unused are erased (only pure ones, only among the
+matched nodes and their ancestors).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..config import AttentionConfig
+from .manager import PassContext, PassResult, register_pass
+from .match import get_arg, op_name, tensor_val
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_MAX_EVAL_NUMEL = 1 << 24  # biggest intermediate tensor the mask prover will materialize
+_MAX_EVAL_NODES = 400  # biggest mask subgraph the prover will walk
+_BIG_NEGATIVE = -1e30  # a finite fill at or below this behaves like -inf in an fp32 additive mask
+
+
+def _flash_op():
+    """``torch.ops.fxopt.flash_attention.default`` or None when the kernel module cannot be imported."""
+    try:
+        import fxopt.kernels.ops  # noqa: F401
+    except ImportError as e:  # another kernel module missing: the attention op alone is enough
+        log.debug("fxopt.kernels.ops not importable (%s); importing fxopt.kernels.attention", e)
+        try:
+            import fxopt.kernels.attention  # noqa: F401
+        except ImportError as e2:
+            log.warning("attention pass: flash_attention op unavailable: %s", e2)
+            return None
+    op = getattr(torch.ops.fxopt, "flash_attention", None)
+    return None if op is None else op.default
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# small graph helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+_CASTS = ("to", "float", "half", "bfloat16", "type", "type_as")
+_IMPURE_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "empty", "exponential", "multinomial",
+                 "poisson", "seed", "print", "log_api")
+
+
+def _num(x: Any) -> Optional[float]:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def _cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype a cast node produces (from its meta val), or None if ``node`` is not a pure dtype cast."""
+    name = op_name(node)
+    if name not in _CASTS:
+        return None
+    if name == "to":
+        # .to(dtype) / .to(device) / .to(device, dtype) / .to(other): only dtype/device changes are casts here
+        for a in list(node.args[1:]) + list(node.kwargs.values()):
+            if isinstance(a, fx.Node):
+                return None
+    if name == "type" and (len(node.args) < 2 and "dtype" not in node.kwargs):
+        return None
+    v = tensor_val(node)
+    return None if v is None else v.dtype
+
+
+def _fake_mode(*nodes):
+    for n in nodes:
+        v = tensor_val(n)
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+class _Builder:
+    """Inserts nodes before ``anchor`` and gives each one ``meta["val"]`` computed under the graph's fake mode."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, mode):
+        self.graph, self.anchor, self.mode = graph, anchor, mode
+        self.created: list[fx.Node] = []
+
+    def call(self, target, args=(), kwargs=None, method: bool = False) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            node = (self.graph.call_method if method else self.graph.call_function)(target, tuple(args), kwargs)
+
+        def to_val(a):
+            return a.meta["val"] if isinstance(a, fx.Node) else a
+
+        fargs = fx.node.map_aggregate(args, to_val)
+        fkwargs = fx.node.map_aggregate(kwargs, to_val)
+        ctx = self.mode if self.mode is not None else _nullctx()
+        with ctx:
+            if method:
+                val = getattr(fargs[0], target)(*fargs[1:], **fkwargs)
+            else:
+                val = target(*fargs, **fkwargs)
+        node.meta["val"] = val
+        node.meta["example_value"] = val
+        src = self.anchor.meta.get("stack_trace")
+        if src:
+            node.meta["stack_trace"] = src
+        self.created.append(node)
+        return node
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# constant evaluation (the mask prover)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ancestors(node: fx.Node, limit: int = _MAX_EVAL_NODES) -> Optional[list[fx.Node]]:
+    """All ancestors of ``node`` (itself included) in graph order, or None past ``limit`` nodes."""
+    seen: set = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > limit:
+            return None
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _is_pure_eval_target(n: fx.Node) -> bool:
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    name = str(name).lower()
+    if n.op == "call_method" and name.endswith("_") and not name.endswith("__"):
+        return False  # in-place method
+    return not any(w in name for w in _IMPURE_WORDS)
+
+
+def _cpu_args(x: Any) -> Any:
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
+    return x
+
+
+def _eval_node(n: fx.Node, env: dict) -> Any:
+    def get(a):
+        if isinstance(a, fx.Node):
+            return env[a]
+        return _cpu_args(a)
+
+    args = tuple(fx.node.map_aggregate(n.args, get))
+    kwargs = dict(fx.node.map_aggregate(n.kwargs, get))
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("cpu")
+    if n.op == "call_method":
+        if n.target == "to":  # drop device-only moves, keep dtype casts
+            args = tuple(a if not isinstance(a, str) else torch.device("cpu") for a in args)
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    return n.target(*args, **kwargs)
+
+
+def _too_big(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.numel() > _MAX_EVAL_NUMEL
+
+
+def _const_eval(node: fx.Node, cache: dict) -> Optional[Any]:
+    """Value of ``node`` when it depends on no graph input (only constants and shapes), evaluated on CPU; else None."""
+    if node in cache:
+        return cache[node]
+    cache[node] = None
+    nodes = _ancestors(node)
+    if nodes is None:
+        return None
+    env: dict = {}
+    for n in nodes:
+        if not _is_pure_eval_target(n):
+            return None
+        try:
+            with torch.no_grad():
+                env[n] = _eval_node(n, env)
+        except Exception as e:  # noqa: BLE001  (any failure means: not provable here)
+            log.debug("mask prover could not evaluate %s: %s", n.format_node(), e)
+            return None
+        if _too_big(env[n]):
+            return None
+    cache[node] = env[node]
+    return env[node]
+
+
+_GATHER_METHODS = {"getitem", "unsqueeze", "view", "reshape", "expand", "contiguous", "permute", "transpose",
+                   "clone", "to", "bool", "expand_as", "squeeze", "flatten"}
+
+
+def _padding_probe(node: fx.Node, cache: dict) -> Optional[tuple[fx.Node, torch.Tensor]]:
+    """If ``node`` is ``bool(P)`` gathered with constant indices from one placeholder P, return (P, index map)."""
+    nodes = _ancestors(node)
+    if nodes is None:
+        return None
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        return None
+    p = placeholders[0]
+    pv = tensor_val(p)
+    v = tensor_val(node)
+    if pv is None or v is None or pv.dim() != 2 or v.dtype != torch.bool:
+        return None
+    dep = {p}
+    env: dict = {p: torch.arange(pv.numel(), dtype=torch.int64).view(tuple(pv.shape))}
+    for n in nodes:
+        if n is p:
+            continue
+        if not any(a in dep for a in n.all_input_nodes):
+            if not _is_pure_eval_target(n):
+                return None
+            try:
+                with torch.no_grad():
+                    env[n] = _eval_node(n, env)
+            except Exception:  # noqa: BLE001
+                return None
+            if _too_big(env[n]):
+                return None
+            continue
+        dep.add(n)
+        name = op_name(n)
+        if name not in _GATHER_METHODS or n.op == "placeholder":
+            return None
+        # only the gathered tensor may depend on P (indices, sizes must be constant)
+        first = n.args[0] if n.args else None
+        if first not in dep or any(a in dep for a in n.all_input_nodes if a is not first):
+            return None
+        if name in ("to", "bool"):
+            nv = tensor_val(n)
+            if nv is None or (nv.dtype != torch.bool and nv.dtype != tensor_val(first).dtype):
+                return None  # only casts to bool (elementwise != 0) or device moves commute with the probe
+            env[n] = env[first]
+            continue
+        if name == "getitem":
+            idx = n.args[1]
+            if isinstance(idx, fx.Node) and idx in dep:
+                return None
+        try:
+            with torch.no_grad():
+                env[n] = _eval_node(n, env)
+        except Exception:  # noqa: BLE001
+            return None
+        if _too_big(env[n]):
+            return None
+    out = env.get(node)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int64:
+        return None
+    return p, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mask description
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Keep:
+    """A bool literal of the mask: ``node`` (True = attend), negated when ``negate``."""
+
+    node: fx.Node
+    negate: bool = False
+
+
+@dataclass
+class _Masks:
+    keeps: list = field(default_factory=list)  # list[_Keep]
+    fills: list = field(default_factory=list)  # fill value per replacement (float; -inf for bool semantics)
+    additive: list = field(default_factory=list)  # float mask nodes, added to the scores
+    additive_first: bool = True  # all additive masks are applied before every replacement (closer to QK)
+
+
+@dataclass
+class _Lowered:
+    is_causal: bool = False
+    window: int = -1
+    kpm: Optional[fx.Node] = None  # placeholder P; key_padding_mask = P[:, :Sk].bool()
+    kpm_len: int = 0
+    const_has_empty_row: bool = False
+    fix_dead_rows: bool = False  # emulate the model's finite fill on rows with no visible key
+
+
+def _analyze_keep(lit: _Keep, cache: dict, shape4: tuple) -> Optional[tuple[Optional[torch.Tensor], list]]:
+    """Split ``lit`` into (constant bool tensor or None, [(placeholder, index map)]) or None if not provable."""
+    const_parts: list[torch.Tensor] = []
+    pads: list = []
+
+    def visit(n: Any, positive: bool) -> bool:
+        if not isinstance(n, fx.Node):
+            return False
+        c = _const_eval(n, cache)
+        if isinstance(c, torch.Tensor) and c.dtype == torch.bool:
+            const_parts.append(c if positive else ~c)
+            return True
+        name = op_name(n)
+        v = tensor_val(n)
+        if name in ("and_",) or n.target in (operator.and_, torch.logical_and, torch.bitwise_and) or \
+                (n.op == "call_method" and n.target in ("__and__", "logical_and", "bitwise_and")):
+            if not positive or v is None or v.dtype != torch.bool:
+                return False
+            return visit(n.args[0], True) and visit(n.args[1], True)
+        if n.target in (operator.or_, torch.logical_or, torch.bitwise_or) or \
+                (n.op == "call_method" and n.target in ("__or__", "logical_or", "bitwise_or")):
+            if positive or v is None or v.dtype != torch.bool:
+                return False
+            return visit(n.args[0], False) and visit(n.args[1], False)
+        if name == "invert" or (n.op == "call_method" and n.target in ("logical_not", "bitwise_not", "__invert__")):
+            src = tensor_val(n.args[0])
+            if src is None or src.dtype != torch.bool:
+                return False
+            return visit(n.args[0], not positive)
+        if n.target in (operator.eq, torch.eq) or (n.op == "call_method" and n.target in ("eq", "__eq__")):
+            if _num(n.args[1]) == 0.0 and isinstance(n.args[0], fx.Node):
+                return visit_bool(n.args[0], not positive)
+            return False
+        if n.target in (operator.ne, torch.ne) or (n.op == "call_method" and n.target in ("ne", "__ne__")):
+            if _num(n.args[1]) == 0.0 and isinstance(n.args[0], fx.Node):
+                return visit_bool(n.args[0], positive)
+            return False
+        if name in ("to", "contiguous", "expand") and v is not None and v.dtype == torch.bool \
+                and tensor_val(n.args[0]) is not None and tensor_val(n.args[0]).dtype == torch.bool:
+            return visit(n.args[0], positive)
+        if positive:
+            probe = _padding_probe(n, cache)
+            if probe is not None:
+                pads.append(probe)
+                return True
+        return False
+
+    def visit_bool(n: fx.Node, positive: bool) -> bool:
+        # n is any numeric tensor; the literal is bool(n) (== n != 0)
+        v = tensor_val(n)
+        if v is None:
+            return False
+        if v.dtype == torch.bool:
+            return visit(n, positive)
+        c = _const_eval(n, cache)
+        if isinstance(c, torch.Tensor):
+            b = c != 0
+            const_parts.append(b if positive else ~b)
+            return True
+        if positive:
+            probe = _padding_probe_bool(n, cache)
+            if probe is not None:
+                pads.append(probe)
+                return True
+        return False
+
+    if not visit(lit.node, not lit.negate):
+        return None
+    const = None
+    for c in const_parts:
+        try:
+            const = c if const is None else (const & c)
+        except RuntimeError:
+            return None
+    return const, pads
+
+
+def _padding_probe_bool(n: fx.Node, cache: dict):
+    """Padding literal ``P[...] != 0`` where the gathered tensor is numeric (the cast to bool is implicit)."""
+    nodes = _ancestors(n)
+    if nodes is None:
+        return None
+    # reuse _padding_probe by treating n as if it were cast to bool: check its chain with a relaxed dtype rule
+    v = tensor_val(n)
+    if v is None:
+        return None
+    fake = dict(n.meta)
+    n.meta["val"] = torch.empty(v.shape, dtype=torch.bool, device="meta")
+    try:
+        return _padding_probe(n, cache)
+    finally:
+        n.meta.clear()
+        n.meta.update(fake)
+
+
+def _lower(masks: _Masks, cache: dict, shape4: tuple, bh_layout: bool) -> tuple[Optional[_Lowered], str]:
+    """Prove the keep literals are causal / window / key padding; (None, reason) when not provable."""
+    B, H, Sq, Sk = shape4
+    const = None
+    pads: list = []
+    for lit in masks.keeps:
+        got = _analyze_keep(lit, cache, shape4)
+        if got is None:
+            return None, "mask is not a provable causal/window/padding pattern"
+        c, p = got
+        if c is not None:
+            const = c if const is None else const & c
+        pads += p
+    low = _Lowered()
+    if const is not None:
+        if const.dim() > 4:
+            return None, "mask has more than 4 dims"
+        c4 = const.reshape((1,) * (4 - const.dim()) + tuple(const.shape))
+        try:
+            c4 = torch.broadcast_to(c4, (c4.shape[0], c4.shape[1], Sq, Sk))
+        except RuntimeError:
+            return None, "constant mask does not broadcast to [Sq, Sk]"
+        for d, full in ((0, B), (1, H)):
+            if c4.shape[d] not in (1, full):
+                return None, "constant mask does not broadcast to the scores"
+        flat = c4.reshape(-1, Sq, Sk)
+        c2 = flat[0]
+        if not bool((flat == c2).all()):
+            return None, "constant mask differs across batch/heads"
+        i = torch.arange(Sq)[:, None]
+        j = torch.arange(Sk)[None, :]
+        off = Sk - Sq
+        causal = j <= i + off
+        if bool(c2.all()):
+            pass
+        elif torch.equal(c2, causal):
+            low.is_causal = True
+        else:
+            w = int(c2.sum(-1).max())
+            if w >= 1 and torch.equal(c2, causal & (i + off - j < w)):
+                low.is_causal, low.window = True, w
+            else:
+                return None, "constant mask is neither causal (bottom-right) nor a sliding window"
+        low.const_has_empty_row = not bool(c2.any(-1).all())
+    if pads:
+        if not bh_layout:
+            return None, "padding mask on a 3-D (bmm) layout"
+        ps = {p for p, _ in pads}
+        if len(ps) != 1:
+            return None, "padding literals read different inputs"
+        (p,) = ps
+        L = tensor_val(p).shape[1]
+        if tensor_val(p).shape[0] != B or L < Sk:
+            return None, "padding input does not match [B, Sk]"
+        expect = (torch.arange(B)[:, None, None, None] * L + torch.arange(Sk)[None, None, None, :]).expand(B, H, Sq, Sk)
+        for _, g in pads:
+            if g.dim() > 4:
+                return None, "padding mask has more than 4 dims"
+            g4 = g.reshape((1,) * (4 - g.dim()) + tuple(g.shape))
+            try:
+                g4 = torch.broadcast_to(g4, (B, H, Sq, Sk))
+            except RuntimeError:
+                return None, "padding mask does not broadcast to the scores"
+            if not torch.equal(g4, expect):
+                return None, "gathered padding is not P[b, j]"
+        low.kpm, low.kpm_len = p, L
+    return low, ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matching
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Match:
+    q: fx.Node
+    k: fx.Node  # [.., Sk, D] layout (not transposed)
+    v: fx.Node
+    out: fx.Node  # node whose uses are replaced
+    scale: Optional[float] = None  # None = 1/sqrt(D)
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    masks: _Masks = field(default_factory=_Masks)
+    sdpa_causal: bool = False  # SDPA's (top-left) is_causal
+    q_perm: Optional[list] = None  # einsum: permute q into [B, H, S, D]
+    k_perm: Optional[list] = None
+    v_perm: Optional[list] = None
+    out_perm: Optional[list] = None  # permute the op output into the graph's layout
+    three_d: bool = False
+    matched: list = field(default_factory=list)  # nodes replaced (erased if unused)
+    k_is_kt: bool = False  # k node is kᵀ [.., D, Sk]: insert a transpose
+
+
+def _strip_scalar(node: fx.Node, matched: list, cache: dict) -> tuple[fx.Node, float]:
+    """Peel ``x * c`` / ``x / c`` (c a number or a constant 0-d tensor) off a single-use operand chain."""
+    factor = 1.0
+    while True:
+        name = op_name(node)
+        if name not in ("mul", "div") or len(node.users) != 1:
+            return node, factor
+        a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+        c = _scalar_value(b, cache)
+        if c is None and name == "mul":
+            c = _scalar_value(a, cache)
+            a = b
+        if c is None or not isinstance(a, fx.Node):
+            return node, factor
+        if name == "div" and node.kwargs.get("rounding_mode") is not None:
+            return node, factor
+        if c == 0.0 and name == "div":
+            return node, factor
+        factor = factor * c if name == "mul" else factor / c
+        matched.append(node)
+        node = a
+
+
+def _scalar_value(x: Any, cache: dict) -> Optional[float]:
+    n = _num(x)
+    if n is not None:
+        return n
+    if isinstance(x, fx.Node):
+        v = tensor_val(x)
+        if v is not None and v.dim() == 0:
+            c = _const_eval(x, cache)
+            if isinstance(c, torch.Tensor) and c.numel() == 1 and c.dtype.is_floating_point | (not c.dtype.is_complex):
+                return float(c)
+    return None
+
+
+def _is_last2_transpose(n: fx.Node) -> bool:
+    name = op_name(n)
+    v = tensor_val(n)
+    if v is None:
+        return False
+    nd = v.dim()
+    if name == "transpose" or (n.op == "call_method" and n.target == "transpose"):
+        d0 = get_arg(n, 1, "dim0")
+        d1 = get_arg(n, 2, "dim1")
+        if not isinstance(d0, int) or not isinstance(d1, int):
+            return False
+        return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+    if name == "t" and nd == 2:
+        return True
+    if name == "permute":
+        dims = n.args[1:] if n.op == "call_method" else n.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
+        return dims == list(range(nd - 2)) + [nd - 1, nd - 2]
+    return False
+
+
+def _parse_einsum(node: fx.Node):
+    eq = node.args[0]
+    ops = node.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = ops[0]
+    if not isinstance(eq, str) or len(ops) != 2 or "..." in eq or "->" not in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in terms + [out]):
+        return None
+    return terms[0], terms[1], out, ops[0], ops[1]
+
+
+def _qk_einsum(node: fx.Node):
+    """q, k, q_perm, k_perm for an einsum computing scores [b0, b1, q, k]."""
+    p = _parse_einsum(node)
+    if p is None:
+        return None
+    A, Bt, out, qa, kb = p
+    contracted = (set(A) & set(Bt)) - set(out)
+    if len(contracted) != 1 or len(out) != 4:
+        return None
+    (d,) = contracted
+    b0, b1, qi, ki = out
+    if not (b0 in A and b0 in Bt and b1 in A and b1 in Bt and qi in A and qi not in Bt and ki in Bt and ki not in A):
+        return None
+    if set(A) != {b0, b1, qi, d} or set(Bt) != {b0, b1, ki, d}:
+        return None
+    return qa, kb, [A.index(c) for c in (b0, b1, qi, d)], [Bt.index(c) for c in (b0, b1, ki, d)]
+
+
+def _pv_einsum(node: fx.Node, p_node: fx.Node):
+    """v, v_perm, out_perm for an einsum contracting probabilities [b0, b1, q, k] with v."""
+    parsed = _parse_einsum(node)
+    if parsed is None:
+        return None
+    A, Bt, out, x, y = parsed
+    if x is p_node and y is not p_node:
+        Pl, Vl, v = A, Bt, y
+    elif y is p_node and x is not p_node:
+        Pl, Vl, v = Bt, A, x
+    else:
+        return None
+    if len(Pl) != 4 or len(Vl) != 4 or len(out) != 4:
+        return None
+    b0, b1, qi, ki = Pl
+    extra = set(Vl) - {b0, b1, ki}
+    if ki in out or not {b0, b1, ki} <= set(Vl) or len(extra) != 1 or qi in Vl:
+        return None
+    (e,) = extra
+    if set(out) != {b0, b1, qi, e}:
+        return None
+    v_perm = [Vl.index(c) for c in (b0, b1, ki, e)]
+    out_perm = [[b0, b1, qi, e].index(c) for c in out]
+    return v, v_perm, out_perm
+
+
+def _repeat_kv_source(n: fx.Node) -> Optional[tuple[fx.Node, int]]:
+    """(x, rep) when ``n`` is x [B, Hkv, S, D] repeated to [B, Hkv*rep, S, D] head-wise (repeat_kv)."""
+    v = tensor_val(n)
+    if v is None or v.dim() != 4:
+        return None
+    name = op_name(n)
+    if n.op == "call_function" and n.target is torch.repeat_interleave or \
+            (n.op == "call_method" and n.target == "repeat_interleave"):
+        x = n.args[0]
+        rep = get_arg(n, 1, "repeats")
+        dim = get_arg(n, 2, "dim")
+        xv = tensor_val(x)
+        if isinstance(rep, int) and dim in (1, -3) and xv is not None and xv.dim() == 4 and \
+                "output_size" not in n.kwargs:
+            return x, rep
+        return None
+    if name not in ("reshape", "view"):
+        return None
+    e = n.args[0]
+    ev = tensor_val(e)
+    if op_name(e) != "expand" or ev is None or ev.dim() != 5:
+        return None
+    u = e.args[0]
+    uv = tensor_val(u)
+    if uv is None or uv.dim() != 5 or uv.shape[2] != 1:
+        return None
+    Bsz, Hkv, rep, S, D = ev.shape
+    if tuple(uv.shape) != (Bsz, Hkv, 1, S, D) or tuple(v.shape) != (Bsz, Hkv * rep, S, D):
+        return None
+    x = None
+    if op_name(u) == "unsqueeze" and get_arg(u, 1, "dim") in (2, -3):
+        x = u.args[0]
+    elif op_name(u) == "getitem":
+        idx = u.args[1]
+        if isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None and all(
+                isinstance(s, slice) and s == slice(None) for i, s in enumerate(idx) if i != 2):
+            x = u.args[0]
+        elif isinstance(idx, tuple) and len(idx) == 3 and idx[0] == slice(None) and idx[1] == slice(None) and \
+                idx[2] is None:
+            x = u.args[0]
+    if x is None:
+        return None
+    xv = tensor_val(x)
+    if xv is None or tuple(xv.shape) != (Bsz, Hkv, S, D):
+        return None
+    return x, rep
+
+
+def _is_where_zero_fill(m: fx.Node, cache: dict) -> Optional[tuple[fx.Node, float]]:
+    """(cond, fill) when the float mask ``m`` is ``where(cond, 0, fill)`` (transformers' eager mask)."""
+    if op_name(m) != "where" or len(m.args) != 3:
+        return None
+    cond, a, b = m.args
+    za = _scalar_value(a, cache)
+    fb = _scalar_value(b, cache)
+    if za != 0.0 or fb is None or not (fb == -math.inf or fb <= _BIG_NEGATIVE):
+        return None
+    cv = tensor_val(cond)
+    if cv is None or cv.dtype != torch.bool:
+        return None
+    return cond, fb
+
+
+def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
+    sv = tensor_val(sm)
+    if sv is None:
+        return None, "no meta val"
+    dim = get_arg(sm, 1, "dim")
+    if not isinstance(dim, int) or dim % sv.dim() != sv.dim() - 1:
+        return None, "softmax is not over the last dim"
+    sdt = sm.kwargs.get("dtype", sm.args[3] if sm.op == "call_function" and len(sm.args) > 3 else None)
+    if sdt not in (None, torch.float32) and sdt != sv.dtype:
+        return None, f"softmax dtype {sdt} unsupported"
+    matched = [sm]
+    # downstream: casts, dropout, then P @ V
+    dropout_p = 0.0
+    cur = sm
+    while True:
+        if len(cur.users) != 1:
+            return None, "attention probabilities are used elsewhere"
+        (u,) = cur.users
+        if _cast_dtype(u) is not None:
+            matched.append(u)
+            cur = u
+            continue
+        if op_name(u) == "dropout" or (u.op == "call_function" and u.target is torch.nn.functional.dropout):
+            p = get_arg(u, 1, "p", 0.5)
+            training = get_arg(u, 2, "training" if u.target is torch.nn.functional.dropout else "train", True)
+            if u.target is torch.nn.functional.dropout and get_arg(u, 3, "inplace", False):
+                return None, "in-place dropout"
+            if _num(p) is None or not isinstance(training, bool):
+                return None, "dropout with a non-constant p or training flag"
+            if training and p > 0:
+                if dropout_p > 0:
+                    return None, "two dropouts on the probabilities"
+                dropout_p = float(p)
+            matched.append(u)
+            cur = u
+            continue
+        break
+    pv = u
+    m = _Match(q=None, k=None, v=None, out=pv, dropout_p=dropout_p)
+    pname = op_name(pv)
+    if pname in ("matmul", "bmm"):
+        if pv.args[0] is not cur or len(pv.args) < 2:
+            return None, "probabilities are not the left matmul operand"
+        m.v = pv.args[1]
+    elif pname == "einsum":
+        got = _pv_einsum(pv, cur)
+        if got is None:
+            return None, "einsum equation not understood"
+        m.v, m.v_perm, m.out_perm = got
+    else:
+        return None, f"probabilities feed {pname or pv.target}, not a matmul"
+    # upstream: casts, masks, softcap, scale
+    x = sm.args[0] if sm.args else sm.kwargs.get("input")
+    scores_shape = tuple(sv.shape)
+    scale = 1.0
+    phase = 0  # 0: masks/casts; 1: softcap/scale/casts
+    masks = m.masks
+    seen_replacement = False
+    while True:
+        if not isinstance(x, fx.Node) or len(x.users) != 1:
+            return None, "score chain has other users"
+        xv = tensor_val(x)
+        if xv is None or tuple(xv.shape) != scores_shape:
+            return None, "score chain changes shape"
+        name = op_name(x)
+        dt = _cast_dtype(x)
+        if dt is not None:
+            matched.append(x)
+            x = x.args[0]
+            continue
+        if name == "add" and phase == 0:
+            a, b = x.args[0], x.args[1] if len(x.args) > 1 else x.kwargs.get("other")
+            if x.kwargs.get("alpha", 1) != 1:
+                return None, "add with alpha"
+            # the chain is the operand of the scores' shape; the other is the mask
+            if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+                av, bv = tensor_val(a), tensor_val(b)
+                if av is not None and tuple(av.shape) == scores_shape and _chain_like(a):
+                    chain, mask = a, b
+                elif bv is not None and tuple(bv.shape) == scores_shape and _chain_like(b):
+                    chain, mask = b, a
+                else:
+                    return None, "cannot tell the scores from the mask in an add"
+                mv = tensor_val(mask)
+                if mv is None or not mv.dtype.is_floating_point:
+                    return None, "additive mask is not floating point"
+                masks.additive.append(mask)
+                if seen_replacement:
+                    masks.additive_first = False
+                matched.append(x)
+                x = chain
+                continue
+            return None, "add of a number on the scores"
+        if name == "masked_fill" and phase == 0:
+            mnode = get_arg(x, 1, "mask")
+            fill = _scalar_value(get_arg(x, 2, "value"), cache)
+            if fill is None or not isinstance(mnode, fx.Node):
+                return None, "masked_fill with a non-constant fill value"
+            masks.keeps.append(_Keep(mnode, negate=True))
+            masks.fills.append(fill)
+            seen_replacement = True
+            matched.append(x)
+            x = x.args[0]
+            continue
+        if name == "where" and phase == 0 and len(x.args) == 3:
+            cond, a, b = x.args
+            if a is not None and isinstance(a, fx.Node) and tensor_val(a) is not None and \
+                    tuple(tensor_val(a).shape) == scores_shape and _chain_like(a) and _scalar_value(b, cache) is not None:
+                masks.keeps.append(_Keep(cond, negate=False))
+                masks.fills.append(_scalar_value(b, cache))
+                chain = a
+            elif isinstance(b, fx.Node) and tensor_val(b) is not None and tuple(tensor_val(b).shape) == scores_shape \
+                    and _chain_like(b) and _scalar_value(a, cache) is not None:
+                masks.keeps.append(_Keep(cond, negate=True))
+                masks.fills.append(_scalar_value(a, cache))
+                chain = b
+            else:
+                return None, "where on the scores not understood"
+            if not isinstance(cond, fx.Node) or tensor_val(cond) is None or tensor_val(cond).dtype != torch.bool:
+                return None, "where condition is not a bool tensor"
+            seen_replacement = True
+            matched.append(x)
+            x = chain
+            continue
+        if name == "mul":
+            # softcap: tanh(y / c) * c
+            a, b = x.args[0], x.args[1] if len(x.args) > 1 else None
+            c = _scalar_value(b, cache)
+            t = a
+            if c is None:
+                c, t = _scalar_value(a, cache), b
+            if c is not None and isinstance(t, fx.Node) and op_name(t) == "tanh" and len(t.users) == 1 \
+                    and phase == 0 and c > 0:
+                inner = t.args[0]
+                if isinstance(inner, fx.Node) and op_name(inner) in ("mul", "div") and len(inner.users) == 1:
+                    ia, ib = inner.args[0], inner.args[1]
+                    ic = _scalar_value(ib, cache)
+                    if ic is None and op_name(inner) == "mul":
+                        ic, ia = _scalar_value(ia, cache), ib
+                    if ic is not None and ic != 0 and (
+                            (op_name(inner) == "div" and math.isclose(ic, c, rel_tol=1e-6)) or
+                            (op_name(inner) == "mul" and math.isclose(ic * c, 1.0, rel_tol=1e-6))) \
+                            and inner.kwargs.get("rounding_mode") is None:
+                        m.softcap = float(c)
+                        phase = 2  # scales below softcap are pre-softcap: fine
+                        matched += [x, t, inner]
+                        x = ia
+                        continue
+            # a scalar scale
+            if c is not None and isinstance(t, fx.Node):
+                scale *= c
+                phase = max(phase, 1)
+                matched.append(x)
+                x = t
+                continue
+            return None, "mul on the scores by a tensor"
+        if name == "div":
+            c = _scalar_value(x.args[1] if len(x.args) > 1 else x.kwargs.get("other"), cache)
+            if c is None or c == 0 or x.kwargs.get("rounding_mode") is not None or not isinstance(x.args[0], fx.Node):
+                return None, "div of the scores by a tensor"
+            scale /= c
+            phase = max(phase, 1)
+            matched.append(x)
+            x = x.args[0]
+            continue
+        if name in ("matmul", "bmm", "einsum"):
+            break
+        if name in ("add", "masked_fill", "where"):
+            return None, "mask applied before the scale or softcap (not expressible)"
+        return None, f"score chain op {name or x.target} not understood"
+    qk = x
+    matched.append(qk)
+    if op_name(qk) == "einsum":
+        got = _qk_einsum(qk)
+        if got is None:
+            return None, "einsum equation not understood"
+        q, k, m.q_perm, m.k_perm = got
+    else:
+        q, kt = qk.args[0], qk.args[1]
+        if not isinstance(q, fx.Node) or not isinstance(kt, fx.Node):
+            return None, "matmul operands are not tensors"
+        kt_node, kfac = _strip_scalar(kt, matched, cache)
+        scale *= kfac
+        if _is_last2_transpose(kt_node) and len(kt_node.users) == 1:
+            matched.append(kt_node)
+            k = kt_node.args[0]
+        else:
+            k, m.k_is_kt = kt_node, True
+    q, qfac = _strip_scalar(q, matched, cache)
+    scale *= qfac
+    if not m.k_is_kt:
+        k, kfac = _strip_scalar(k, matched, cache)
+        scale *= kfac
+    m.q, m.k = q, k
+    m.scale = scale
+    m.matched = matched
+    qv = tensor_val(qk)
+    m.three_d = qv is not None and qv.dim() == 3 and op_name(qk) == "bmm"
+    if op_name(qk) == "bmm" and not m.three_d:
+        return None, "bmm of unexpected rank"
+    if op_name(qk) == "matmul" and (qv is None or qv.dim() not in (3, 4)):
+        return None, "matmul of rank other than 3 or 4"
+    if op_name(qk) == "matmul" and qv.dim() == 3:
+        m.three_d = True
+    return m, ""
+
+
+def _chain_like(n: fx.Node) -> bool:
+    """Whether ``n`` can be the score chain (comes from a matmul through elementwise ops)."""
+    seen = 0
+    while isinstance(n, fx.Node) and seen < 16:
+        name = op_name(n)
+        if name in ("matmul", "bmm", "einsum"):
+            return True
+        if name in ("mul", "div", "add", "masked_fill", "where", "tanh") or _cast_dtype(n) is not None:
+            if name == "where":
+                cand = [a for a in n.args[1:] if isinstance(a, fx.Node) and _chain_like(a)]
+                return bool(cand)
+            if name in ("mul", "add"):
+                return any(isinstance(a, fx.Node) and _chain_like(a) for a in n.args[:2])
+            n = n.args[0] if name != "where" else n.args[1]
+            seen += 1
+            continue
+        return False
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rewriting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
+          result: PassResult) -> Optional[fx.Node]:
+    """Build the flash_attention call for ``m``; returns the replacement node or None (graph untouched)."""
+    g = gm.graph
+    mode = _fake_mode(m.q, m.k, m.v, m.out)
+    # --- decide everything before creating a node ------------------------------------------------------------
+    qv, kv_, vv = tensor_val(m.q), tensor_val(m.k), tensor_val(m.v)
+    if qv is None or kv_ is None or vv is None:
+        return _fail(result, m.out, "missing meta val on q/k/v")
+
+    def shape_after(v, perm, kt=False, three=False):
+        s = list(v.shape)
+        if perm is not None:
+            s = [s[i] for i in perm]
+        if kt:
+            s[-1], s[-2] = s[-2], s[-1]
+        if three:
+            s = [1] + s
+        return s
+
+    qs = shape_after(qv, m.q_perm, three=m.three_d)
+    ks = shape_after(kv_, m.k_perm, kt=m.k_is_kt, three=m.three_d)
+    vs = shape_after(vv, m.v_perm, three=m.three_d)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return _fail(result, m.out, f"q/k/v ranks {len(qs)}/{len(ks)}/{len(vs)} (need 4)")
+    # GQA: drop repeat_kv on both k and v
+    k_src = v_src = None
+    if not m.three_d and m.k_perm is None and m.v_perm is None:
+        kr = _repeat_kv_source(m.k)
+        vr = _repeat_kv_source(m.v)
+        if kr is not None and vr is not None and kr[1] == vr[1] and \
+                tuple(tensor_val(kr[0]).shape) == tuple(tensor_val(vr[0]).shape):
+            k_src, v_src = kr[0], vr[0]
+            ks = list(tensor_val(k_src).shape)
+            vs = list(tensor_val(v_src).shape)
+            if m.k_is_kt:
+                k_src = None  # transposed repeat: keep it simple
+                ks = shape_after(kv_, None, kt=True)
+                v_src = None
+                vs = list(vv.shape)
+    reason = _check_shapes(qs, ks, vs, qv, kv_, vv)
+    if reason:
+        return _fail(result, m.out, reason)
+    ov = tensor_val(m.out)
+    if ov is None or ov.dtype != qv.dtype:
+        return _fail(result, m.out, "attention output dtype differs from q's")
+    B, Hq, Sq, D = qs
+    Sk = ks[2]
+    # masks
+    masks = m.masks
+    low, why = None, ""
+    bh_layout = not m.three_d
+    if masks.keeps or masks.additive:
+        # transformers' eager additive mask where(cond, 0, fill) is a keep literal
+        add_keep = []
+        rest_add = []
+        for a in masks.additive:
+            wz = _is_where_zero_fill(a, cache) if cfg.lower_masks else None
+            if wz is not None and masks.additive_first:
+                add_keep.append((a, wz))
+            else:
+                rest_add.append(a)
+        trial = _Masks(keeps=masks.keeps + [_Keep(c) for _, (c, _) in add_keep],
+                       fills=masks.fills + [f for _, (_, f) in add_keep], additive=rest_add,
+                       additive_first=masks.additive_first)
+        if cfg.lower_masks and trial.keeps:
+            low, why = _lower(trial, cache, (B, Hq, Sq, Sk), bh_layout)
+            if low is not None:
+                finite = any(f != -math.inf for f in trial.fills)
+                # a finite fill gives rows with no visible key the mean of all values (the kernel gives 0)
+                low.fix_dead_rows = finite and (low.kpm is not None or low.const_has_empty_row)
+                if low.fix_dead_rows and (rest_add or m.dropout_p):
+                    low, why = None, "finite mask fill on rows that may be fully masked, with more masks or dropout"
+                elif rest_add and not masks.additive_first:
+                    low, why = None, "additive mask after a replacement mask"
+        if low is not None:
+            masks = trial
+        if low is None and why:
+            result.notes.append(f"attention {m.out.name}: mask passed as a tensor ({why})")
+    if m.sdpa_causal:
+        if low is not None or masks.keeps or masks.additive:
+            return _fail(result, m.out, "SDPA is_causal with an attn_mask")
+    # --- build -----------------------------------------------------------------------------------------------
+    b = _Builder(g, m.out, mode)
+    try:
+        q = m.q
+        k = k_src if k_src is not None else m.k
+        v = v_src if v_src is not None else m.v
+        if m.q_perm is not None:
+            q = b.call(torch.permute, (q, m.q_perm))
+        if m.k_perm is not None:
+            k = b.call(torch.permute, (k, m.k_perm))
+        if m.v_perm is not None:
+            v = b.call(torch.permute, (v, m.v_perm))
+        if m.k_is_kt:
+            k = b.call(torch.transpose, (k, -2, -1))
+        if m.three_d:
+            q = b.call(torch.unsqueeze, (q, 0))
+            k = b.call(torch.unsqueeze, (k, 0))
+            v = b.call(torch.unsqueeze, (v, 0))
+        kwargs: dict = {}
+        if m.scale is not None:
+            kwargs["scale"] = float(m.scale)
+        if m.softcap:
+            kwargs["softcap"] = float(m.softcap)
+        if m.dropout_p:
+            kwargs["dropout_p"] = float(m.dropout_p)
+        is_causal = False
+        attn_mask = None
+        if m.sdpa_causal:
+            if Sq == Sk:
+                is_causal = True
+            else:
+                ones = b.call(torch.ones, (Sq, Sk), {"dtype": torch.bool, "device": qv.device})
+                attn_mask = b.call(torch.tril, (ones,))
+        if low is not None:
+            is_causal = low.is_causal
+            if low.window >= 0:
+                kwargs["window"] = int(low.window)
+            if low.kpm is not None:
+                kpm = low.kpm
+                if low.kpm_len != Sk:
+                    kpm = b.call(operator.getitem, (kpm, (slice(None), slice(None, Sk))))
+                if tensor_val(kpm).dtype != torch.bool:
+                    kpm = b.call(torch.ne, (kpm, 0))
+                if tensor_val(kpm).device != qv.device:
+                    kpm = b.call("to", (kpm, qv.device), method=True)
+                kwargs["key_padding_mask"] = kpm
+            attn_mask = _sum_additive(b, masks.additive)
+        elif masks.keeps or masks.additive:
+            attn_mask = _materialize(b, masks, result, m.out, m.three_d)
+            if attn_mask is False:
+                raise _Abort(result.skipped[-1].reason if result.skipped else "mask")
+        if attn_mask is not None:
+            mv = tensor_val(attn_mask)
+            if mv.dim() > 4:
+                raise _Abort("mask has more than 4 dims")
+            shape = (1,) * (4 - mv.dim()) + tuple(mv.shape)
+            if any(h not in (1, w) for h, w in zip(shape, (B, Hq, Sq, Sk))):
+                raise _Abort(f"mask shape {tuple(mv.shape)} does not broadcast to {[B, Hq, Sq, Sk]}")
+            if mv.device != qv.device:
+                raise _Abort("mask on another device")
+            kwargs["attn_mask"] = attn_mask
+        if is_causal:
+            kwargs["is_causal"] = True
+        out = None
+        if cfg.fp8:
+            fp8_ok, fp8_why = _fp8_eligible(tensor_val(q), tensor_val(k), tensor_val(v), kwargs)
+            if fp8_ok:
+                out = b.call(torch.ops.fxopt.fp8_attention.default, (q, k, v),
+                             {"is_causal": bool(kwargs.get("is_causal", False)), "scale": kwargs.get("scale")})
+            else:
+                result.notes.append(f"attention {m.out.name}: fp8 not used ({fp8_why}); fp16/bf16 flash_attention")
+        if out is None:
+            out = b.call(op, (q, k, v), kwargs)
+        if low is not None and low.fix_dead_rows:
+            out = _fix_dead_rows(b, out, v, low, kwargs.get("key_padding_mask"), (B, Hq, Sq, Sk))
+        if m.three_d:
+            out = b.call(torch.squeeze, (out, 0))
+        if m.out_perm is not None:
+            out = b.call(torch.permute, (out, m.out_perm))
+        if tuple(tensor_val(out).shape) != tuple(ov.shape) or tensor_val(out).dtype != ov.dtype:
+            raise _Abort(f"rewrite would change shape {tuple(ov.shape)} -> {tuple(tensor_val(out).shape)}")
+    except _Abort as e:
+        _undo(g, b.created)
+        if not (result.skipped and result.skipped[-1].node == m.out.name):
+            result.skip(m.out, str(e))
+        return None
+    except Exception as e:  # noqa: BLE001  (fake propagation refused the call: leave the graph as it was)
+        _undo(g, b.created)
+        result.skip(m.out, f"rewrite failed: {type(e).__name__}: {e}")
+        return None
+    out.meta["fxopt_attention"] = {
+        "lowered": None if low is None else {"is_causal": low.is_causal, "window": low.window,
+                                             "key_padding_mask": low.kpm is not None},
+        "gqa": k_src is not None or (Hq != ks[1]),
+    }
+    return out
+
+
+class _Abort(Exception):
+    pass
+
+
+# Tests on CPU set this to route through the FP8 op's CPU reference (which emulates the kernel's quantization).
+_FP8_ALLOW_CPU_REFERENCE = False
+
+
+def _fp8_eligible(qv, kv_, vv, kwargs) -> tuple:
+    """(ok, reason): the FP8 kernel takes inference attention with only ``is_causal`` and ``scale``."""
+    from ..kernels.fp8_attention import fp8_attention_supported
+
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv_, vv))
+    ok, why = fp8_attention_supported(qv, kv_, vv, training, allow_cpu_reference=_FP8_ALLOW_CPU_REFERENCE)
+    extra = sorted(set(kwargs) - {"scale", "is_causal"})
+    if ok and extra:
+        return False, "the fp8 kernel has no " + ", ".join(extra)
+    return ok, why
+
+
+def _fail(result: PassResult, node: fx.Node, reason: str):
+    result.skip(node, reason)
+    return None
+
+
+def _undo(g: fx.Graph, created: list) -> None:
+    for n in reversed(created):
+        if not n.users:
+            g.erase_node(n)
+
+
+def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
+    if not (qv.dtype == kv_.dtype == vv.dtype) or qv.dtype not in _SUPPORTED_DTYPES:
+        return f"dtypes {qv.dtype}/{kv_.dtype}/{vv.dtype} unsupported"
+    if not (qv.device == kv_.device == vv.device):
+        return "q/k/v on different devices"
+    for s in (*qs, *ks, *vs):
+        if not isinstance(s, int):
+            return "dynamic shapes"
+    B, Hq, Sq, D = qs
+    if list(ks) != list(vs):
+        return f"k {list(ks)} and v {list(vs)} shapes differ"
+    if ks[0] != B or ks[3] != D:
+        return f"k/v {list(ks)} do not match q {list(qs)}"
+    if ks[1] == 0 or Hq % ks[1] != 0:
+        return f"Hq={Hq} is not a multiple of Hkv={ks[1]}"
+    if D > _MAX_HEAD_DIM or D < 1:
+        return f"head dim {D} unsupported (max {_MAX_HEAD_DIM})"
+    return ""
+
+
+def _fix_dead_rows(b: _Builder, out: fx.Node, v: fx.Node, low: _Lowered, kpm: Optional[fx.Node],
+                   shape4: tuple) -> fx.Node:
+    """Rows with no visible key: the model (finite fill) averages all values uniformly; the kernel returns 0.
+
+    dead[b, i] = no valid key in the causal / window range of row i, counted with a cumsum over the padding mask.
+    """
+    B, Hq, Sq, Sk = shape4
+    dev = tensor_val(out).device
+    off = Sk - Sq
+    rows = b.call(torch.arange, (Sq,), {"device": dev})
+    if low.is_causal:
+        hi = b.call(torch.clamp, (b.call(operator.add, (rows, off + 1)),), {"min": 0, "max": Sk})
+    else:
+        hi = b.call(torch.full, ((Sq,), Sk), {"dtype": torch.int64, "device": dev})
+    if low.window >= 0:
+        lo = b.call(torch.clamp, (b.call(operator.add, (rows, off + 1 - low.window)),), {"min": 0, "max": Sk})
+    else:
+        lo = b.call(torch.zeros, ((Sq,),), {"dtype": torch.int64, "device": dev})
+    if kpm is None:
+        count = b.call(operator.sub, (hi, lo))  # [Sq]
+        dead = b.call(operator.eq, (b.call(torch.clamp, (count,), {"min": 0}), 0))
+        dead = b.call(operator.getitem, (dead, (None, None, slice(None), None)))
+    else:
+        csum = b.call(torch.cumsum, (kpm, -1), {"dtype": torch.int64})
+        zero = b.call(torch.zeros, ((B, 1),), {"dtype": torch.int64, "device": dev})
+        cpad = b.call(torch.cat, ([zero, csum], -1))  # [B, Sk + 1]: cpad[:, t] = valid keys among the first t
+        c_hi = b.call(operator.getitem, (cpad, (slice(None), hi)))
+        c_lo = b.call(operator.getitem, (cpad, (slice(None), lo)))
+        count = b.call(operator.sub, (c_hi, c_lo))  # [B, Sq]; hi <= lo gives <= 0
+        dead = b.call(operator.le, (count, 0))
+        dead = b.call(operator.getitem, (dead, (slice(None), None, slice(None), None)))
+    Hkv = tensor_val(v).shape[1]
+    mean = b.call("mean", (v, -2), {"keepdim": True}, method=True)  # [B, Hkv, 1, D]
+    if Hkv != Hq:
+        D = tensor_val(v).shape[3]
+        mean = b.call(operator.getitem, (mean, (slice(None), slice(None), None)))
+        mean = b.call("expand", (mean, B, Hkv, Hq // Hkv, 1, D), method=True)
+        mean = b.call("reshape", (mean, B, Hq, 1, D), method=True)
+    return b.call(torch.where, (dead, mean, out))
+
+
+def _sum_additive(b: _Builder, adds: list) -> Optional[fx.Node]:
+    out = None
+    for a in adds:
+        out = a if out is None else b.call(operator.add, (out, a))
+    return out
+
+
+def _materialize(b: _Builder, masks: _Masks, result: PassResult, anchor: fx.Node, three_d: bool):
+    """One tensor mask for the kernel: a bool keep mask, or a float additive one."""
+    keep = None
+    for lit in masks.keeps:
+        node = b.call(operator.invert, (lit.node,)) if lit.negate else lit.node
+        keep = node if keep is None else b.call(operator.and_, (keep, node))
+    add = _sum_additive(b, masks.additive)
+    fills = set(masks.fills)
+    if keep is None:
+        return add
+    if fills == {-math.inf}:
+        if add is None:
+            return keep
+        return b.call(torch.where, (keep, add, -math.inf))
+    # finite fill: where(keep, s, f) == s + where(keep, 0, f) (and s + A) only when f swamps s in fp32
+    if len(fills) != 1 or max(fills) > _BIG_NEGATIVE or add is not None:
+        result.skip(anchor, f"mask fill value(s) {sorted(fills)} cannot be expressed for the kernel")
+        return False
+    (f,) = fills
+    zero_add = b.call(torch.where, (keep, 0.0, f))
+    if tensor_val(zero_add).dtype != torch.float32:
+        zero_add = b.call("to", (zero_add, torch.float32), method=True)
+    return zero_add
+
+
+def _erase_dead(g: fx.Graph, candidates: list) -> int:
+    """Erase unused pure nodes among ``candidates`` and (transitively) their ancestors."""
+    erased = 0
+    work = list(candidates)
+    seen: set = set()
+    while work:
+        n = work.pop()
+        if n in seen or n.graph is not g:
+            continue
+        if n.op not in ("call_function", "call_method") or n.users:
+            continue
+        if not _is_pure_eval_target(n) and op_name(n) != "dropout":
+            continue
+        try:
+            if n.is_impure():
+                continue
+        except Exception:  # noqa: BLE001
+            continue
+        seen.add(n)
+        inputs = list(n.all_input_nodes)
+        g.erase_node(n)
+        erased += 1
+        work.extend(inputs)
+    return erased
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SDPA
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _match_sdpa(node: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
+    q = get_arg(node, 0, "query")
+    k = get_arg(node, 1, "key")
+    v = get_arg(node, 2, "value")
+    mask = get_arg(node, 3, "attn_mask")
+    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
+    is_causal = get_arg(node, 5, "is_causal", False)
+    scale = get_arg(node, 6, "scale")
+    enable_gqa = get_arg(node, 7, "enable_gqa", False)
+    if not all(isinstance(x, fx.Node) for x in (q, k, v)):
+        return None, "q/k/v are not tensors"
+    if _num(dropout_p) is None or not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        return None, "non-constant dropout_p / is_causal / enable_gqa"
+    if scale is not None and _num(scale) is None:
+        return None, "non-constant scale"
+    qv, kv_ = tensor_val(q), tensor_val(k)
+    if qv is None or kv_ is None:
+        return None, "missing meta val"
+    if qv.dim() == 4 and kv_.dim() == 4 and qv.shape[1] != kv_.shape[1] and not enable_gqa:
+        return None, "different head counts without enable_gqa"
+    if qv.dim() != 4:
+        return None, f"q rank {qv.dim()} (need 4)"
+    m = _Match(q=q, k=k, v=v, out=node, scale=None if scale is None else float(scale),
+               dropout_p=float(dropout_p), sdpa_causal=is_causal, matched=[node])
+    if mask is not None:
+        if not isinstance(mask, fx.Node) or tensor_val(mask) is None:
+            return None, "attn_mask is not a tensor"
+        if is_causal:
+            return None, "attn_mask together with is_causal"
+        if tensor_val(mask).dtype == torch.bool:
+            m.masks.keeps.append(_Keep(mask))
+            m.masks.fills.append(-math.inf)  # SDPA's bool semantics: fully masked rows give 0, like the kernel
+        elif tensor_val(mask).dtype.is_floating_point:
+            m.masks.additive.append(mask)
+        else:
+            return None, f"attn_mask dtype {tensor_val(mask).dtype}"
+    return m, ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@register_pass("attention")
+def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -> PassResult:
+    """Rewrite every SDPA / hand-written attention it can prove into ``torch.ops.fxopt.flash_attention``."""
+    result = PassResult("attention")
+    candidates = [n for n in gm.graph.nodes if op_name(n) in ("sdpa", "softmax")
+                  or (n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention)]
+    if not candidates:
+        return result
+    op = _flash_op()
+    if op is None:
+        for n in candidates:
+            result.skip(n, "torch.ops.fxopt.flash_attention is not available")
+        return result
+    cache: dict = {}
+    for n in candidates:
+        if n.graph is not gm.graph:
+            continue  # erased by an earlier rewrite
+        if op_name(n) == "sdpa" or n.target is torch._C._nn.scaled_dot_product_attention:
+            m, why = _match_sdpa(n, cache)
+        else:
+            m, why = _match_softmax(n, cache)
+        if m is None:
+            result.skip(n, why)
+            continue
+        new = _emit(gm, m, cfg, op, cache, result)
+        if new is None:
+            continue
+        m.out.replace_all_uses_with(new)
+        dead = [m.out] + list(m.matched)
+        _erase_dead(gm.graph, dead + [a for d in dead for a in d.all_input_nodes])
+        result.rewrites += 1
+        info = new.meta.get("fxopt_attention", {})
+        low = info.get("lowered")
+        result.notes.append(f"attention {n.name}: -> flash_attention"
+                            + (" (GQA native)" if info.get("gqa") else "")
+                            + ("" if not low else f" mask lowered {low}"))
+    return result
