@@ -7,6 +7,7 @@ top-level ``enabled`` switches every pass off. An unknown key or a value of the 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -102,8 +103,7 @@ class Config:
     @classmethod
     def from_options(cls, options: Optional[dict] = None, base: Optional["Config"] = None) -> "Config":
         """Build a Config from ``torch.compile``'s ``options`` dict, validating every key and type."""
-        cfg = dataclasses.replace(base) if base is not None else cls()
-        cfg = _deepcopy(cfg)
+        cfg = copy.deepcopy(base) if base is not None else cls()
         if options is None:
             return cfg
         if not isinstance(options, dict):
@@ -115,12 +115,6 @@ class Config:
     @staticmethod
     def valid_keys() -> list[str]:
         return _keys(Config, "")
-
-
-def _deepcopy(cfg):
-    import copy
-
-    return copy.deepcopy(cfg)
 
 
 def _keys(cls, prefix: str) -> list[str]:
