@@ -33,9 +33,12 @@ the counter. One launch, no memset, no extra reduction kernel.
 
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
 time a shape is seen (L2 flushed between runs), then cached. Under CUDA-graph capture or in the Triton interpreter
-no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). For M > 256 the candidate list also contains "dequantize to a 16-bit W with
-the Triton dequant kernel, then cuBLAS": at M in the thousands the GEMM is compute-bound and cuBLAS's bf16 GEMM is
-faster than Triton's, so the extra ~30-150 us of dequant can win; the tuner keeps it only where it measures faster.
+no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). For M > 16 the candidate list
+also contains "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS": from M ~ 32 the fused kernels
+are bound by the per-weight dequant arithmetic (re-done for every M tile) and at M in the thousands the GEMM is
+compute-bound where cuBLAS beats Triton, so the extra dequant pass (about 1.3x the packed bytes, written once) can win;
+the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to memory (a
+temporary, freed after the call); the fused paths never do.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations
@@ -341,11 +344,13 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         for bn, waves, cd, stages in ((64, 2, True, 4), (128, 2, True, 4), (64, 2, False, 4), (128, 1, False, 4),
                                       (64, 4, True, 3)):
             add(bucket, bn, 128, waves, cd, 4, stages)
+        out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 256:
         for bm, bn, bk, waves, warps, stages in ((64, 128, 128, 1, 4, 4), (128, 128, 64, 1, 8, 4),
                                                  (64, 256, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
                                                  (128, 128, 128, 0, 8, 3)):
             add(bm, bn, bk, waves, False, warps, stages)
+        out.append(W4A16Config(method="dequant_matmul"))
     else:
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
                                           (128, 256, 128, 8, 3)):
