@@ -189,6 +189,27 @@ def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, ten
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _HostStaged(nn.Module):
+    """Runs a stage on ``device`` with inputs and outputs in host memory: gloo's send/recv take host memory only
+    (its collectives stage CUDA tensors through pinned memory, its p2p does not). The copies are autograd ops, so the
+    gradients sent between stages are on the host too."""
+
+    def __init__(self, stage: nn.Module, device: torch.device):
+        super().__init__()
+        self.stage, self.device = stage, device
+
+    def forward(self, *args):
+        out = self.stage(*(a.to(self.device) for a in args))
+        return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+
+def _comm_device(device: torch.device, group) -> torch.device:
+    """Where p2p buffers live: the stage device, except CUDA stages over gloo (host memory only)."""
+    if torch.device(device).type != "cpu" and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.device(device)
+
+
 class PipelineRunner:
     """What :func:`pipeline` returns: this rank's stages and PyTorch schedules over them.
 
@@ -210,6 +231,7 @@ class PipelineRunner:
         self.schedule = schedule
         self.device = device
         self.group = group
+        self.comm_device = _comm_device(device, group)
         self.loss_fn = loss_fn
         self._shared = shared_groups  # list of (param, process group) this rank takes part in
         self._input_spec = input_spec  # (shapes of the full-batch tensor inputs, kwargs keys)
@@ -239,7 +261,10 @@ class PipelineRunner:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
-        stages = [PipelineStage(self._compiled[s], s, self.n_stages, self.device, group=self.group)
+        def wrap(m):
+            return m if self.comm_device == torch.device(self.device) else _HostStaged(m, self.device)
+
+        stages = [PipelineStage(wrap(self._compiled[s]), s, self.n_stages, self.comm_device, group=self.group)
                   for s in self.stage_indices]
         kw = {"loss_fn": loss_fn, "scale_grads": False}
         if self.schedule == "Interleaved1F1B":
@@ -254,7 +279,7 @@ class PipelineRunner:
         if got != shapes or list(kwargs) != keys:
             raise PipelineError(f"inputs must match the example the pipeline was built for: tensor shapes {shapes} "
                                 f"(kwargs {keys}), got {got} (kwargs {list(kwargs)}); shapes are static")
-        return [t.to(self.device) for t in flat]
+        return [t.to(self.comm_device) for t in flat]
 
     def forward(self, *args, **kwargs):
         """Inference over micro-batches (GPipe order, no grad): the output on the last stage, ``None`` elsewhere."""
@@ -263,7 +288,9 @@ class PipelineRunner:
             self._fwd = self._make(None)
         with torch.no_grad():
             out = self._fwd.step(*flat) if 0 in self.stage_indices else self._fwd.step()
-        return out if self.is_last else None
+        if not self.is_last:
+            return None
+        return tuple(o.to(self.device) for o in out) if isinstance(out, tuple) else out.to(self.device)
 
     __call__ = forward
 
@@ -284,7 +311,7 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         losses: list = []
-        kw = {"target": target.to(self.device), "losses": losses} if self.is_last else {}
+        kw = {"target": target.to(self.comm_device), "losses": losses} if self.is_last else {}
         if 0 in self.stage_indices:
             self._train.step(*flat, **kw)
         else:
