@@ -348,3 +348,21 @@ def _ranks_four(rank, world):
 @pytest.mark.slow
 def test_pipeline_four_ranks_matches_single_device():
     run_on_ranks(_ranks_four, 4)
+
+
+def test_retarget_devices_rewrites_device_literals():
+    """A graph captured on the host names ``device=cpu`` in its factories; stages on another device need it moved."""
+    from fxopt.parallel.pipeline import retarget_devices
+
+    def f(x):
+        return x + torch.arange(x.shape[-1], device=x.device) + torch.zeros(x.shape[-1], device="cpu")
+
+    gm = torch.fx.symbolic_trace(f)
+    for n in gm.graph.nodes:  # symbolic_trace keeps device=x.device symbolic: make it a literal like Dynamo does
+        if n.target is torch.arange:
+            n.kwargs = {"device": torch.device("cpu")}
+    gm.recompile()
+    assert retarget_devices(gm, torch.device("cpu"), torch.device("meta")) == 2
+    devices = [v for n in gm.graph.nodes for v in n.kwargs.values() if n.op == "call_function" and "device" in n.kwargs]
+    assert all(torch.device(d).type == "meta" for d in devices) and len(devices) == 2
+    assert retarget_devices(gm, torch.device("cpu"), torch.device("cpu")) == 0

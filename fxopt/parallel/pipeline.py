@@ -189,6 +189,32 @@ def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, ten
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def retarget_devices(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> int:
+    """Replace device literals equal to ``src`` in ``gm``'s node arguments by ``dst``; returns how many changed."""
+    src, dst = torch.device(src), torch.device(dst)
+    if src == dst:
+        return 0
+    changed = 0
+
+    def fix(a):
+        nonlocal changed
+        if isinstance(a, torch.device) and a == src:
+            changed += 1
+            return dst
+        if isinstance(a, str) and a in ("cpu", "cuda", "meta") and torch.device(a) == src:
+            changed += 1
+            return str(dst)
+        return a
+
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            n.args = fx.node.map_aggregate(n.args, fix)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, fix)
+    if changed:
+        gm.recompile()
+    return changed
+
+
 class _HostStaged(nn.Module):
     """Runs a stage on ``device`` with inputs and outputs in host memory: gloo's send/recv take host memory only
     (its collectives stage CUDA tensors through pinned memory, its p2p does not). The copies are autograd ops, so the
@@ -199,6 +225,8 @@ class _HostStaged(nn.Module):
         self.stage, self.device = stage, device
 
     def forward(self, *args):
+        if any(a.device.type == "meta" for a in args):  # the schedule's shape inference: nothing to move
+            return self.stage(*args)
         out = self.stage(*(a.to(self.device) for a in args))
         return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
@@ -427,7 +455,10 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     if rank == 0:
         log.info("%s", plan)
 
-    # 3. Split; this rank builds its own stages.
+    # 3. Split; this rank builds its own stages. Device literals Dynamo recorded (``arange(..., device=cpu)``
+    # in a model captured on the host) must name the stage device, or the stage mixes devices.
+    src = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), device)
+    retarget_devices(gm, src, device)
     local = [s for s in range(stages) if s % world == rank]
     mods = build_stage_modules(gm, plan, state, tensors, input_order, only=local)
     for m in mods.values():
