@@ -1,0 +1,238 @@
+"""AWQ (Lin et al., 2023): activation-aware per-input-channel scaling, then a clip search, then round-to-nearest.
+
+Weights that meet large activations matter most. For the linears that read one input ``x`` (q/k/v; gate/up),
+AWQ multiplies input channel c of every weight by ``s_c`` and divides ``x[..., c]`` by ``s_c``: the float output is
+unchanged, but the salient channels now use more of the int4 grid. ``s = mean|x|^α`` (normalised by
+``sqrt(max s · min s)``), with α picked from a grid of ``n_grid`` values in [0, 1) by the error it leaves on the
+shared-input linears' outputs. α = 0 is plain round-to-nearest, so the chosen scale never does worse on the
+calibration objective. The division of ``x`` is folded into whatever produces it (a norm's weight, or the output
+rows of a preceding linear; :mod:`fxopt.quant.calibrate` finds which from the graph), and only where nothing can
+absorb it does an explicit ``x / s`` stay in front of the quantized linear (:class:`InputScale`).
+
+Then, per linear, the clip search shrinks each group's max |w| by ratios ``1 - i / n_grid`` (i < max_shrink · n_grid)
+and keeps, per output row and group, the one with the least output error.
+
+Errors are measured exactly over every calibration token through the input's Gram matrix ``H = XᵀX / n``: the
+squared output error of a weight perturbation ``Δ`` [N, K] is ``tr(Δ H Δᵀ)``, and that of one group g of one row is
+``Δ_g H_gg Δ_gᵀ`` (the diagonal [G, G] block, as the paper's per-group clip objective). Cost: O(N·K²) per α,
+independent of the number of tokens. :func:`find_norm_fold` is the graph analysis for the norm case.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .gptq import fake_quantize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScaleSearch:
+    """Result of :func:`search_scale`: the scale per input channel of the linears, per source channel, and α."""
+
+    scale: torch.Tensor
+    source_scale: torch.Tensor
+    ratio: float
+    errors: list = field(default_factory=list)
+
+
+@torch.no_grad()
+def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.Tensor, group_size: int,
+                 sym: bool = False, n_grid: int = 20, scale_dtype: torch.dtype = torch.float16,
+                 channel_map: Optional[torch.Tensor] = None) -> ScaleSearch:
+    """Pick ``s = mean|x|^α`` minimising the summed output error of ``weights`` (each [N_i, K]) after int4 RTN.
+
+    ``channel_map`` (int64 [K], optional) ties input channels that come from one channel of the producer that will
+    absorb the scale (e.g. GQA: o_proj's inputs of all query heads sharing a value head): ``s[j] = s_src[map[j]]``,
+    with ``mean|x|`` averaged over the tied channels.
+    """
+    W = torch.cat([w.detach().float() for w in weights], dim=0).to(H.device)
+    K = W.shape[1]
+    H = H.float()
+    xm = x_absmean.float().to(H.device)
+    if channel_map is not None:
+        channel_map = channel_map.to(H.device)
+        n_src = int(channel_map.max()) + 1
+        src = torch.zeros(n_src, device=H.device).index_add_(0, channel_map, xm)
+        cnt = torch.zeros(n_src, device=H.device).index_add_(0, channel_map, torch.ones_like(xm))
+        src_mean = src / cnt.clamp(min=1)
+    else:
+        src_mean = xm
+    best_err, best_ratio, best_src = math.inf, 0.0, torch.ones_like(src_mean)
+    errors = []
+    for i in range(n_grid):
+        ratio = i / n_grid
+        s_src = src_mean.pow(ratio).clamp(min=1e-4)
+        s_src = s_src / (s_src.max() * s_src.min()).sqrt()
+        s = s_src[channel_map] if channel_map is not None else s_src
+        deq = fake_quantize(W * s, group_size, sym, scale_dtype)[0] / s
+        D = deq - W
+        err = float(((D @ H) * D).sum())
+        errors.append(err)
+        if err < best_err:
+            best_err, best_ratio, best_src = err, ratio, s_src
+    s = best_src[channel_map] if channel_map is not None else best_src
+    if not math.isfinite(best_err):
+        raise ValueError("AWQ scale search produced a non-finite error (inf/nan in activations or weights)")
+    assert s.shape[0] == K
+    return ScaleSearch(s, best_src, best_ratio, errors)
+
+
+@torch.no_grad()
+def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: bool = False, n_grid: int = 20,
+                max_shrink: float = 0.5, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Clip each (row, group) of ``weight`` [N, K] to ``±max|w| · (1 - i/n_grid)`` with the least output error."""
+    W = weight.detach().float().to(H.device)
+    N, K = W.shape
+    G = K if group_size == -1 else group_size
+    ng = K // G
+    Wg = W.reshape(N, ng, G)
+    Hb = torch.stack([H[g * G:(g + 1) * G, g * G:(g + 1) * G] for g in range(ng)]).float()  # [ng, G, G]
+    org_max = Wg.abs().amax(-1, keepdim=True)
+    best_err = torch.full((N, ng), math.inf, device=W.device)
+    best_max = org_max.clone()
+    for i in range(max(1, int(max_shrink * n_grid))):
+        mx = org_max * (1 - i / n_grid)
+        cur = torch.maximum(torch.minimum(Wg, mx), -mx)
+        deq = fake_quantize(cur.reshape(N, K), G, sym, scale_dtype)[0].reshape(N, ng, G)
+        D = deq - Wg
+        err = torch.einsum("ngi,gij,ngj->ng", D, Hb, D)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better[..., None], mx, best_max)
+    return torch.maximum(torch.minimum(Wg, best_max), -best_max).reshape(N, K)
+
+
+class InputScale(nn.Module):
+    """``linear(x * inv_scale)``: the explicit AWQ scale where no producer of ``x`` can absorb it."""
+
+    def __init__(self, linear: nn.Module, inv_scale: torch.Tensor):
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("inv_scale", inv_scale)
+
+    def forward(self, x):
+        return self.linear(x * self.inv_scale.to(x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Graph analysis: which norm produces a linear's input, and how to fold a per-channel division into its weight.
+
+_PASSTHROUGH = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}
+
+
+def _name(node) -> Optional[str]:
+    from ..passes.match import op_name
+
+    name = op_name(node)
+    if name is None and isinstance(node, fx.Node) and node.op == "call_function":
+        name = getattr(node.target, "__name__", None)
+    return name
+
+
+@dataclass
+class NormFold:
+    """Parameters of a norm that multiply its output per channel: ``(param, offset)`` means the multiplier is
+    ``param + offset`` (Gemma's ``1 + weight``); ``biases`` are added after the multiplication."""
+
+    multipliers: list
+    biases: list
+    description: str
+
+    @torch.no_grad()
+    def apply(self, s: torch.Tensor, touch: Callable[[torch.Tensor], None]) -> None:
+        """Make the norm output ``x / s`` (``touch(p)`` is called before each parameter changes)."""
+        for p, offset in self.multipliers:
+            touch(p)
+            p.copy_(((p.float() + offset) / s.to(p.device) - offset).to(p.dtype))
+        for b in self.biases:
+            touch(b)
+            b.copy_((b.float() / s.to(b.device)).to(b.dtype))
+
+
+def _through_passthrough(node: fx.Node) -> fx.Node:
+    while isinstance(node, fx.Node) and _name(node) in _PASSTHROUGH and len(node.users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _param_multiplier(node, params: dict, K: int):
+    """``node`` computes ``p`` or ``p + c`` / ``c + p`` (through dtype casts), p a 1-D parameter of size K used only
+    there: return (p, c), else None."""
+    node = _through_passthrough(node)
+    if not isinstance(node, fx.Node):
+        return None
+    if node in params:
+        p = params[node]
+        if p.dim() == 1 and p.numel() == K and len(node.users) == 1:
+            return p, 0.0
+        return None
+    if _name(node) == "add" and len(node.users) == 1 and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        for pn, c in ((a, b), (b, a)):
+            if isinstance(c, (int, float)) and isinstance(pn, fx.Node):
+                inner = _param_multiplier(pn, params, K)
+                if inner is not None and inner[1] == 0.0:
+                    return inner[0], float(c)
+    return None
+
+
+def _is_bias_param(node, params: dict, K: int):
+    node = _through_passthrough(node)
+    if isinstance(node, fx.Node) and node in params and len(node.users) == 1:
+        p = params[node]
+        if p.dim() == 1 and p.numel() == K:
+            return p
+    return None
+
+
+def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
+    """If ``x`` (the linears' input) is a norm output ``... * weight (+ bias)`` whose weight/bias are parameters used
+    only there, or a ``layer_norm`` / ``rms_norm`` call with parameter weight, return how to fold a scale into it.
+
+    ``params`` maps placeholder / get_attr nodes to parameters. Intermediate nodes between the norm's last
+    multiplication and ``x`` may only be dtype casts with a single user (so nothing else sees the change).
+    """
+    node = x
+    # casts between the multiplication and x (x itself may have several users: the linears)
+    while _name(node) in _PASSTHROUGH and isinstance(node.args[0], fx.Node) and len(node.args[0].users) == 1:
+        node = node.args[0]
+    name = _name(node)
+    if name in ("layer_norm", "rms_norm"):
+        w = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        b = node.args[3] if len(node.args) > 3 and name == "layer_norm" else node.kwargs.get("bias")
+        wp = _is_bias_param(w, params, K) if isinstance(w, fx.Node) else None
+        if wp is None:
+            return None
+        biases = []
+        if isinstance(b, fx.Node):
+            bp = _is_bias_param(b, params, K)
+            if bp is None:
+                return None
+            biases.append(bp)
+        return NormFold([(wp, 0.0)], biases, f"{name} weight")
+    biases = []
+    if name == "add" and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        for bias_node, rest in ((a, b), (b, a)):
+            bp = _is_bias_param(bias_node, params, K) if isinstance(bias_node, fx.Node) else None
+            if bp is not None and isinstance(rest, fx.Node) and len(rest.users) == 1:
+                biases.append(bp)
+                node = _through_passthrough(rest)
+                name = _name(node)
+                break
+        else:
+            return None
+    if name == "mul" and len(node.args) == 2 and not node.kwargs:
+        for cand in node.args:
+            m = _param_multiplier(cand, params, K)
+            if m is not None:
+                return NormFold([m], biases, "norm weight" + (" (1 + w)" if m[1] else ""))
+    return None

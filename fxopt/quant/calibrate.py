@@ -1,0 +1,709 @@
+"""``fxopt.quantize``: GPTQ / AWQ / RTN int4 calibration driven by the model's captured graph.
+
+Design. The model is captured once with Dynamo (``fullgraph=True``, a recording backend), giving a torch-level FX
+graph whose parameters are placeholders we map back to the model's own ``nn.Parameter`` objects (by identity). Every
+``linear`` call whose weight is an ``nn.Linear``'s weight is a candidate; which are quantized, and in what order, comes
+from the graph alone — no per-architecture layer lists:
+
+* the output head (a linear with no linear after it) and ``exclude`` patterns are left in float;
+* linears that read the *same input node* form a group (q/k/v, gate/up): they share one Hessian / Gram matrix and,
+  for AWQ, one input scale;
+* calibration runs as an interpreter over the graph in topological order, all calibration samples flowing together
+  node by node; a value is freed as soon as its last user has run, and only ancestors of a quantized linear are
+  computed at all (so a 262k-vocabulary head never runs). When the sweep reaches a group, its input activations are
+  the real ones given every linear quantized before it (true-sequential quantization); the group is quantized, its
+  weights replaced by the dequantized ones, and the sweep continues.
+
+AWQ folds ``x / s`` into whatever produces ``x``: a norm (``... * weight``, ``* (1 + weight)``, ``layer_norm``,
+found by :func:`fxopt.quant.awq.find_norm_fold`) or a preceding linear. For the latter (v_proj → o_proj through
+attention, up_proj → down_proj through the gated activation) we do not trust a pattern: a probe on one calibration
+sample scales the candidate's output channels by random factors, re-runs the subgraph up to ``x`` and recovers the
+channel map (o_proj input channel ↦ v_proj output channel, GQA included); the fold is used only if ``x`` changed by
+exactly those factors and every value on the way flows only to ``x`` (or out of the graph: a KV cache holding the
+scaled v is read back only through the same attention). Otherwise an explicit
+:class:`~fxopt.quant.awq.InputScale` stays in front of the linear.
+
+On any error the model's parameters are restored and a ``ValueError`` says what was wrong.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .awq import InputScale, find_norm_fold, search_clip, search_scale
+from .format import SUPPORTED_GROUP_SIZES, PackedW4, dequantize
+from .gptq import HessianAccumulator, QuantResult, gptq_quantize, output_error, rtn_quantize
+
+log = logging.getLogger(__name__)
+
+METHODS = ("gptq", "awq", "rtn")
+
+
+@dataclass
+class _Target:
+    """One linear to quantize."""
+
+    name: str
+    module: nn.Linear
+    node: fx.Node
+    result: Optional[QuantResult] = None
+    inv_scale: Optional[torch.Tensor] = None  # AWQ explicit input scale (1 / s), when nothing absorbed it
+
+
+@dataclass
+class _Fold:
+    kind: str  # "norm", "linear", "explicit"
+    norm: Any = None
+    producer: Optional[nn.Linear] = None
+    producer_name: str = ""
+    channel_map: Optional[torch.Tensor] = None
+    reason: str = ""
+
+
+@dataclass
+class QuantizeReport:
+    """Filled by :func:`quantize` when ``report=`` is given: per-linear rows and what was skipped."""
+
+    method: str = ""
+    rows: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    folds: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
+             group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
+             damp: float = 0.01, *, block_size: int = 128, exclude: Iterable[str] = (), include_head: bool = False,
+             n_grid: int = 20, max_shrink: float = 0.5, clip: bool = True, offload: bool = False,
+             pack: bool = True, progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
+    """Quantize ``model``'s linears to int4 in place and return it.
+
+    Args:
+        model: any module Dynamo can capture in one graph for the calibration inputs.
+        calibration: iterable of model inputs: tensors, tuples of positional args, or kwargs dicts
+            (``{"input_ids": ...}``); all with the same shapes. RTN uses only the first (to capture the graph).
+        method: ``"gptq"``, ``"awq"`` or ``"rtn"``.
+        bits: 4 (the packed format's only width).
+        group_size: 32, 64, 128 or -1 (per output channel over all of K).
+        sym: symmetric quantization (zero point 8).
+        act_order: GPTQ: quantize columns by decreasing Hessian diagonal (stored as a permutation of K).
+        static_groups: GPTQ: group parameters from the original weight (no permutation needed with act-order).
+        damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
+        block_size: GPTQ lazy-batch block.
+        exclude: ``fnmatch`` patterns of module names kept in float.
+        include_head: also quantize the output head (excluded by default).
+        n_grid, max_shrink, clip: AWQ scale grid size, clip search range, and whether to clip at all.
+        offload: keep calibration activations on the CPU between nodes (for models on an accelerator).
+        pack: replace linears with :class:`fxopt.quant.linear.QuantLinear`; ``False`` keeps ``nn.Linear`` with the
+            dequantized weights (simulated quantization, same numbers; for quality studies).
+        progress: tqdm bar over linears.
+        report: a :class:`QuantizeReport` to fill with per-linear output errors (method vs. RTN) and skips.
+    """
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if bits != 4:
+        raise ValueError(f"only bits=4 is supported (fxopt's packed int4 format), got bits={bits}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"quantize needs an nn.Module, got {type(model).__name__}")
+    if damp < 0:
+        raise ValueError(f"damp must be >= 0, got {damp}")
+    QuantLinear = None
+    if pack:
+        try:
+            from .linear import QuantLinear
+        except ImportError as e:  # pragma: no cover - depends on the checkout
+            raise ValueError(f"pack=True needs fxopt.quant.linear.QuantLinear ({e}); use pack=False") from None
+    samples = _normalize_samples(calibration)
+    if method == "rtn":
+        samples = samples[:1]
+    device = _model_device(model)
+    samples = [pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, s) for s in samples]
+
+    was_training = model.training
+    model.eval()
+    cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
+                      tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report)
+    try:
+        cal.run()
+        if report is not None:
+            report.method = method
+            report.seconds = time.perf_counter() - t0
+        cal.install(QuantLinear)
+    except BaseException:
+        cal.restore()
+        raise
+    finally:
+        model.train(was_training)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _normalize_samples(calibration) -> list:
+    if calibration is None:
+        raise ValueError("calibration is empty: give an iterable of model inputs (tensors, tuples or kwargs dicts)")
+    if isinstance(calibration, (torch.Tensor, dict)):
+        raise ValueError("calibration must be an iterable of samples (e.g. a list), not a single "
+                         f"{type(calibration).__name__}")
+    samples = []
+    for i, s in enumerate(calibration):
+        if isinstance(s, torch.Tensor):
+            samples.append(((s,), {}))
+        elif isinstance(s, (tuple, list)):
+            samples.append((tuple(s), {}))
+        elif isinstance(s, dict):
+            samples.append(((), dict(s)))
+        else:
+            raise ValueError(f"calibration sample {i} is a {type(s).__name__}; expected a tensor, tuple or dict")
+    if not samples:
+        raise ValueError("calibration is empty: give at least one model input")
+    spec0 = _signature(samples[0])
+    for i, s in enumerate(samples[1:], 1):
+        if _signature(s) != spec0:
+            raise ValueError(f"calibration sample {i} differs in structure or shapes from sample 0 "
+                             f"({_signature(s)} vs {spec0}); pad or cut samples to one shape")
+    return samples
+
+
+def _signature(sample):
+    leaves, spec = pytree.tree_flatten(sample)
+    return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
+
+
+def _model_device(model):
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _run_node(node: fx.Node, args, kwargs, gm: fx.GraphModule):
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise RuntimeError(f"cannot run node {node.format_node()}")
+
+
+def _is_linear(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
+        torch._C._nn.linear, torch.nn.functional.linear)
+
+
+class _Calibrator:
+    def __init__(self, model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
+                 exclude, include_head, n_grid, max_shrink, clip, offload, progress, report):
+        self.model, self.samples, self.method = model, samples, method
+        self.group_size, self.sym, self.act_order, self.static_groups = group_size, sym, act_order, static_groups
+        self.damp, self.block_size, self.exclude, self.include_head = damp, block_size, exclude, include_head
+        self.n_grid, self.max_shrink, self.clip, self.offload = n_grid, max_shrink, clip, offload
+        self.progress, self.report = progress, report
+        self.saved: dict[int, tuple] = {}
+        self.targets: dict[fx.Node, _Target] = {}
+        self._awq_scales: dict[str, torch.Tensor] = {}  # AWQ: input scale s of each quantized linear
+        self.device = _model_device(model)
+
+    # -- undo -------------------------------------------------------------------------------------------------
+    def touch(self, p: torch.Tensor) -> None:
+        if id(p) not in self.saved:
+            self.saved[id(p)] = (p, p.detach().to("cpu", copy=True))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, orig in self.saved.values():
+            p.copy_(orig.to(p.device))
+        self.saved.clear()
+
+    @torch.no_grad()
+    def set_weight(self, module: nn.Linear, w: torch.Tensor) -> None:
+        self.touch(module.weight)
+        module.weight.copy_(w.to(module.weight.dtype))
+
+    # -- capture ----------------------------------------------------------------------------------------------
+    def capture(self):
+        args, kwargs = self.samples[0]
+        with torch.no_grad():
+            try:
+                self.model(*args, **kwargs)
+            except Exception as e:
+                raise ValueError(f"the model rejects calibration sample 0: {type(e).__name__}: {e}") from None
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append((gm, list(example_inputs)))
+            return gm.forward
+
+        try:
+            with torch.no_grad():
+                torch.compile(self.model, backend=record, fullgraph=True, dynamic=False)(*args, **kwargs)
+        except Exception as e:
+            msg = str(e).strip().splitlines()
+            raise ValueError(f"fxopt.quantize could not capture {type(self.model).__name__} in one graph "
+                             f"(Dynamo: {type(e).__name__}: {msg[0] if msg else ''}); calibration needs the whole "
+                             "forward as one graph") from None
+        if len(graphs) != 1:
+            raise ValueError(f"capture produced {len(graphs)} graphs; calibration needs exactly one")
+        gm, example_inputs = graphs[0]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise ValueError("captured graph inputs do not match Dynamo's example inputs")
+        by_id = {id(p): p for p in self.model.parameters()}
+        by_id.update({id(b): b for b in self.model.buffers()})
+        leaves0 = pytree.tree_leaves(self.samples[0])
+        self.const_env: dict[fx.Node, Any] = {}
+        self.input_index: dict[fx.Node, int] = {}
+        self.params: dict[fx.Node, nn.Parameter] = {}
+        for node, value in zip(placeholders, example_inputs):
+            if id(value) in by_id:
+                self.const_env[node] = by_id[id(value)]
+                if isinstance(by_id[id(value)], nn.Parameter):
+                    self.params[node] = by_id[id(value)]
+                continue
+            idx = next((i for i, leaf in enumerate(leaves0) if leaf is value), None)
+            if idx is None:
+                if isinstance(value, torch.Tensor):
+                    raise ValueError(f"captured graph input {node.name!r} is neither a calibration input nor a "
+                                     "parameter/buffer of the model (a tensor held elsewhere); cannot calibrate")
+                self.const_env[node] = value
+            else:
+                self.input_index[node] = idx
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                v = _run_node(node, (), {}, gm)
+                self.const_env[node] = v
+                if isinstance(v, nn.Parameter):
+                    self.params[node] = v
+        self.gm = gm
+
+    # -- which linears --------------------------------------------------------------------------------------------
+    def select(self):
+        gm = self.gm
+        owner = {}
+        for name, mod in self.model.named_modules():
+            if isinstance(mod, nn.Linear):
+                owner[id(mod.weight)] = (name, mod)
+        nodes = list(gm.graph.nodes)
+        self.order = {n: i for i, n in enumerate(nodes)}
+        # linear descendants: a linear with none after it is the output head
+        has_linear_after: dict[fx.Node, bool] = {}
+        for n in reversed(nodes):
+            has_linear_after[n] = any(_is_linear(u) or has_linear_after.get(u, False) for u in n.users)
+        skipped = []
+        weight_uses: dict[int, int] = {}
+        for n in nodes:
+            if _is_linear(n):
+                w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+                p = self.params.get(w)
+                if p is not None:
+                    weight_uses[id(p)] = weight_uses.get(id(p), 0) + 1
+        n_linear = 0
+        indivisible = []
+        G = self.group_size
+        for n in nodes:
+            if not _is_linear(n):
+                continue
+            n_linear += 1
+            w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+            p = self.params.get(w)
+            if p is None or id(p) not in owner:
+                skipped.append((n.name, "weight is not an nn.Linear parameter"))
+                continue
+            name, mod = owner[id(p)]
+            b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            if b is not None and (not isinstance(b, fx.Node) or self.params.get(b) is not mod.bias):
+                skipped.append((name, "bias is not the module's own bias"))
+                continue
+            if weight_uses[id(p)] > 1 or len(w.users) > 1:
+                skipped.append((name, "weight is shared (tied or called several times)"))
+                continue
+            if not self.include_head and not has_linear_after[n]:
+                skipped.append((name, "output head (no linear after it); include_head=True quantizes it"))
+                continue
+            if any(fnmatch.fnmatch(name, pat) for pat in self.exclude):
+                skipped.append((name, "excluded by pattern"))
+                continue
+            N, K = mod.weight.shape
+            if K % 8 or (G != -1 and K % G):
+                indivisible.append(name)
+                skipped.append((name, f"in_features {K} not divisible by group size {G} (and 8)"))
+                continue
+            self.targets[n] = _Target(name, mod, n)
+        for name, why in skipped:
+            log.info("fxopt.quantize: skipping %s: %s", name, why)
+        if self.report is not None:
+            self.report.skipped.extend(skipped)
+        if not self.targets:
+            if indivisible:
+                raise ValueError(f"group size {G} divides the in_features of no linear (e.g. {indivisible[0]}, "
+                                 f"in_features {dict(self.model.named_modules())[indivisible[0]].in_features})")
+            raise ValueError(f"no linear to quantize in {type(self.model).__name__}'s graph ({n_linear} linear "
+                             f"calls; skipped: {skipped})")
+        # groups: targets reading the same input node
+        self.groups: dict[fx.Node, list[_Target]] = {}
+        for n, t in self.targets.items():
+            self.groups.setdefault(n.args[0], []).append(t)
+        # only ancestors of targets are computed
+        needed = set()
+        stack = list(self.targets)
+        while stack:
+            n = stack.pop()
+            if n in needed:
+                continue
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+        self.needed = needed
+
+    # -- AWQ folds ------------------------------------------------------------------------------------------------
+    def plan_folds(self):
+        self.folds: dict[fx.Node, _Fold] = {}
+        owner = {}
+        for name, mod in self.model.named_modules():
+            if isinstance(mod, nn.Linear):
+                owner[id(mod.weight)] = (name, mod)
+        probes = []
+        for x, members in self.groups.items():
+            K = members[0].module.in_features
+            only_members = set(x.users) <= {t.node for t in members}
+            if not only_members:
+                self.folds[x] = _Fold("explicit", reason=f"input {x.name} has users besides the quantized linears")
+                continue
+            nf = find_norm_fold(x, self.params, K)
+            if nf is not None:
+                self.folds[x] = _Fold("norm", norm=nf, reason=nf.description)
+                continue
+            cands = self._frontier_linears(x)
+            found = False
+            for L1 in cands:
+                w = L1.args[1] if len(L1.args) > 1 else L1.kwargs.get("weight")
+                p = self.params.get(w)
+                if p is None or id(p) not in owner or len(L1.args) < 1:
+                    continue
+                S = self._between(L1, x)
+                if S is None:
+                    continue
+                probes.append((x, L1, S, owner[id(p)]))
+                found = True
+            if not found:
+                self.folds[x] = _Fold("explicit", reason="no norm or preceding linear can absorb the scale")
+        if probes:
+            self._run_probes(probes)
+        for x in self.groups:
+            if x not in self.folds:
+                self.folds[x] = _Fold("explicit", reason="probe: no preceding linear maps channels one-to-one")
+        for x, f in self.folds.items():
+            line = (f"{', '.join(t.name for t in self.groups[x])}: scale folded into "
+                    + ({"norm": "norm", "linear": f"{f.producer_name} output rows", "explicit": "explicit x / s"}
+                       [f.kind]) + f" ({f.reason})")
+            log.info("fxopt.quantize AWQ: %s", line)
+            if self.report is not None:
+                self.report.folds.append(line)
+
+    def _frontier_linears(self, x):
+        out, seen, stack = [], set(), [x]
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if _is_linear(a):
+                    out.append(a)
+                elif a.op not in ("placeholder", "get_attr"):
+                    stack.append(a)
+        return out
+
+    def _between(self, L1, x):
+        """Nodes strictly after L1 up to x on paths L1 → x, if every value there only flows on to x."""
+        desc, stack = set(), [L1]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u not in desc:
+                    desc.add(u)
+                    stack.append(u)
+        anc, stack = {x}, [x]
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a not in anc:
+                    anc.add(a)
+                    stack.append(a)
+        S = desc & anc
+        if x not in S:
+            return None
+        for n in [L1, *S]:
+            if n is x:
+                continue
+            # graph outputs on the way (a KV cache holding v) are only ever read back through the same path
+            if not {u for u in n.users if u.op != "output"} <= S:
+                return None
+        return sorted(S, key=self.order.__getitem__)
+
+    @torch.no_grad()
+    def _run_probes(self, probes):
+        """Run sample 0 (float model) keeping what the probes need, then test each (x, L1) candidate."""
+        keep = set()
+        for x, L1, S, _ in probes:
+            keep.add(L1)
+            for n in S:
+                keep.add(n)
+                keep.update(n.all_input_nodes)
+        env = self._single_sample_env(0, keep)
+        gen = torch.Generator().manual_seed(0)
+        for x, L1, S, (pname, pmod) in probes:
+            if x in self.folds:
+                continue
+            base = env[L1]
+            r = (0.5 + 1.5 * torch.rand(base.shape[-1], generator=gen, dtype=torch.float64)).to(base.device)
+            penv = {L1: base * r.to(base.dtype)}
+            try:
+                for n in S:
+                    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: penv[a] if a in penv else env[a])
+                    penv[n] = _run_node(n, args, kwargs, self.gm)
+            except Exception as e:  # noqa: BLE001 - a probe that cannot run is just not a fold
+                log.debug("probe %s -> %s failed: %s", L1.name, x.name, e)
+                continue
+            xs, xp = env[x].double(), penv[x].double()
+            if not isinstance(xs, torch.Tensor) or xs.shape != xp.shape:
+                continue
+            flat, flatp = xs.reshape(-1, xs.shape[-1]), xp.reshape(-1, xp.shape[-1])
+            big = flat.abs() > 1e-3 * flat.abs().max()
+            ratio = torch.where(big, flatp / torch.where(big, flat, torch.ones_like(flat)), torch.nan)
+            est = torch.nanmedian(ratio, dim=0).values
+            if torch.isnan(est).any():
+                continue
+            cmap = (est[:, None] - r[None, :].double()).abs().argmin(dim=1)
+            expect = flat * r.double()[cmap]
+            tol = 1e-4 * flatp.abs().max() + 1e-4 * flatp.abs()
+            if bool(((flatp - expect).abs() <= tol).all()):
+                self.folds[x] = _Fold("linear", producer=pmod, producer_name=pname, channel_map=cmap.cpu(),
+                                      reason=f"probe verified channel map onto {pmod.out_features} outputs")
+
+    def _single_sample_env(self, i, keep):
+        env = {}
+        nodes = [n for n in self.gm.graph.nodes if n in self.needed]
+        last = self._last_use(nodes)
+        leaves = pytree.tree_leaves(self.samples[i])
+        for idx, n in enumerate(nodes):
+            if n in self.const_env:
+                env[n] = self.const_env[n]
+            elif n in self.input_index:
+                env[n] = leaves[self.input_index[n]]
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = _run_node(n, args, kwargs, self.gm)
+            for a in n.all_input_nodes:
+                if last.get(a) == idx and a not in keep and a not in self.const_env:
+                    env.pop(a, None)
+        return env
+
+    def _last_use(self, nodes):
+        pos = {n: i for i, n in enumerate(nodes)}
+        last = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                last[a] = max(last.get(a, -1), pos[n])
+        return last
+
+    # -- the sweep ----------------------------------------------------------------------------------------------
+    def run(self):
+        self.capture()
+        self.select()
+        if self.method == "rtn" and self.report is None:
+            for t in self.targets.values():
+                t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, self._scale_dtype(t))
+            return
+        if self.method == "awq":
+            self.plan_folds()
+        self._sweep()
+
+    def _scale_dtype(self, t):
+        dt = t.module.weight.dtype
+        return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
+
+    @torch.no_grad()
+    def _sweep(self):
+        nodes = [n for n in self.gm.graph.nodes if n in self.needed]
+        last = self._last_use(nodes)
+        ns = len(self.samples)
+        leaves = [pytree.tree_leaves(s) for s in self.samples]
+        env: dict[fx.Node, list] = {}
+        done_groups = set()
+        bar = None
+        if self.progress:
+            try:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(self.targets), desc=f"fxopt.quantize {self.method}", unit="linear")
+            except ImportError:  # pragma: no cover
+                bar = None
+        dev = self.device
+
+        def get(a, i):
+            if a in self.const_env:
+                return self.const_env[a]
+            v = env[a][i]
+            if self.offload and isinstance(v, torch.Tensor):
+                v = v.to(dev, non_blocking=True)
+            return v
+
+        try:
+            for idx, n in enumerate(nodes):
+                if n in self.targets and n.args[0] not in done_groups:
+                    x = n.args[0]
+                    self._quantize_group(x, env[x])
+                    done_groups.add(x)
+                    if bar is not None:
+                        bar.update(len(self.groups[x]))
+                if n in self.const_env:
+                    pass
+                elif n in self.input_index:
+                    env[n] = [leaves[i][self.input_index[n]] for i in range(ns)]
+                else:
+                    vals = []
+                    for i in range(ns):
+                        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: get(a, i))
+                        v = _run_node(n, args, kwargs, self.gm)
+                        if self.offload and isinstance(v, torch.Tensor):
+                            v = v.to("cpu")
+                        vals.append(v)
+                    env[n] = vals
+                for a in n.all_input_nodes:
+                    if last.get(a) == idx:
+                        env.pop(a, None)
+        finally:
+            if bar is not None:
+                bar.close()
+            env.clear()
+
+    @torch.no_grad()
+    def _quantize_group(self, x: fx.Node, xs: list):
+        members = self.groups[x]
+        K = members[0].module.in_features
+        dev = self.device
+        acc = HessianAccumulator(K, device=dev)
+        absmean = torch.zeros(K, dtype=torch.float32, device=dev)
+        for v in xs:
+            v = v.to(dev)
+            acc.add(v)
+            absmean += v.reshape(-1, K).abs().float().sum(0)
+        absmean /= max(acc.n, 1)
+        H = acc.hessian()  # 2 XᵀX / n
+        originals = {t.name: t.module.weight.detach().float().clone() for t in members}
+        sd = self._scale_dtype(members[0])
+        if self.method == "gptq":
+            W = torch.cat([t.module.weight.detach() for t in members], dim=0)
+            res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
+                                self.block_size, sd)
+            row = 0
+            for t in members:
+                N = t.module.out_features
+                t.result = QuantResult(_split_packed(res.packed, row, row + N), res.weight[row:row + N])
+                self.set_weight(t.module, t.result.weight)
+                row += N
+        elif self.method == "rtn":
+            for t in members:
+                t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
+                self.set_weight(t.module, t.result.weight)
+        else:
+            self._awq_group(x, xs, members, H, absmean, sd)
+        for t in members:
+            eff = t.result.weight.float()
+            if t.name in self._awq_scales:
+                eff = eff / self._awq_scales[t.name].to(eff.device)
+            err = output_error(originals[t.name], eff, H)
+            rtn_err = output_error(originals[t.name],
+                                   rtn_quantize(originals[t.name], self.group_size, self.sym, sd).weight, H)
+            ref = output_error(originals[t.name], torch.zeros_like(eff), H)
+            if self.report is not None:
+                self.report.rows.append({"linear": t.name, "in": K, "out": t.module.out_features,
+                                         "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
+                                         "err_vs_rtn": err / max(rtn_err, 1e-30)})
+
+    def _awq_group(self, x, xs, members, H, absmean, sd):
+        Hg = H / 2.0  # XᵀX / n
+        fold = self.folds[x]
+        weights = [t.module.weight.detach().float() for t in members]
+        cmap = fold.channel_map.to(H.device) if fold.kind == "linear" else None
+        found = search_scale(weights, Hg, absmean, self.group_size, self.sym, self.n_grid, sd, cmap)
+        s = found.scale.to(H.device)
+        if fold.kind == "norm":
+            fold.norm.apply(s, self.touch)
+        elif fold.kind == "linear":
+            self._fold_into_linear(fold, found.source_scale.to(H.device))
+        for i, v in enumerate(xs):  # the stored input becomes x / s, as the fold makes it
+            xs[i] = v / s.to(v.device, v.dtype)
+        Hs = Hg / (s[:, None] * s[None, :])
+        for t, W in zip(members, weights):
+            Ws = W * s
+            if self.clip:
+                Ws = search_clip(Ws, Hs, self.group_size, self.sym, self.n_grid, self.max_shrink, sd)
+            t.result = rtn_quantize(Ws, self.group_size, self.sym, sd)
+            self.set_weight(t.module, t.result.weight)
+            self._awq_scales[t.name] = s.detach().cpu()
+            if fold.kind == "explicit":
+                t.inv_scale = (1.0 / s).to(t.module.weight.dtype).cpu()
+
+    @torch.no_grad()
+    def _fold_into_linear(self, fold: _Fold, s_src: torch.Tensor):
+        mod = fold.producer
+        if mod.bias is not None:
+            self.touch(mod.bias)
+            mod.bias.copy_((mod.bias.float() / s_src.to(mod.bias.device)).to(mod.bias.dtype))
+        for t in self.targets.values():
+            if t.module is mod and t.result is not None:
+                # already quantized: an output-row scale is a change of its per-row scales, codes unchanged
+                pk = t.result.packed
+                scales = (pk.scales.float() / s_src[None, :].to(pk.scales.device)).to(pk.scales.dtype)
+                pk = PackedW4(pk.qweight, scales, pk.zeros, pk.group_size, pk.perm)
+                w = dequantize(pk.qweight, pk.scales, pk.zeros, pk.group_size, torch.float32)
+                if pk.perm is not None:
+                    w = w[:, torch.argsort(pk.perm)]
+                t.result = QuantResult(pk, w)
+                self.set_weight(mod, w)
+                return
+        self.touch(mod.weight)
+        mod.weight.copy_((mod.weight.float() / s_src[:, None].to(mod.weight.device)).to(mod.weight.dtype))
+
+    # -- install -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def install(self, QuantLinear):
+        for t in self.targets.values():
+            mod = t.module
+            if QuantLinear is not None:
+                new = QuantLinear.from_packed(t.result.packed, None if mod.bias is None else mod.bias.detach())
+                new = new.to(mod.weight.device)
+            else:
+                self.set_weight(mod, t.result.weight)
+                new = mod
+            if t.inv_scale is not None:
+                new = InputScale(new, t.inv_scale.to(mod.weight.device))
+            if new is not mod:
+                parent_name, _, child = t.name.rpartition(".")
+                parent = self.model.get_submodule(parent_name) if parent_name else self.model
+                setattr(parent, child, new)
+        self.saved.clear()
+
+
+def _split_packed(p: PackedW4, a: int, b: int) -> PackedW4:
+    """Output rows [a, b) of a packed weight (N is the fast axis of every tensor)."""
+    return PackedW4(p.qweight[:, a:b].contiguous(), p.scales[:, a:b].contiguous(), p.zeros[:, a:b].contiguous(),
+                    p.group_size, None if p.perm is None else p.perm.clone())

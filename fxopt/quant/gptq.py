@@ -1,0 +1,190 @@
+"""GPTQ (Frantar et al., 2022): int4 weights that minimise a linear's output error on calibration inputs.
+
+For ``y = x @ W.T`` the layer-wise objective is ``||X Wᵀ - X Qᵀ||²``, whose Hessian in each row of W is
+``H = 2 XᵀX / n`` (one [K, K] matrix shared by every output row, and by every linear that reads the same input).
+Columns are quantized one at a time; the error of column i is spread over the columns not yet quantized through the
+inverse Hessian (``W[:, i:] -= err_i · Hinv[i, i:] / Hinv[i, i]``), taken from the upper Cholesky factor of ``H⁻¹``
+so no inverse is ever updated. Updates inside a block of ``block_size`` columns are applied eagerly, the rest of the
+matrix gets one matmul per block (lazy batch updates). Details that matter, all as in the paper's reference code:
+
+* dead inputs (``H[i, i] == 0``: the channel was always zero) get ``H[i, i] = 1`` and a zero weight column;
+* dampening adds ``damp × mean(diag H)`` to the diagonal before the Cholesky;
+* act-order quantizes columns by decreasing ``diag H`` (the most activated inputs first). With dynamic groups the
+  groups are consecutive in that order, which fxopt stores as a permutation ``perm`` of K plus a packed weight whose
+  rows follow ``perm`` (the :class:`~fxopt.quant.format.PackedW4` layout; the kernel reads ``x[..., perm]``);
+* static groups compute every group's (scale, zero) once, from the original weight, before any error feedback; the
+  groups are then the original contiguous ones even with act-order, so the result needs no permutation;
+* dynamic groups compute (scale, zero) with :func:`~fxopt.quant.format.group_params` on the *current* (already
+  error-corrected) columns when the sweep reaches a group's first column.
+
+Scales are rounded to the stored dtype (fp16/bf16) before they are used, so the error feedback sees exactly the
+weights the kernel will dequantize. :class:`HessianAccumulator` builds ``H`` from activation batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .format import PackedW4, group_params, pack_int4
+
+
+class HessianAccumulator:
+    """``H = 2 XᵀX / n`` over every row of every batch added (``x`` [..., K], any leading shape)."""
+
+    def __init__(self, in_features: int, device=None):
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)
+        self.H.addmm_(x.T, x)
+        self.n += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        if self.n == 0:
+            raise ValueError("no calibration rows were added to the Hessian")
+        return self.H * (2.0 / self.n)
+
+
+@dataclass
+class QuantResult:
+    """One quantized weight: the packed form and its dequantized float [N, K] in the original column order."""
+
+    packed: PackedW4
+    weight: torch.Tensor
+
+
+def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype, maxq: int = 15):
+    """:func:`group_params` with the scale rounded to ``scale_dtype`` (what the packed weight will store)."""
+    scale, zero = group_params(weight, group_size, sym, maxq)
+    tiny = torch.finfo(scale_dtype).tiny
+    scale = scale.clamp(min=tiny).to(scale_dtype).float()
+    return scale, zero
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype = torch.float16,
+                  maxq: int = 15):
+    """Round-to-nearest: returns (dequantized float32 [N, K], codes uint8 [N, K], scale [N, K//G], zero [N, K//G])."""
+    N, K = weight.shape
+    G = K if group_size == -1 else group_size
+    scale, zero = round_params(weight, G, sym, scale_dtype, maxq)
+    w = weight.float().reshape(N, K // G, G)
+    codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, maxq)
+    deq = (codes - zero[..., None]) * scale[..., None]
+    return deq.reshape(N, K), codes.reshape(N, K).to(torch.uint8), scale, zero
+
+
+def pack_result(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                scale_dtype: torch.dtype, perm: Optional[torch.Tensor] = None) -> PackedW4:
+    """Codes [N, K] and per-group float params [N, K // G] → :class:`PackedW4` (rows of K in stored order)."""
+    return PackedW4(pack_int4(codes.T.contiguous()), scale.T.contiguous().to(scale_dtype),
+                    zero.T.contiguous().to(scale_dtype), group_size, perm)
+
+
+def rtn_quantize(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
+                 scale_dtype: torch.dtype = torch.float16) -> QuantResult:
+    """Round-to-nearest baseline in the same result form as :func:`gptq_quantize`."""
+    K = weight.shape[1]
+    G = K if group_size == -1 else group_size
+    deq, codes, scale, zero = fake_quantize(weight, G, sym, scale_dtype)
+    return QuantResult(pack_result(codes, scale, zero, G, scale_dtype), deq)
+
+
+@torch.no_grad()
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 128, sym: bool = False,
+                  act_order: bool = True, static_groups: bool = False, damp: float = 0.01, block_size: int = 128,
+                  scale_dtype: torch.dtype = torch.float16, maxq: int = 15) -> QuantResult:
+    """GPTQ of ``weight`` [N, K] for the Hessian ``H`` [K, K] (see the module docstring).
+
+    Several linears that read the same input can be quantized in one call by stacking their weights along N.
+    """
+    cdt = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 only for reference tests
+    W = weight.detach().to(cdt).clone()
+    N, K = W.shape
+    G = K if group_size == -1 else group_size
+    if K % G:
+        raise ValueError(f"group size {group_size} does not divide in_features {K}")
+    if tuple(H.shape) != (K, K):
+        raise ValueError(f"Hessian must be [{K}, {K}], got {tuple(H.shape)}")
+    if damp < 0:
+        raise ValueError(f"damp must be >= 0, got {damp}")
+    H = H.detach().to(device=W.device, dtype=cdt).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    static = None
+    if static_groups:
+        static = [round_params(W[:, g:g + G], G, sym, scale_dtype, maxq) for g in range(0, K, G)]
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+
+    diag = torch.arange(K, device=W.device)
+    H[diag, diag] += damp * torch.mean(torch.diag(H))
+    Hinv = _upper_cholesky_of_inverse(H)
+
+    Q = torch.zeros_like(W)
+    codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
+    scales = torch.zeros(N, K // G, dtype=torch.float32, device=W.device)
+    zeros = torch.zeros_like(scales)
+    scale = zero = None
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static is not None:
+                g = int(perm[col]) // G if perm is not None else col // G
+                scale, zero = static[g][0][:, 0], static[g][1][:, 0]
+            elif col % G == 0:
+                current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :G]
+                s, z = round_params(current, G, sym, scale_dtype, maxq)
+                scale, zero = s[:, 0], z[:, 0]
+                scales[:, col // G], zeros[:, col // G] = scale, zero
+            w = W1[:, i]
+            c = torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+            q = (c - zero) * scale
+            codes[:, col] = c.to(torch.uint8)
+            Q[:, col] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q = Q[:, inv]
+        if static is not None:  # original contiguous groups: store in the original order, no permutation
+            codes = codes[:, inv]
+            perm = None
+    if static is not None:
+        scales = torch.cat([s for s, _ in static], dim=1)
+        zeros = torch.cat([z for _, z in static], dim=1)
+    packed = pack_result(codes, scales, zeros, G, scale_dtype, perm)
+    return QuantResult(packed, Q)
+
+
+def _upper_cholesky_of_inverse(H: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor U of ``H⁻¹`` (``H⁻¹ = UᵀU``); raises ValueError if H is not positive definite."""
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) != 0:
+        raise ValueError("GPTQ: the dampened Hessian is not positive definite; raise damp")
+    Hinv = torch.cholesky_inverse(L)
+    U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+    if int(info) != 0:
+        raise ValueError("GPTQ: the inverse Hessian is not positive definite; raise damp")
+    return U
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -> float:
+    """``tr(ΔW H ΔWᵀ)``: the summed squared output error of ``approx`` against ``weight`` up to H's scale."""
+    D = (approx.float() - weight.float()).to(H.device)
+    return float(((D @ H) * D).sum())
