@@ -1037,17 +1037,18 @@ def _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, soft
 
 
 def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
-                   key_padding_mask, seed):
-    """Explicit backward in float32 from the saved lse (mirrors the kernels)."""
+                   key_padding_mask, seed, from_lse: bool = True):
+    """Explicit backward in float32 from the saved lse (mirrors the kernels); ``from_lse=False`` uses the
+    normalized probabilities instead (exact also on rows swamped by a finite fill, see ``_has_swamped_rows``)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g = Hq // Hkv
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(D)
     f = torch.float32
     p, _, vis, t, _ = _reference_probs(q, k, attn_mask, is_causal, scale, window, softcap, key_padding_mask, f)
-    # recompute p from the saved lse, as the kernels do
-    s = torch.log(p.clamp_min(1e-38)) + torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
-    p = torch.where(vis & ~torch.isinf(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(p))
+    if from_lse:  # recompute p from the saved lse, as the kernels do
+        s = torch.log(p.clamp_min(1e-38)) + torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
+        p = torch.where(vis & ~torch.isinf(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(p))
     do = dout.to(f)
     vf = v.to(f)[:, :, None]
     dp = (do.reshape(B, Hkv, g, Sq, D) @ vf.transpose(-1, -2)).reshape(B, Hq, Sq, Sk)
@@ -1110,11 +1111,24 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         key_padding_mask: Optional[torch.Tensor],
                         seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward from the saved lse -> (dq, dk, dv) allocated like q, k, v."""
+    if _has_swamped_rows(attn_mask, lse, dropout_p):  # exact but S x S: only for such rare masks
+        return _reference_bwd(dout, q, k, v, out, lse, attn_mask, 0.0, is_causal, scale, window, softcap,
+                              key_padding_mask, None, from_lse=False)
     if q.device.type == "cuda":
         return flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window,
                                           softcap, key_padding_mask, _seed_int(seed))
     return _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
                           key_padding_mask, _seed_int(seed))
+
+
+def _has_swamped_rows(attn_mask, lse, dropout_p) -> bool:
+    """Rows whose every visible key carries a huge finite bias (a ``finfo.min`` fill): their forward is right (the
+    uniform average eager computes), but lse = max + log(n) has lost log(n) to rounding, so recomputing p from it
+    (as the kernels and ``_reference_bwd`` do) would give p = 1 instead of 1 / n. The forward leaves such rows with a
+    hugely negative finite lse, which is how they are found (one small reduction, float masks only)."""
+    if attn_mask is None or not attn_mask.is_floating_point() or dropout_p > 0:
+        return False
+    return bool((lse < -1e30).any())
 
 
 @flash_attention_bwd.register_fake
