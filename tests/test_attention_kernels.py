@@ -148,6 +148,16 @@ def test_finite_min_fill_gradients_match_eager():
         _assert_close(a, b, torch.float32, scale=4.0)
 
 
+@pytest.mark.parametrize("is_causal,Sq,Sk", [(True, 24, 24), (False, 5, 24)])
+def test_op_cpu_fast_path_gqa_matches_float64(is_causal, Sq, Sk):
+    """Plain cases on CPU go through PyTorch's fused CPU kernel (native GQA): same out and lse as the reference."""
+    q, k, v = (t.cpu() for t in _inputs(2, 4, 2, Sq, Sk, 16))
+    out, lse = torch.ops.fxopt.flash_attention_fwd(q, k, v, None, 0.0, is_causal, None, -1, 0.0, None, None)
+    ref, ref_lse = _ref64(q, k, v, is_causal=is_causal, return_lse=True)
+    _assert_close(out, ref, torch.float32)
+    _assert_close(lse, ref_lse, torch.float32)
+
+
 def test_transposed_bshd_inputs_read_in_place():
     q, k, v = _inputs(2, 4, 2, 20, 28, 32, bshd=True)
     assert not q.is_contiguous() and q.stride(-1) == 1
