@@ -1,5 +1,4 @@
 """GPTQ / AWQ / RTN calibration (fxopt.quant.gptq, .awq, .calibrate): algorithms on tensors, then whole models."""
-import importlib.util
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from fxopt.quant.format import dequantize
 from fxopt.quant.gptq import (HessianAccumulator, fake_quantize, gptq_quantize, output_error, round_params,
                               rtn_quantize)
 
-HAS_CHECKPOINT = importlib.util.find_spec("fxopt.quant.checkpoint") is not None
 
 
 def correlated_inputs(n, K, seed=0, salient=()):
@@ -241,8 +239,6 @@ def test_quantize_pack_matches_simulation_and_checkpoint(tmp_path, method):
     with torch.no_grad():
         out = real(x)
         torch.testing.assert_close(out, sim(x), rtol=1e-4, atol=1e-4)
-    if not HAS_CHECKPOINT:
-        pytest.skip("fxopt.quant.checkpoint not present")
     from fxopt.quant.checkpoint import load_quantized, save_quantized
 
     save_quantized(real, str(tmp_path / "ckpt"))
@@ -317,3 +313,39 @@ def test_failure_midway_restores_parameters(monkeypatch):
         quantize(model, [torch.randint(0, 96, (1, 16))], method="awq", group_size=32, pack=False, progress=False)
     after = model.state_dict()
     assert calls["n"] == 3 and all(torch.equal(before[k], after[k]) for k in before)
+
+
+class WideGatedMLP(nn.Module):
+    """norm weight -> gate/up (8192 channels) -> down -> head: the probe must map down's 8192 inputs exactly."""
+
+    def __init__(self, K=32, F=8192):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(K) + 0.5)
+        self.gate, self.up, self.down, self.head = nn.Linear(K, F), nn.Linear(K, F), nn.Linear(F, K), nn.Linear(K, 8)
+
+    def forward(self, x):
+        h = x * self.w
+        return self.head(self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h)))
+
+
+def test_awq_probe_channel_map_is_exact_on_wide_layers():
+    """Random probe factors for 8192 channels nearly coincide; a swapped pair of channels would pass a loose check
+    and then fold a wrong scale (fatal when scales span 1e-2..1e2): the map must be the identity, and a fold with
+    such scales must keep the output."""
+    torch.manual_seed(0)
+    model = WideGatedMLP().eval()
+    x = torch.randn(1, 16, 32)
+    c = _Calibrator(model, _normalize_samples([x]), "awq", 32, False, True, False, 0.01, 128, (), False, 20, 0.5,
+                    True, False, False, None)
+    with torch.no_grad():
+        ref = model(x)
+        c.capture()
+        c.select()
+        c.plan_folds()
+        folds = {c.groups[n][0].name: f for n, f in c.folds.items()}
+        assert folds["down"].kind == "linear" and folds["down"].producer is model.up, folds["down"].reason
+        assert torch.equal(folds["down"].channel_map, torch.arange(8192))
+        s = torch.exp(torch.empty(8192).uniform_(-4.6, 4.6))  # 1e-2 .. 1e2
+        c._fold_into_linear(folds["down"], s)
+        model.down.weight.mul_(s)
+        torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)

@@ -17,8 +17,10 @@ from the graph alone — no per-architecture layer lists:
 AWQ folds ``x / s`` into whatever produces ``x``: a norm (``... * weight``, ``* (1 + weight)``, ``layer_norm``,
 found by :func:`fxopt.quant.awq.find_norm_fold`) or a preceding linear. For the latter (v_proj → o_proj through
 attention, up_proj → down_proj through the gated activation) we do not trust a pattern: a probe on one calibration
-sample scales the candidate's output channels by random factors, re-runs the subgraph up to ``x`` and recovers the
-channel map (o_proj input channel ↦ v_proj output channel, GQA included); the fold is used only if ``x`` changed by
+sample scales the candidate's output channels by distinct factors (a shuffled even grid in [0.5, 2]), re-runs the
+subgraph up to ``x`` and recovers the channel map (o_proj input channel ↦ v_proj output channel, GQA included); a
+second probe with another shuffle must confirm it (with i.i.d. random factors two of 2048 channels nearly coincided
+and got swapped on Gemma-3, folding a 1e-2 scale where a 1e2 one belonged); the fold is used only if ``x`` changed by
 exactly those factors and every value on the way flows only to ``x`` (or out of the graph: a KV cache holding the
 scaled v is read back only through the same attention). Otherwise an explicit
 :class:`~fxopt.quant.awq.InputScale` stays in front of the linear.
@@ -472,30 +474,49 @@ class _Calibrator:
             if x in self.folds:
                 continue
             base = env[L1]
-            r = (0.5 + 1.5 * torch.rand(base.shape[-1], generator=gen, dtype=torch.float64)).to(base.device)
-            penv = {L1: base * r.to(base.dtype)}
-            try:
-                for n in S:
-                    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: penv[a] if a in penv else env[a])
-                    penv[n] = _run_node(n, args, kwargs, self.gm)
-            except Exception as e:  # noqa: BLE001 - a probe that cannot run is just not a fold
-                log.debug("probe %s -> %s failed: %s", L1.name, x.name, e)
-                continue
-            xs, xp = env[x].double(), penv[x].double()
-            if not isinstance(xs, torch.Tensor) or xs.shape != xp.shape:
-                continue
-            flat, flatp = xs.reshape(-1, xs.shape[-1]), xp.reshape(-1, xp.shape[-1])
-            big = flat.abs() > 1e-3 * flat.abs().max()
-            ratio = torch.where(big, flatp / torch.where(big, flat, torch.ones_like(flat)), torch.nan)
-            est = torch.nanmedian(ratio, dim=0).values
-            if torch.isnan(est).any():
-                continue
-            cmap = (est[:, None] - r[None, :].double()).abs().argmin(dim=1)
-            expect = flat * r.double()[cmap]
-            tol = 1e-4 * flatp.abs().max() + 1e-4 * flatp.abs()
-            if bool(((flatp - expect).abs() <= tol).all()):
+            C = base.shape[-1]
+            cmap = None
+            # two probes with distinct, evenly spaced factors (a permutation of 0.5 + 1.5 (i + 0.5) / C): the first
+            # recovers the map, the second must confirm it. Random factors could nearly coincide and swap two
+            # channels unnoticed, which is harmless for the probe but fatal for a scale spanning 1e-2..1e2.
+            for _ in range(2):
+                r = (0.5 + 1.5 * (torch.randperm(C, generator=gen, dtype=torch.float64) + 0.5) / C).to(base.device)
+                xp = self._probe_once(env, x, L1, S, base, r)
+                if xp is None:
+                    cmap = None
+                    break
+                xs = env[x].double()
+                flat, flatp = xs.reshape(-1, xs.shape[-1]), xp.reshape(-1, xp.shape[-1])
+                if cmap is None:
+                    big = flat.abs() > 1e-3 * flat.abs().max()
+                    ratio = torch.where(big, flatp / torch.where(big, flat, torch.ones_like(flat)), torch.nan)
+                    est = torch.nanmedian(ratio, dim=0).values
+                    if torch.isnan(est).any():
+                        break
+                    cmap = (est[:, None] - r[None, :]).abs().argmin(dim=1)
+                expect = flat * r[cmap]
+                tol = 1e-4 * flatp.abs().max() + 1e-4 * flatp.abs()
+                if not bool(((flatp - expect).abs() <= tol).all()):
+                    cmap = None
+                    break
+            if cmap is not None:
                 self.folds[x] = _Fold("linear", producer=pmod, producer_name=pname, channel_map=cmap.cpu(),
                                       reason=f"probe verified channel map onto {pmod.out_features} outputs")
+
+    def _probe_once(self, env, x, L1, S, base, r):
+        """``x`` (float64) when L1's output channels are multiplied by ``r``; None if that cannot be computed."""
+        penv = {L1: base * r.to(base.dtype)}
+        try:
+            for n in S:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: penv[a] if a in penv else env[a])
+                penv[n] = _run_node(n, args, kwargs, self.gm)
+        except Exception as e:  # noqa: BLE001 - a probe that cannot run is just not a fold
+            log.debug("probe %s -> %s failed: %s", L1.name, x.name, e)
+            return None
+        xp = penv[x]
+        if not isinstance(xp, torch.Tensor) or not isinstance(env[x], torch.Tensor) or xp.shape != env[x].shape:
+            return None
+        return xp.double()
 
     def _single_sample_env(self, i, keep):
         env = {}
