@@ -693,25 +693,30 @@ _attn_bwd_dq_tuned = triton.autotune(_configs(DQ_CONFIGS), key=_TUNE_KEY,
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask):
+def check_qkv(op: str, q, k, v, dtypes) -> None:
+    """The checks every attention op shares: 4-D q/k/v of one allowed dtype and device, k and v alike, batch and
+    head dim matching q, query heads a multiple of kv heads. Raises ValueError prefixed with ``op``."""
+    names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"flash_attention: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"flash_attention: {name} dtype {t.dtype} unsupported (float16, bfloat16, float32)")
+            raise ValueError(f"{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} unsupported ({names})")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"flash_attention: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise ValueError(f"{op}: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"flash_attention: device mismatch q {q.device}, k {k.device}, v {v.device}")
-    B, Hq, Sq, D = q.shape
+        raise ValueError(f"{op}: device mismatch q {q.device}, k {k.device}, v {v.device}")
     if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"flash_attention: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} "
-                         "in batch or head dim")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"flash_attention: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{op}: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{op}: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+def _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask):
+    check_qkv("flash_attention", q, k, v, _DTYPES)
+    B, Hq, Sq, D = q.shape
     if D > 256 or D < 1:
         raise ValueError(f"flash_attention: head dim {D} unsupported (1..256)")
     Sk = k.shape[2]

@@ -66,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import check_qkv
+
 log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -421,23 +423,8 @@ def fp8_attention_supported(q, k, v, training: bool = False, *, allow_cpu_refere
 
 
 def _check_attn_inputs(q, k, v, scale):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"fp8_attention: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"fp8_attention: {name} dtype {t.dtype} unsupported (float16, bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"fp8_attention: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"fp8_attention: device mismatch q {q.device}, k {k.device}, v {v.device}")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"fp8_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    B, Hq, Sq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"fp8_attention: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch "
-                         "or head dim")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"fp8_attention: query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv("fp8_attention", q, k, v, _DTYPES)
+    D = q.shape[3]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"fp8_attention: head dim {D} unsupported (the Hadamard transform and the fp8 kernel "
                          f"support {SUPPORTED_HEAD_DIMS})")

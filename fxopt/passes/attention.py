@@ -216,6 +216,17 @@ def _too_big(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.numel() > _MAX_EVAL_NUMEL
 
 
+def _try_eval(n: fx.Node, env: dict) -> bool:
+    """Evaluate ``n`` into ``env`` on CPU; False (nothing provable here) if it fails or grows too big."""
+    try:
+        with torch.no_grad():
+            env[n] = _eval_node(n, env)
+    except Exception as e:  # noqa: BLE001  (any failure means: not provable here)
+        log.debug("mask prover could not evaluate %s: %s", n.format_node(), e)
+        return False
+    return not _too_big(env[n])
+
+
 def _const_eval(node: fx.Node, cache: dict) -> Optional[Any]:
     """Value of ``node`` when it depends on no graph input (only constants and shapes), evaluated on CPU; else None."""
     if node in cache:
@@ -228,13 +239,7 @@ def _const_eval(node: fx.Node, cache: dict) -> Optional[Any]:
     for n in nodes:
         if not _is_pure_eval_target(n):
             return None
-        try:
-            with torch.no_grad():
-                env[n] = _eval_node(n, env)
-        except Exception as e:  # noqa: BLE001  (any failure means: not provable here)
-            log.debug("mask prover could not evaluate %s: %s", n.format_node(), e)
-            return None
-        if _too_big(env[n]):
+        if not _try_eval(n, env):
             return None
     cache[node] = env[node]
     return env[node]
@@ -265,12 +270,7 @@ def _padding_probe(node: fx.Node, cache: dict) -> Optional[tuple[fx.Node, torch.
         if not any(a in dep for a in n.all_input_nodes):
             if not _is_pure_eval_target(n):
                 return None
-            try:
-                with torch.no_grad():
-                    env[n] = _eval_node(n, env)
-            except Exception:  # noqa: BLE001
-                return None
-            if _too_big(env[n]):
+            if not _try_eval(n, env):
                 return None
             continue
         dep.add(n)
@@ -291,12 +291,7 @@ def _padding_probe(node: fx.Node, cache: dict) -> Optional[tuple[fx.Node, torch.
             idx = n.args[1]
             if isinstance(idx, fx.Node) and idx in dep:
                 return None
-        try:
-            with torch.no_grad():
-                env[n] = _eval_node(n, env)
-        except Exception:  # noqa: BLE001
-            return None
-        if _too_big(env[n]):
+        if not _try_eval(n, env):
             return None
     out = env.get(node)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.int64:
