@@ -53,7 +53,21 @@ def env_info() -> dict:
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median time of ``fn()`` in milliseconds (CUDA events through ``triton.testing.do_bench``)."""
+    """Median time of ``fn()`` in milliseconds (CUDA events through ``triton.testing.do_bench``).
+
+    Without CUDA (smoke runs of the scripts on CPU): the median of a few wall-clock timings.
+    """
+    if not torch.cuda.is_available():
+        import statistics
+        import time
+
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))

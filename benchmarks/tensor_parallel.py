@@ -44,12 +44,29 @@ def _args(p):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--local-compute", action="store_true", help="one GPU: rank 0's local compute vs the full model")
     p.add_argument("--no-dtensor", action="store_true")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="also cut the lm_head by vocabulary (fxopt: vocab_parallel=True; DTensor: ColwiseParallel)")
+    p.add_argument("--skip-one-gpu", action="store_true", help="no one-GPU rows (fxopt TP vs DTensor only)")
+    p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
+    p.add_argument("--smoke-cpu", action="store_true",
+                   help="check the torchrun path without GPUs: gloo, a tiny model, backend fxopt_eager")
 
 
-def build(layers: int, device) -> TinyLlama:
-    """Llama-3-8B-sized blocks: dim 4096, 32 q heads, 8 kv heads, SwiGLU 14336, vocab 32000 (bf16, std 0.02)."""
-    cfg = TinyLlamaConfig(vocab_size=32000, dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                          max_seq_len=4096, sdpa=True)
+VOCAB = 32000
+
+
+def build(layers: int, device, small: bool = False) -> TinyLlama:
+    """Llama-3-8B-sized blocks: dim 4096, 32 q heads, 8 kv heads, SwiGLU 14336, vocab 32000 (bf16, std 0.02).
+
+    ``small``: dim 256, 4 q heads, 2 kv heads, SwiGLU 512 (CPU smoke runs).
+    """
+    if small:
+        cfg = TinyLlamaConfig(vocab_size=VOCAB, dim=256, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                              max_seq_len=256, sdpa=True)
+    else:
+        cfg = TinyLlamaConfig(vocab_size=VOCAB, dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                              max_seq_len=4096, sdpa=True)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = TinyLlama(cfg)
@@ -61,7 +78,7 @@ def build(layers: int, device) -> TinyLlama:
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
         model.cos.copy_(cos)
         model.sin.copy_(sin)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
+    return model.to(torch.float32 if small else torch.bfloat16).eval().requires_grad_(False)
 
 
 def inputs(args, device):
@@ -71,22 +88,56 @@ def inputs(args, device):
     return {"prefill": prefill, "decode": decode}
 
 
-def compiled_timings(module, ins) -> dict:
-    fn = torch.compile(module, backend="fxopt")
+BACKEND = "fxopt"
+
+
+def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, profile: bool = False) -> dict:
+    """Median ms per phase of ``torch.compile(module, backend="fxopt", mode=mode)``.
+
+    ``profile``: a label; then 10 compiled decode steps run under the profiler (on every rank: the TP graph holds
+    collectives) and rank 0 prints the top CUDA kernels.
+    """
+    torch._dynamo.reset()  # each variant compiles afresh (no cache hit across the one-GPU / TP / DTensor modules)
+    fn = torch.compile(module, backend=BACKEND, mode=mode)
     out = {}
     with torch.no_grad():
         for name, x in ins.items():
             module(x)  # eager once: a new shape re-captures outside the compiled region (fxopt.parallelize)
-            fn(x)
+            for _ in range(3):  # CUDA graphs record on the second or third call
+                fn(x)
             out[name] = bench_ms(lambda: fn(x))
+            if rank == 0:
+                print(f"timing: {label} mode={mode} {name}: {out[name]:.3f} ms", flush=True)
+        if profile and torch.cuda.is_available():
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            x = ins["decode"]
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn(x)
+                torch.cuda.synchronize()
+            if rank == 0:
+                print(f"== profile of 10 compiled decode steps: {label}")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     return out
 
 
-def dtensor_model(model, tp: int):
+def cudagraph_timings(module, ins, label, rank=0) -> dict:
+    """Decode with ``mode="reduce-overhead"`` (Inductor CUDA graphs): a step this small is bound by kernel launches."""
+    try:
+        return compiled_timings(module, {"decode": ins["decode"]}, mode="reduce-overhead", label=label, rank=rank)
+    except Exception as e:  # reported in the table, not fatal: the other rows stand
+        print(f"{label}: reduce-overhead failed: {type(e).__name__}: {str(e)[:300]}")
+        return {}
+
+
+def dtensor_model(model, tp: int, device_type: str = "cuda", vocab_parallel: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cuda", (tp,))
+    mesh = init_device_mesh(device_type, (tp,))
     m = copy.deepcopy(model)
     for blk in m.layers:
         parallelize_module(blk, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
@@ -95,6 +146,8 @@ def dtensor_model(model, tp: int):
                                        "mlp.down_proj": RowwiseParallel()})
         blk.attn.n_heads //= tp  # local head counts, as hand-written plans must patch them
         blk.attn.n_kv_heads //= tp
+    if vocab_parallel:
+        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return m
 
 
@@ -125,44 +178,81 @@ def run_local_compute(args):
 
 
 def run_tp(args):
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    global BACKEND
+    smoke = args.smoke_cpu
+    if smoke:
+        BACKEND = "fxopt_eager"
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cpu")
+        args.seq, args.decode_batch = min(args.seq, 64), min(args.decode_batch, 2)
+    else:
+        dist.init_process_group("nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", torch.cuda.current_device())
     layers = args.layers or 4
-    model = build(layers, device)
+    t0 = time.perf_counter()
+    model = build(layers, device, small=smoke)
     ins = inputs(args, device)
-    single = compiled_timings(model, ins) if rank == 0 else {}
+    n_full = sum(p.numel() for p in model.parameters())
+    prof = args.profile and not smoke
+    cg = not (smoke or args.no_cudagraphs)
+    one = rank == 0 and not args.skip_one_gpu
+    single = compiled_timings(model, ins, label="one GPU", profile=prof) if one else {}
+    single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
-    tpm = parallelize(model, (ins["prefill"],), tp=world)
+    tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel)
+    n_local = sum(p.numel() for p in tpm.parameters()) + sum(b.numel() for b in tpm.buffers())
     with torch.no_grad():
         ref = model(ins["prefill"])
         err = (tpm(ins["prefill"]).float() - ref.float()).abs().max().item()
-    fx_t = compiled_timings(tpm, ins)
+        ref_scale = ref.float().abs().max().item()
+    fx_t = compiled_timings(tpm, ins, label=f"fxopt TP={world}", rank=rank, profile=prof)
+    fx_cg = cudagraph_timings(tpm, ins, f"fxopt TP={world}", rank) if cg else {}
     dt_t = {}
     if not args.no_dtensor:
-        dt_t = compiled_timings(dtensor_model(model, world), ins)
+        dt_model = dtensor_model(model, world, device.type, args.vocab_parallel)
+        with torch.no_grad():
+            dt_err = (dt_model(ins["prefill"]).float() - ref.float()).abs().max().item()
+        dt_t = compiled_timings(dt_model, ins, label=f"DTensor TP={world}", rank=rank)
     if rank == 0:
         print(tpm.plan)
         rows = []
         for name in ins:
             row = {"phase": name, "shape": tuple(ins[name].shape), "layers": layers,
-                   "one_gpu_ms": single[name], f"fxopt_tp{world}_ms": fx_t[name]}
+                   "one_gpu_ms": single.get(name, ""), f"fxopt_tp{world}_ms": fx_t[name]}
             if dt_t:
                 row[f"dtensor_tp{world}_ms"] = dt_t[name]
-            row["speedup_vs_one_gpu"] = single[name] / fx_t[name]
+            row["speedup_vs_one_gpu"] = single[name] / fx_t[name] if single else ""
+            if dt_t:
+                row["speedup_vs_dtensor"] = dt_t[name] / fx_t[name]
             rows.append(row)
-        write_results("tensor_parallel", rows, out_dir=args.out,
-                      title=f"Tensor parallel TP={world}: fxopt.parallelize vs one GPU vs DTensor",
-                      notes=f"Llama-3-8B-sized blocks, bf16. max |fxopt TP - one GPU| on prefill logits: {err:.3g}. "
-                            f"all_reduces per forward: {tpm.plan.all_reduces}.")
+        if single_cg.get("decode") and fx_cg.get("decode"):
+            rows.append({"phase": "decode, CUDA graphs (mode=reduce-overhead)", "shape": tuple(ins["decode"].shape),
+                         "layers": layers, "one_gpu_ms": single_cg["decode"],
+                         f"fxopt_tp{world}_ms": fx_cg["decode"],
+                         "speedup_vs_one_gpu": single_cg["decode"] / fx_cg["decode"]})
+        notes = (f"Llama-3-8B-sized blocks (dim 4096, 32/8 heads, SwiGLU 14336, vocab 32000), bf16, every variant "
+                 f"compiled with backend='fxopt'. lm_head cut by vocabulary: {args.vocab_parallel} (fxopt "
+                 f"vocab_parallel; DTensor ColwiseParallel with replicated output). Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
+                 f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
+                 f"(logits up to {ref_scale:.3g})")
+        if dt_t:
+            notes += f"; DTensor: {dt_err:.3g}"
+        notes += (f". all_reduces per forward: {tpm.plan.all_reduces}. NCCL_NVLS_ENABLE="
+                  f"{os.environ.get('NCCL_NVLS_ENABLE')}. Wall time {time.perf_counter() - t0:.0f} s.")
+        if smoke:
+            notes = "CPU SMOKE RUN (gloo, tiny model, fxopt_eager): checks the code path, not a measurement. " + notes
+        write_results("tensor_parallel" + ("_smoke" if smoke else ""), rows, out_dir=args.out,
+                      title=f"Tensor parallel TP={world}: fxopt.parallelize vs one GPU vs DTensor", notes=notes)
     dist.destroy_process_group()
 
 
 def main():
     args = parse_args(__doc__.splitlines()[0], _args)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/tensor_parallel.py needs CUDA")
+    if not torch.cuda.is_available() and not args.smoke_cpu:
+        sys.exit("benchmarks/tensor_parallel.py needs CUDA (or --smoke-cpu)")
     if args.local_compute:
         run_local_compute(args)
     else:

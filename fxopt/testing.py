@@ -1,9 +1,10 @@
 """Helpers for fxopt's own tests (and users' tests of distributed passes).
 
-``run_on_ranks(fn, world_size=2, *args)`` spawns ``world_size`` processes, each of
-which initializes a gloo process group on a free localhost port, calls
+``run_on_ranks(fn, world_size=2, *args, backend="gloo")`` spawns ``world_size`` processes, each of
+which initializes a process group on a free localhost port, calls
 ``fn(rank, world_size, *args)`` and tears the group down. A failure on any rank is
-re-raised in the caller with that rank's traceback.
+re-raised in the caller with that rank's traceback. ``backend="nccl"`` puts rank ``r`` on
+``cuda:r`` (one GPU per rank) before the group is created.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, port, fn, args, errors, backend):
+    import torch
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -28,7 +30,11 @@ def _worker(rank, world_size, port, fn, args, errors):
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:  # report every failure, not only Exceptions
@@ -38,13 +44,19 @@ def _worker(rank, world_size, port, fn, args, errors):
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int = 2, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (spawned)."""
+def run_on_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (spawned) of a ``backend`` process group."""
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise RuntimeError(f"backend='nccl' with {world_size} ranks needs {world_size} GPUs, "
+                               f"found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, backend))
         for r in range(world_size)
     ]
     for p in procs:

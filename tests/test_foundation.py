@@ -106,6 +106,27 @@ def test_fxopt_backend_with_inductor_matches_eager():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("mode,expect", [(None, {}), ("reduce-overhead", {"triton.cudagraphs": True}),
+                                         ("max-autotune", {"max_autotune": True, "triton.cudagraphs": True}),
+                                         ("max-autotune-no-cudagraphs", {"max_autotune": True})])
+def test_compile_mode_reaches_inductor(monkeypatch, mode, expect):
+    """torch.compile(mode=...) with backend="fxopt" means for Inductor what it means with backend="inductor"."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen["patches"] = config_patches or {}
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    model, ids = tiny_model(), tiny_ids()
+    torch._dynamo.reset()
+    torch.compile(model, backend="fxopt", mode=mode)(ids)
+    torch._dynamo.reset()
+    assert seen["patches"] == expect
+
+
 def test_backend_by_name_in_a_fresh_process_that_never_imports_fxopt():
     if "fxopt" not in entry_points(group="torch_dynamo_backends").names:
         pytest.skip("fxopt is not installed (pip install .): the entry point is what this test checks")

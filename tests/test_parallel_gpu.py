@@ -17,6 +17,9 @@ sharded graphs and pipeline stages, and gloo carrying CUDA tensors.
   ``tensor.data_ptr()`` to the TCP transport, no CUDA staging, unlike its all_reduce/broadcast/all_gather), so the
   pipeline test needs the runner to stage p2p traffic through CPU when the group is gloo and the device is CUDA.
 
+``FXOPT_PARALLEL_TEST_PG=nccl`` runs the same tests on two GPUs, one rank each, with NCCL (issue 9): rank ``r`` on
+``cuda:r``, p2p and collectives straight from GPU memory (no host staging). Skipped with fewer than two GPUs.
+
 ``FXOPT_PARALLEL_TEST_DEVICE=cpu`` runs the same bodies on CPU (fp32/fp16, backend ``fxopt_eager`` unless
 ``FXOPT_PARALLEL_TEST_BACKEND`` says otherwise) without the ``gpu`` mark: everything but the CUDA specifics.
 """
@@ -43,11 +46,23 @@ BACKEND = os.environ.get("FXOPT_PARALLEL_TEST_BACKEND", "fxopt" if ON_GPU else "
 LOW = torch.bfloat16 if ON_GPU else torch.float32  # the Triton interpreter computes bf16 wrongly
 LOW_QUANT = torch.bfloat16 if ON_GPU else torch.float16  # w4a16 takes fp16/bf16 activations
 
-pytestmark = pytest.mark.gpu if ON_GPU else pytest.mark.slow
+PG = os.environ.get("FXOPT_PARALLEL_TEST_PG", "gloo")  # "nccl": one GPU per rank
+assert PG in ("gloo", "nccl"), PG
+assert ON_GPU or PG == "gloo", "FXOPT_PARALLEL_TEST_PG=nccl needs FXOPT_PARALLEL_TEST_DEVICE=cuda"
+
+pytestmark = [pytest.mark.gpu if ON_GPU else pytest.mark.slow]
+if PG == "nccl":
+    pytestmark.append(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL run needs two GPUs"))
+
+
+def _ranks(fn):
+    run_on_ranks(fn, 2, backend=PG)
 
 
 def _dev():
-    return torch.device(DEVICE, 0) if ON_GPU else torch.device("cpu")
+    if not ON_GPU:
+        return torch.device("cpu")
+    return torch.device(DEVICE, int(os.environ.get("LOCAL_RANK", 0)) if PG == "nccl" else 0)
 
 
 def _setup():
@@ -55,7 +70,7 @@ def _setup():
     os.environ["FXOPT_ATTN_AUTOTUNE"] = "0"
     os.environ["FXOPT_W4A16_NO_TUNE"] = "1"
     if ON_GPU:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(_dev())
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -207,11 +222,11 @@ def _worker_tp_training(rank, ws):
 
 
 def test_tp_two_ranks_one_gpu_flash_attention_and_w4a16():
-    run_on_ranks(_worker_tp_inference, 2)
+    _ranks(_worker_tp_inference)
 
 
 def test_tp_two_ranks_one_gpu_training_grads():
-    run_on_ranks(_worker_tp_training, 2)
+    _ranks(_worker_tp_training)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,4 +281,4 @@ def _worker_pipeline(rank, world):
 
 
 def test_pipeline_two_ranks_one_gpu():
-    run_on_ranks(_worker_pipeline, 2)
+    _ranks(_worker_pipeline)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from fxopt.parallel.pipeline import PipelineError, build_stage_modules, capture, _state_names
 from fxopt.passes.manager import ensure_meta_val
-from fxopt.passes.pipeline import (DeviceProfile, build_plan, evaluate, node_cost, partition_exact, partition_order)
+from fxopt.passes.pipeline import (DeviceProfile, build_plan, evaluate, graph_costs, node_cost, partition_exact,
+                                   partition_order)
 from fxopt.testing import run_on_ranks
 
 
@@ -189,6 +190,100 @@ def test_cost_model_counts_linear_flops():
     assert c.bytes == 4 * (8 * 64 + 32 * 64 + 32 + 8 * 32)
 
 
+def _graph(fn, *args):
+    gm, ex = capture(fn, list(args), {})
+    ensure_meta_val(gm, ex)
+    return gm
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def test_gemm_efficiency_grows_with_size():
+    """Documented behaviour: a GEMM of F FLOPs reaches F / (F + peak * matmul_latency) of the peak, so a tiny GEMM
+    costs more device time per FLOP than a large one, and a large one approaches the peak."""
+    prof = DeviceProfile.h200()
+    peak = prof.matmul_peak(torch.bfloat16)
+    half = peak * prof.matmul_latency_s
+    assert prof.matmul_efficiency(half) == pytest.approx(0.5)
+    sizes = [2 * n**3 for n in (64, 256, 1024, 4096, 8192)]
+    effs = [prof.matmul_efficiency(f) for f in sizes]
+    assert all(a < b for a, b in zip(effs, effs[1:]))
+    assert effs[0] < 0.01 and effs[-1] > 0.99
+    # Through node_cost on real linear nodes (captured on the meta device, bf16): per-FLOP device time.
+    per_flop = []
+    for m, k, n in ((16, 64, 64), (512, 1024, 1024), (4096, 8192, 8192)):
+        x = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
+        w = torch.empty(n, k, device="meta", dtype=torch.bfloat16)
+        gm = _graph(_Fn(F.linear), x, w)
+        lin = next(nd for nd in gm.graph.nodes if nd.op == "call_function")
+        c = node_cost(lin, prof)
+        assert c.kind == "matmul" and c.flops == 2 * m * k * n
+        assert c.seconds >= prof.op_overhead_s and c.seconds >= c.kernel_seconds
+        per_flop.append(c.kernel_seconds / c.flops)
+    assert per_flop[0] > per_flop[1] > per_flop[2]
+    assert per_flop[2] * peak == pytest.approx(1.0, rel=0.02)  # the large GEMM runs at the peak
+
+
+def test_causal_attention_costs_half_and_embedding_reads_rows():
+    prof = DeviceProfile.h200()
+    q = torch.empty(4, 8, 2048, 128, device="meta", dtype=torch.bfloat16)
+    secs = {}
+    for causal in (False, True):
+        gm = _graph(_Fn(lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)), q, q, q)
+        node = next(nd for nd in gm.graph.nodes if nd.op == "call_function")
+        c = node_cost(node, prof)
+        assert c.kind == "attention" and c.flops == 4 * 4 * 8 * 2048 * 2048 * 128
+        secs[causal] = c.kernel_seconds
+    assert secs[True] == pytest.approx(secs[False] / 2)
+    assert secs[False] == pytest.approx(4 * 4 * 8 * 2048**2 * 128 / prof.attention_peak(torch.bfloat16))
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    table = torch.empty(50000, 1024, device="meta", dtype=torch.bfloat16)
+    gm = _graph(_Fn(F.embedding), ids, table)
+    node = next(nd for nd in gm.graph.nodes if nd.op == "call_function")
+    out_bytes = 2 * 16 * 1024 * 2
+    assert node_cost(node, prof).bytes == 2 * out_bytes + ids.numel() * 8  # rows read + written, not the table
+
+
+def _rms_mlp(x, w1, w2):
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    h = F.linear(h, w1)
+    h = F.silu(h) * 2.0 + 1.0
+    return F.linear(h, w2) + x
+
+
+def test_graph_costs_fuse_elementwise_between_matmuls():
+    """Elementwise nodes between two matmuls are one fused kernel whose bytes are what enters and leaves the group;
+    a matmul in between splits groups (the residual add after linear 2 is not fused with the norm before linear 1,
+    though both read x)."""
+    prof = DeviceProfile.h200()
+    x = torch.empty(4096, 1024, device="meta", dtype=torch.bfloat16)
+    w1 = torch.empty(4096, 1024, device="meta", dtype=torch.bfloat16)
+    w2 = torch.empty(1024, 4096, device="meta", dtype=torch.bfloat16)
+    gm = _graph(_Fn(_rms_mlp), x, w1, w2)
+    costs = graph_costs(list(gm.graph.nodes), prof)
+    mem = [nd for nd, c in costs.items() if c.kind == "memory"]
+    assert sum(c.kind == "matmul" for c in costs.values()) == 2
+    small, big = 4096 * 1024 * 2, 4096 * 4096 * 2  # bytes of x-shaped and of linear-1-shaped bf16 values
+    # norm: reads x, writes its bf16 output; middle: reads linear 1's output, writes silu(.)*2+1; last: reads
+    # linear 2's output and x, writes the result. The fp32 intermediates of the norm never reach memory.
+    assert sum(costs[nd].bytes for nd in mem) == pytest.approx(2 * small + 2 * big + 3 * small)
+    assert sum(node_cost(nd, prof).bytes for nd in mem) > 3 * (5 * small + 2 * big)  # unfused: every node's I/O
+    # Three kernels, each shorter than the per-kernel floor: the memory nodes cost three floors in all.
+    assert sum(costs[nd].seconds for nd in mem) == pytest.approx(3 * prof.op_overhead_s)
+    # With no floor, the fused kernels cost their bytes at the bandwidth.
+    prof.op_overhead_s = 0.0
+    costs = graph_costs(list(gm.graph.nodes), prof)
+    assert sum(costs[nd].seconds for nd in mem) == pytest.approx((5 * small + 2 * big) / prof.mem_bw)
+
+
 def test_plan_on_uneven_mlp_and_stage_modules_compose():
     torch.manual_seed(0)
     model = MLPStack().double()
@@ -338,11 +433,15 @@ def test_pipeline_two_ranks_matches_single_device():
 def _ranks_four(rank, world):
     torch.manual_seed(2)
     model = MLPStack(sizes=(16, 48, 16, 80, 24, 32, 8)).double()
+    fresh = copy.deepcopy(model)
     xm = torch.randn(8, 16, dtype=torch.float64)
     ym = torch.randn(8, 8, dtype=torch.float64)
     runner = _check_training(rank, model, xm, ym, F.mse_loss, microbatches=8, schedule="1F1B",
                              compile="fxopt_eager")  # stages go through torch.compile with fxopt's passes
     assert all(hasattr(m, "_orig_mod") for m in runner._compiled.values())
+    # 1F1B with fewer micro-batches than stages (PyTorch's Schedule1F1B refuses it; GPipe's order is the same)
+    runner = _check_training(rank, fresh, xm, ym, F.mse_loss, microbatches=2, schedule="1F1B")
+    assert type(runner._train).__name__ == "ScheduleGPipe"
 
 
 @pytest.mark.slow

@@ -64,8 +64,10 @@ class Backend:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(cfg.inductor_options)
-        if mode == "max-autotune" or mode == "max-autotune-no-cudagraphs":
+        if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.setdefault("max_autotune", True)
+        if mode in ("reduce-overhead", "max-autotune"):  # what these modes mean for Inductor: CUDA graphs
+            patches.setdefault("triton.cudagraphs", True)
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 

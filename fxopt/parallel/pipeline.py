@@ -297,7 +297,13 @@ class PipelineRunner:
         kw = {"loss_fn": loss_fn, "scale_grads": False}
         if self.schedule == "Interleaved1F1B":
             return ScheduleInterleaved1F1B(stages, self.microbatches, **kw)
-        cls = ScheduleGPipe if (self.schedule == "GPipe" or loss_fn is None) else Schedule1F1B
+        # With fewer micro-batches than stages, 1F1B's warm-up already covers every micro-batch: the order of work is
+        # GPipe's (PyTorch's Schedule1F1B refuses that case), so GPipe runs it.
+        one_f_one_b = self.schedule == "1F1B" and loss_fn is not None and self.microbatches >= self.n_stages
+        if self.schedule == "1F1B" and loss_fn is not None and not one_f_one_b:
+            log.info("fxopt.pipeline: %d micro-batch(es) < %d stages: 1F1B is GPipe's order; running ScheduleGPipe",
+                     self.microbatches, self.n_stages)
+        cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
         return cls(stages[0], self.microbatches, **kw)
 
     def _inputs(self, args, kwargs):

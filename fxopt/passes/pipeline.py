@@ -9,13 +9,30 @@ the graph into one ``GraphModule`` per stage (:func:`fxopt.parallel.pipeline.bui
 with PyTorch's pipeline schedules. Run through ``torch.compile(..., options={"pipeline": {...}})`` or
 :func:`fxopt.explain`, the pass only reports the plan.
 
-Cost model (:class:`DeviceProfile`). ``time = max(flops / peak, bytes / bandwidth) + overhead``, per node: FLOPs come
-from ``torch.utils.flop_counter`` run on meta tensors shaped like the node's inputs (matmul, linear, bmm, SDPA, conv,
-...), plus one FLOP per output element for the rest; bytes are the tensor inputs read plus the outputs written. View
-ops (view, transpose, getitem, ...) cost nothing. The peak depends on the dtype and on whether the op runs on tensor
-cores. Presets: ``H200`` (dense bf16 989 TFLOP/s, 4.8 TB/s, derated to what kernels reach) and ``CPU``;
-:meth:`DeviceProfile.measure` calibrates peak and bandwidth on the current device with one matmul and one copy.
-Only relative stage costs matter for the split; the absolute numbers are the prediction the benchmark checks.
+Cost model (:class:`DeviceProfile`, :func:`graph_costs`; derivation and checks in ``docs/notes_pipeline.md``).
+A stage's time is the sum of its kernels' times, each ``max(device time, op_overhead_s)``: the per-kernel floor is
+the host's launch interval (a compiled stage launches Inductor's kernels, cuBLAS and fxopt's custom ops from Python
+one by one; when a kernel is shorter than that, the GPU waits). Device time by kind:
+
+* matmul (linear, mm, bmm, conv, einsum, w4a16, ...; FLOPs from ``torch.utils.flop_counter`` on meta tensors):
+  ``max(F / peak, B / mem_bw) + matmul_latency_s``. The fixed GEMM latency makes the efficiency depend on the size:
+  a GEMM of ``F`` FLOPs reaches ``F / (F + peak · matmul_latency_s)`` of the peak (H200 bf16: 8192³ 99.5%,
+  2048×1024×1024 60%, 2048×256×1024 27%); small M or N make it memory-bound through ``B``.
+* attention (SDPA, ``fxopt.flash_attention``): ``F' / attention_flops`` with ``F'`` the FLOPs halved when
+  ``is_causal``.
+* memory-bound nodes (elementwise, reductions, casts, cat, embedding): fused as Inductor fuses them. Nodes connected
+  through values (seen through views) that come after the same number of matmul/attention kernels form one kernel
+  that moves the bytes it reads from outside and the values used outside (``B / mem_bw``); its time is split over its
+  nodes. A gather (embedding) reads the rows it writes, not its whole table.
+* views and same-dtype casts cost nothing.
+
+Constants of ``DeviceProfile.h200()`` come from the H200 anchors (``/work/shared/anchors/README.md``: cuBLAS bf16
+716 TFLOP/s, copy 4.23 TB/s), fxopt's attention benchmark (~200 TFLOP/s causal at S = 512) and a 30 us per-kernel
+floor fitted on compiled graphs timed on that machine (a pipeline stage and the tensor-parallel benchmark's prefill and
+decode, all within 5%; see the notes). :meth:`DeviceProfile.measure` calibrates the GEMM peak (4096³), the GEMM
+latency (a 1024³ GEMM replayed from a CUDA graph) and the copy bandwidth on the current device.
+:func:`node_cost` prices one node as its own kernel (no fusion). The split uses the costs only relatively; the
+absolute numbers are the prediction the benchmark checks.
 
 Partition. The graph becomes a networkx ``DiGraph`` of its values. Parameters and buffers are not values that flow:
 each stage owns the ones it uses. Nodes computed from parameters/buffers alone (rotary tables, constant masks, with no
@@ -73,16 +90,21 @@ class PipelineError(ValueError):
 
 @dataclass
 class DeviceProfile:
-    """Throughputs the cost model divides by.
+    """Throughputs and fixed times the cost model uses (see the module docstring for the formulas).
 
     Args:
         name: label printed in the plan.
-        matmul_flops: dtype → FLOP/s reached by matmul-class ops (tensor cores on GPUs).
-        vector_flops: FLOP/s of elementwise and reduction ops.
-        mem_bw: bytes/s of device memory.
-        op_overhead_s: fixed time per non-view op (launch / dispatch).
+        matmul_flops: dtype → FLOP/s a *large* GEMM reaches (cuBLAS at 8192³ on GPUs; tensor cores).
+        vector_flops: FLOP/s of elementwise and reduction ops (rarely the limit: they are bandwidth-bound).
+        mem_bw: bytes/s that a memory-bound kernel reaches (read + written).
+        op_overhead_s: the least time one kernel takes in a stage, launch included: when kernels are shorter than
+            this, the GPU waits for the host (each kernel of a compiled graph is launched from Python, one by one).
         link_bw: bytes/s between neighbouring stages (NVLink for GPUs).
         link_latency_s: fixed time per send.
+        matmul_latency_s: device-side fixed time of one GEMM (prologue, epilogue, the last partial wave of tiles):
+            a GEMM of ``F`` FLOPs reaches ``F / (F + peak · matmul_latency_s)`` of the peak (see
+            :meth:`matmul_efficiency`).
+        attention_flops: dtype → FLOP/s of fused attention, on its FLOPs after the causal halving.
     """
 
     name: str
@@ -92,22 +114,50 @@ class DeviceProfile:
     op_overhead_s: float
     link_bw: float
     link_latency_s: float
+    matmul_latency_s: float = 0.0
+    attention_flops: dict = field(default_factory=dict)
 
     def matmul_peak(self, dtype: torch.dtype) -> float:
         return self.matmul_flops.get(dtype, self.matmul_flops.get(torch.float32, self.vector_flops))
 
+    def attention_peak(self, dtype: torch.dtype) -> float:
+        if dtype in self.attention_flops:
+            return self.attention_flops[dtype]
+        return self.attention_flops.get(torch.float32, 0.5 * self.matmul_peak(dtype))
+
+    def matmul_efficiency(self, flops: float, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Fraction of :meth:`matmul_peak` a GEMM of ``flops`` FLOPs reaches when compute-bound (1 for huge GEMMs,
+        1/2 at ``flops = peak · matmul_latency_s``; 8192³ bf16 on the H200: 0.995, 2048×1024×1024: 0.60)."""
+        fixed = self.matmul_peak(dtype) * self.matmul_latency_s
+        return flops / (flops + fixed) if flops + fixed > 0 else 1.0
+
+    def matmul_seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        """Device time of one GEMM: roofline on the large-GEMM peak plus the fixed GEMM latency."""
+        return max(flops / self.matmul_peak(dtype), nbytes / self.mem_bw) + self.matmul_latency_s
+
     @classmethod
     def h200(cls) -> "DeviceProfile":
-        # Datasheet: 989 TFLOP/s dense bf16/fp16, 1979 fp8, 67 fp32 (no TF32), 4.8 TB/s HBM3e, NVLink 450 GB/s
-        # per direction. Derated to what good kernels reach (~70% of the matmul peak, ~80% of the bandwidth).
-        return cls("H200", {torch.bfloat16: 690e12, torch.float16: 690e12, torch.float8_e4m3fn: 1380e12,
+        # Anchors measured on our H200 (/work/shared/anchors/README.md, torch 2.11, Triton 3.6): cuBLAS bf16 GEMM
+        # 8192³ 716 TFLOP/s, fp8 1327; device copy 4.23 TB/s (fused elementwise kernels reach ~85% of it); fxopt's
+        # flash attention at S = 512, d = 128: 194 TFLOP/s causal (halved FLOPs), 312 non-causal
+        # (benchmarks/results/attention.md). fp32 (no TF32) runs on CUDA cores: 67 TFLOP/s dense, ~50 reached.
+        # Fixed times: 4 us per GEMM on the device (prologue, epilogue, partial last wave: an estimate typical of
+        # cuBLAS on Hopper, which measure() replaces by a measured 1024³ GEMM), and a 30 us floor per kernel, fitted
+        # to compiled graphs timed on this machine (docs/notes_pipeline.md: Inductor's wrapper, cuBLAS and fxopt's
+        # custom ops launched from Python one after the other, without CUDA graphs).
+        return cls("H200", {torch.bfloat16: 716e12, torch.float16: 716e12, torch.float8_e4m3fn: 1327e12,
                             torch.float32: 50e12, torch.float64: 50e12},
-                   vector_flops=50e12, mem_bw=3.9e12, op_overhead_s=3e-6, link_bw=300e9, link_latency_s=15e-6)
+                   vector_flops=50e12, mem_bw=3.6e12, op_overhead_s=30e-6, link_bw=300e9, link_latency_s=15e-6,
+                   matmul_latency_s=4e-6,
+                   attention_flops={torch.bfloat16: 200e12, torch.float16: 200e12, torch.float32: 25e12})
 
     @classmethod
     def cpu(cls) -> "DeviceProfile":
         return cls("CPU", {torch.float32: 50e9, torch.float64: 25e9, torch.bfloat16: 20e9, torch.float16: 10e9},
-                   vector_flops=5e9, mem_bw=10e9, op_overhead_s=5e-6, link_bw=5e9, link_latency_s=50e-6)
+                   vector_flops=5e9, mem_bw=10e9, op_overhead_s=5e-6, link_bw=5e9, link_latency_s=50e-6,
+                   matmul_latency_s=2e-6,
+                   attention_flops={torch.float32: 25e9, torch.float64: 12e9, torch.bfloat16: 10e9,
+                                    torch.float16: 5e9})
 
     @classmethod
     def for_device(cls, device: Any = None) -> "DeviceProfile":
@@ -123,35 +173,68 @@ class DeviceProfile:
 
     @classmethod
     def measure(cls, device: Any = None, dtype: torch.dtype = torch.bfloat16) -> "DeviceProfile":
-        """Calibrate the preset for ``device``: matmul FLOP/s (4096³ on GPU) and copy bandwidth, measured."""
+        """Calibrate the preset for ``device``, measured: the large-GEMM peak (4096³ on GPU), the fixed GEMM
+        latency (from a 1024³ GEMM: its time minus its FLOPs at that peak) and the copy bandwidth. The attention
+        throughput is scaled by the same factor as the GEMM peak; the per-kernel floor stays the preset's (it is a
+        property of the host and of how the stage is launched, not of one kernel timed in a loop)."""
         import time
 
         prof = cls.for_device(device)
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         n = 4096 if dev.type == "cuda" else 512
+        n_small = 1024 if dev.type == "cuda" else 128
         dt = dtype if dev.type == "cuda" else torch.float32
         a = torch.randn(n, n, device=dev, dtype=dt)
         b = torch.randn(n, n, device=dev, dtype=dt)
+        a_s, b_s = a[:n_small, :n_small].contiguous(), b[:n_small, :n_small].contiguous()
         x = torch.randn(64 * 2**20 // 4 if dev.type == "cuda" else 2**22, device=dev)
 
         def timed(fn, reps):
             fn()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            return (time.perf_counter() - t0) / reps
+            best = float("inf")
+            for _ in range(3):  # best of three batches: the GPU's clocks ramp up during the first
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                best = min(best, (time.perf_counter() - t0) / reps)
+            return best
 
         t_mm = timed(lambda: a @ b, 20)
+        t_small = _device_seconds(lambda: a_s @ b_s, dev, timed)
         t_cp = timed(lambda: x.clone(), 20)
+        old_peak = prof.matmul_peak(dt)
+        peak = 2 * n**3 / t_mm
         prof.matmul_flops = dict(prof.matmul_flops)
-        prof.matmul_flops[dt] = 2 * n**3 / t_mm
+        prof.matmul_flops[dt] = peak
+        prof.matmul_latency_s = max(0.0, t_small - 2 * n_small**3 / peak)
+        prof.attention_flops = {k: v * peak / old_peak for k, v in prof.attention_flops.items()}
         prof.mem_bw = 2 * x.numel() * x.element_size() / t_cp
         prof.name += " (measured)"
         return prof
+
+
+def _device_seconds(fn, dev: torch.device, timed, reps: int = 50) -> float:
+    """Device time of one ``fn()``: on CUDA, ``reps`` calls replayed from one CUDA graph (no host launch in the
+    figure: a 1024³ GEMM is shorter than its launch from Python); elsewhere (or if capture fails) a timed loop."""
+    if dev.type == "cuda":
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    fn()
+            return timed(graph.replay, 5) / reps
+        except Exception as e:  # capture unsupported here: the loop includes the launches (an upper bound)
+            log.info("CUDA graph timing failed (%s); timing a loop", e)
+    return timed(fn, 200)
 
 
 # Ops whose output aliases an input: no FLOPs, no bytes.
@@ -160,7 +243,10 @@ _VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "
              "unbind", "as_strided", "movedim", "swapaxes", "unfold", "real", "imag"}
 # Casts: free when the dtype does not change.
 _CAST_OPS = {"to", "float", "half", "bfloat16", "type_as", "type", "contiguous", "double", "int", "long", "bool"}
-_MATMUL_HINT = ("mm", "matmul", "linear", "bmm", "conv", "sdpa", "attention", "einsum", "w4a16", "baddbmm", "addmm")
+_MATMUL_HINT = ("mm", "matmul", "linear", "bmm", "conv", "einsum", "w4a16", "baddbmm", "addmm")
+_ATTENTION_HINT = ("sdpa", "scaled_dot_product", "flash_attention", "attention")
+# Ops that read a few rows of their table input (bytes: as many as they write, not the whole table).
+_GATHER_OPS = {"embedding", "index_select", "gather", "take", "take_along_dim"}
 _RANDOM_OPS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "dropout",
                "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
                "bernoulli", "bernoulli_", "normal", "normal_", "multinomial", "uniform_", "poisson", "exponential_",
@@ -169,9 +255,14 @@ _RANDOM_OPS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like"
 
 @dataclass
 class NodeCost:
+    """``kind``: "free" (views, same-dtype casts), "matmul", "attention" or "memory" (elementwise, reductions,
+    copies: what Inductor fuses); ``kernel_seconds``: the device time of the node as its own kernel."""
+
     flops: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
+    kind: str = "free"
+    kernel_seconds: float = 0.0
 
 
 def _tensors(v: Any) -> list:
@@ -235,30 +326,148 @@ def _custom_op_flops(node: fx.Node) -> Optional[float]:
     return None
 
 
+def _node_name(node: fx.Node) -> str:
+    name = match.op_name(node) or (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", ""))
+    return str(name)
+
+
+def _is_causal(node: fx.Node) -> bool:
+    """``is_causal=True`` on an SDPA / fxopt attention call (positional argument 5 in both signatures)."""
+    v = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    return v is True
+
+
+def _is_free(node: fx.Node, name: str) -> bool:
+    if name in _VIEW_OPS:
+        return True
+    if name in _CAST_OPS:
+        outs = _tensors(match.val(node))
+        ins = [t for a in node.all_input_nodes for t in _tensors(match.val(a))]
+        return bool(outs and ins and outs[0].dtype == ins[0].dtype and (name != "contiguous" or ins[0].is_contiguous()))
+    return False
+
+
+def _input_bytes(node: fx.Node, src: fx.Node, name: str, out_bytes: float) -> float:
+    b = float(sum(_nbytes(t) for t in _tensors(match.val(src))))
+    if name in _GATHER_OPS and b > out_bytes:  # the table: only the rows looked up are read
+        return out_bytes
+    return b
+
+
 def node_cost(node: fx.Node, profile: DeviceProfile) -> NodeCost:
-    """Predicted FLOPs, bytes moved and seconds of one node (``max(compute, memory) + overhead``)."""
+    """FLOPs, bytes (inputs read + outputs written) and seconds of ``node`` run as its own kernel:
+    matmul ``max(F / peak, B / bw) + matmul_latency``, attention ``F' / attention_peak`` (``F'``: FLOPs halved when
+    causal), the rest ``max(F / vector_flops, B / bw)``; every kernel takes at least ``op_overhead_s``.
+    :func:`graph_costs` prices a whole graph with Inductor's fusion of the memory-bound nodes."""
     if node.op in ("placeholder", "get_attr", "output"):
         return NodeCost()
-    name = match.op_name(node) or (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", ""))
+    name = _node_name(node)
+    if _is_free(node, name):
+        return NodeCost()
     outs = _tensors(match.val(node))
+    out_bytes = float(sum(_nbytes(t) for t in outs))
+    nbytes = out_bytes + sum(_input_bytes(node, a, name, out_bytes) for a in node.all_input_nodes)
     ins = [t for a in node.all_input_nodes for t in _tensors(match.val(a))]
-    if name in _VIEW_OPS:
-        return NodeCost()
-    if name in _CAST_OPS and outs and ins and outs[0].dtype == ins[0].dtype and (
-            name != "contiguous" or ins[0].is_contiguous()):
-        return NodeCost()
+    dtype = (ins or outs)[0].dtype if (ins or outs) else torch.float32
     flops = _custom_op_flops(node) if node.op == "call_function" and isinstance(
         node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else None
     if flops is None:
         flops = _counted_flops(node) or 0.0
-    is_matmul = flops > 0 or any(h in str(name).lower() for h in _MATMUL_HINT)
-    if flops == 0.0:
+    low = name.lower()
+    if any(h in low for h in _ATTENTION_HINT):
+        kind = "attention"
+        eff_flops = flops * (0.5 if _is_causal(node) else 1.0)
+        dev = max(eff_flops / profile.attention_peak(dtype), nbytes / profile.mem_bw)
+    elif flops > 0 or any(h in low for h in _MATMUL_HINT):
+        kind = "matmul"
+        dev = profile.matmul_seconds(flops, nbytes, dtype)
+    else:
+        kind = "memory"
         flops = float(sum(t.numel() for t in outs))
-    nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
-    dtype = (ins or outs)[0].dtype if (ins or outs) else torch.float32
-    peak = profile.matmul_peak(dtype) if is_matmul else profile.vector_flops
-    seconds = max(flops / peak, nbytes / profile.mem_bw) + profile.op_overhead_s
-    return NodeCost(flops, nbytes, seconds)
+        dev = max(flops / profile.vector_flops, nbytes / profile.mem_bw)
+    return NodeCost(flops, nbytes, max(dev, profile.op_overhead_s), kind, dev)
+
+
+def graph_costs(nodes: Sequence[fx.Node], profile: DeviceProfile) -> dict:
+    """:class:`NodeCost` of every compute node of a graph, with the memory-bound nodes fused as Inductor does.
+
+    Matmul and attention nodes are kernels of their own (:func:`node_cost`). Memory-bound nodes are grouped into
+    fused kernels: two of them (seen through views) share a kernel when one reads the other and both come after the
+    same number of matmul/attention kernels on their longest input path (a matmul in between forces two kernels).
+    A fused kernel moves only the bytes it reads from outside the group and the values used outside it; its time,
+    ``max(B / bw, op_overhead_s)``, is split evenly over its nodes, so that stage costs stay sums over nodes."""
+    nodes = list(nodes)
+    compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    single = {n: node_cost(n, profile) for n in compute}
+    names = {n: _node_name(n) for n in compute}
+    base: dict = {}  # view / free node → the node whose storage it shows (itself for real values)
+
+    def root(n):
+        return base.get(n, n)
+
+    level: dict = {}
+    for n in nodes:
+        ins = [a for a in n.all_input_nodes]
+        lv = 0
+        for a in ins:
+            la = level.get(a, 0)
+            if a in single and single[a].kind in ("matmul", "attention"):
+                la += 1
+            lv = max(lv, la)
+        level[n] = lv
+        if n in single and single[n].kind == "free" and ins:
+            base[n] = root(ins[0])
+    parent: dict = {n: n for n in compute if single[n].kind == "memory"}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in parent:
+        for a in n.all_input_nodes:
+            r = root(a)
+            if r in parent and level[r] == level[n]:
+                ra, rb = find(r), find(n)
+                if ra is not rb:
+                    parent[rb] = ra
+    groups: dict = {}
+    for n in parent:
+        groups.setdefault(find(n), []).append(n)
+
+    out = dict(single)
+    for members in groups.values():
+        mset = set(members)
+        read, written = set(), set()
+        flops = 0.0
+        for n in members:
+            flops += single[n].flops
+            for a in n.all_input_nodes:
+                if root(a) not in mset:
+                    read.add(a)
+            if any(_escapes(u, mset, root) for u in n.users):
+                written.add(n)
+        out_b = float(sum(value_bytes(n) for n in written))
+        nbytes = out_b
+        for a in read:
+            users = [u for u in a.users if u in mset]
+            gather = users and all(names[u] in _GATHER_OPS for u in users)
+            nbytes += _input_bytes(users[0] if users else a, a, names[users[0]] if gather else "", out_b)
+        dev = max(flops / profile.vector_flops, nbytes / profile.mem_bw)
+        t = max(dev, profile.op_overhead_s)
+        for n in members:
+            out[n] = NodeCost(single[n].flops, nbytes / len(members), t / len(members), "memory", dev / len(members))
+    return out
+
+
+def _escapes(user: fx.Node, group: set, root) -> bool:
+    """Whether ``user`` (directly or through views) reads the value outside ``group``."""
+    if user.op == "output":
+        return True
+    if root(user) is not user:  # a view: look at its users
+        return any(_escapes(u, group, root) for u in user.users)
+    return user not in group
 
 
 def send_seconds(nbytes: float, profile: DeviceProfile) -> float:
@@ -657,7 +866,7 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
                 replicated.add(n)
     compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module") and n not in replicated]
     inputs = [n for n in nodes if n.op == "placeholder" and not is_state[n]]
-    costs = {n: node_cost(n, profile) for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    costs = graph_costs(nodes, profile)
 
     dag = nx.DiGraph()
     for n in inputs:
@@ -813,6 +1022,7 @@ def _graph_device(gm: fx.GraphModule):
     return None
 
 
-__all__ = ["DeviceProfile", "NodeCost", "node_cost", "Partition", "partition_order", "partition_exact", "evaluate",
+__all__ = ["DeviceProfile", "NodeCost", "node_cost", "graph_costs", "Partition", "partition_order", "partition_exact",
+           "evaluate",
            "PipelinePlan", "StagePlan", "BoundaryPlan", "PipelineError", "build_plan", "pipeline_pass", "STAGE_KEY",
            "PLAN_KEY"]
