@@ -46,7 +46,10 @@ def _args(p):
     p.add_argument("--no-dtensor", action="store_true")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="also cut the lm_head by vocabulary (fxopt: vocab_parallel=True; DTensor: ColwiseParallel)")
-    p.add_argument("--skip-one-gpu", action="store_true", help="no one-GPU rows (fxopt TP vs DTensor only)")
+    p.add_argument("--variants", default="one,fxopt,dtensor",
+                   help="comma-separated subset of one (one GPU), fxopt (fxopt TP), dtensor (DTensor TP); the DTensor "
+                        "variant's Inductor compile took over 3 minutes on the two-H200 machine, so it can run alone")
+    p.add_argument("--skip-one-gpu", action="store_true", help="same as leaving 'one' out of --variants")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
     p.add_argument("--smoke-cpu", action="store_true",
@@ -198,7 +201,11 @@ def run_tp(args):
     n_full = sum(p.numel() for p in model.parameters())
     prof = args.profile and not smoke
     cg = not (smoke or args.no_cudagraphs)
-    one = rank == 0 and not args.skip_one_gpu
+    variants = set(args.variants.split(","))
+    unknown = variants - {"one", "fxopt", "dtensor"}
+    if unknown:
+        sys.exit(f"unknown --variants {sorted(unknown)}")
+    one = rank == 0 and "one" in variants and not args.skip_one_gpu
     single = compiled_timings(model, ins, label="one GPU", profile=prof) if one else {}
     single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
@@ -208,10 +215,10 @@ def run_tp(args):
         ref = model(ins["prefill"])
         err = (tpm(ins["prefill"]).float() - ref.float()).abs().max().item()
         ref_scale = ref.float().abs().max().item()
-    fx_t = compiled_timings(tpm, ins, label=f"fxopt TP={world}", rank=rank, profile=prof)
-    fx_cg = cudagraph_timings(tpm, ins, f"fxopt TP={world}", rank) if cg else {}
+    fx_t = compiled_timings(tpm, ins, label=f"fxopt TP={world}", rank=rank, profile=prof) if "fxopt" in variants else {}
+    fx_cg = cudagraph_timings(tpm, ins, f"fxopt TP={world}", rank) if cg and fx_t else {}
     dt_t = {}
-    if not args.no_dtensor:
+    if "dtensor" in variants and not args.no_dtensor:
         dt_model = dtensor_model(model, world, device.type, args.vocab_parallel)
         with torch.no_grad():
             dt_err = (dt_model(ins["prefill"]).float() - ref.float()).abs().max().item()
@@ -221,12 +228,10 @@ def run_tp(args):
         rows = []
         for name in ins:
             row = {"phase": name, "shape": tuple(ins[name].shape), "layers": layers,
-                   "one_gpu_ms": single.get(name, ""), f"fxopt_tp{world}_ms": fx_t[name]}
-            if dt_t:
-                row[f"dtensor_tp{world}_ms"] = dt_t[name]
-            row["speedup_vs_one_gpu"] = single[name] / fx_t[name] if single else ""
-            if dt_t:
-                row["speedup_vs_dtensor"] = dt_t[name] / fx_t[name]
+                   "one_gpu_ms": single.get(name, ""), f"fxopt_tp{world}_ms": fx_t.get(name, ""),
+                   f"dtensor_tp{world}_ms": dt_t.get(name, "")}
+            row["speedup_vs_one_gpu"] = single[name] / fx_t[name] if single and fx_t else ""
+            row["speedup_vs_dtensor"] = dt_t[name] / fx_t[name] if dt_t and fx_t else ""
             rows.append(row)
         if single_cg.get("decode") and fx_cg.get("decode"):
             rows.append({"phase": "decode, CUDA graphs (mode=reduce-overhead)", "shape": tuple(ins["decode"].shape),

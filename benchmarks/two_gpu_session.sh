@@ -2,7 +2,7 @@
 # Two-GPU device calls (issue 9), run from the repo root on a machine with two H200s; writes under $OUT.
 #   bash benchmarks/two_gpu_session.sh tests tp        # correctness (NCCL + one-GPU suites, the example), TP bench
 #   bash benchmarks/two_gpu_session.sh pp costmodel    # pipeline bench (M = 1..16), cost model on one GPU
-# Phases: info tests example tp pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
+# Phases: info tests example tp tpdtensor pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
 cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast must stay off on these shared hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,8 +38,15 @@ phase_example() {
 
 phase_tp() {
   # 2 blocks of Llama-3-8B size, prefill of 4096 tokens, decode of 8 sequences; lm_head cut by vocabulary.
-  timeout 320 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel --out "$RES" 2>&1 \
-    | grep -v "^W1" | tail -60
+  timeout 320 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel --variants one,fxopt \
+    --out "$RES" 2>&1 | grep -v "^W1" | tail -60
+}
+
+phase_tpdtensor() {
+  # The DTensor plan alone (its Inductor compile ran past 3 minutes twice on 2026-11-29): give it the time it needs.
+  mkdir -p "$RES/dtensor"
+  timeout 540 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel --variants dtensor \
+    --no-cudagraphs --out "$RES/dtensor" 2>&1 | grep -v "^W1" | tail -40
 }
 
 phase_pp() {
