@@ -21,7 +21,7 @@ def _rand(*shape, seed=0):
 class Captured:
     """Compile ``fn`` with the passes only (no Inductor) and keep the rewritten graphs and pass results."""
 
-    def __init__(self, fn, cfg=None):
+    def __init__(self, fn, cfg=None, dynamic=None):
         self.cfg = cfg or Config()
         self.graphs, self.results = [], []
         torch._dynamo.reset()
@@ -32,7 +32,7 @@ class Captured:
             self.results.append(res)
             return gm.forward
 
-        self.compiled = torch.compile(fn, backend=backend)
+        self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
 
     def __call__(self, *args):
         return self.compiled(*args)
@@ -396,3 +396,71 @@ def test_fp8_routing_for_inference_and_fallback_with_reason(monkeypatch):
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     rmse = ((out.double() - ref) ** 2).mean().sqrt().item()
     assert rmse < 3e-2, rmse
+
+
+# --- dynamic shapes -----------------------------------------------------------------------------------------------
+class _SdpaBlock(nn.Module):
+    """[B, S, 4*D] -> SDPA over 4 heads (GQA 4:2 through enable_gqa), causal."""
+
+    def __init__(self, head_dim=8):
+        super().__init__()
+        self.d = head_dim
+        self.q = nn.Linear(4 * head_dim, 4 * head_dim)
+        self.kv = nn.Linear(4 * head_dim, 4 * head_dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, 4, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, 2, self.d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B, S, 4 * self.d)
+
+
+def test_dynamic_batch_and_length_are_rewritten_and_match_eager():
+    """Dynamo's dynamic shapes (symbolic B and S): the kernel takes them at run time, so the pass rewrites anyway."""
+    torch.manual_seed(0)
+    model = _SdpaBlock().eval()
+    cap = Captured(model, dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 12, 32), (3, 5, 32), (1, 17, 32)]:
+            x = _rand(*shape, seed=shape[1])
+            torch.testing.assert_close(cap(x), model(x), rtol=1e-5, atol=1e-5)
+    assert cap.graphs and all(any(isinstance(d, torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder"
+                                  for d in getattr(n.meta.get("val"), "shape", ())) for gm in cap.graphs)
+    assert len(cap.flash_nodes()) == len(cap.graphs) and not cap.skipped
+
+
+def test_dynamic_shapes_with_a_mask_or_dynamic_heads_stay_as_they_were_with_a_reason():
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (_rand(1, 2, 6, 8, seed=i) for i in range(3))
+    mask = _rand(1, 1, 6, 6, seed=5) > 0
+    mask[..., 0] = True
+    # symbolic sequence lengths (heads and head dim static) with a mask
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 2)
+    torch._dynamo.mark_dynamic(mask, 2)
+    torch._dynamo.mark_dynamic(mask, 3)
+    cap = Captured(f)
+    torch.testing.assert_close(cap(q, k, v, mask), f(q, k, v, mask))
+    assert not cap.flash_nodes()
+    assert any("dynamic shapes with a mask" in s.reason for s in cap.skipped), cap.skipped
+    # everything symbolic: the head count and head dim pick the kernel's configuration
+    cap = Captured(f, dynamic=True)
+    q, k, v = (_rand(1, 2, 6, 8, seed=i) for i in range(3))
+    torch.testing.assert_close(cap(q, k, v, None), f(q, k, v, None))
+    assert not cap.flash_nodes()
+    assert any("dynamic head count or head dim" in s.reason for s in cap.skipped), cap.skipped
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_shapes_through_inductor():
+    """fxopt::flash_attention inside an Inductor graph with symbolic B and S, on the GPU kernel."""
+    torch.manual_seed(0)
+    model = _SdpaBlock(head_dim=64).cuda().half().eval()
+    compiled = torch.compile(model, backend="fxopt", dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 128, 256), (3, 77, 256), (1, 300, 256)]:
+            x = torch.randn(shape, device="cuda", dtype=torch.float16)
+            torch.testing.assert_close(compiled(x).float(), model(x).float(), rtol=2e-3, atol=2e-3)

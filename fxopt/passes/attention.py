@@ -979,8 +979,11 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         return _fail(result, m.out, "attention output dtype differs from q's")
     B, Hq, Sq, D = qs
     Sk = ks[2]
+    dynamic = not all(isinstance(x, int) for x in (B, Sq, Sk))
     # masks
     masks = m.masks
+    if dynamic and (masks.keeps or masks.additive):
+        return _fail(result, m.out, "dynamic shapes with a mask (masks are proven and shaped on static sizes)")
     low, why = None, ""
     bh_layout = not m.three_d
     if masks.keeps or masks.additive:
@@ -1041,8 +1044,10 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         is_causal = False
         attn_mask = None
         if m.sdpa_causal:
-            if Sq == Sk:
+            if Sq == Sk:  # with symbolic lengths, a guard
                 is_causal = True
+            elif dynamic:
+                raise _Abort("SDPA is_causal with Sq != Sk and dynamic shapes (the top-left mask needs static sizes)")
             else:
                 ones = b.call(torch.ones, (Sq, Sk), {"dtype": torch.bool, "device": qv.device})
                 attn_mask = b.call(torch.tril, (ones,))
@@ -1147,9 +1152,12 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
         return f"dtypes {qv.dtype}/{kv_.dtype}/{vv.dtype} unsupported"
     if not (qv.device == kv_.device == vv.device):
         return "q/k/v on different devices"
-    for s in (*qs, *ks, *vs):
+    # Batch and sequence lengths may be symbolic (Dynamo's dynamic shapes): the kernel reads them at run time, and a
+    # comparison below that relates two of them becomes a guard. Head counts and the head dim must be static: they
+    # pick the kernel's configuration.
+    for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3]):
         if not isinstance(s, int):
-            return "dynamic shapes"
+            return "dynamic head count or head dim"
     B, Hq, Sq, D = qs
     if list(ks) != list(vs):
         return f"k {list(ks)} and v {list(vs)} shapes differ"
