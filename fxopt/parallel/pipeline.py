@@ -350,16 +350,26 @@ class PipelineRunner:
             self._train.step(*flat, **kw)
         else:
             self._train.step(**kw)
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(self.microbatches)
+        # one multi-tensor kernel per dtype group rather than a launch per parameter: the host is the bottleneck
+        # when micro-batches are small
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and self.microbatches != 1:
+            torch._foreach_div_(grads, float(self.microbatches))
         for p, grp in self._shared:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=grp)
+        acc_new, acc_old = [], []
         for p, g in zip(params, before):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                acc_new.append(p.grad)
+                acc_old.append(g)
+        if acc_new:
+            torch._foreach_add_(acc_new, acc_old)
         if self.is_last:
             return torch.stack([l.detach() for l in losses]).mean()
         return None
