@@ -430,28 +430,45 @@ def test_dynamic_batch_and_length_are_rewritten_and_match_eager():
     assert len(cap.flash_nodes()) == len(cap.graphs) and not cap.skipped
 
 
-def test_dynamic_shapes_with_a_mask_or_dynamic_heads_stay_as_they_were_with_a_reason():
+def test_dynamic_shapes_pass_masks_as_tensors_and_keep_dynamic_heads_as_they_were():
     def f(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     q, k, v = (_rand(1, 2, 6, 8, seed=i) for i in range(3))
     mask = _rand(1, 1, 6, 6, seed=5) > 0
     mask[..., 0] = True
-    # symbolic sequence lengths (heads and head dim static) with a mask
+    # symbolic sequence lengths (heads and head dim static) with a mask: the mask goes to the kernel as a tensor
     for t in (q, k, v):
         torch._dynamo.mark_dynamic(t, 2)
     torch._dynamo.mark_dynamic(mask, 2)
     torch._dynamo.mark_dynamic(mask, 3)
     cap = Captured(f)
     torch.testing.assert_close(cap(q, k, v, mask), f(q, k, v, mask))
-    assert not cap.flash_nodes()
-    assert any("dynamic shapes with a mask" in s.reason for s in cap.skipped), cap.skipped
+    (node,) = cap.flash_nodes()
+    assert node.kwargs.get("attn_mask") is not None and not cap.skipped
     # everything symbolic: the head count and head dim pick the kernel's configuration
     cap = Captured(f, dynamic=True)
     q, k, v = (_rand(1, 2, 6, 8, seed=i) for i in range(3))
     torch.testing.assert_close(cap(q, k, v, None), f(q, k, v, None))
     assert not cap.flash_nodes()
     assert any("dynamic head count or head dim" in s.reason for s in cap.skipped), cap.skipped
+
+
+def test_dynamic_shapes_hand_written_causal_mask_is_not_lowered_but_matches():
+    """nanoGPT-style causal buffer slice under dynamic lengths: passed as a tensor (lowering needs static sizes)."""
+    from fxopt.models import TinyLlamaConfig, build_demo_model
+
+    cfg = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32,
+                          sdpa=False)
+    model = build_demo_model(0, cfg).eval()
+    cap = Captured(model, dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 9), (1, 16), (3, 1)]:
+            ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(shape[1]))
+            torch.testing.assert_close(cap(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert len(cap.flash_nodes()) == len(cap.graphs) >= 1 and not cap.skipped
+    notes = [n for r in cap.attn() for n in r.notes]
+    assert any("proven at static sizes only" in n for n in notes), notes
 
 
 @pytest.mark.gpu
@@ -464,3 +481,14 @@ def test_gpu_dynamic_shapes_through_inductor():
         for shape in [(2, 128, 256), (3, 77, 256), (1, 300, 256)]:
             x = torch.randn(shape, device="cuda", dtype=torch.float16)
             torch.testing.assert_close(compiled(x).float(), model(x).float(), rtol=2e-3, atol=2e-3)
+    # hand-written attention with a causal buffer: the mask reaches the kernel as a tensor
+    from fxopt.models import TinyLlamaConfig, build_demo_model
+
+    cfg = TinyLlamaConfig(vocab_size=64, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512,
+                          sdpa=False)
+    demo = build_demo_model(0, cfg).cuda().half().eval()
+    compiled = torch.compile(demo, backend="fxopt", dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 100), (1, 257)]:
+            ids = torch.randint(0, 64, shape, device="cuda")
+            torch.testing.assert_close(compiled(ids).float(), demo(ids).float(), rtol=1e-2, atol=1e-2)

@@ -982,8 +982,6 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
     dynamic = not all(isinstance(x, int) for x in (B, Sq, Sk))
     # masks
     masks = m.masks
-    if dynamic and (masks.keeps or masks.additive):
-        return _fail(result, m.out, "dynamic shapes with a mask (masks are proven and shaped on static sizes)")
     low, why = None, ""
     bh_layout = not m.three_d
     if masks.keeps or masks.additive:
@@ -999,7 +997,9 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         trial = _Masks(keeps=masks.keeps + [_Keep(c) for _, (c, _) in add_keep],
                        fills=masks.fills + [f for _, (_, f) in add_keep], additive=rest_add,
                        additive_first=masks.additive_first)
-        if cfg.lower_masks and trial.keeps:
+        if cfg.lower_masks and trial.keeps and dynamic:
+            why = "dynamic shapes: a mask's structure is proven at static sizes only"
+        elif cfg.lower_masks and trial.keeps:
             low, why = _lower(trial, cache, (B, Hq, Sq, Sk), bh_layout)
             if low is not None:
                 finite = any(f != -math.inf for f in trial.fills)
