@@ -8,6 +8,10 @@ attention itself. Rows:
 * ``fp8 per-tensor``: one scale per tensor for Q, K, V (FA3's baseline), no transform.
 * ``fp8 block``: one scale per 128 rows of a head (the kernel's quantization), no transform.
 * ``fp8 block + Hadamard``: block scales after Q, K -> Q M, K M (incoherent processing; the op's default).
+* ``int8 block + Hadamard QKV (emulated design)``: ``int8_attention_reference``, an INT8 design emulated with exact
+  integer products. Q, K and V are all transformed, with int8 block scales. P is quantized to 255 levels and enters
+  as ``u - 128``, with a column-sum correction. The output is transformed back. It has no Triton kernel yet; it
+  shows the accuracy an int8 kernel would reach on Hopper's int8 tensor cores (same rate as fp8).
 
 All fp8 rows quantize P the same way (P * 2^8 cast to e4m3). Without CUDA they come from ``fp8_attention_reference``
 (CPU emulation with real e4m3 casts); with CUDA the block rows also run the Triton kernel (``kernel`` column).
@@ -59,6 +63,8 @@ def main():
                     out = F.fp8_attention_reference(q, k, v, is_causal=causal, hadamard=had, seed=0,
                                                     granularity=gran)
                     row[name] = rmse(out, ref)
+                row["int8 block + Hadamard QKV (emulated design)"] = rmse(
+                    F.int8_attention_reference(q, k, v, is_causal=causal, seed=0), ref)
                 if device == "cuda":
                     for name, had in (("kernel block", False), ("kernel block + Hadamard", True)):
                         out = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, had, 0)
@@ -69,7 +75,8 @@ def main():
     notes = ("RMSE of the attention output vs float64 attention on the same bf16 inputs. B=1, H=%d. FA3 reports, for "
              "the outlier inputs, 2.4e-2 (per-tensor FP8) and 9.1e-3 (block + incoherent processing); target for "
              "block + Hadamard: <= 5e-3. fp8 columns without 'kernel' are the CPU emulation "
-             "(fxopt.kernels.fp8_attention.fp8_attention_reference, real e4m3 casts)." % args.heads)
+             "(fxopt.kernels.fp8_attention.fp8_attention_reference, real e4m3 casts); the int8 column emulates a "
+             "design that has no kernel yet (fxopt.kernels.fp8_attention.int8_attention_reference)." % args.heads)
     write_results("fp8_accuracy" + ("_gpu" if device == "cuda" else ""), rows,
                   title="FP8 attention accuracy (RMSE vs float64)", notes=notes, out_dir=args.out)
 
