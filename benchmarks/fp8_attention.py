@@ -51,7 +51,9 @@ def main():
     seqs = [1024, 4096] if args.quick else [4096, 16384, 8192, 1024, 2048]
     rows = []
     notes = ("TFLOP/s (higher is better); fp8_kernel excludes quantization (FA3's convention), fp8_op includes the "
-             "Hadamard transform and block quantization of Q, K, V. Anchors measured in the same process.")
+             "Hadamard transform and block quantization of Q, K, V. int8_kernel: the INT8 mode of the same kernel "
+             "(Q, K, V transformed, P at 255 levels; fxopt::int8_attention), quantization excluded. Anchors measured "
+             "in the same process.")
     for d in [int(x) for x in args.dims.split(",")]:
         for s in seqs:
             b, h = 16384 // s, 2048 // d
@@ -71,25 +73,41 @@ def main():
                 def op():
                     return torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0)
 
+                iq, iqs = F.quantize_blocks(q, hadamard=True, seed=0, qdtype=torch.int8)
+                ik, iks = F.quantize_blocks(k, hadamard=True, seed=0, qdtype=torch.int8)
+                ivt, ivs, ivsum = F.quantize_blocks(v, hadamard=True, seed=0, transpose=True, qdtype=torch.int8,
+                                                    sum_chunk=F.SUM_CHUNK)
+                signs = F.hadamard_signs(d, 0, q.device)
+
+                def int8_kernel():
+                    return F.fp8_attention_quantized(iq, iqs, ik, iks, ivt, ivs, shape_q=q.shape, seq_k=s,
+                                                     n_kv_heads=h, out_dtype=q.dtype, is_causal=causal, out=out,
+                                                     vsum=ivsum, signs=signs)
+
                 kernel()
                 op()
-                ms = {"fp8_kernel": bench_ms(kernel), "fp8_op": bench_ms(op),
+                int8_kernel()
+                ms = {"fp8_kernel": bench_ms(kernel), "fp8_op": bench_ms(op), "int8_kernel": bench_ms(int8_kernel),
                       "cudnn_bf16": sdpa_ms(q, k, v, causal, "cudnn"), "fa2_bf16": sdpa_ms(q, k, v, causal, "flash")}
                 for name, t in ms.items():
                     row[name] = tflops(b, h, s, d, causal, t)
                 row["fp8_kernel/cudnn"] = row["fp8_kernel"] / row["cudnn_bf16"]
                 row["fp8_op/cudnn"] = row["fp8_op"] / row["cudnn_bf16"]
+                row["int8_kernel/cudnn"] = row["int8_kernel"] / row["cudnn_bf16"]
                 if s == 1024:
                     sl = (slice(0, 1), slice(0, 2))
                     o = op()[sl]
                     emu = F.fp8_attention_reference(q[sl], k[sl], v[sl], is_causal=causal, hadamard=True, seed=0)
                     row["check"] = ((o.float() - emu.float()).norm() / emu.float().norm()).item()
+                    o8 = torch.ops.fxopt.int8_attention(q[sl], k[sl], v[sl], causal, None, 0)
+                    emu8 = F.int8_attention_reference(q[sl], k[sl], v[sl], is_causal=causal, seed=0)
+                    row["int8_check"] = ((o8.float() - emu8.float()).norm() / emu8.float().norm()).item()
                 row["quant_ms"] = ms["fp8_op"] - ms["fp8_kernel"]
                 rows.append(row)
                 print(row, f"[{time.time() - t0:.0f}s]", flush=True)
                 write_results("fp8_attention", rows, title="FP8 attention forward (H200), TFLOP/s", notes=notes,
                               out_dir=args.out)
-            del q, k, v, qq, kq, vt
+            del q, k, v, qq, kq, vt, iq, ik, ivt
     # every d = 128 config at S = 4096
     cfg_rows = []
     s, d = 4096, 128

@@ -209,6 +209,55 @@ def test_attention_kernel_interpreter(causal, sq, sk, hadamard):
         assert (out[:, :, : sq - sk] == 0).all()
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter path (CPU only); GPU tests below cover CUDA")
+@pytest.mark.parametrize("causal,sq,sk", [(False, 50, 70), (True, 50, 70), (True, 70, 40)])
+def test_int8_kernel_interpreter_matches_its_exact_emulation(causal, sq, sk):
+    """The INT8 mode of the kernels (int8 dots, magic-number conversions, P offset with V column sums, the inverse
+    transform in the epilogue) against the integer-exact emulation with the same blocks."""
+    q = _rand(1, 4, sq, 64, dtype=torch.float16, seed=26)
+    k = _rand(1, 2, sk, 64, dtype=torch.float16, seed=27) * 3
+    v = _rand(1, 2, sk, 64, dtype=torch.float16, seed=28)
+    out = F.int8_attention_triton(q, k, v, is_causal=causal, seed=2)
+    emu = F.int8_attention_reference(q, k, v, is_causal=causal, seed=2, qblock=F.INTERPRET_QBLOCK, block_n=16)
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.allclose(out.double(), emu.double(), atol=1e-3), (out.double() - emu.double()).abs().max()
+    assert ((out.double() - exact).norm() / exact.norm()) < 0.03
+    if causal and sq > sk:  # rows that see no key give 0
+        assert (out[:, :, : sq - sk].abs() < 1e-6).all()
+
+
+def test_int8_quantize_blocks_codes_scales_and_column_sums(interpret_device):
+    x = _rand(1, 2, 70, 64, dtype=torch.float16, seed=29, device=interpret_device)
+    qb = F._qblock()
+    codes, scales, sums = F.quantize_blocks(x, hadamard=True, seed=4, transpose=True, qdtype=torch.int8,
+                                            sum_chunk=16)
+    ref_codes, ref_scale = F._int8_blocks(x.double() @ F.hadamard_matrix(64, 4).to(x.device), qb)
+    got = codes.transpose(-1, -2)[:, :, :70].double()
+    assert (got - ref_codes).abs().max() <= 1  # round-half-away vs half-even, fp32 vs fp64 at the .5 boundary
+    assert (got - ref_codes).abs().mean() < 1e-3
+    assert torch.allclose(scales.reshape(1, 2, -1)[..., :1].double(), ref_scale[:, :, :1, 0], rtol=1e-5)
+    full = codes.transpose(-1, -2).to(torch.int32)  # [1, 2, S_pad, 64], rows past 70 are 0
+    want = full.reshape(2, -1, 16, 64).sum(2)
+    assert torch.equal(sums, want)
+
+
+def test_int8_op_cpu_path_and_fake():
+    q = _rand(1, 4, 20, 64, dtype=torch.bfloat16, seed=30)
+    k = _rand(1, 2, 20, 64, dtype=torch.bfloat16, seed=31)
+    v = _rand(1, 2, 20, 64, dtype=torch.bfloat16, seed=32)
+    out = torch.ops.fxopt.int8_attention(q, k, v, True, None, 3)
+    assert torch.equal(out, F.int8_attention_reference(q, k, v, is_causal=True, seed=3))
+    with torch._subclasses.FakeTensorMode():
+        fq = torch.empty(1, 20, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+        fk = torch.empty(1, 2, 20, 64, dtype=torch.bfloat16)
+        fo = torch.ops.fxopt.int8_attention(fq, fk, fk, False, None, 0)
+        assert fo.shape == fq.shape and fo.stride() == torch.empty_like(fq).stride()
+    with pytest.raises(ValueError, match="head dim"):
+        torch.ops.fxopt.int8_attention(q[..., :48], k[..., :48], v[..., :48])
+
+
+# ---------------------------------------------------------------- GPU
 # ---------------------------------------------------------------- GPU
 
 
@@ -254,3 +303,32 @@ def test_hadamard_and_quant_gpu():
     assert torch.allclose(s, rs.reshape(15, 257)[:, ::128], rtol=1e-5)
     agree = (xq[:, :, :257].float() == rq).float().mean().item()
     assert agree > 0.98, agree  # the same e4m3 codes up to fp32 rounding of the transform
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_int8_kernel_gpu(d, causal):
+    q = _rand(2, 8, 300, d, dtype=torch.bfloat16, seed=33, device="cuda")
+    k = _rand(2, 2, 333 if not causal else 300, d, dtype=torch.bfloat16, seed=34, device="cuda")
+    v = _rand(*k.shape, dtype=torch.bfloat16, seed=35, device="cuda")
+    out = torch.ops.fxopt.int8_attention(q, k, v, causal, None, 5)
+    emu = F.int8_attention_reference(q, k, v, is_causal=causal, seed=5)
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+    rel_emu = ((out.double() - emu.double()).norm() / exact.norm()).item()
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel_emu < 0.01, rel_emu
+    assert rel < 0.03, rel
+
+
+@pytest.mark.gpu
+def test_int8_kernel_gpu_outlier_accuracy():
+    """FA3's outlier test at d = 128: the INT8 mode is under the 5e-3 RMSE target."""
+    g = torch.Generator().manual_seed(40)
+    shape = (1, 4, 1024, 128)
+    q, k, v = ((torch.randn(shape, generator=g) + torch.randn(shape, generator=g) * 10 *
+                (torch.rand(shape, generator=g) < 0.001)).to(torch.bfloat16).cuda() for _ in range(3))
+    exact = F.attention_float64(q, k, v)
+    rmse = (torch.ops.fxopt.int8_attention(q, k, v).double() - exact).pow(2).mean().sqrt().item()
+    assert rmse < 5e-3, rmse

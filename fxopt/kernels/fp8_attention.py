@@ -4,6 +4,7 @@ Public ops (registered on import)::
 
     torch.ops.fxopt.fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0) -> Tensor
     torch.ops.fxopt.hadamard_transform(x, seed=0) -> Tensor
+    torch.ops.fxopt.int8_attention(q, k, v, is_causal=False, scale=None, seed=0) -> Tensor   (INT8 mode, below)
 
 and the host helpers ``fp8_attention_supported(q, k, v, training)`` (for the attention pass), ``quantize_blocks``,
 ``fp8_attention_quantized`` (kernel only, on pre-quantized inputs: what the speed benchmark times) and the references
@@ -49,6 +50,13 @@ Design
   a program's exp2 / convert work never overlaps its own tensor-core work (the sm_90 SASS shows QGMMA followed at
   once by WARPGROUP.DEPBAR), and ``warp_specialize`` fails to build on sm_90. The only overlap left is between
   programs: 64-row query blocks on one warpgroup, two programs per SM (``FWD_CONFIGS``). See docs/notes_fp8.md.
+* INT8 mode (``int8_attention``; same kernels, ``INT8`` constexpr). After the Hadamard transform rows are bounded, so
+  a symmetric int8 grid per block keeps ~7 bits where e4m3 keeps 3 of mantissa (Hopper's int8 and fp8 tensor cores
+  run at the same rate). Q, K and V are transformed (V too: P (V M) = (P V) M, undone by ``_fwht`` in the epilogue),
+  codes are int8 with s = amax / 127, scores are int32 dots converted by the magic-number add (``_i32_to_f32``,
+  exact below 2^22: |q.k| <= 127^2 * 256), P = exp2(s - m) in [0, 1] becomes u = round(255 p) fed as u - 128 to the
+  s8 x s8 dot, and 128 * colsum(V rows) (stored per 16 rows by the quantization kernel) adds the offset back.
+  Accuracy: ``int8_attention_reference`` (exact integer emulation), ``benchmarks/fp8_accuracy.py``.
 * Scope: forward only (inference; no autograd is registered, ``fp8_attention_supported`` refuses training), no
   attention mask / dropout / window, D in {64, 128, 256}, q/k/v float16 or bfloat16. ``fp8_attention`` = quantize
   (3 small memory-bound launches) + attention; ``fp8_attention_quantized`` is the attention kernel alone (the
@@ -113,12 +121,15 @@ def _hadamard_kernel(X, Y, SIGNS, stride_xr, stride_yr, N_ROWS, norm,
 
 
 @triton.jit
-def _quant_kernel(X, XQ, SCALE, SIGNS, stride_xz, stride_xh, stride_xs, stride_qz, stride_qh, stride_qs, stride_qd,
-                  H, SEQ, N_BLOCKS, norm,
-                  HEAD_DIM: tl.constexpr, LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr):
+def _quant_kernel(X, XQ, SCALE, SIGNS, XSUM, stride_xz, stride_xh, stride_xs, stride_qz, stride_qh, stride_qs,
+                  stride_qd, H, SEQ, N_BLOCKS, norm,
+                  HEAD_DIM: tl.constexpr, LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr,
+                  INT8: tl.constexpr = False, SUM_CHUNK: tl.constexpr = 0):
     """Quantize rows [pid * QBLOCK, +QBLOCK) of head (z, h): XQ = x / s with s = amax / 448, one s per block.
 
-    XQ's strides are free, so the same kernel writes Q / K row-major and V transposed ([D, S_pad])."""
+    XQ's strides are free, so the same kernel writes Q / K row-major and V transposed ([D, S_pad]).
+    ``INT8``: symmetric int8 codes, s = amax / 127, rounded half away from zero; with ``SUM_CHUNK`` > 0 also the
+    column sums of the codes per SUM_CHUNK rows (XSUM [B * H, S_pad / SUM_CHUNK, D] int32, for the P offset)."""
     pid = tl.program_id(0)
     off_zh = tl.program_id(1)
     off_z = off_zh // H
@@ -133,11 +144,23 @@ def _quant_kernel(X, XQ, SCALE, SIGNS, stride_xz, stride_xh, stride_xs, stride_q
         signs = tl.load(SIGNS + offs_d)
         x = x * (signs * norm)[None, :]
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30)
-    xq = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
     q_ptrs = XQ + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh \
         + offs_s[:, None].to(tl.int64) * stride_qs + offs_d[None, :].to(tl.int64) * stride_qd
-    tl.store(q_ptrs, xq.to(XQ.dtype.element_ty))
-    tl.store(SCALE + off_zh * N_BLOCKS + pid, amax / 448.0)
+    if INT8:
+        xs = x * (127.0 / amax)
+        codes = tl.where(xs >= 0, xs + 0.5, xs - 0.5).to(tl.int32)  # the cast truncates toward zero
+        codes = tl.minimum(tl.maximum(codes, -127), 127)
+        tl.store(q_ptrs, codes.to(tl.int8))
+        tl.store(SCALE + off_zh * N_BLOCKS + pid, amax / 127.0)
+        if SUM_CHUNK > 0:
+            sums = tl.sum(tl.reshape(codes, [QBLOCK // SUM_CHUNK, SUM_CHUNK, HEAD_DIM]), 1)
+            chunks = pid * (QBLOCK // SUM_CHUNK) + tl.arange(0, QBLOCK // SUM_CHUNK)
+            tl.store(XSUM + off_zh.to(tl.int64) * (N_BLOCKS * (QBLOCK // SUM_CHUNK) * HEAD_DIM)
+                     + chunks[:, None] * HEAD_DIM + offs_d[None, :], sums)
+    else:
+        xq = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
+        tl.store(q_ptrs, xq.to(XQ.dtype.element_ty))
+        tl.store(SCALE + off_zh * N_BLOCKS + pid, amax / 448.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,10 +169,23 @@ def _quant_kernel(X, XQ, SCALE, SIGNS, stride_xz, stride_xh, stride_xs, stride_q
 
 
 @triton.jit
-def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0, qk_scale, qpos,
+def _i32_to_f32(x):
+    """int32 -> fp32 for |x| < 2**22 without I2F (a quarter-rate instruction): 1.5 * 2**23 + x has x in its
+    mantissa."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base, kv_row0, vt_row0, qk_scale, qpos,
                    lo, hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CHECK: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                   IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+                   INT8: tl.constexpr, SUM_CHUNK: tl.constexpr):
+    # fp8: P is stored as p * 2^8 (exact); int8: p in [0, 1] is quantized to 255 levels below
+    if INT8:
+        p_exp = 0.0
+    else:
+        p_exp = 8.0
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -160,7 +196,10 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, 
             k = tl.load(K + (kv_row0 + start_n + offs_nb)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :])
         ks = tl.load(ks_base + start_n // QBLOCK)
         vs = tl.load(vs_base + start_n // QBLOCK)
-        qk = tl.dot(q, tl.trans(k))
+        if INT8:
+            qk = _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=tl.int32))  # |q.k| <= 127^2 * 256 < 2^22
+        else:
+            qk = tl.dot(q, tl.trans(k))
         c = qk_scale * ks
         if CHECK:
             kpos = start_n + offs_nb[None, :]
@@ -170,11 +209,11 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, 
             s = tl.where(visible, qk * c, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - (m_use - 8.0)[:, None])
+            p = tl.exp2(s - (m_use - p_exp)[:, None])
         else:  # c > 0: max of the raw dot, scale folded into one FMA with the subtraction
             m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
             m_use = m_new
-            p = tl.exp2(qk * c - (m_use - 8.0)[:, None])
+            p = tl.exp2(qk * c - (m_use - p_exp)[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * (alpha * (vs_prev / vs))[:, None]
@@ -182,16 +221,26 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, 
             vt = VT.load([vt_row0, start_n])
         else:
             vt = tl.load(VT + (vt_row0 + offs_d)[:, None].to(tl.int64) * SEQ_K_PAD + (start_n + offs_nb)[None, :])
-        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
+        if INT8:
+            # u = round(255 p) in [0, 255] enters an s8 x s8 dot as u - 128; 128 * colsum(V rows) adds it back
+            p8 = ((p * 255.0 + 0.5).to(tl.int32) - 128).to(tl.int8)
+            pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32)
+            sums = tl.load(vsum_base + (start_n // SUM_CHUNK + tl.arange(0, BLOCK_N // SUM_CHUNK))[:, None] * HEAD_DIM
+                           + offs_d[None, :])
+            pv = pv + 128 * tl.sum(sums, 0)[None, :]
+            acc = acc + _i32_to_f32(pv) * (1.0 / 255.0)  # |pv| <= 255 * 127 * 128 < 2^22
+        else:
+            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
         m_i = m_new
         vs_prev = vs
     return acc, l_i, m_i, vs_prev
 
 
 @triton.jit
-def _fp8_attn_fwd(Q, K, VT, QS, KS, VS, O, stride_oz, stride_oh, stride_om,
-                  H_Q, H_KV, GROUP, SEQ_Q, SEQ_K, SEQ_Q_PAD, SEQ_K_PAD, sm_scale,
+def _fp8_attn_fwd(Q, K, VT, QS, KS, VS, VSUM, SIGNS, O, stride_oz, stride_oh, stride_om,
+                  H_Q, H_KV, GROUP, SEQ_Q, SEQ_K, SEQ_Q_PAD, SEQ_K_PAD, sm_scale, out_norm,
                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, QBLOCK: tl.constexpr,
+                  INT8: tl.constexpr, SUM_CHUNK: tl.constexpr, LOG2_D: tl.constexpr, UNROTATE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
     pid_m = tl.program_id(0)
     if IS_CAUSAL:  # heaviest query blocks first
@@ -215,6 +264,9 @@ def _fp8_attn_fwd(Q, K, VT, QS, KS, VS, O, stride_oz, stride_oh, stride_om,
     qk_scale = q_scale * sm_scale * 1.4426950408889634
     ks_base = KS + off_kvh * n_kb
     vs_base = VS + off_kvh * n_kb
+    vsum_base = VSUM
+    if INT8:
+        vsum_base = VSUM + off_kvh.to(tl.int64) * (SEQ_K_PAD // SUM_CHUNK) * HEAD_DIM
     qpos = offs_m[:, None]
 
     # key blocks [0, full_hi) need no mask; [full_hi, hi) are cut by the causal diagonal or the sequence end
@@ -229,14 +281,18 @@ def _fp8_attn_fwd(Q, K, VT, QS, KS, VS, O, stride_oz, stride_oh, stride_om,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     vs_prev = tl.load(vs_base)
-    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0,
-                                            qk_scale, qpos, 0, full_hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
-                                            HEAD_DIM, BLOCK_N, QBLOCK, False, IS_CAUSAL, USE_TMA, WARP_SPEC)
-    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, kv_row0, vt_row0,
-                                            qk_scale, qpos, full_hi, hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
-                                            HEAD_DIM, BLOCK_N, QBLOCK, True, IS_CAUSAL, USE_TMA, False)
+    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base,
+                                            kv_row0, vt_row0, qk_scale, qpos, 0, full_hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
+                                            HEAD_DIM, BLOCK_N, QBLOCK, False, IS_CAUSAL, USE_TMA, WARP_SPEC,
+                                            INT8, SUM_CHUNK)
+    acc, l_i, m_i, vs_prev = _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base,
+                                            kv_row0, vt_row0, qk_scale, qpos, full_hi, hi, SEQ_Q, SEQ_K, SEQ_K_PAD,
+                                            HEAD_DIM, BLOCK_N, QBLOCK, True, IS_CAUSAL, USE_TMA, False,
+                                            INT8, SUM_CHUNK)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (vs_prev / l_safe)[:, None]
+    if UNROTATE:  # V was taken as V M: O = (P V M) M^T = fwht(O' * signs) / sqrt(D)
+        out = _fwht(out * tl.load(SIGNS + offs_d)[None, :], BLOCK_M, HEAD_DIM, LOG2_D) * out_norm
     o_ptrs = O + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh \
         + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < SEQ_Q)
@@ -304,7 +360,7 @@ def _quick_bench(fn, quantiles=None):
 
 
 _fp8_attn_fwd_tuned = triton.autotune(_all_configs(), key=["HEAD_DIM", "IS_CAUSAL", "USE_TMA", "SEQ_Q_PAD",
-                                                           "SEQ_K_PAD"],
+                                                           "SEQ_K_PAD", "INT8"],
                                       prune_configs_by={"early_config_prune": _prune},
                                       do_bench=_quick_bench)(_fp8_attn_fwd)
 
@@ -437,11 +493,17 @@ def _qblock():
 
 
 def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose: bool = False,
-                    qblock: Optional[int] = None, qdtype=None):
+                    qblock: Optional[int] = None, qdtype=None, sum_chunk: int = 0):
     """Block-quantize x [B, H, S, D] (Triton). Returns (xq, scales): xq [B, H, S_pad, D] (or [B, H, D, S_pad] when
-    ``transpose``) in ``qdtype`` (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock], x ~ xq * s."""
+    ``transpose``) in ``qdtype`` (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock], x ~ xq * s.
+
+    ``qdtype=torch.int8``: symmetric int8 codes (s = amax / 127); with ``sum_chunk`` > 0 returns a third tensor, the
+    column sums of the codes per ``sum_chunk`` rows (int32 [B * H, S_pad / sum_chunk, D])."""
     qblock = qblock or _qblock()
     qdtype = qdtype or _fp8_dtype()
+    int8 = qdtype == torch.int8
+    if sum_chunk and (not int8 or qblock % sum_chunk):
+        raise ValueError(f"quantize_blocks: sum_chunk={sum_chunk} needs int8 and must divide qblock={qblock}")
     B, H, S, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -453,13 +515,15 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     sqz, sqh = xq.stride(0), xq.stride(1)
     sqs, sqd = (xq.stride(3), xq.stride(2)) if transpose else (xq.stride(2), xq.stride(3))
     signs = hadamard_signs(D, seed, x.device) if hadamard else scales
+    sums = (torch.empty((B * H, s_pad // sum_chunk, D), device=x.device, dtype=torch.int32) if sum_chunk
+            else scales)
     if B * H:
-        _quant_kernel[(n_blocks, B * H)](x, xq, scales, signs, x.stride(0), x.stride(1), x.stride(2),
+        _quant_kernel[(n_blocks, B * H)](x, xq, scales, signs, sums, x.stride(0), x.stride(1), x.stride(2),
                                          sqz, sqh, sqs, sqd, H, S, n_blocks, 1.0 / math.sqrt(D),
                                          HEAD_DIM=D, LOG2_D=D.bit_length() - 1, QBLOCK=qblock,
-                                         HADAMARD=bool(hadamard),
+                                         HADAMARD=bool(hadamard), INT8=int8, SUM_CHUNK=sum_chunk,
                                          num_warps=4 if _INTERPRET else _QUANT_WARPS.get(D, 4))
-    return xq, scales
+    return (xq, scales, sums) if sum_chunk else (xq, scales)
 
 
 # warps for a [128, D] tile: the butterflies' layout changes need ~2 registers per element (sm_90 builds: no spills
@@ -474,12 +538,17 @@ def _use_tma(device) -> bool:
 
 
 def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype, is_causal=False,
-                            scale=None, out=None, config=None, use_tma=None, qblock=None):
+                            scale=None, out=None, config=None, use_tma=None, qblock=None, vsum=None, signs=None):
     """Attention kernel alone, on inputs from :func:`quantize_blocks` (Q and K row-major, V transposed).
 
     shape_q = (B, Hq, Sq, D) of the original q; seq_k = Sk; config = dict(BLOCK_M, BLOCK_N, num_warps, num_stages[,
-    WARP_SPEC]) bypasses autotuning."""
+    WARP_SPEC]) bypasses autotuning. int8 inputs (``qq.dtype == torch.int8``) need ``vsum`` (V's code column sums
+    per ``SUM_CHUNK`` rows) and ``signs`` (the Hadamard signs V was transformed with; the output is transformed
+    back)."""
     B, Hq, Sq, D = shape_q
+    int8 = qq.dtype == torch.int8
+    if int8 and (vsum is None or signs is None):
+        raise ValueError("fp8_attention_quantized: int8 inputs need vsum and signs")
     Hkv = n_kv_heads
     qblock = qblock or _qblock()
     sq_pad, sk_pad = qq.shape[2], kq.shape[2]
@@ -498,9 +567,11 @@ def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_head
         v_arg = TensorDescriptor(vt, shape=[B * Hkv * D, sk_pad], strides=[sk_pad, 1], block_shape=dummy)
     else:
         q_arg, k_arg, v_arg = qq, kq, vt
-    args = (q_arg, k_arg, v_arg, qs, ks, vs, o, o.stride(0), o.stride(1), o.stride(2),
-            Hq, Hkv, Hq // Hkv, Sq, seq_k, sq_pad, sk_pad, sm_scale)
-    flags = dict(HEAD_DIM=D, IS_CAUSAL=bool(is_causal), USE_TMA=bool(use_tma), QBLOCK=qblock)
+    args = (q_arg, k_arg, v_arg, qs, ks, vs, vsum if int8 else qs, signs if int8 else qs, o,
+            o.stride(0), o.stride(1), o.stride(2), Hq, Hkv, Hq // Hkv, Sq, seq_k, sq_pad, sk_pad, sm_scale,
+            1.0 / math.sqrt(D))
+    flags = dict(HEAD_DIM=D, IS_CAUSAL=bool(is_causal), USE_TMA=bool(use_tma), QBLOCK=qblock, INT8=int8,
+                 SUM_CHUNK=SUM_CHUNK if int8 else 0, LOG2_D=D.bit_length() - 1, UNROTATE=int8)
     if config is not None:
         c = dict(config)
         meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
@@ -527,6 +598,25 @@ def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, se
     return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
                                    out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
                                    use_tma=use_tma)
+
+
+SUM_CHUNK = 16  # rows per V column sum (int8 mode): divides every BLOCK_N
+
+
+def int8_attention_triton(q, k, v, is_causal=False, scale=None, seed=0, *, out=None, config=None, use_tma=None):
+    """The INT8 design of :func:`int8_attention_reference` in Triton: Q, K, V Hadamard-transformed and quantized to
+    int8 per block, s8 x s8 dots with int32 accumulation, P as round(255 p) - 128 with V's column sums added back,
+    the output transformed back in the epilogue. Same kernels as the fp8 path (``INT8`` constexpr)."""
+    _check_attn_inputs(q, k, v, scale)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    qq, qs = quantize_blocks(q, hadamard=True, seed=seed, qdtype=torch.int8)
+    kq, ks = quantize_blocks(k, hadamard=True, seed=seed, qdtype=torch.int8)
+    vt, vs, vsum = quantize_blocks(v, hadamard=True, seed=seed, transpose=True, qdtype=torch.int8,
+                                   sum_chunk=SUM_CHUNK)
+    return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
+                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
+                                   use_tma=use_tma, vsum=vsum, signs=hadamard_signs(D, seed, q.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -613,8 +703,9 @@ def _int8_blocks(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tens
     return codes.reshape(B, H, n * qblock, D)[:, :, :S], scale
 
 
-def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK):
-    """Emulation of an INT8 design (a candidate for the 8-bit kernel; no Triton kernel yet).
+def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK,
+                             block_n: Optional[int] = None):
+    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel).
 
     It reaches the <= 5e-3 accuracy target that e4m3 misses (``benchmarks/fp8_accuracy.py``). The reason is the
     Hadamard transform: it bounds every row, so a block's values fill an int8 grid evenly, and int8 then keeps about
@@ -629,8 +720,8 @@ def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qb
     * P = exp(s - m) in [0, 1] is quantized to 255 levels: u = round(255 p). It enters an s8 x s8 product as
       u - 128, and 128 * colsum(V block) is added back. The column sums can be computed once per V block when
       quantizing, so P V is exact integer arithmetic. The row sum l adds the unquantized p, as the fp8 kernel does.
-    * The online softmax runs over 128-key blocks, in fp32 apart from the integer products. Those are emulated here
-      in float64, where they are exact.
+    * The online softmax runs over ``block_n``-key blocks (default ``qblock``), in fp32 apart from the integer
+      products. Those are emulated here in float64, where they are exact. ``int8_attention_triton`` is the kernel.
     """
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -646,8 +737,9 @@ def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qb
     m = torch.full((B, Hq, Sq, 1), float("-inf"), dtype=torch.float64, device=q.device)
     l = torch.zeros((B, Hq, Sq, 1), dtype=torch.float64, device=q.device)
     acc = torch.zeros((B, Hq, Sq, D), dtype=torch.float64, device=q.device)
-    for n0 in range(0, Sk, qblock):
-        n1 = min(n0 + qblock, Sk)
+    block_n = block_n or qblock
+    for n0 in range(0, Sk, block_n):
+        n1 = min(n0 + block_n, Sk)
         s = (qi @ ki[:, :, n0:n1].transpose(-1, -2)) * (qsc * sm_scale) * ksc[:, :, n0:n1, 0][:, :, None, :]
         s = s.float().double()  # the kernel's scores are fp32
         if is_causal:
@@ -721,5 +813,27 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 @fp8_attention.register_fake
 def _(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0):
+    _check_attn_inputs(q, k, v, scale)
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("fxopt::int8_attention", mutates_args=())
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                   scale: Optional[float] = None, seed: int = 0) -> torch.Tensor:
+    """INT8 attention forward: Q, K, V Hadamard-transformed and int8 block-quantized, P at 255 levels
+    (:func:`int8_attention_reference` is the design and the CPU path; :func:`int8_attention_triton` the kernel)."""
+    _check_attn_inputs(q, k, v, scale)
+    out = torch.empty_like(q)  # same strides as the fake impl
+    if q.device.type == "cuda" and out.stride(-1) == 1:
+        return int8_attention_triton(q, k, v, is_causal, scale, seed, out=out)
+    if q.device.type == "cuda":
+        out.copy_(int8_attention_triton(q, k, v, is_causal, scale, seed))
+    else:
+        out.copy_(int8_attention_reference(q, k, v, is_causal, scale, seed))
+    return out
+
+
+@int8_attention.register_fake
+def _(q, k, v, is_causal=False, scale=None, seed=0):
     _check_attn_inputs(q, k, v, scale)
     return torch.empty_like(q)
