@@ -50,6 +50,8 @@ def _args(p):
                    help="comma-separated subset of one (one GPU), fxopt (fxopt TP), dtensor (DTensor TP); the DTensor "
                         "variant's Inductor compile took over 3 minutes on the two-H200 machine, so it can run alone")
     p.add_argument("--skip-one-gpu", action="store_true", help="same as leaving 'one' out of --variants")
+    p.add_argument("--overlap-chunks", type=int, default=1,
+                   help="fxopt TP: cut each row-parallel all-reduce into this many token chunks (overlap)")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
     p.add_argument("--smoke-cpu", action="store_true",
@@ -209,7 +211,8 @@ def run_tp(args):
     single = compiled_timings(model, ins, label="one GPU", profile=prof) if one else {}
     single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
-    tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel)
+    tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel,
+                      overlap_chunks=args.overlap_chunks)
     n_local = sum(p.numel() for p in tpm.parameters()) + sum(b.numel() for b in tpm.buffers())
     with torch.no_grad():
         ref = model(ins["prefill"])
@@ -240,7 +243,7 @@ def run_tp(args):
                          "speedup_vs_one_gpu": single_cg["decode"] / fx_cg["decode"]})
         notes = (f"Llama-3-8B-sized blocks (dim 4096, 32/8 heads, SwiGLU 14336, vocab 32000), bf16, every variant "
                  f"compiled with backend='fxopt'. lm_head cut by vocabulary: {args.vocab_parallel} (fxopt "
-                 f"vocab_parallel; DTensor ColwiseParallel with replicated output). Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
+                 f"vocab_parallel; DTensor ColwiseParallel with replicated output); overlap_chunks {args.overlap_chunks}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")
         if dt_t:

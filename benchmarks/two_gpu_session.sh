@@ -2,7 +2,7 @@
 # Two-GPU device calls (issue 9), run from the repo root on a machine with two H200s; writes under $OUT.
 #   bash benchmarks/two_gpu_session.sh tests tp        # correctness (NCCL + one-GPU suites, the example), TP bench
 #   bash benchmarks/two_gpu_session.sh pp costmodel    # pipeline bench (M = 1..16), cost model on one GPU
-# Phases: info tests example tp tpdtensor pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
+# Phases: info tests example tp tpdtensor tpoverlap pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
 cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast must stay off on these shared hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,6 +47,15 @@ phase_tpdtensor() {
   mkdir -p "$RES/dtensor"
   timeout 540 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel --variants dtensor \
     --no-cudagraphs --out "$RES/dtensor" 2>&1 | grep -v "^W1" | tail -40
+}
+
+phase_tpoverlap() {
+  # fxopt TP with each row-parallel all-reduce cut into 2 and 4 token chunks (overlap with the next chunk's matmul)
+  for c in 2 4; do
+    mkdir -p "$RES/overlap$c"
+    timeout 200 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel --variants fxopt \
+      --no-cudagraphs --overlap-chunks $c --out "$RES/overlap$c" 2>&1 | grep -v "^W1" | grep "timing\|Error"
+  done
 }
 
 phase_pp() {

@@ -53,11 +53,15 @@ class TensorParallelConfig:
         enabled: run the pass (off unless a process group and ``tp`` > 1 are given).
         tp: tensor-parallel degree; must equal the process group's world size.
         vocab_parallel: also shard the embedding and lm_head over the vocabulary (with a gather of logits).
+        overlap_chunks: in inference graphs, cut each row-parallel linear along its token dimension into this many
+            chunks, each followed by its own all-reduce, so that one chunk's all-reduce runs while the next chunk's
+            matmul does (1: one matmul, one all-reduce). Chunks the token count does not divide are not cut.
     """
 
     enabled: bool = False
     tp: int = 1
     vocab_parallel: bool = False
+    overlap_chunks: int = 1
 
 
 @dataclass

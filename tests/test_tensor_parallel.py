@@ -157,6 +157,32 @@ def _worker_vocab_quant_compile(rank, ws):
     ids3 = ids[:1, :5]
     torch.testing.assert_close(tpm(ids3), model(ids3), rtol=1e-5, atol=1e-5)
     assert len(tpm._graphs) == 2
+    _check_overlap_chunks(ws, model, ids)
+
+
+def _check_overlap_chunks(ws, model, ids):
+    """overlap_chunks=4: each row-parallel linear runs as 4 token chunks, each chunk's all-reduce issued before the
+    next chunk's matmul and every wait after the last one; same outputs. Lengths 4 does not divide stay whole."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    tpo = parallelize(model, (ids,), tp=ws, config=_cfg(), overlap_chunks=4)
+    gm = tpo.graph_module
+    assert tpo.plan.all_reduces == 4 * 2 * 2 == _count(gm, "_c10d_functional.all_reduce"), str(tpo.plan)
+    assert tpo.plan.overlap_chunks == 4 and "in 4 token chunks" in str(tpo.plan)
+    torch.testing.assert_close(tpo(ids), model(ids), rtol=1e-5, atol=1e-5)
+    kinds = []
+    for n in gm.graph.nodes:
+        name = str(n.target)
+        if n.op == "call_function" and ("all_reduce" in name or "wait_tensor" in name or "linear" in name):
+            kinds.append("ar" if "all_reduce" in name else "wait" if "wait_tensor" in name else "mm")
+    first = kinds.index("ar") - 1  # the first row-parallel chunk's matmul
+    assert kinds[first:first + 12] == ["mm", "ar"] * 4 + ["wait"] * 4, kinds
+    odd = ids[:, :7]  # 7 tokens: not cut, one all-reduce per row linear
+    tpo7 = parallelize(model, (odd,), tp=ws, config=_cfg(), overlap_chunks=4)
+    assert tpo7.plan.all_reduces == 2 * 2 and tpo7.plan.overlap_chunks == 1
+    torch.testing.assert_close(tpo7(odd), model(odd), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="overlap_chunks"):
+        parallelize(model, (ids,), tp=ws, overlap_chunks=0)
 
 
 def _worker_all(rank, ws):

@@ -267,7 +267,8 @@ class TensorParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, tp: int,
                 group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
-                vocab_parallel: Optional[bool] = None, training: Optional[bool] = None) -> TensorParallelModule:
+                vocab_parallel: Optional[bool] = None, training: Optional[bool] = None,
+                overlap_chunks: Optional[int] = None) -> TensorParallelModule:
     """Return this rank's tensor-parallel module for ``model`` (call on every rank of the process group).
 
     Args:
@@ -281,6 +282,9 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
         vocab_parallel: also cut the embedding and the lm_head by vocabulary (logits are all-gathered).
             Default: ``config.tensor_parallel.vocab_parallel``.
         training: emit the autograd-correct collectives (default: grad enabled and a parameter requires grad).
+        overlap_chunks: inference only: cut each row-parallel linear and its all-reduce into this many chunks along
+            the tokens, so communication overlaps the next chunk's matmul. Default:
+            ``config.tensor_parallel.overlap_chunks`` (1).
 
     Raises:
         RuntimeError: no initialized process group, or the model is not captured as one graph.
@@ -297,7 +301,10 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
         raise ValueError(f"fxopt.parallelize: tp={tp} but the process group has {world} ranks (they must match)")
     cfg = copy.deepcopy(config) if config is not None else Config()
     vp = cfg.tensor_parallel.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
-    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp)
+    chunks = cfg.tensor_parallel.overlap_chunks if overlap_chunks is None else overlap_chunks
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"fxopt.parallelize: overlap_chunks must be a positive int, got {chunks!r}")
+    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())

@@ -157,6 +157,7 @@ class TensorParallelPlan:
     linears: list = field(default_factory=list)  # (kind, module/weight name, detail)
     all_reduces: int = 0
     all_gathers: int = 0
+    overlap_chunks: int = 1  # token chunks of the row-parallel all-reduces (1: not chunked)
     replicated: list = field(default_factory=list)  # (name, reason)
     notes: list = field(default_factory=list)
 
@@ -1031,6 +1032,8 @@ class _Rewriter:
         self.tp, self.rank = an.tp, an.tpc.rank
         self.plan = TensorParallelPlan(self.tp, self.rank)
         self.f_cache: dict = {}
+        self.dead: list = []  # unchunked row linears replaced by their chunks, erased at the end of run()
+        self.last_chunks = 1
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
@@ -1060,6 +1063,56 @@ class _Rewriter:
         for n in nodes:
             _copy_meta(n, x)
         self.plan.all_reduces += 1
+        return out
+
+    def _overlap_chunks(self, lin: _Linear, node: fx.Node) -> int:
+        """How many token chunks to cut this row-parallel linear into (1: none). Inference graphs only; the token
+        dimension (dim -2 of the input) must be static and divisible."""
+        c = self.an.cfg.overlap_chunks
+        if c <= 1 or self.tpc.training:
+            return 1
+        xv = lin.x.meta.get("val") if isinstance(lin.x, fx.Node) else None
+        if xv is None or xv.dim() < 2 or not isinstance(xv.shape[-2], int) or xv.shape[-2] % c:
+            return 1
+        if sum(1 for a in node.all_input_nodes if a is lin.x) != 1:
+            return 1
+        return c
+
+    def _chunked_all_reduce(self, node: fx.Node, x: fx.Node, chunks: int) -> fx.Node:
+        """y = linear(x) + all_reduce  ->  per token chunk i: y_i = linear(x_i); all_reduce(y_i) issued at once;
+        the waits after the last chunk's matmul; cat. Chunk i's all-reduce then runs on the communication stream
+        while chunk i + 1's matmul runs on the compute stream."""
+        g = self.g
+        pending, outs = [], []
+        cursor = node
+        with g.inserting_after(cursor):
+            parts = g.call_function(torch.chunk, (x, chunks, -2))
+        cursor = parts
+        for i in range(chunks):
+            with g.inserting_after(cursor):
+                xi = g.call_function(operator.getitem, (parts, i))
+            with g.inserting_after(xi):
+                yi = g.node_copy(node, lambda n: xi if n is x else n)
+            with g.inserting_after(yi):
+                ar = g.call_function(_ALL_REDUCE, (yi, "sum", self.tpc.group_name))
+            for n in (xi, yi, ar):
+                _copy_meta(n, node)
+            pending.append(ar)
+            cursor = ar
+        for ar in pending:
+            with g.inserting_after(cursor):
+                w = g.call_function(_WAIT, (ar,))
+            _copy_meta(w, node)
+            outs.append(w)
+            cursor = w
+        with g.inserting_after(cursor):
+            out = g.call_function(torch.cat, (outs, -2))
+        _copy_meta(out, node)
+        _copy_meta(parts, node)
+        self.plan.all_reduces += chunks
+        self.plan.overlap_chunks = max(self.plan.overlap_chunks, chunks)
+        # the unchunked linear has no users left once the caller rewires them to ``out``
+        self.dead.append(node)
         return out
 
     def tp_copy(self, src: fx.Node, consumer: fx.Node) -> fx.Node:
@@ -1095,6 +1148,10 @@ class _Rewriter:
         # 6. Megatron's f where replicated tensors needing grad enter sharded computations
         if self.tpc.training:
             self._insert_f()
+        for node in self.dead:
+            if not node.users:
+                self.prop.state.pop(node, None)
+                g.erase_node(node)
 
     def _column(self, node, sh):
         an = self.an
@@ -1129,8 +1186,10 @@ class _Rewriter:
                 self.shard_placeholder(t, Shard(0, tuple((s // lin.group_size, rf) for s, rf in secs)),
                                        "row int4 " + self.an.name(t).rsplit(".", 1)[-1])
         self._row_rewrite(lin)
+        chunked = f" in {self.last_chunks} token chunks" if self.last_chunks > 1 else ""
         self.plan.linears.append(("row", an.lin_name(lin), f"in features {lin.K} -> {sh.local(self.tp)}"
-                                  f"{' (bias after all_reduce)' if lin.bias is not None else ''} + all_reduce"))
+                                  f"{' (bias after all_reduce)' if lin.bias is not None else ''} + all_reduce"
+                                  f"{chunked}"))
         an.result.rewrites += 1
 
     def _row_rewrite(self, lin: _Linear):
@@ -1149,7 +1208,8 @@ class _Rewriter:
                 g.erase_node(node)
                 node = mm
         users = list(node.users)
-        out = self.all_reduce(node, node)
+        chunks = self.last_chunks = self._overlap_chunks(lin, node)
+        out = self._chunked_all_reduce(node, lin.x, chunks) if chunks > 1 else self.all_reduce(node, node)
         last = out
         if bias is not None:
             with g.inserting_after(out):
