@@ -77,7 +77,8 @@ def main():
              "the outlier inputs, 2.4e-2 (per-tensor FP8) and 9.1e-3 (block + incoherent processing); target for "
              "block + Hadamard: <= 5e-3. fp8 columns without 'kernel' are the CPU emulation "
              "(fxopt.kernels.fp8_attention.fp8_attention_reference, real e4m3 casts); the int8 column is "
-             "the exact emulation of the INT8 mode (fxopt.kernels.fp8_attention.int8_attention_reference)." % args.heads)
+             "the exact emulation of the INT8 mode (fxopt.kernels.fp8_attention.int8_attention_reference)."
+             % args.heads)
     write_results("fp8_accuracy" + ("_gpu" if device == "cuda" else ""), rows,
                   title="FP8 attention accuracy (RMSE vs float64)", notes=notes, out_dir=args.out)
 

@@ -39,6 +39,7 @@ VARIANTS = [
     ("gptq", dict(method="gptq", act_order=True)),
     ("awq", dict(method="awq")),
     ("gptq (no act-order)", dict(method="gptq", act_order=False)),
+    ("gptq (mse, static groups)", dict(method="gptq", act_order=True, static_groups=True, mse=True)),
 ]
 
 
@@ -93,6 +94,8 @@ def perplexity(model, wins) -> tuple[float, int]:
 
 def run_model(key, args, rows, out_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.makedirs(out_dir, exist_ok=True)
 
     spec = MODELS[key]
     t = time.perf_counter()
@@ -150,7 +153,9 @@ def main():
     def extra(p):
         p.add_argument("--models-dir", default="/tmp/qmodels")
         p.add_argument("--models", nargs="*", default=["gemma", "smollm"])
-        p.add_argument("--variants", nargs="*", default=None, help="subset of rtn gptq awq")
+        p.add_argument("--variants", nargs="*", default=None,
+                       help="subset of the variants: rtn gptq awq (every variant of that method), or one full name "
+                            "such as 'gptq (mse, static groups)'")
         p.add_argument("--cal-samples", type=int, default=128)
         p.add_argument("--eval-windows", type=int, default=40)
 

@@ -349,3 +349,39 @@ def test_awq_probe_channel_map_is_exact_on_wide_layers():
         c._fold_into_linear(folds["down"], s)
         model.down.weight.mul_(s)
         torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3", "demo", "demo_manual"])
+def test_attention_score_linears_found_from_graph(which):
+    """AWQ skips the clip search on linears feeding attention scores: exactly q_proj / k_proj, from the graph."""
+    if which in ("llama", "gemma3"):
+        model = tiny_hf_llama() if which == "llama" else tiny_hf_gemma3()
+        cal = [{"input_ids": torch.randint(0, 128, (1, 16)), "use_cache": False}]
+    else:
+        model = build_demo_model(0, TinyLlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                    ffn_dim=128, max_seq_len=64, sdpa=which == "demo"))
+        cal = [torch.randint(0, 96, (2, 16))]
+    c = _Calibrator(model, _normalize_samples(cal), "awq", 32, False, True, False, 0.01, 128, (), False, 20, 0.5,
+                    True, False, False, None)
+    c.capture()
+    c.select()
+    scores = sorted(t.name.rsplit(".", 1)[-1] for t in c.targets.values() if c._feeds_attention_scores(t.node))
+    assert scores == ["k_proj", "k_proj", "q_proj", "q_proj"]
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_mse_group_params_never_round_worse(sym):
+    torch.manual_seed(3)
+    W = torch.randn(24, 128) * torch.rand(24, 1)
+    W[:, 7] *= 6  # an outlier column makes min/max ranges wasteful
+    errs = []
+    for mse in (False, True):
+        s, z = round_params(W, 32, sym, torch.float16, mse=mse)
+        q = (torch.clamp(torch.round(W.reshape(24, 4, 32) / s[..., None]) + z[..., None], 0, 15) - z[..., None]) \
+            * s[..., None]
+        errs.append((q.reshape(24, 128) - W).abs().pow(2.4).reshape(24, 4, 32).sum(-1))
+    assert (errs[1] <= errs[0] * (1 + 1e-5)).all() and errs[1].sum() < 0.97 * errs[0].sum()
+    X = correlated_inputs(512, 128, seed=4)
+    H = 2 * X.T @ X / 512
+    res = gptq_quantize(W, H, 32, sym=sym, act_order=True, mse=True)
+    assert output_error(W, res.weight, H) < output_error(W, rtn_quantize(W, 32, sym).weight, H)

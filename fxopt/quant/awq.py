@@ -9,8 +9,14 @@ calibration objective. The division of ``x`` is folded into whatever produces it
 rows of a preceding linear; :mod:`fxopt.quant.calibrate` finds which from the graph), and only where nothing can
 absorb it does an explicit ``x / s`` stay in front of the quantized linear (:class:`InputScale`).
 
-Then, per linear, the clip search shrinks each group's max |w| by ratios ``1 - i / n_grid`` (i < max_shrink · n_grid)
-and keeps, per output row and group, the one with the least output error.
+The scale grid has a second family, ``mean|x|^α / mean|ŵ|^(1-α)`` (ŵ: |w| relative to its group's max, as the
+reference implementation's default), searched with the same objective, so adding it can only lower that objective.
+
+Then, per linear, the clip search shrinks each group's range by ratios ``1 - i / n_grid`` (i < max_shrink · n_grid):
+``±max|w|`` as in the paper, and (asymmetric grids) ``[min w, max w]`` with each end shrunk independently; it keeps,
+per output row and group, the range with the least output error. Linears whose outputs feed attention scores
+(query/key projections, found from the graph by :mod:`fxopt.quant.calibrate`) are not clipped: the softmax amplifies
+their errors beyond what the layer-wise objective sees (the reference implementation skips them too).
 
 Errors are measured exactly over every calibration token through the input's Gram matrix ``H = XᵀX / n``: the
 squared output error of a weight perturbation ``Δ`` [N, K] is ``tr(Δ H Δᵀ)``, and that of one group g of one row is
@@ -46,8 +52,12 @@ class ScaleSearch:
 @torch.no_grad()
 def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.Tensor, group_size: int,
                  sym: bool = False, n_grid: int = 20, scale_dtype: torch.dtype = torch.float16,
-                 channel_map: Optional[torch.Tensor] = None) -> ScaleSearch:
+                 channel_map: Optional[torch.Tensor] = None, weight_aware: bool = True) -> ScaleSearch:
     """Pick ``s = mean|x|^α`` minimising the summed output error of ``weights`` (each [N_i, K]) after int4 RTN.
+
+    ``weight_aware`` adds a second family of ``n_grid`` candidates ``mean|x|^α / mean|ŵ|^(1-α)`` (``ŵ`` = |w| over
+    its group's max |w|, averaged over output rows: channels whose weights are already large in their group need
+    less scaling). The first ``n_grid`` entries of ``errors`` are the plain family (α = 0 is RTN).
 
     ``channel_map`` (int64 [K], optional) ties input channels that come from one channel of the producer that will
     absorb the scale (e.g. GQA: o_proj's inputs of all query heads sharing a value head): ``s[j] = s_src[map[j]]``,
@@ -65,11 +75,20 @@ def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.
         src_mean = src / cnt.clamp(min=1)
     else:
         src_mean = xm
+    candidates = [(i / n_grid, src_mean.pow(i / n_grid)) for i in range(n_grid)]
+    if weight_aware:
+        # mean over output rows of |w| relative to its group's max |w|, per input (source) channel
+        G = K if group_size == -1 else group_size
+        Wa = W.abs().reshape(W.shape[0], K // G, G)
+        wm = (Wa / (Wa.amax(-1, keepdim=True) + 1e-6)).reshape(W.shape[0], K).mean(0)
+        if channel_map is not None:
+            wm = torch.zeros(n_src, device=H.device).index_add_(0, channel_map, wm) / cnt.clamp(min=1)
+        candidates += [(i / n_grid, src_mean.pow(i / n_grid) / (wm.pow(1 - i / n_grid) + 1e-4))
+                       for i in range(n_grid)]
     best_err, best_ratio, best_src = math.inf, 0.0, torch.ones_like(src_mean)
     errors = []
-    for i in range(n_grid):
-        ratio = i / n_grid
-        s_src = src_mean.pow(ratio).clamp(min=1e-4)
+    for ratio, s_src in candidates:
+        s_src = s_src.clamp(min=1e-4)
         s_src = s_src / (s_src.max() * s_src.min()).sqrt()
         s = s_src[channel_map] if channel_map is not None else s_src
         deq = fake_quantize(W * s, group_size, sym, scale_dtype)[0] / s
@@ -87,8 +106,13 @@ def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.
 
 @torch.no_grad()
 def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: bool = False, n_grid: int = 20,
-                max_shrink: float = 0.5, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Clip each (row, group) of ``weight`` [N, K] to ``±max|w| · (1 - i/n_grid)`` with the least output error."""
+                max_shrink: float = 0.5, scale_dtype: torch.dtype = torch.float16,
+                asym_range: bool = True) -> torch.Tensor:
+    """Clip each (row, group) of ``weight`` [N, K] to ``±max|w| · (1 - i/n_grid)`` with the least output error.
+
+    ``asym_range`` (asymmetric grids only) also tries ``[min w · (1 - i/n_grid), max w · (1 - j/n_grid)]`` for every
+    (i, j); the best range of all is kept.
+    """
     W = weight.detach().float().to(H.device)
     N, K = W.shape
     G = K if group_size == -1 else group_size
@@ -96,18 +120,25 @@ def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: boo
     Wg = W.reshape(N, ng, G)
     Hb = torch.stack([H[g * G:(g + 1) * G, g * G:(g + 1) * G] for g in range(ng)]).float()  # [ng, G, G]
     org_max = Wg.abs().amax(-1, keepdim=True)
+    org_lo, org_hi = Wg.amin(-1, keepdim=True).clamp(max=0), Wg.amax(-1, keepdim=True).clamp(min=0)
     best_err = torch.full((N, ng), math.inf, device=W.device)
-    best_max = org_max.clone()
-    for i in range(max(1, int(max_shrink * n_grid))):
-        mx = org_max * (1 - i / n_grid)
-        cur = torch.maximum(torch.minimum(Wg, mx), -mx)
+    best_lo, best_hi = -org_max, org_max.clone()
+    steps = max(1, int(max_shrink * n_grid))
+    # clip ranges: ±max|w| shrunk (the paper's), and (asymmetric grids) [min w · a, max w · b] with both ends shrunk
+    # independently, which an asymmetric grid can use; a = b = 1 is no clipping
+    shrink = [1 - i / n_grid for i in range(steps)]
+    ranges = [(-org_max * a, org_max * a) for a in shrink]
+    if asym_range and not sym:
+        ranges += [(org_lo * a, org_hi * b) for a in shrink for b in shrink]
+    for lo, hi in ranges:
+        cur = torch.maximum(torch.minimum(Wg, hi), lo)
         deq = fake_quantize(cur.reshape(N, K), G, sym, scale_dtype)[0].reshape(N, ng, G)
         D = deq - Wg
         err = torch.einsum("ngi,gij,ngj->ng", D, Hb, D)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better[..., None], mx, best_max)
-    return torch.maximum(torch.minimum(Wg, best_max), -best_max).reshape(N, K)
+        better = (err < best_err)[..., None]
+        best_err = torch.where(better[..., 0], err, best_err)
+        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
+    return torch.maximum(torch.minimum(Wg, best_hi), best_lo).reshape(N, K)
 
 
 class InputScale(nn.Module):

@@ -83,9 +83,9 @@ class QuantizeReport:
 
 def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
-             damp: float = 0.01, *, block_size: int = 128, exclude: Iterable[str] = (), include_head: bool = False,
-             n_grid: int = 20, max_shrink: float = 0.5, clip: bool = True, offload: bool = False,
-             pack: bool = True, progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
+             damp: float = 0.01, *, mse: bool = False, block_size: int = 128, exclude: Iterable[str] = (),
+             include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5, clip: bool = True,
+             offload: bool = False, pack: bool = True, progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
 
     Args:
@@ -99,6 +99,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         act_order: GPTQ: quantize columns by decreasing Hessian diagonal (stored as a permutation of K).
         static_groups: GPTQ: group parameters from the original weight (no permutation needed with act-order).
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
+        mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
+            of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
@@ -135,7 +137,7 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     was_training = model.training
     model.eval()
     cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
-                      tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report)
+                      tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse)
     try:
         cal.run()
         if report is not None:
@@ -212,10 +214,11 @@ def _is_linear(node) -> bool:
 
 class _Calibrator:
     def __init__(self, model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
-                 exclude, include_head, n_grid, max_shrink, clip, offload, progress, report):
+                 exclude, include_head, n_grid, max_shrink, clip, offload, progress, report, mse=False):
         self.model, self.samples, self.method = model, samples, method
         self.group_size, self.sym, self.act_order, self.static_groups = group_size, sym, act_order, static_groups
         self.damp, self.block_size, self.exclude, self.include_head = damp, block_size, exclude, include_head
+        self.mse = mse
         self.n_grid, self.max_shrink, self.clip, self.offload = n_grid, max_shrink, clip, offload
         self.progress, self.report = progress, report
         self.saved: dict[int, tuple] = {}
@@ -628,12 +631,13 @@ class _Calibrator:
             absmean += v.reshape(-1, K).abs().float().sum(0)
         absmean /= max(acc.n, 1)
         H = acc.hessian()  # 2 XᵀX / n
-        originals = {t.name: t.module.weight.detach().float().clone() for t in members}
+        originals = ({t.name: t.module.weight.detach().float().clone() for t in members}
+                     if self.report is not None else {})
         sd = self._scale_dtype(members[0])
         if self.method == "gptq":
             W = torch.cat([t.module.weight.detach() for t in members], dim=0)
             res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
-                                self.block_size, sd)
+                                self.block_size, sd, mse=self.mse)
             row = 0
             for t in members:
                 N = t.module.out_features
@@ -646,7 +650,7 @@ class _Calibrator:
                 self.set_weight(t.module, t.result.weight)
         else:
             self._awq_group(x, xs, members, H, absmean, sd)
-        for t in members:
+        for t in members if self.report is not None else ():  # per-linear errors only when asked
             eff = t.result.weight.float()
             if t.name in self._awq_scales:
                 eff = eff / self._awq_scales[t.name].to(eff.device)
@@ -654,10 +658,9 @@ class _Calibrator:
             rtn_err = output_error(originals[t.name],
                                    rtn_quantize(originals[t.name], self.group_size, self.sym, sd).weight, H)
             ref = output_error(originals[t.name], torch.zeros_like(eff), H)
-            if self.report is not None:
-                self.report.rows.append({"linear": t.name, "in": K, "out": t.module.out_features,
-                                         "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
-                                         "err_vs_rtn": err / max(rtn_err, 1e-30)})
+            self.report.rows.append({"linear": t.name, "in": K, "out": t.module.out_features,
+                                     "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
+                                     "err_vs_rtn": err / max(rtn_err, 1e-30)})
 
     def _awq_group(self, x, xs, members, H, absmean, sd):
         Hg = H / 2.0  # XᵀX / n
@@ -675,13 +678,36 @@ class _Calibrator:
         Hs = Hg / (s[:, None] * s[None, :])
         for t, W in zip(members, weights):
             Ws = W * s
-            if self.clip:
+            if self.clip and not self._feeds_attention_scores(t.node):
                 Ws = search_clip(Ws, Hs, self.group_size, self.sym, self.n_grid, self.max_shrink, sd)
             t.result = rtn_quantize(Ws, self.group_size, self.sym, sd)
             self.set_weight(t.module, t.result.weight)
             self._awq_scales[t.name] = s.detach().cpu()
             if fold.kind == "explicit":
                 t.inv_scale = (1.0 / s).to(t.module.weight.dtype).cpu()
+
+    def _feeds_attention_scores(self, lin: fx.Node) -> bool:
+        """Whether ``lin``'s output reaches attention scores (a softmax, or an SDPA query/key) before any other
+        linear: a query or key projection. Clipping those hurts more than the layer-wise error shows, since the
+        softmax amplifies their errors (AWQ's reference code skips their clip search for the same reason)."""
+        from ..passes.match import op_name
+
+        seen, stack = set(), [lin]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                name = op_name(u)
+                if name == "sdpa":
+                    if n in u.args[:2] or n in (u.kwargs.get("query"), u.kwargs.get("key")):
+                        return True
+                    continue
+                if name == "softmax":
+                    return True
+                if u in seen or _is_linear(u) or u.op == "output":
+                    continue
+                seen.add(u)
+                stack.append(u)
+        return False
 
     @torch.no_grad()
     def _fold_into_linear(self, fold: _Fold, s_src: torch.Tensor):

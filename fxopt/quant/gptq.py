@@ -15,7 +15,11 @@ matrix gets one matmul per block (lazy batch updates). Details that matter, all 
 * static groups compute every group's (scale, zero) once, from the original weight, before any error feedback; the
   groups are then the original contiguous ones even with act-order, so the result needs no permutation;
 * dynamic groups compute (scale, zero) with :func:`~fxopt.quant.format.group_params` on the *current* (already
-  error-corrected) columns when the sweep reaches a group's first column.
+  error-corrected) columns when the sweep reaches a group's first column;
+* ``mse=True`` (the reference code's ``mse`` grid) picks each group's range among min/max shrunk by ``1 - i/100``
+  (i < 80) by the least ``sum |q - w|^2.4``, instead of the full min/max. It matters for weights that already sit on a
+  coarser grid (a dequantized GGUF model: SmolLM2-135M's linears are Q4_1 with groups of 32, re-quantized here at
+  64), where the full range wastes levels.
 
 Scales are rounded to the stored dtype (fp16/bf16) before they are used, so the error feedback sees exactly the
 weights the kernel will dequantize. :class:`HessianAccumulator` builds ``H`` from activation batches.
@@ -56,12 +60,41 @@ class QuantResult:
     weight: torch.Tensor
 
 
-def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype, maxq: int = 15):
-    """:func:`group_params` with the scale rounded to ``scale_dtype`` (what the packed weight will store)."""
-    scale, zero = group_params(weight, group_size, sym, maxq)
+def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype, maxq: int = 15,
+                 mse: bool = False):
+    """:func:`group_params` with the scale rounded to ``scale_dtype`` (what the packed weight will store).
+
+    ``mse``: instead of the full [min, max] range, search ranges shrunk by ``1 - i/100`` (i < 80) and keep, per row
+    and group, the one whose rounding error ``sum |q - w|^2.4`` is least (the GPTQ reference code's ``mse`` grid).
+    """
     tiny = torch.finfo(scale_dtype).tiny
-    scale = scale.clamp(min=tiny).to(scale_dtype).float()
-    return scale, zero
+    if not mse:
+        scale, zero = group_params(weight, group_size, sym, maxq)
+        return scale.clamp(min=tiny).to(scale_dtype).float(), zero
+    N, K = weight.shape
+    G = K if group_size == -1 else group_size
+    w = weight.float().reshape(N, K // G, G)
+    wmin, wmax = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    best = torch.full(wmin.shape, float("inf"), device=w.device)
+    best_scale, best_zero = torch.ones_like(wmin), torch.zeros_like(wmin)
+    for i in range(80):
+        p = 1 - i / 100
+        lo, hi = wmin * p, wmax * p
+        if sym:
+            scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-10)
+            zero = torch.full_like(scale, (maxq + 1) / 2)
+        else:
+            scale = ((hi - lo) / maxq).clamp(min=1e-10)
+            zero = torch.round(-lo / scale)
+        scale = scale.clamp(min=tiny).to(scale_dtype).float()
+        q = (torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, maxq) - zero[..., None]) \
+            * scale[..., None]
+        err = (q - w).abs().pow(2.4).sum(-1)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def fake_quantize(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype = torch.float16,
@@ -95,10 +128,11 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 128, sym: bool = False,
                   act_order: bool = True, static_groups: bool = False, damp: float = 0.01, block_size: int = 128,
-                  scale_dtype: torch.dtype = torch.float16, maxq: int = 15) -> QuantResult:
+                  scale_dtype: torch.dtype = torch.float16, maxq: int = 15, mse: bool = False) -> QuantResult:
     """GPTQ of ``weight`` [N, K] for the Hessian ``H`` [K, K] (see the module docstring).
 
     Several linears that read the same input can be quantized in one call by stacking their weights along N.
+    ``mse``: each group's (scale, zero) from a shrink-range search (:func:`round_params`) instead of min/max.
     """
     cdt = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 only for reference tests
     W = weight.detach().to(cdt).clone()
@@ -117,7 +151,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 128, 
 
     static = None
     if static_groups:
-        static = [round_params(W[:, g:g + G], G, sym, scale_dtype, maxq) for g in range(0, K, G)]
+        static = [round_params(W[:, g:g + G], G, sym, scale_dtype, maxq, mse) for g in range(0, K, G)]
 
     perm = None
     if act_order:
@@ -145,8 +179,11 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 128, 
                 g = int(perm[col]) // G if perm is not None else col // G
                 scale, zero = static[g][0][:, 0], static[g][1][:, 0]
             elif col % G == 0:
-                current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :G]
-                s, z = round_params(current, G, sym, scale_dtype, maxq)
+                # the group's G columns as they are now (error-corrected), possibly spilling past this block
+                current = W1[:, i:i + G]
+                if current.shape[1] < G:
+                    current = torch.cat([current, W[:, i2:i2 + G - current.shape[1]]], dim=1)
+                s, z = round_params(current, G, sym, scale_dtype, maxq, mse)
                 scale, zero = s[:, 0], z[:, 0]
                 scales[:, col // G], zeros[:, col // G] = scale, zero
             w = W1[:, i]
