@@ -8,6 +8,9 @@
 * ``@pytest.mark.gpu`` tests are skipped without CUDA.
 * ``run_on_ranks(fn, world_size=2)`` runs ``fn(rank, world_size, *args)`` on
   ``world_size`` gloo processes (spawn) and re-raises the first failure.
+* Dynamo's caches are reset before every test: compiled entries of one model's
+  ``forward`` would otherwise pile up across tests and hit Dynamo's recompile
+  limit (fatal under ``fullgraph=True``), making a test depend on the ones before it.
 """
 import os
 import tempfile
@@ -39,6 +42,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
 
 
 @pytest.fixture
