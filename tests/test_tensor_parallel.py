@@ -183,6 +183,24 @@ def _check_overlap_chunks(ws, model, ids):
     torch.testing.assert_close(tpo7(odd), model(odd), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="overlap_chunks"):
         parallelize(model, (ids,), tp=ws, overlap_chunks=0)
+    # GPT-2's Conv1D row linears (addmm on [B*S, K]) and int4 row linears (dequantize -> linear) chunk the same way
+    gpt2 = _gpt2().eval().requires_grad_(False)
+    ids2 = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    g2 = parallelize(gpt2, (), {"input_ids": ids2, "use_cache": False}, tp=ws, config=_cfg(), overlap_chunks=2)
+    assert g2.plan.all_reduces == 2 * 2 * 2, str(g2.plan)
+    torch.testing.assert_close(_logits(g2(input_ids=ids2, use_cache=False)),
+                               _logits(gpt2(input_ids=ids2, use_cache=False)), rtol=1e-5, atol=1e-5)
+    from fxopt.quant.linear import QuantLinear
+
+    torch.manual_seed(5)
+    mlp = MLP(d=64, h=128, blocks=1)
+    mlp.blocks[0][0] = QuantLinear.from_linear(mlp.blocks[0][0], group_size=32)
+    mlp.blocks[0][2] = QuantLinear.from_linear(mlp.blocks[0][2], group_size=32)
+    mlp = mlp.half().eval().requires_grad_(False)
+    x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).half()
+    q = parallelize(mlp, (x,), tp=ws, config=_cfg(), overlap_chunks=2)
+    assert q.plan.all_reduces == 2 and q.plan.overlap_chunks == 2, str(q.plan)
+    torch.testing.assert_close(q(x).float(), mlp(x).float(), rtol=2e-3, atol=2e-3)
 
 
 def _worker_all(rank, ws):
