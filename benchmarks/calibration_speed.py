@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import time
 
 import torch
@@ -35,7 +36,7 @@ from fxopt.quant.calibrate import QuantizeReport, quantize
 
 
 def _args(p):
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (smoke runs with small sizes)")
     p.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default bf16 on cuda, fp32 on cpu)")
     p.add_argument("--layers", type=int, default=8, help="decoder blocks (8 -> ~2.0B parameters at dim 4096)")
     p.add_argument("--dim", type=int, default=4096)
@@ -76,6 +77,9 @@ def _sync(device):
 
 def main():
     args = parse_args(__doc__.splitlines()[0], _args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/calibration_speed.py measures on CUDA; for a CPU smoke run pass "
+                 "--device cpu --dim 128 --layers 2 --cal-samples 4 --seq 64")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     t0 = time.perf_counter()

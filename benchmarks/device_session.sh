@@ -1,19 +1,47 @@
 #!/bin/bash
-# One device call that checks a session's work on the H200 (run from the repo root, writes under $OUT):
-# the demo on CUDA, every @pytest.mark.gpu test, and the one-GPU halves of the parallel benchmarks.
+# One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
+#   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
+#   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
+# Phases: demo tests parallel fp8 calib. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/fxopt_out}
-mkdir -p "$OUT"
+RES="$OUT/res"
+mkdir -p "$OUT" "$RES"
 SECONDS=0
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
+
+phase_demo() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   timeout 170 python3 -m fxopt demo --device cuda 2>&1
-  echo "== demo done at $SECONDS s"; } 2>&1 | tee "$OUT/demo_cuda.txt"
-{ timeout 190 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+}
+
+phase_tests() {
+  timeout 190 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
     --ignore=tests/test_calibration.py tests 2>&1 | tail -60
-  echo "== gpu tests done at $SECONDS s"; } 2>&1 | tee "$OUT/gpu_tests.txt"
-{ timeout 75 python3 benchmarks/tensor_parallel.py --local-compute --out "$OUT" 2>&1 | tail -25
-  echo "== tp done at $SECONDS s"
+}
+
+phase_parallel() {
+  timeout 75 python3 benchmarks/tensor_parallel.py --local-compute --out "$OUT" 2>&1 | tail -25
   timeout 75 python3 benchmarks/pipeline_parallel.py --single-gpu --stages 2 --out "$OUT" 2>&1 | tail -25
-  echo "== pp done at $SECONDS s"; } 2>&1 | tee "$OUT/parallel_log.txt"
+}
+
+phase_fp8() {
+  # fp8 and int8 kernels against cuDNN / FA2 bf16, then the accuracy table with the kernels' columns
+  timeout 300 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -30
+  timeout 150 python3 benchmarks/fp8_accuracy.py --dims 128 --out "$RES" 2>&1 | tail -15
+}
+
+phase_calib() {
+  timeout 240 python3 benchmarks/calibration_speed.py --out "$RES" 2>&1 | tail -30
+}
+
+for p in "${@:-demo tests parallel}"; do
+  for q in $p; do
+    { echo "===== phase $q (start at $SECONDS s)"; "phase_$q"; echo "===== phase $q done at $SECONDS s"; } 2>&1 \
+      | tee -a "$OUT/session_log.txt"
+  done
+done
+if [ -n "$(ls -A "$RES")" ]; then tar czf "$OUT/results.tgz" -C "$RES" .; fi
+rm -rf "$RES"
