@@ -40,6 +40,8 @@ VARIANTS = [
     ("awq", dict(method="awq")),
     ("gptq (no act-order)", dict(method="gptq", act_order=False)),
     ("gptq (mse, static groups)", dict(method="gptq", act_order=True, static_groups=True, mse=True)),
+    ("gptq (mse, static groups, float target)", dict(method="gptq", act_order=True, static_groups=True, mse=True,
+                                                     float_target=True)),
 ]
 
 

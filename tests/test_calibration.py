@@ -1,5 +1,7 @@
 """GPTQ / AWQ / RTN calibration (fxopt.quant.gptq, .awq, .calibrate): algorithms on tensors, then whole models."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -385,3 +387,39 @@ def test_mse_group_params_never_round_worse(sym):
     H = 2 * X.T @ X / 512
     res = gptq_quantize(W, H, 32, sym=sym, act_order=True, mse=True)
     assert output_error(W, res.weight, H) < output_error(W, rtn_quantize(W, 32, sym).weight, H)
+
+
+def test_float_target_weight_is_the_regularised_least_squares_solution():
+    from fxopt.quant.calibrate import _float_target_weight
+
+    g = torch.Generator().manual_seed(7)
+    W = torch.randn(12, 16, generator=g, dtype=torch.float64)
+    X = torch.randn(200, 16, generator=g, dtype=torch.float64) @ torch.randn(16, 16, generator=g, dtype=torch.float64)
+    Xq = X + 0.05 * torch.randn(200, 16, generator=g, dtype=torch.float64)  # the partly quantized model's input
+    H, C = Xq.T @ Xq, X.T @ Xq
+    # same inputs: nothing to correct
+    torch.testing.assert_close(_float_target_weight(W, H, H, 0.01), W)
+    V = _float_target_weight(W, C, H, 0.01)
+    lam = 0.01 * torch.diagonal(H).mean()
+
+    def objective(M):
+        return ((X @ W.T - Xq @ M.T) ** 2).sum() + lam * ((M - W) ** 2).sum()
+
+    assert objective(V) < objective(W)
+    for _ in range(5):  # a stationary point of a convex objective: no random direction improves it
+        d = 1e-3 * torch.randn(W.shape, generator=g, dtype=torch.float64)
+        assert objective(V) <= objective(V + d) and objective(V) <= objective(V - d)
+
+
+def test_quantize_gptq_float_target_runs_and_tracks_the_float_model():
+    model = tiny_hf_llama(seed=1)
+    ref_model = copy.deepcopy(model)
+    torch.manual_seed(2)
+    cal = [{"input_ids": torch.randint(0, 128, (1, 32)), "use_cache": False} for _ in range(4)]
+    quantize(model, cal, method="gptq", group_size=32, pack=False, progress=False, float_target=True)
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, ref = model(input_ids=ids).logits, ref_model(input_ids=ids).logits
+    assert (out - ref).norm() / ref.norm() < 0.2
+    with pytest.raises(ValueError, match="float_target"):
+        quantize(copy.deepcopy(ref_model), cal, method="awq", group_size=32, float_target=True, progress=False)

@@ -25,6 +25,13 @@ exactly those factors and every value on the way flows only to ``x`` (or out of 
 scaled v is read back only through the same attention). Otherwise an explicit
 :class:`~fxopt.quant.awq.InputScale` stays in front of the linear.
 
+GPTQ with ``float_target=True`` runs a second stream through the same graph with the float weights, accumulates
+``Σ x x̃ᵀ`` (float input against the partly quantized model's input) next to ``H = Σ x̃ x̃ᵀ``, and quantizes
+``V = (W C + λ W)(H + λ I)^-1`` instead of ``W``: the weight that best maps x̃ to the float model's output, ridge-
+regularised towards ``W``. GPTQ on V with H minimises ``||W x - Q x̃||²``, so each layer also corrects the error its
+inputs inherited (the asymmetric-calibration idea of GPTAQ). Its layer-wise error against ``W x̃`` is therefore not
+comparable with plain GPTQ's.
+
 On any error the model's parameters are restored and a ``ValueError`` says what was wrong.
 """
 from __future__ import annotations
@@ -83,7 +90,8 @@ class QuantizeReport:
 
 def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
-             damp: float = 0.01, *, mse: bool = False, block_size: int = 128, exclude: Iterable[str] = (),
+             damp: float = 0.01, *, mse: bool = False, float_target: bool = False, block_size: int = 128,
+             exclude: Iterable[str] = (),
              include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5, clip: bool = True,
              offload: bool = False, pack: bool = True, progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
@@ -101,6 +109,11 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
+        float_target: GPTQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃`` (x̃: its
+            input in the partly quantized model). Runs a float copy of the graph alongside (twice the compute, one
+            more copy of the linear weights) and quantizes the weight that best maps x̃ to ``W x`` (a least-squares
+            correction, ridge-regularised towards ``W`` by ``damp``), so later layers also correct the error of
+            earlier ones.
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
@@ -137,7 +150,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     was_training = model.training
     model.eval()
     cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
-                      tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse)
+                      tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse,
+                      float_target=float_target)
     try:
         cal.run()
         if report is not None:
@@ -214,11 +228,15 @@ def _is_linear(node) -> bool:
 
 class _Calibrator:
     def __init__(self, model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
-                 exclude, include_head, n_grid, max_shrink, clip, offload, progress, report, mse=False):
+                 exclude, include_head, n_grid, max_shrink, clip, offload, progress, report, mse=False,
+                 float_target=False):
         self.model, self.samples, self.method = model, samples, method
         self.group_size, self.sym, self.act_order, self.static_groups = group_size, sym, act_order, static_groups
         self.damp, self.block_size, self.exclude, self.include_head = damp, block_size, exclude, include_head
         self.mse = mse
+        if float_target and method != "gptq":
+            raise ValueError(f"float_target applies to method='gptq', not {method!r}")
+        self.float_target = float_target
         self.n_grid, self.max_shrink, self.clip, self.offload = n_grid, max_shrink, clip, offload
         self.progress, self.report = progress, report
         self.saved: dict[int, tuple] = {}
@@ -580,20 +598,38 @@ class _Calibrator:
             except ImportError:  # pragma: no cover
                 bar = None
         dev = self.device
+        # float_target: a second stream through the same graph with the original (float) linear weights
+        env_f: dict[fx.Node, list] = {}
+        const_f: dict[fx.Node, Any] = {}
+        if self.float_target:
+            target_ids = {id(t.module.weight) for t in self.targets.values()}
+            const_f = {n: (v.detach().clone() if id(v) in target_ids else v) for n, v in self.const_env.items()}
 
-        def get(a, i):
-            if a in self.const_env:
-                return self.const_env[a]
-            v = env[a][i]
-            if self.offload and isinstance(v, torch.Tensor):
-                v = v.to(dev, non_blocking=True)
-            return v
+        def getter(e, consts, i):
+            def get(a):
+                if a in consts:
+                    return consts[a]
+                v = e[a][i]
+                if self.offload and isinstance(v, torch.Tensor):
+                    v = v.to(dev, non_blocking=True)
+                return v
+            return get
+
+        def compute(n, e, consts):
+            vals = []
+            for i in range(ns):
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), getter(e, consts, i))
+                v = _run_node(n, args, kwargs, self.gm)
+                if self.offload and isinstance(v, torch.Tensor):
+                    v = v.to("cpu")
+                vals.append(v)
+            return vals
 
         try:
             for idx, n in enumerate(nodes):
                 if n in self.targets and n.args[0] not in done_groups:
                     x = n.args[0]
-                    self._quantize_group(x, env[x])
+                    self._quantize_group(x, env[x], env_f.get(x))
                     done_groups.add(x)
                     if bar is not None:
                         bar.update(len(self.groups[x]))
@@ -601,34 +637,37 @@ class _Calibrator:
                     pass
                 elif n in self.input_index:
                     env[n] = [leaves[i][self.input_index[n]] for i in range(ns)]
+                    if self.float_target:
+                        env_f[n] = env[n]
                 else:
-                    vals = []
-                    for i in range(ns):
-                        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: get(a, i))
-                        v = _run_node(n, args, kwargs, self.gm)
-                        if self.offload and isinstance(v, torch.Tensor):
-                            v = v.to("cpu")
-                        vals.append(v)
-                    env[n] = vals
+                    env[n] = compute(n, env, self.const_env)
+                    if self.float_target:
+                        env_f[n] = compute(n, env_f, const_f)
                 for a in n.all_input_nodes:
                     if last.get(a) == idx:
                         env.pop(a, None)
+                        env_f.pop(a, None)
         finally:
             if bar is not None:
                 bar.close()
             env.clear()
+            env_f.clear()
 
     @torch.no_grad()
-    def _quantize_group(self, x: fx.Node, xs: list):
+    def _quantize_group(self, x: fx.Node, xs: list, xs_float: Optional[list] = None):
         members = self.groups[x]
         K = members[0].module.in_features
         dev = self.device
         acc = HessianAccumulator(K, device=dev)
         absmean = torch.zeros(K, dtype=torch.float32, device=dev)
-        for v in xs:
+        cross = torch.zeros(K, K, dtype=torch.float32, device=dev) if xs_float is not None else None
+        for j, v in enumerate(xs):
             v = v.to(dev)
             acc.add(v)
             absmean += v.reshape(-1, K).abs().float().sum(0)
+            if cross is not None:  # Σ x_float x̃ᵀ over tokens
+                vf = xs_float[j].to(dev).reshape(-1, K).float()
+                cross.addmm_(vf.T, v.reshape(-1, K).float())
         absmean /= max(acc.n, 1)
         H = acc.hessian()  # 2 XᵀX / n
         originals = ({t.name: t.module.weight.detach().float().clone() for t in members}
@@ -636,6 +675,8 @@ class _Calibrator:
         sd = self._scale_dtype(members[0])
         if self.method == "gptq":
             W = torch.cat([t.module.weight.detach() for t in members], dim=0)
+            if cross is not None:
+                W = _float_target_weight(W, cross * (2.0 / max(acc.n, 1)), H, self.damp)
             res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
                                 self.block_size, sd, mse=self.mse)
             row = 0
@@ -748,6 +789,19 @@ class _Calibrator:
                 parent = self.model.get_submodule(parent_name) if parent_name else self.model
                 setattr(parent, child, new)
         self.saved.clear()
+
+
+def _float_target_weight(W: torch.Tensor, C: torch.Tensor, H: torch.Tensor, damp: float) -> torch.Tensor:
+    """argmin_V ||W X - V X̃||² + λ||V - W||²  =  (W C + λ W)(H + λ I)^-1, with C = X Xᵀ-cross (Σ x x̃ᵀ) and
+    H = Σ x̃ x̃ᵀ on the same scale, λ = damp * mean(diag H). Equal to W when x̃ = x. GPTQ on this weight with H
+    minimises the error against the float model's output."""
+    lam = damp * float(torch.diagonal(H).mean().clamp_min(1e-12))
+    Wf = W.to(H.dtype)
+    C = C.to(H.dtype)
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    L = torch.linalg.cholesky(H + lam * eye)
+    rhs = (Wf @ C + lam * Wf).T  # (H + λI) Vᵀ = (W C + λ W)ᵀ, H symmetric
+    return torch.cholesky_solve(rhs, L).T.to(W.dtype)
 
 
 def _split_packed(p: PackedW4, a: int, b: int) -> PackedW4:
