@@ -42,6 +42,7 @@ VARIANTS = [
     ("gptq (mse, static groups)", dict(method="gptq", act_order=True, static_groups=True, mse=True)),
     ("gptq (mse, static groups, float target)", dict(method="gptq", act_order=True, static_groups=True, mse=True,
                                                      float_target=True)),
+    ("awq (float target)", dict(method="awq", float_target=True)),
 ]
 
 

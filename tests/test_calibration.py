@@ -411,15 +411,21 @@ def test_float_target_weight_is_the_regularised_least_squares_solution():
         assert objective(V) <= objective(V + d) and objective(V) <= objective(V - d)
 
 
-def test_quantize_gptq_float_target_runs_and_tracks_the_float_model():
-    model = tiny_hf_llama(seed=1)
-    ref_model = copy.deepcopy(model)
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_float_target_runs_and_tracks_the_float_model(method):
+    """The float stream keeps the float model's weights, including the norms and linears AWQ's folds rescale."""
+    ref_model = tiny_hf_llama(seed=1)
     torch.manual_seed(2)
     cal = [{"input_ids": torch.randint(0, 128, (1, 32)), "use_cache": False} for _ in range(4)]
-    quantize(model, cal, method="gptq", group_size=32, pack=False, progress=False, float_target=True)
-    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out, ref = model(input_ids=ids).logits, ref_model(input_ids=ids).logits
-    assert (out - ref).norm() / ref.norm() < 0.2
-    with pytest.raises(ValueError, match="float_target"):
-        quantize(copy.deepcopy(ref_model), cal, method="awq", group_size=32, float_target=True, progress=False)
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))  # held out
+    err = {}
+    for float_target in (False, True):
+        model = copy.deepcopy(ref_model)
+        quantize(model, cal, method=method, group_size=32, pack=False, progress=False, float_target=float_target)
+        with torch.no_grad():
+            out, ref = model(input_ids=ids).logits, ref_model(input_ids=ids).logits
+        err[float_target] = ((out - ref).norm() / ref.norm()).item()
+    assert err[True] < 0.2 and err[True] < 1.1 * err[False], err  # measured: 0.065 vs 0.082 (gptq), 0.061 vs 0.069
+    if method == "gptq":
+        with pytest.raises(ValueError, match="float_target"):
+            quantize(copy.deepcopy(ref_model), cal, method="rtn", group_size=32, float_target=True, progress=False)

@@ -109,8 +109,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
-        float_target: GPTQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃`` (x̃: its
-            input in the partly quantized model). Runs a float copy of the graph alongside (twice the compute, one
+        float_target: GPTQ / AWQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃``
+            (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the compute, one
             more copy of the linear weights) and quantizes the weight that best maps x̃ to ``W x`` (a least-squares
             correction, ridge-regularised towards ``W`` by ``damp``), so later layers also correct the error of
             earlier ones.
@@ -234,8 +234,8 @@ class _Calibrator:
         self.group_size, self.sym, self.act_order, self.static_groups = group_size, sym, act_order, static_groups
         self.damp, self.block_size, self.exclude, self.include_head = damp, block_size, exclude, include_head
         self.mse = mse
-        if float_target and method != "gptq":
-            raise ValueError(f"float_target applies to method='gptq', not {method!r}")
+        if float_target and method not in ("gptq", "awq"):
+            raise ValueError(f"float_target applies to method='gptq' or 'awq', not {method!r}")
         self.float_target = float_target
         self.n_grid, self.max_shrink, self.clip, self.offload = n_grid, max_shrink, clip, offload
         self.progress, self.report = progress, report
@@ -602,8 +602,10 @@ class _Calibrator:
         env_f: dict[fx.Node, list] = {}
         const_f: dict[fx.Node, Any] = {}
         if self.float_target:
+            # the float model's own weights: the quantized linears', and (AWQ) every parameter a fold rescales
             target_ids = {id(t.module.weight) for t in self.targets.values()}
-            const_f = {n: (v.detach().clone() if id(v) in target_ids else v) for n, v in self.const_env.items()}
+            const_f = {n: (v.detach().clone() if id(v) in target_ids or isinstance(v, nn.Parameter) else v)
+                       for n, v in self.const_env.items()}
 
         def getter(e, consts, i):
             def get(a):
@@ -690,7 +692,8 @@ class _Calibrator:
                 t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
                 self.set_weight(t.module, t.result.weight)
         else:
-            self._awq_group(x, xs, members, H, absmean, sd)
+            self._awq_group(x, xs, members, H, absmean, sd,
+                            None if cross is None else cross * (2.0 / max(acc.n, 1)))
         for t in members if self.report is not None else ():  # per-linear errors only when asked
             eff = t.result.weight.float()
             if t.name in self._awq_scales:
@@ -703,10 +706,13 @@ class _Calibrator:
                                      "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
                                      "err_vs_rtn": err / max(rtn_err, 1e-30)})
 
-    def _awq_group(self, x, xs, members, H, absmean, sd):
+    def _awq_group(self, x, xs, members, H, absmean, sd, cross=None):
         Hg = H / 2.0  # XᵀX / n
         fold = self.folds[x]
         weights = [t.module.weight.detach().float() for t in members]
+        if cross is not None:  # float_target: search scales and clips for the weight that maps x̃ to W x
+            V = _float_target_weight(torch.cat(weights), cross, H, self.damp)
+            weights = list(V.split([w.shape[0] for w in weights]))
         cmap = fold.channel_map.to(H.device) if fold.kind == "linear" else None
         found = search_scale(weights, Hg, absmean, self.group_size, self.sym, self.n_grid, sd, cmap)
         s = found.scale.to(H.device)
