@@ -1033,7 +1033,6 @@ class _Rewriter:
         self.plan = TensorParallelPlan(self.tp, self.rank)
         self.f_cache: dict = {}
         self.dead: list = []  # unchunked row linears replaced by their chunks, erased at the end of run()
-        self.last_chunks = 1
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
@@ -1074,9 +1073,7 @@ class _Rewriter:
         xv = lin.x.meta.get("val") if isinstance(lin.x, fx.Node) else None
         if xv is None or xv.dim() < 2 or not isinstance(xv.shape[-2], int) or xv.shape[-2] % c:
             return 1
-        if sum(1 for a in node.all_input_nodes if a is lin.x) != 1:
-            return 1
-        return c
+        return c if lin.x in node.all_input_nodes else 1
 
     def _chunked_all_reduce(self, node: fx.Node, x: fx.Node, chunks: int) -> fx.Node:
         """y = linear(x) + all_reduce  ->  per token chunk i: y_i = linear(x_i); all_reduce(y_i) issued at once;
@@ -1185,14 +1182,15 @@ class _Rewriter:
             for t in (sc, zr):
                 self.shard_placeholder(t, Shard(0, tuple((s // lin.group_size, rf) for s, rf in secs)),
                                        "row int4 " + self.an.name(t).rsplit(".", 1)[-1])
-        self._row_rewrite(lin)
-        chunked = f" in {self.last_chunks} token chunks" if self.last_chunks > 1 else ""
+        chunks = self._row_rewrite(lin)
+        chunked = f" in {chunks} token chunks" if chunks > 1 else ""
         self.plan.linears.append(("row", an.lin_name(lin), f"in features {lin.K} -> {sh.local(self.tp)}"
                                   f"{' (bias after all_reduce)' if lin.bias is not None else ''} + all_reduce"
                                   f"{chunked}"))
         an.result.rewrites += 1
 
-    def _row_rewrite(self, lin: _Linear):
+    def _row_rewrite(self, lin: _Linear) -> int:
+        """Cut bias out, insert the all-reduce (in token chunks where configured); returns the chunk count."""
         node, g = lin.node, self.g
         bias = lin.bias
         if bias is not None:
@@ -1208,7 +1206,7 @@ class _Rewriter:
                 g.erase_node(node)
                 node = mm
         users = list(node.users)
-        chunks = self.last_chunks = self._overlap_chunks(lin, node)
+        chunks = self._overlap_chunks(lin, node)
         out = self._chunked_all_reduce(node, lin.x, chunks) if chunks > 1 else self.all_reduce(node, node)
         last = out
         if bias is not None:
@@ -1219,6 +1217,7 @@ class _Rewriter:
             u.replace_input_with(node, last)
         if lin.node is not node:  # conv1d: keep the analysis' maps pointing at live nodes
             self.prop.state.pop(lin.node, None)
+        return chunks
 
     def _vocab_embeddings(self):
         an, g, tp, r = self.an, self.g, self.tp, self.rank

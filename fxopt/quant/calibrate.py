@@ -25,12 +25,13 @@ exactly those factors and every value on the way flows only to ``x`` (or out of 
 scaled v is read back only through the same attention). Otherwise an explicit
 :class:`~fxopt.quant.awq.InputScale` stays in front of the linear.
 
-GPTQ with ``float_target=True`` runs a second stream through the same graph with the float weights, accumulates
-``Σ x x̃ᵀ`` (float input against the partly quantized model's input) next to ``H = Σ x̃ x̃ᵀ``, and quantizes
+With ``float_target=True`` (GPTQ or AWQ) a second stream runs through the same graph with the float parameters
+(the originals that :meth:`_Calibrator.touch` keeps as the sweep changes them). It accumulates ``C = Σ x x̃ᵀ`` (float
+input against the partly quantized model's input) next to ``H = Σ x̃ x̃ᵀ`` and quantizes
 ``V = (W C + λ W)(H + λ I)^-1`` instead of ``W``: the weight that best maps x̃ to the float model's output, ridge-
-regularised towards ``W``. GPTQ on V with H minimises ``||W x - Q x̃||²``, so each layer also corrects the error its
-inputs inherited (the asymmetric-calibration idea of GPTAQ). Its layer-wise error against ``W x̃`` is therefore not
-comparable with plain GPTQ's.
+regularised towards ``W`` (GPTQ runs on V; AWQ searches its scales and clips on V). GPTQ on V with H minimises
+``||W x - Q x̃||²``, so each layer also corrects the error its inputs inherited (the asymmetric-calibration idea of
+GPTAQ). Its layer-wise error against ``W x̃`` is therefore not comparable with the other variants'.
 
 On any error the model's parameters are restored and a ``ValueError`` says what was wrong.
 """
@@ -110,8 +111,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
         float_target: GPTQ / AWQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃``
-            (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the compute, one
-            more copy of the linear weights) and quantizes the weight that best maps x̃ to ``W x`` (a least-squares
+            (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
+            compute, one more copy of each parameter the calibration changes) and quantizes the weight that best maps x̃ to ``W x`` (a least-squares
             correction, ridge-regularised towards ``W`` by ``damp``), so later layers also correct the error of
             earlier ones.
         block_size: GPTQ lazy-batch block.
@@ -240,14 +241,18 @@ class _Calibrator:
         self.n_grid, self.max_shrink, self.clip, self.offload = n_grid, max_shrink, clip, offload
         self.progress, self.report = progress, report
         self.saved: dict[int, tuple] = {}
+        self.float_weights: dict[int, torch.Tensor] = {}  # float_target: originals of the parameters changed so far
         self.targets: dict[fx.Node, _Target] = {}
         self._awq_scales: dict[str, torch.Tensor] = {}  # AWQ: input scale s of each quantized linear
         self.device = _model_device(model)
 
     # -- undo -------------------------------------------------------------------------------------------------
     def touch(self, p: torch.Tensor) -> None:
+        """Called before any parameter changes: keeps its original for undo (and for the float stream)."""
         if id(p) not in self.saved:
             self.saved[id(p)] = (p, p.detach().to("cpu", copy=True))
+            if self.float_target:
+                self.float_weights[id(p)] = p.detach().clone()
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -598,29 +603,25 @@ class _Calibrator:
             except ImportError:  # pragma: no cover
                 bar = None
         dev = self.device
-        # float_target: a second stream through the same graph with the original (float) linear weights
+        # float_target: a second stream through the same graph with the float model's parameters. Every change to
+        # a parameter (quantized weights, AWQ folds) goes through touch(), which keeps the original for this stream.
         env_f: dict[fx.Node, list] = {}
-        const_f: dict[fx.Node, Any] = {}
-        if self.float_target:
-            # the float model's own weights: the quantized linears', and (AWQ) every parameter a fold rescales
-            target_ids = {id(t.module.weight) for t in self.targets.values()}
-            const_f = {n: (v.detach().clone() if id(v) in target_ids or isinstance(v, nn.Parameter) else v)
-                       for n, v in self.const_env.items()}
 
-        def getter(e, consts, i):
+        def getter(e, float_stream, i):
             def get(a):
-                if a in consts:
-                    return consts[a]
+                if a in self.const_env:
+                    v = self.const_env[a]
+                    return self.float_weights.get(id(v), v) if float_stream else v
                 v = e[a][i]
                 if self.offload and isinstance(v, torch.Tensor):
                     v = v.to(dev, non_blocking=True)
                 return v
             return get
 
-        def compute(n, e, consts):
+        def compute(n, e, float_stream):
             vals = []
             for i in range(ns):
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), getter(e, consts, i))
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), getter(e, float_stream, i))
                 v = _run_node(n, args, kwargs, self.gm)
                 if self.offload and isinstance(v, torch.Tensor):
                     v = v.to("cpu")
@@ -642,9 +643,9 @@ class _Calibrator:
                     if self.float_target:
                         env_f[n] = env[n]
                 else:
-                    env[n] = compute(n, env, self.const_env)
+                    env[n] = compute(n, env, False)
                     if self.float_target:
-                        env_f[n] = compute(n, env_f, const_f)
+                        env_f[n] = compute(n, env_f, True)
                 for a in n.all_input_nodes:
                     if last.get(a) == idx:
                         env.pop(a, None)
@@ -654,6 +655,7 @@ class _Calibrator:
                 bar.close()
             env.clear()
             env_f.clear()
+            self.float_weights.clear()
 
     @torch.no_grad()
     def _quantize_group(self, x: fx.Node, xs: list, xs_float: Optional[list] = None):
