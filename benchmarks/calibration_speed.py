@@ -47,7 +47,9 @@ def _args(p):
     p.add_argument("--cal-samples", type=int, default=128)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"])
+    p.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"],
+                   help="rtn, gptq, awq, and the quality settings of benchmarks/quant_quality.py: "
+                        "gptq-ft (mse, static groups, float target) and awq-ft (float target)")
     p.add_argument("--offload", action="store_true", help="keep calibration activations on the CPU")
 
 
@@ -73,6 +75,15 @@ def build(args, device, dtype) -> TinyLlama:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+METHODS = {
+    "rtn": dict(method="rtn"),
+    "gptq": dict(method="gptq"),
+    "awq": dict(method="awq"),
+    "gptq-ft": dict(method="gptq", act_order=True, static_groups=True, mse=True, float_target=True),
+    "awq-ft": dict(method="awq", float_target=True),
+}
 
 
 def main():
@@ -102,8 +113,8 @@ def main():
         print(f"[{method}] start ({args.cal_samples} x {args.seq} tokens)", flush=True)
         _sync(device)
         t = time.perf_counter()
-        quantize(model, cal, method=method, group_size=args.group_size, offload=args.offload, report=rep,
-                 progress=True)
+        quantize(model, cal, group_size=args.group_size, offload=args.offload, report=rep, progress=True,
+                 **METHODS[method])
         _sync(device)
         wall = time.perf_counter() - t
         n_lin = len(rep.rows) or sum(1 for m in model.modules() if type(m).__name__ == "QuantLinear")
@@ -121,8 +132,9 @@ def main():
               + (f", layer err vs rtn {row['layer_err_vs_rtn']:.3f}" if ratios else ""), flush=True)
         del model
         gc.collect()
-    write_results("calibration_speed", rows, title="fxopt.quantize calibration speed and memory (random Llama-style)",
-                  out_dir=args.out, notes=__doc__.split("\n\n", 1)[1])
+        # written after every method, so a run cut short by a time limit keeps the rows it finished
+        write_results("calibration_speed", rows, title="fxopt.quantize calibration speed and memory (random Llama-style)",
+                      out_dir=args.out, notes=__doc__.split("\n\n", 1)[1])
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", out_dir: str | None = None,
-                  command: str | None = None) -> None:
+                  command: str | None = None, echo: bool = True) -> None:
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     info = env_info()
@@ -105,5 +105,6 @@ def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", o
         md += f"\n{notes}\n"
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(md)
-    print(markdown_table(rows))
-    print(f"wrote {out_dir}/{name}.json and .md")
+    if echo:
+        print(markdown_table(rows))
+        print(f"wrote {out_dir}/{name}.json and .md")

@@ -49,11 +49,14 @@ LARGE = W4A16Config(block_m=32, block_n=32, block_k=32, split_k=1, code_dot=Fals
 LARGE_SPLIT = W4A16Config(block_m=32, block_n=32, block_k=32, split_k=3, code_dot=False)
 GEMV = W4A16Config(block_m=1, block_n=32, block_k=32, split_k=2, method="gemv")
 GEMV_NOSPLIT = W4A16Config(block_m=1, block_n=64, block_k=32, split_k=1, method="gemv")
+SWAP = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swap")
+SWAP_NOSPLIT = W4A16Config(block_m=16, block_n=64, block_k=32, split_k=1, method="swap")
+GEMV2 = W4A16Config(block_m=1, block_n=32, block_k=64, split_k=2, method="gemv2")  # K tiles span groups of 32
 
 
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 @pytest.mark.parametrize("cfg,M", [(SMALL, 3), (SMALL_NOSPLIT, 1), (LARGE, 40), (LARGE_SPLIT, 33),
-                                    (GEMV, 2), (GEMV_NOSPLIT, 1)])
+                                    (GEMV, 2), (GEMV_NOSPLIT, 1), (SWAP, 3), (SWAP_NOSPLIT, 17), (GEMV2, 2)])
 def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     K, N = 128, 48  # N not a multiple of block_n: exercises the column masks
     qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device)
@@ -63,12 +66,12 @@ def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
 
 
-@pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV])
+@pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV, SWAP, GEMV2])
 def test_triton_wrapper_bias_and_3d(interpret_device, cfg):
     K, N = 128, 64
     qweight, scales, zeros, G = make_packed(K, N, 128, torch.float16, interpret_device, seed=3)
     gen = torch.Generator().manual_seed(2)
-    B, S = {id(SMALL): (1, 5), id(GEMV): (1, 3)}.get(id(cfg), (2, 17))
+    B, S = {id(SMALL): (1, 5), id(GEMV): (1, 3), id(GEMV2): (1, 2), id(SWAP): (2, 9)}.get(id(cfg), (2, 17))
     x = torch.randn(B, S, K, generator=gen).half().to(interpret_device)
     bias = torch.randn(N, generator=gen).half().to(interpret_device)
     y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)

@@ -196,11 +196,14 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base
             k = tl.load(K + (kv_row0 + start_n + offs_nb)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :])
         ks = tl.load(ks_base + start_n // QBLOCK)
         vs = tl.load(vs_base + start_n // QBLOCK)
+        c = qk_scale * ks
         if INT8:
-            qk = _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=tl.int32))  # |q.k| <= 127^2 * 256 < 2^22
+            # |q.k| <= 127^2 * 256 < 2^22: exact through the magic-number conversion (no I2F). The scores stay
+            # exactly fp32(dot * c) (folding the 1.5 * 2^23 bias into the FMA would save an add but perturb them by
+            # ~c, enough to flip P's rounding to 255 levels now and then).
+            qk = _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
         else:
             qk = tl.dot(q, tl.trans(k))
-        c = qk_scale * ks
         if CHECK:
             kpos = start_n + offs_nb[None, :]
             visible = kpos < SEQ_K
@@ -222,13 +225,16 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base
         else:
             vt = tl.load(VT + (vt_row0 + offs_d)[:, None].to(tl.int64) * SEQ_K_PAD + (start_n + offs_nb)[None, :])
         if INT8:
-            # u = round(255 p) in [0, 255] enters an s8 x s8 dot as u - 128; 128 * colsum(V rows) adds it back
-            p8 = ((p * 255.0 + 0.5).to(tl.int32) - 128).to(tl.int8)
+            # u = round(255 p) in [0, 255] enters an s8 x s8 dot as u - 128; 128 * colsum(V rows) adds it back.
+            # The rounding is the fp32 add of 1.5 * 2^23 (round to nearest even), not a float -> int conversion
+            # (F2I runs at a quarter of the FMA rate, on every element of P).
+            p8 = ((p * 255.0 + 12582912.0).to(tl.int32, bitcast=True) - (0x4B400000 + 128)).to(tl.int8)
             pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32)
             sums = tl.load(vsum_base + (start_n // SUM_CHUNK + tl.arange(0, BLOCK_N // SUM_CHUNK))[:, None] * HEAD_DIM
                            + offs_d[None, :])
-            pv = pv + 128 * tl.sum(sums, 0)[None, :]
-            acc = acc + _i32_to_f32(pv) * (1.0 / 255.0)  # |pv| <= 255 * 127 * 128 < 2^22
+            # |pv| <= 255 * 127 * 128 < 2^22: exact through the magic number, added with the column term in one add
+            col = 128 * tl.sum(sums, 0) + 0x4B400000
+            acc = acc + ((pv + col[None, :]).to(tl.float32, bitcast=True) - 12582912.0) * (1.0 / 255.0)
         else:
             acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
         m_i = m_new

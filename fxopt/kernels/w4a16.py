@@ -240,6 +240,156 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
+def _w4a16_swap_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XSUM_DOT: tl.constexpr = False,
+):
+    """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
+
+    The unpacked weight tile is the dot's first operand, which Hopper's wgmma can read from registers, so the codes
+    never pass through shared memory; x (tiny) is the second. The tensor-core M dimension is the weight's N, so a
+    tile needs only BLOCK_M >= 16 activation rows (M = 1..16 cost one tile). Codes are exact (OFFSET + q); scale and
+    zero are applied once per K tile on the [BLOCK_N, BLOCK_M] product, as in CODE_DOT. BLOCK_K divides the group.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # neighbouring programs share a weight tile (pid_n) across M tiles, so the second read hits L2
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_kp = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
+    s_ptrs = s_ptr + offs_n_safe * stride_sn
+    z_ptrs = z_ptr + offs_n_safe * stride_sn
+
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    ones = tl.full((BLOCK_N, BLOCK_K), 1.0, x_ptr.dtype.element_ty)
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+        x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptrs + g * stride_sg).to(tl.float32)
+        z = tl.load(z_ptrs + g * stride_sg).to(tl.float32)
+        wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+        d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
+        if XSUM_DOT:
+            # sum_k x on the tensor cores, already in the accumulator's layout (a cross-thread reduction of the
+            # x tile would cost shuffles in every K tile; the tensor cores are mostly idle at small M)
+            xsum2 = tl.dot(ones, tl.trans(x))
+            acc += (d - (z + OFFSET)[:, None] * xsum2) * s[:, None]
+        else:
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+
+    mask_y = mask_n[:, None] & mask_m[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
+    if USE_SPLIT:
+        ws_tile = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mask_y)
+        tl.debug_barrier()
+        tile_id = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_tile + sk * M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _w4a16_gemv2_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One x row per program on CUDA cores, like ``_w4a16_gemv_kernel``, but a K tile may span several groups.
+
+    At M = 1 the kernel is bound by how many weight bytes are in flight, not by arithmetic: a tile of
+    BLOCK_K / 8 packed rows x BLOCK_N columns is one load per thread of several 16-byte vectors. Each packed row
+    reads its own (scale, zero) (a gather that hits L1: 8 weights share one), and the zero term uses the sum of the
+    row's 8 activations, so nothing per weight depends on the group layout.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_K // 8)
+    q_ptrs = qw_ptr + offs_r[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
+    x_row = x_ptr + pid_m * stride_xm
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+        g_r = (k0 + offs_r * 8) // GROUP_SIZE
+        sz_off = g_r[:, None] * stride_sg + offs_n_safe[None, :] * stride_sn
+        s = tl.load(s_ptr + sz_off).to(tl.float32)
+        z = tl.load(z_ptr + sz_off).to(tl.float32)
+        x_r = x_row + (k0 + offs_r * 8) * stride_xk
+        part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        for jj in tl.static_range(4):
+            tw = ((packed >> (4 * jj)) & 0x000F000F) | MAGIC2
+            lo = (tw << 16).to(tl.float32, bitcast=True)
+            hi = (tw & -65536).to(tl.float32, bitcast=True)
+            xl = tl.load(x_r + jj * stride_xk).to(tl.float32)
+            xh = tl.load(x_r + (jj + 4) * stride_xk).to(tl.float32)
+            part += lo * xl[:, None] + hi * xh[:, None]
+            xs += xl + xh
+        acc2 += (part - (z + OFFSET) * xs[:, None]) * s
+    acc = tl.sum(acc2, axis=0)
+    y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
+    if USE_SPLIT:
+        ws_row = ws_ptr + pid_m * N + offs_n
+        tl.store(ws_row + pid_k * M * N, acc, mask=mask_n)
+        tl.debug_barrier()
+        tile_id = pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_row + sk * M * N, mask=mask_n, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K,
     stride_qk, stride_qn, stride_sg, stride_sn, stride_wn, stride_wk,
@@ -302,6 +452,14 @@ def _fit_block_k(block_k: int, K: int, group_size: int) -> int:
     """Largest power-of-two block_k' <= block_k dividing the group size (hence K)."""
     bk = block_k
     while bk > 8 and (group_size % bk or K % bk):
+        bk //= 2
+    return bk
+
+
+def _fit_block_k_spanning(block_k: int, K: int, group_size: int) -> int:
+    """Largest power-of-two block_k' <= block_k dividing K that divides, or is a multiple of, the group size."""
+    bk = block_k
+    while bk > 8 and (K % bk or (group_size % bk and bk % group_size)):
         bk //= 2
     return bk
 
@@ -463,7 +621,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     if cfg.method == "dequant_matmul":
         w = dequantize_w4_triton(qweight, scales, zeros, group_size)
         return torch.nn.functional.linear(x2d, w, bias)
-    if K % cfg.block_k or group_size % cfg.block_k or cfg.block_k % 16:
+    spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
+    if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
     magic, offset = _MAGIC[x2d.dtype]
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
@@ -472,7 +631,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     tiles_per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, tiles_per_split)
     n_mn = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    if cfg.method == "gemv":
+    if cfg.method in ("gemv", "gemv2"):
         n_mn = M * triton.cdiv(N, cfg.block_n)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2d.device)
@@ -487,6 +646,27 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             scales.stride(1), y.stride(0), y.stride(1),
             GROUP_SIZE=group_size, OFFSET=128.0, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y
+    if cfg.method == "gemv2":
+        _w4a16_gemv2_kernel[(triton.cdiv(N, cfg.block_n), split, M)](
+            x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+            M, N, K, split, tiles_per_split, 0x43004300,
+            x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
+            scales.stride(1), y.stride(0), y.stride(1),
+            GROUP_SIZE=group_size, OFFSET=128.0, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y
+    if cfg.method == "swap":
+        _w4a16_swap_kernel[(n_mn, split)](
+            x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+            M, N, K, split, tiles_per_split, magic * 0x10001,
+            x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
+            scales.stride(1), y.stride(0), y.stride(1),
+            GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
     grid = (n_mn, split)
@@ -516,8 +696,10 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
         return x.new_empty(*lead, N)
     if config is None:
         config = choose_config(x2d, qweight, scales, zeros, group_size, bias)
-    elif config.method in ("fused", "gemv"):
+    elif config.method in ("fused", "gemv", "swap"):
         config = replace(config, block_k=_fit_block_k(config.block_k, K, group_size))
+    elif config.method == "gemv2":
+        config = replace(config, block_k=_fit_block_k_spanning(config.block_k, K, group_size))
     y = _launch(x2d, qweight, scales, zeros, group_size, bias, config)
     return y.reshape(*lead, N)
 
