@@ -4,7 +4,7 @@ Not the committed speed table (that is ``benchmarks/w4a16.py``): this script ans
 config" so that ``candidate_configs`` can be cut down to the few that win. Methods: ``gemv`` (one row per program,
 one group per K tile), ``gemv2`` (one row per program, K tiles spanning groups), ``fused`` (x @ codes^T on tensor
 cores, the weight as the dot's second operand), ``swap`` (codes @ x^T: the weight as the first operand, read from
-registers by wgmma). Every config is first checked against a dequantized float reference (rows that fail are
+registers by wgmma), ``swapx`` (``swap`` on x permuted and summed once per call by a small kernel first). Every config is first checked against a dequantized float reference (rows that fail are
 reported, not timed). Times: medians of CUDA-graph replays with L2 flushed and weights rotated, as in w4a16.py.
 
 ``python benchmarks/w4a16_sweep.py --out DIR [--shapes 8192x8192,8192x28672] [--ms 1,16,64]``
@@ -35,27 +35,24 @@ def configs_for(M: int, K: int, N: int, num_sms: int):
         return K4._split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
 
     if M == 1:
-        out += [c for c in K4.candidate_configs(M, N, K, G, num_sms) if c.method == "gemv"]
-    if M <= 4:
-        for bn, bk, warps, waves in itertools.product((128, 256), (256, 512), (4, 8), (1, 2, 4)):
-            if M == 1 or (bk == 512 and waves > 1):
-                out.append(K4.W4A16Config(1, bn, bk, split(1, bn, bk, waves), False, 8, warps, 2, "gemv2"))
+        out += [c for c in K4.candidate_configs(M, N, K, G, num_sms) if c.method == "gemv"][:2]
+        for bn, warps, waves in itertools.product((128, 256), (4, 8), (2, 4)):
+            out.append(K4.W4A16Config(1, bn, 256, split(1, bn, 256, waves), False, 8, warps, 2, "gemv2"))
     if M > 256:
-        for (bm, bn), stages in itertools.product(((128, 128), (128, 256), (256, 128), (64, 256)), (3, 4)):
-            out.append(K4.W4A16Config(bm, bn, 128, 1, True, 8, 8, stages, "swap"))
+        for (bm, bn), stages in itertools.product(((128, 128), (128, 256), (64, 256)), (3, 4)):
+            out.append(K4.W4A16Config(bm, bn, 128, 1, True, 8, 8, stages, "swapx"))
         out.append(K4.W4A16Config(method="dequant_matmul"))
         return out
     if M >= 64:
         out.append(K4.W4A16Config(method="dequant_matmul"))
     bms = sorted(b for b in (16, 32, 64, 128) if b <= max(16, M))[-2:]
     for bm in bms:
-        for bn, waves, stages in itertools.product((64, 128, 256), (0, 1, 2, 4) if M > 64 else (1, 2, 4), (3, 4)):
-            warps = 8 if bn * bm >= 256 * 64 else 4
-            out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, warps, stages, "swap"))
-        if M <= 32:
-            for bn, waves in itertools.product((128, 256), (1, 2, 4)):
-                out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, 8 if bn == 256 else 4,
-                                          4, "fused"))
+        shapes = ((64, 4), (128, 4), (128, 8), (256, 8)) if bm <= 32 else ((64, 4), (128, 8), (256, 8))
+        for (bn, warps), waves, stages in itertools.product(shapes, (0, 1, 2, 4, 8) if M > 32 else (1, 2, 4, 8),
+                                                            (3, 4)):
+            out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, warps, stages, "swapx"))
+        for bn, waves in itertools.product((64, 128), (2, 4)):
+            out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, 4, 3, "swap"))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

@@ -52,11 +52,13 @@ GEMV_NOSPLIT = W4A16Config(block_m=1, block_n=64, block_k=32, split_k=1, method=
 SWAP = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swap")
 SWAP_NOSPLIT = W4A16Config(block_m=16, block_n=64, block_k=32, split_k=1, method="swap")
 GEMV2 = W4A16Config(block_m=1, block_n=32, block_k=64, split_k=2, method="gemv2")  # K tiles span groups of 32
+SWAPX = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swapx")  # x permuted + summed first
 
 
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 @pytest.mark.parametrize("cfg,M", [(SMALL, 3), (SMALL_NOSPLIT, 1), (LARGE, 40), (LARGE_SPLIT, 33),
-                                    (GEMV, 2), (GEMV_NOSPLIT, 1), (SWAP, 3), (SWAP_NOSPLIT, 17), (GEMV2, 2)])
+                                    (GEMV, 2), (GEMV_NOSPLIT, 1), (SWAP, 3), (SWAP_NOSPLIT, 17), (GEMV2, 2),
+                                    (SWAPX, 5)])
 def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     K, N = 128, 48  # N not a multiple of block_n: exercises the column masks
     qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device)
@@ -66,12 +68,12 @@ def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
 
 
-@pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV, SWAP, GEMV2])
+@pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV, SWAP, GEMV2, SWAPX])
 def test_triton_wrapper_bias_and_3d(interpret_device, cfg):
     K, N = 128, 64
     qweight, scales, zeros, G = make_packed(K, N, 128, torch.float16, interpret_device, seed=3)
     gen = torch.Generator().manual_seed(2)
-    B, S = {id(SMALL): (1, 5), id(GEMV): (1, 3), id(GEMV2): (1, 2), id(SWAP): (2, 9)}.get(id(cfg), (2, 17))
+    B, S = {id(SMALL): (1, 5), id(GEMV): (1, 3), id(GEMV2): (1, 2), id(SWAP): (2, 9), id(SWAPX): (1, 4)}.get(id(cfg), (2, 17))
     x = torch.randn(B, S, K, generator=gen).half().to(interpret_device)
     bias = torch.randn(N, generator=gen).half().to(interpret_device)
     y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)
@@ -206,8 +208,10 @@ def test_candidate_configs_respect_group_size():
     for M in (1, 16, 64, 256, 4096):
         for G in (32, 128, 4096):
             for c in K4.candidate_configs(M, 4096, 4096, G):
-                if c.method in ("fused", "gemv"):
+                if c.method in ("fused", "gemv", "swap", "swapx"):
                     assert G % c.block_k == 0 and c.split_k >= 1
+                elif c.method == "gemv2":  # K tiles may span whole groups
+                    assert (G % c.block_k == 0 or c.block_k % G == 0) and 4096 % c.block_k == 0
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

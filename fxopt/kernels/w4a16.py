@@ -241,11 +241,12 @@ def _w4a16_gemv_kernel(
 
 @triton.jit
 def _w4a16_swap_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
     M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn, stride_xsm,
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XSUM_DOT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -278,24 +279,52 @@ def _w4a16_swap_kernel(
     t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     ones = tl.full((BLOCK_N, BLOCK_K), 1.0, x_ptr.dtype.element_ty)
+    # x, scale and zero go through registers (x is permuted there), which the compiler does not pipeline: with
+    # PREFETCH, tile t + 1's are loaded while tile t computes, so their latency is not paid once per K tile.
+    k_pre = min(t_start, k_tiles - 1) * BLOCK_K
+    x_n = tl.load(x_ptrs + k_pre * stride_xk, mask=mask_m[:, None], other=0.0)
+    s_n = tl.load(s_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
+    z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
+    xs_ptrs = xs_ptr + offs_m * stride_xsm
+    xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
-        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
-        x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
-        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptrs + g * stride_sg).to(tl.float32)
-        z = tl.load(z_ptrs + g * stride_sg).to(tl.float32)
-        wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-        d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
-        if XSUM_DOT:
-            # sum_k x on the tensor cores, already in the accumulator's layout (a cross-thread reduction of the
-            # x tile would cost shuffles in every K tile; the tensor cores are mostly idle at small M)
-            xsum2 = tl.dot(ones, tl.trans(x))
-            acc += (d - (z + OFFSET)[:, None] * xsum2) * s[:, None]
-        else:
-            xsum = tl.sum(x.to(tl.float32), axis=1)
+        if X_PREP:
+            # x already in PERM order with its group sums (``_prep_x_kernel``): the tile feeds the dot straight from
+            # a pipelined load, and no cross-thread reduction runs per tile
+            s, z, xsum = s_n.to(tl.float32), z_n.to(tl.float32), xs_n
+            k1 = min(t + 1, k_tiles - 1) * BLOCK_K
+            s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+            z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+            xs_n = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
+            packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+            wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+            d = tl.dot(wq_t, tl.trans(x))
             acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+        else:
+            if PREFETCH:
+                x, s, z = x_n, s_n.to(tl.float32), z_n.to(tl.float32)
+                k1 = min(t + 1, k_tiles - 1) * BLOCK_K
+                x_n = tl.load(x_ptrs + k1 * stride_xk, mask=mask_m[:, None], other=0.0)
+                s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+                z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+            else:
+                x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
+                s = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+                z = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+            packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)),
+                           (BLOCK_M, BLOCK_K))
+            wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+            d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
+            if XSUM_DOT:
+                # sum_k x on the tensor cores, already in the accumulator's layout
+                xsum2 = tl.dot(ones, tl.trans(x))
+                acc += (d - (z + OFFSET)[:, None] * xsum2) * s[:, None]
+            else:
+                xsum = tl.sum(x.to(tl.float32), axis=1)
+                acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
 
     mask_y = mask_n[:, None] & mask_m[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
@@ -317,6 +346,25 @@ def _w4a16_swap_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _prep_x_kernel(x_ptr, xp_ptr, xs_ptr, K, stride_xm, stride_xk, stride_xsm,
+                   SUM_K: tl.constexpr, CHUNK: tl.constexpr):
+    """x [M, K] -> xp [M, K] with every 8-group in PERM order (the unpacked weight's K order) and the sums of x
+    over each K tile, xs [M, K / SUM_K] in fp32: done once per call instead of once per weight tile in every
+    program."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    r = tl.arange(0, CHUNK)
+    src = 8 * (r // 8) + (r % 8) // 2 + 4 * (r % 2)  # position r holds k = 8 (r // 8) + PERM[r % 8]
+    total = tl.zeros((CHUNK,), dtype=tl.float32)
+    for c0 in range(0, SUM_K, CHUNK):
+        k = g * SUM_K + c0
+        v = tl.load(x_ptr + m * stride_xm + (k + src) * stride_xk)
+        tl.store(xp_ptr + m * K + k + r, v)
+        total += v.to(tl.float32)
+    tl.store(xs_ptr + m * stride_xsm + g, tl.sum(total, 0))
 
 
 @triton.jit
@@ -487,33 +535,35 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         if cfg not in out:
             out.append(cfg)
 
-    if bucket <= 4:
-        for bn, waves, warps in ((256, 4, 4), (128, 4, 4), (256, 8, 4), (512, 4, 8), (128, 8, 2)):
-            bk = _fit_block_k(256 if group_size >= 256 else 128, K, group_size)
-            n_mn = M * triton.cdiv(N, bn)
-            split = _split_for(n_mn, K // bk, int(waves * num_sms))
-            out.append(W4A16Config(1, bn, bk, split, False, 8, warps, 2, "gemv"))
+    # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md): "swapx" (weight as the register
+    # operand of wgmma, x permuted and summed once per call) wins from M = 1 to 128 on every shape measured.
     if bucket <= 16:
-        for bn, waves, stages in ((256, 4, 4), (128, 4, 3), (256, 2, 4), (128, 8, 4)):
-            add(16, bn, 256, waves, True, 8, stages)
-        for bn, waves, stages in ((64, 4, 4), (128, 2, 4), (64, 2, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3)):
-            add(16, bn, 256, waves, True, 4, stages)
+        for bn, waves, stages in ((64, 4, 3), (128, 2, 3), (128, 8, 3), (64, 8, 3), (128, 4, 4)):
+            add(16, bn, 128, waves, True, 4, stages, "swapx")
+        add(16, 64, 128, 4, True, 4, 3, "swap")
+        if bucket == 1:
+            out.append(W4A16Config(1, 128, _fit_block_k_spanning(256, K, group_size),
+                                   _split_for(triton.cdiv(N, 128), K // _fit_block_k_spanning(256, K, group_size),
+                                              4 * num_sms), False, 8, 4, 2, "gemv2"))
+    elif bucket <= 32:
+        for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4)):
+            add(bm, bn, 128, waves, True, 4, stages, "swapx")
     elif bucket <= 64:
-        for bn, waves, cd, stages in ((64, 2, True, 4), (128, 2, True, 4), (64, 2, False, 4), (128, 1, False, 4),
-                                      (64, 4, True, 3)):
-            add(bucket, bn, 128, waves, cd, 4, stages)
+        for bm, bn, waves, stages in ((64, 64, 2, 4), (32, 128, 1, 3), (64, 64, 4, 3), (32, 128, 2, 3)):
+            add(bm, bn, 128, waves, True, 4, stages, "swapx")
+        out.append(W4A16Config(method="dequant_matmul"))
+    elif bucket <= 128:
+        for bm, bn, waves, stages in ((128, 64, 2, 3), (128, 64, 1, 3), (128, 64, 4, 3), (64, 64, 1, 4)):
+            add(bm, bn, 128, waves, True, 4, stages, "swapx")
         out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 256:
-        for bm, bn, bk, waves, warps, stages in ((64, 128, 128, 1, 4, 4), (128, 128, 64, 1, 8, 4),
-                                                 (64, 256, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
-                                                 (128, 128, 128, 0, 8, 3)):
-            add(bm, bn, bk, waves, False, warps, stages)
         out.append(W4A16Config(method="dequant_matmul"))
-    else:
-        for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
-                                          (128, 256, 128, 8, 3)):
+        for bm, bn, waves, stages in ((128, 64, 1, 3), (128, 64, 2, 3)):
+            add(bm, bn, 128, waves, True, 4, stages, "swapx")
+    else:  # compute-bound: cuBLAS on a dequantized copy won every shape measured; the fused GEMMs stay as options
+        out.append(W4A16Config(method="dequant_matmul"))
+        for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
-        out.append(W4A16Config(method="dequant_matmul"))
     return out
 
 
@@ -521,13 +571,15 @@ _TUNED: dict = {}
 
 
 def _bench_us(fn, reps: int = 10) -> float:
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    # L2 is emptied by *reading* 256 MB: a zero-fill would leave ~50 MB of dirty lines whose write-back the timed
+    # call then pays (about 12 us on an H200, more than a small-M call's own time).
+    flush = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     fn()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        flush.zero_()
+        flush.max()
         starts[i].record()
         fn()
         ends[i].record()
@@ -615,6 +667,17 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
+def _prep_x(x2d, block_k: int):
+    """(x in PERM order, fp32 sums of x over every block_k columns) for the X_PREP kernels."""
+    M, K = x2d.shape
+    xp = torch.empty((M, K), dtype=x2d.dtype, device=x2d.device)
+    xs = torch.empty((M, K // block_k), dtype=torch.float32, device=x2d.device)
+    chunk = min(block_k, 1024)
+    _prep_x_kernel[(M, K // block_k)](x2d, xp, xs, K, x2d.stride(0), x2d.stride(1), xs.stride(0),
+                                      SUM_K=block_k, CHUNK=chunk, num_warps=4)
+    return xp, xs
+
+
 def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
     M, K = x2d.shape
     N = qweight.shape[1]
@@ -658,14 +721,17 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
-    if cfg.method == "swap":
+    if cfg.method in ("swap", "swapx"):
+        xin, xs = x2d, y  # xs unused unless prepped
+        if cfg.method == "swapx":
+            xin, xs = _prep_x(x2d, cfg.block_k)
         _w4a16_swap_kernel[(n_mn, split)](
-            x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+            xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
             M, N, K, split, tiles_per_split, magic * 0x10001,
-            x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
-            scales.stride(1), y.stride(0), y.stride(1),
+            xin.stride(0), xin.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
+            scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=cfg.method == "swapx",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
@@ -696,7 +762,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
         return x.new_empty(*lead, N)
     if config is None:
         config = choose_config(x2d, qweight, scales, zeros, group_size, bias)
-    elif config.method in ("fused", "gemv", "swap"):
+    elif config.method in ("fused", "gemv", "swap", "swapx"):
         config = replace(config, block_k=_fit_block_k(config.block_k, K, group_size))
     elif config.method == "gemv2":
         config = replace(config, block_k=_fit_block_k_spanning(config.block_k, K, group_size))
