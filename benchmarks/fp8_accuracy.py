@@ -41,6 +41,34 @@ def rmse(a, b):
     return math.sqrt(((a.double() - b.double()) ** 2).mean().item())
 
 
+def int8_qk_fp8_pv_reference(q, k, v, is_causal=False, qblock=128, block_n=128):
+    """Emulated hybrid (not a kernel): int8 Q.K after the Hadamard transform (as the INT8 mode), fp8 e4m3 P.V (as the
+    fp8 kernel: V block-quantized, P stored as p * 2^8). Asks whether int8 is needed on both products."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    M = F.hadamard_matrix(D, 0, torch.float64).to(q.device)
+    qi, qs = F._int8_blocks(q.double() @ M, qblock)
+    ki, ks = F._int8_blocks(k.double() @ M, qblock)
+    v8, vs = F.quantize_reference(v.float(), "block", qblock, F._fp8_dtype())
+    s = (qi @ ki.transpose(-1, -2)) * (qs / math.sqrt(D)) * ks[..., 0][:, :, None, :]
+    if is_causal:
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1 + Sk - Sq), float("-inf"))
+    m = torch.full((B, H, Sq, 1), float("-inf"), dtype=torch.float64, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros((B, H, Sq, D), dtype=torch.float64, device=q.device)
+    for n0 in range(0, Sk, block_n):
+        sb = s[..., n0:n0 + block_n]
+        m_new = torch.maximum(m, sb.amax(-1, keepdim=True))
+        m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sb - m_use)
+        alpha = torch.exp(m - m_use)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        pq = (p * 256).float().to(F._fp8_dtype()).double() / 256
+        acc = acc * alpha + pq @ (v8[:, :, n0:n0 + block_n].double() * vs[:, :, n0:n0 + block_n].double())
+        m = m_new
+    return (acc / torch.where(l == 0, torch.ones_like(l), l)).to(q.dtype)
+
+
 def main():
     args = parse_args(__doc__.splitlines()[0], extra=lambda p: (
         p.add_argument("--seq", type=int, default=2048), p.add_argument("--heads", type=int, default=4),
@@ -65,6 +93,7 @@ def main():
                     row[name] = rmse(out, ref)
                 row["int8 block + Hadamard QKV (emulated design)"] = rmse(
                     F.int8_attention_reference(q, k, v, is_causal=causal, seed=0), ref)
+                row["int8 QK + fp8 PV (emulated hybrid)"] = rmse(int8_qk_fp8_pv_reference(q, k, v, causal), ref)
                 if device == "cuda":
                     for name, had in (("kernel block", False), ("kernel block + Hadamard", True)):
                         out = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, had, 0)

@@ -26,18 +26,27 @@ BLOCK_K always divides the group size, so one tile has a single (scale, zero) ro
 * dequant (large M, compute-bound): ``w = (OFF + q) * s - (OFF + z) * s`` (one FMA in fp32, exact codes), cast to
   the activation dtype, then ``tl.dot`` accumulates; the per-tile dequant is shared by BLOCK_M rows.
 
+``_w4a16_swap_kernel`` (methods "swap" and "swapx", the tuner's choice for M up to 128) swaps the operands:
+``y^T[BLOCK_N, BLOCK_M] = codes[BLOCK_N, BLOCK_K] @ x^T``. The unpacked codes are then the dot's first operand,
+which Hopper's wgmma reads from registers, so they never go through shared memory, and the tensor-core M dimension
+is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile. The packed tile is pipelined into shared
+memory by the compiler (cp.async); x, scale and zero are prefetched one K tile ahead in registers. In "swapx" a small
+kernel (``_prep_x_kernel``) first writes x in the codes' K order together with its sums per K tile, once per call,
+so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS).
+``_w4a16_gemv2_kernel`` ("gemv2") is a CUDA-core GEMV whose K tiles may span several groups; it stays a candidate
+at M = 1.
+
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
 (acq_rel atomic after a CTA barrier) and the last one to arrive sums the partials, adds the bias, writes y and resets
 the counter. One launch, no memset, no extra reduction kernel.
 
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
-time a shape is seen (L2 flushed between runs), then cached. Under CUDA-graph capture or in the Triton interpreter
-no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). For M > 16 the candidate list
-also contains "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS": from M ~ 32 the fused kernels
-are bound by the per-weight dequant arithmetic (re-done for every M tile) and at M in the thousands the GEMM is
-compute-bound where cuBLAS beats Triton, so the extra dequant pass (about 1.3x the packed bytes, written once) can win;
-the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to memory (a
+time a shape is seen (L2 emptied by reading a large buffer between runs), then cached. Under CUDA-graph capture or in the Triton interpreter
+no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). From M = 64 the candidate list
+also contains "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS", and from M = 256 it comes
+first: there the GEMM is compute-bound, cuBLAS beats Triton, and the extra dequant pass (the packed bytes read, a
+16-bit W written) costs less than the per-tile unpacking; the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to memory (a
 temporary, freed after the call); the fused paths never do.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
