@@ -33,8 +33,8 @@ is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile. The packe
 memory by the compiler (cp.async); x, scale and zero are prefetched one K tile ahead in registers. In "swapx" a small
 kernel (``_prep_x_kernel``) first writes x in the codes' K order together with its sums per K tile, once per call,
 so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS).
-``_w4a16_gemv2_kernel`` ("gemv2") is a CUDA-core GEMV whose K tiles may span several groups; it stays a candidate
-at M = 1.
+``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
+groups ("gemv2"). It stays a candidate at M = 1.
 
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
@@ -93,6 +93,30 @@ def _unpack_pairs(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, 
     hi = (t >> 16).to(tl.int16)
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     return w.to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _store_split_k(acc, y_ptrs, ws_ptrs, mask_y, bias, cnt_ptr, tile_id, pid_k, SPLIT_K, slice_elems,
+                   USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store a tile (+ bias, broadcast by the caller). With split-K the partial goes to slice ``pid_k`` of the fp32
+    workspace; each program bumps the tile's counter (acq_rel, after a CTA barrier) and the last one to arrive sums
+    the slices, adds the bias, writes y and resets the counter for the next launch."""
+    if USE_SPLIT:
+        tl.store(ws_ptrs + pid_k * slice_elems, acc, mask=mask_y)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros_like(acc)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_ptrs + sk * slice_elems, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += bias
+            tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask_y)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        if HAS_BIAS:
+            acc += bias
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask_y)
 
 
 @triton.jit
@@ -155,97 +179,12 @@ def _w4a16_kernel(
             acc = tl.dot(x, tl.trans(w_t), acc)
 
     mask_y = mask_m[:, None] & mask_n[None, :]
-    if USE_SPLIT:
-        # partial -> workspace [SPLIT_K, M, N] fp32; the last program of this tile reduces
-        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_tile + pid_k * M * N, acc, mask=mask_y)
-        tl.debug_barrier()
-        tile_id = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                acc += tl.load(ws_tile + sk * M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-                     acc.to(y_ptr.dtype.element_ty), mask=mask_y)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-                 acc.to(y_ptr.dtype.element_ty), mask=mask_y)
-
-
-@triton.jit
-def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
-    GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One row of x per program, CUDA-core FMAs, no shared memory: for M of a few rows.
-
-    Per packed word and pair j: ``t = (p >> 4 j) & 0x000F000F | MAGIC2``; ``t << 16`` and ``t & 0xFFFF0000`` read
-    as fp32 are exactly OFFSET + q_j and OFFSET + q_(j+4) (MAGIC2 = 0x43004300 and OFFSET = 128 for both
-    activation dtypes: the bf16 bits of 128 + q shifted into the top half are the fp32 bits). Scale is applied per element into a [BLOCK_K/8, BLOCK_N]
-    fp32 accumulator, the zero term once per tile on [BLOCK_N]; one cross-thread reduction at the end.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_i = tl.arange(0, BLOCK_K // 8)
-    offs_k = tl.arange(0, BLOCK_K)
-    q_ptrs = qw_ptr + offs_i[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
-    x_row = x_ptr + pid_m * stride_xm
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
-    acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-    acc_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for t in range(t_start, t_end):
-        k0 = t * BLOCK_K
-        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * stride_sg + offs_n_safe * stride_sn).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + offs_n_safe * stride_sn).to(tl.float32)
-        xsum = tl.sum(tl.load(x_row + (k0 + offs_k) * stride_xk).to(tl.float32), axis=0)
-        acc_z += (z + OFFSET) * s * xsum
-        part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-        for jj in tl.static_range(4):
-            tw = ((packed >> (4 * jj)) & 0x000F000F) | MAGIC2
-            lo = (tw << 16).to(tl.float32, bitcast=True)
-            hi = (tw & -65536).to(tl.float32, bitcast=True)
-            xl = tl.load(x_row + (k0 + offs_i * 8 + jj) * stride_xk).to(tl.float32)
-            xh = tl.load(x_row + (k0 + offs_i * 8 + jj + 4) * stride_xk).to(tl.float32)
-            part += lo * xl[:, None] + hi * xh[:, None]
-        acc2 += part * s[None, :]
-    acc = tl.sum(acc2, axis=0) - acc_z
-    y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
-    if USE_SPLIT:
-        ws_row = ws_ptr + pid_m * N + offs_n
-        tl.store(ws_row + pid_k * M * N, acc, mask=mask_n)
-        tl.debug_barrier()
-        tile_id = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                acc += tl.load(ws_row + sk * M * N, mask=mask_n, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    _store_split_k(acc, y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+                   ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask_y, bias, cnt_ptr, pid_m * num_pid_n + pid_n,
+                   pid_k, SPLIT_K, M * N, USE_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -336,25 +275,12 @@ def _w4a16_swap_kernel(
                 acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
 
     mask_y = mask_n[:, None] & mask_m[None, :]
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
-    if USE_SPLIT:
-        ws_tile = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(ws_tile + pid_k * M * N, acc, mask=mask_y)
-        tl.debug_barrier()
-        tile_id = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                acc += tl.load(ws_tile + sk * M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    _store_split_k(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn,
+                   ws_ptr + offs_m[None, :] * N + offs_n[:, None], mask_y, bias, cnt_ptr, pid_m * num_pid_n + pid_n,
+                   pid_k, SPLIT_K, M * N, USE_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -384,7 +310,11 @@ def _w4a16_gemv2_kernel(
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One x row per program on CUDA cores, like ``_w4a16_gemv_kernel``, but a K tile may span several groups.
+    """One x row per program on CUDA cores, no shared memory ("gemv", and "gemv2" whose K tiles span groups).
+
+    Per packed word and pair j: ``t = (p >> 4 j) & 0x000F000F | MAGIC2``; ``t << 16`` and ``t & 0xFFFF0000`` read
+    as fp32 are exactly OFFSET + q_j and OFFSET + q_(j+4) (MAGIC2 = 0x43004300 and OFFSET = 128 for both activation
+    dtypes: the bf16 bits of 128 + q shifted into the top half are the fp32 bits).
 
     At M = 1 the kernel is bound by how many weight bytes are in flight, not by arithmetic: a tile of
     BLOCK_K / 8 packed rows x BLOCK_N columns is one load per thread of several 16-byte vectors. Each packed row
@@ -425,25 +355,11 @@ def _w4a16_gemv2_kernel(
             xs += xl + xh
         acc2 += (part - (z + OFFSET) * xs[:, None]) * s
     acc = tl.sum(acc2, axis=0)
-    y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
-    if USE_SPLIT:
-        ws_row = ws_ptr + pid_m * N + offs_n
-        tl.store(ws_row + pid_k * M * N, acc, mask=mask_n)
-        tl.debug_barrier()
-        tile_id = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                acc += tl.load(ws_row + sk * M * N, mask=mask_n, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    _store_split_k(acc, y_ptr + pid_m * stride_ym + offs_n * stride_yn, ws_ptr + pid_m * N + offs_n, mask_n, bias,
+                   cnt_ptr, pid_m * num_pid_n + pid_n, pid_k, SPLIT_K, M * N, USE_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -478,8 +394,9 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class W4A16Config:
-    """One launch configuration. ``method``: "fused" (``_w4a16_kernel``), "gemv" (``_w4a16_gemv_kernel``, one row
-    per program), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS)."""
+    """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first),
+    "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
+    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -710,17 +627,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         cnt = _counters(x2d.device, n_mn)
     else:
         ws, cnt = y, y  # unused
-    if cfg.method == "gemv":
-        _w4a16_gemv_kernel[(triton.cdiv(N, cfg.block_n), split, M)](
-            x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
-            M, N, K, split, tiles_per_split, 0x43004300,  # fp32 math: bf16 magic (its bits << 16 are fp32)
-            x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
-            scales.stride(1), y.stride(0), y.stride(1),
-            GROUP_SIZE=group_size, OFFSET=128.0, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return y
-    if cfg.method == "gemv2":
+    if cfg.method in ("gemv", "gemv2"):
         _w4a16_gemv2_kernel[(triton.cdiv(N, cfg.block_n), split, M)](
             x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
             M, N, K, split, tiles_per_split, 0x43004300,

@@ -1,0 +1,44 @@
+"""Launch one kernel a few times so that Nsight Compute can profile the last launch (H200; no timing here).
+
+``ncu --clock-control none -k regex:NAME --launch-skip 3 --launch-count 1 --section SpeedOfLight ...
+python benchmarks/profile_kernels.py WHAT`` with WHAT one of:
+
+* ``w4a16:M:K:N:METHOD:BM:BN:SPLIT:WARPS:STAGES`` — one W4A16 launch config (``fxopt.kernels.w4a16._launch``), bf16,
+  group 128, random codes (e.g. ``w4a16:1:8192:8192:swapx:16:64:4:4:3``);
+* ``attn:B:H:S:D:CAUSAL`` — the bf16 FlashAttention forward (``flash_attention_triton``), e.g. ``attn:4:16:4096:128:0``.
+
+``bash benchmarks/profile_kernels.sh`` runs the set used in docs/notes_w4a16.md and writes ncu's text to $OUT.
+"""
+import sys
+
+import torch
+
+from fxopt.kernels import w4a16 as K4
+
+
+def main(what: str):
+    kind, *a = what.split(":")
+    torch.manual_seed(0)
+    if kind == "w4a16":
+        M, K, N = int(a[0]), int(a[1]), int(a[2])
+        method, bm, bn, split, warps, stages = a[3], int(a[4]), int(a[5]), int(a[6]), int(a[7]), int(a[8])
+        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
+        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        bk = 256 if method == "gemv2" else 128
+        cfg = K4.W4A16Config(bm, bn, bk, split, True, 8, warps, stages, method)
+        for _ in range(4):
+            K4._launch(x, q, s, z, 128, None, cfg)
+    elif kind == "attn":
+        from fxopt.kernels.attention import flash_attention_triton
+
+        B, H, S, D, causal = (int(v) for v in a)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(4):
+            flash_attention_triton(q, k, v, is_causal=bool(causal))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
