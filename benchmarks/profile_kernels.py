@@ -9,11 +9,14 @@ python benchmarks/profile_kernels.py WHAT`` with WHAT one of:
 
 ``bash benchmarks/profile_kernels.sh`` runs the set used in docs/notes_w4a16.md and writes ncu's text to $OUT.
 """
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for fxopt
 
-from fxopt.kernels import w4a16 as K4
+import torch  # noqa: E402
+
+from fxopt.kernels import w4a16 as K4  # noqa: E402
 
 
 def main(what: str):

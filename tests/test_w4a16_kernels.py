@@ -53,12 +53,13 @@ SWAP = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swap")
 SWAP_NOSPLIT = W4A16Config(block_m=16, block_n=64, block_k=32, split_k=1, method="swap")
 GEMV2 = W4A16Config(block_m=1, block_n=32, block_k=64, split_k=2, method="gemv2")  # K tiles span groups of 32
 SWAPX = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swapx")  # x permuted + summed first
+SWAPX_BK64 = W4A16Config(block_m=16, block_n=64, block_k=64, split_k=1, method="swapx")  # two 32-column chunks
 
 
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 @pytest.mark.parametrize("cfg,M", [(SMALL, 3), (SMALL_NOSPLIT, 1), (LARGE, 40), (LARGE_SPLIT, 33),
                                     (GEMV, 2), (GEMV_NOSPLIT, 1), (SWAP, 3), (SWAP_NOSPLIT, 17), (GEMV2, 2),
-                                    (SWAPX, 5)])
+                                    (SWAPX, 5), (SWAPX_BK64, 2)])
 def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     K, N = 128, 48  # N not a multiple of block_n: exercises the column masks
     qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device)

@@ -32,7 +32,9 @@ which Hopper's wgmma reads from registers, so they never go through shared memor
 is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile. The packed tile is pipelined into shared
 memory by the compiler (cp.async); x, scale and zero are prefetched one K tile ahead in registers. In "swapx" a small
 kernel (``_prep_x_kernel``) first writes x in the codes' K order together with its sums per K tile, once per call,
-so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS).
+so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS),
+and the codes are unpacked in FRAG order (``_unpack_frag``): the K order of wgmma's register fragment, so a thread
+reads each packed word once and uses all 8 of its nibbles (4x fewer shared-memory loads, fewer registers).
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
 
@@ -120,6 +122,22 @@ def _store_split_k(acc, y_ptrs, ws_ptrs, mask_y, bias, cnt_ptr, tile_id, pid_k, 
 
 
 @triton.jit
+def _unpack_frag(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """Like ``_unpack_pairs`` but in FRAG order: tile column c of every 32-column chunk holds
+    k = 8 t + 2 kb + h + 4 e with (kb, h, t, e) = (c // 16, c // 8 % 2, c // 2 % 4, c % 2). That is the register
+    fragment of wgmma's first operand (thread t of a quad holds columns 2t, 2t+1, 2t+8, 2t+9 of each 16-column
+    block), so the 8 codes a thread needs from a chunk are the 8 nibbles of one packed word: one shared-memory
+    load per word instead of one per pair."""
+    sh = tl.arange(0, 4) * 4
+    pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]
+    t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4 pairs]
+    v = tl.join(t.to(tl.int16), (t >> 16).to(tl.int16))  # [BLOCK_N, BLOCK_K/8, 4, 2]: (word, pair, e)
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))  # (chunk, t, kb, h, e)
+    v = tl.permute(v, (0, 1, 3, 4, 2, 5))  # (chunk, kb, h, t, e)
+    return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(DTYPE, bitcast=True)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
@@ -194,7 +212,8 @@ def _w4a16_swap_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn, stride_xsm,
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XSUM_DOT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False, UNROLL2: tl.constexpr = False,
+    FRAG: tl.constexpr = False,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -235,6 +254,28 @@ def _w4a16_swap_kernel(
     z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
     xs_ptrs = xs_ptr + offs_m * stride_xsm
     xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
+    if UNROLL2:
+        # X_PREP, two K tiles per iteration: the loop's own bookkeeping (pipeline barriers, counters, addresses) is
+        # paid once per two tiles. The second tile of an odd-length range is read but weighted 0.
+        for t in range(t_start, t_end, 2):
+            k0 = t * BLOCK_K
+            k1 = min(t + 1, k_tiles - 1) * BLOCK_K
+            w1 = (t + 1 < t_end).to(tl.float32)
+            s0 = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+            z0 = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+            s1 = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg).to(tl.float32) * w1
+            z1 = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg).to(tl.float32)
+            xs0 = tl.load(xs_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+            xs1 = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
+            x0 = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
+            x1 = tl.load(x_ptrs + k1 * stride_xk, mask=mask_m[:, None], other=0.0)
+            p0 = tl.load(q_ptrs + (k0 // 8) * stride_qk)
+            p1 = tl.load(q_ptrs + (k1 // 8) * stride_qk)
+            d0 = tl.dot(_unpack_pairs(p0, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty), tl.trans(x0))
+            d1 = tl.dot(_unpack_pairs(p1, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty), tl.trans(x1))
+            acc += (d0 - (z0 + OFFSET)[:, None] * xs0[None, :]) * s0[:, None]
+            acc += (d1 - (z1 + OFFSET)[:, None] * xs1[None, :]) * s1[:, None]
+        t_end = t_start  # the loop below does nothing
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
         if X_PREP:
@@ -247,7 +288,10 @@ def _w4a16_swap_kernel(
             xs_n = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
             x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
             packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
-            wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+            if FRAG:
+                wq_t = _unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+            else:
+                wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
             d = tl.dot(wq_t, tl.trans(x))
             acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
         else:
@@ -285,14 +329,18 @@ def _w4a16_swap_kernel(
 
 @triton.jit
 def _prep_x_kernel(x_ptr, xp_ptr, xs_ptr, K, stride_xm, stride_xk, stride_xsm,
-                   SUM_K: tl.constexpr, CHUNK: tl.constexpr):
+                   SUM_K: tl.constexpr, CHUNK: tl.constexpr, FRAG: tl.constexpr):
     """x [M, K] -> xp [M, K] with every 8-group in PERM order (the unpacked weight's K order) and the sums of x
     over each K tile, xs [M, K / SUM_K] in fp32: done once per call instead of once per weight tile in every
     program."""
     m = tl.program_id(0)
     g = tl.program_id(1)
     r = tl.arange(0, CHUNK)
-    src = 8 * (r // 8) + (r % 8) // 2 + 4 * (r % 2)  # position r holds k = 8 (r // 8) + PERM[r % 8]
+    if FRAG:  # ``_unpack_frag``'s order within every 32 columns
+        c = r % 32
+        src = 32 * (r // 32) + 8 * ((c % 8) // 2) + 2 * (c // 16) + (c % 16) // 8 + 4 * (c % 2)
+    else:
+        src = 8 * (r // 8) + (r % 8) // 2 + 4 * (r % 2)  # position r holds k = 8 (r // 8) + PERM[r % 8]
     total = tl.zeros((CHUNK,), dtype=tl.float32)
     for c0 in range(0, SUM_K, CHUNK):
         k = g * SUM_K + c0
@@ -464,7 +512,10 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
     # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md): "swapx" (weight as the register
     # operand of wgmma, x permuted and summed once per call) wins from M = 1 to 128 on every shape measured.
     if bucket <= 16:
-        for bn, waves, stages in ((64, 4, 3), (128, 2, 3), (128, 8, 3), (64, 8, 3), (128, 4, 4)):
+        # waves = programs per SM: ~5 of 4 warps fit at BLOCK_N = 64 (registers), ~3 at 128 (Nsight Compute: at
+        # M = 1 the kernel is short of eligible warps, so grids that fill those slots are in the list)
+        for bn, waves, stages in ((64, 4, 3), (64, 5, 3), (128, 2, 3), (128, 3, 3), (128, 8, 3), (64, 8, 3),
+                                  (128, 4, 4)):
             add(16, bn, 128, waves, True, 4, stages, "swapx")
         add(16, 64, 128, 4, True, 4, 3, "swap")
         if bucket == 1:
@@ -472,7 +523,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
                                    _split_for(triton.cdiv(N, 128), K // _fit_block_k_spanning(256, K, group_size),
                                               4 * num_sms), False, 8, 4, 2, "gemv2"))
     elif bucket <= 32:
-        for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4)):
+        for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4),
+                                      (32, 64, 3, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
     elif bucket <= 64:
         for bm, bn, waves, stages in ((64, 64, 2, 4), (32, 128, 1, 3), (64, 64, 4, 3), (32, 128, 2, 3)):
@@ -593,14 +645,14 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
-def _prep_x(x2d, block_k: int):
-    """(x in PERM order, fp32 sums of x over every block_k columns) for the X_PREP kernels."""
+def _prep_x(x2d, block_k: int, frag: bool):
+    """(x in the kernel's K order, fp32 sums of x over every block_k columns) for the X_PREP kernels."""
     M, K = x2d.shape
     xp = torch.empty((M, K), dtype=x2d.dtype, device=x2d.device)
     xs = torch.empty((M, K // block_k), dtype=torch.float32, device=x2d.device)
     chunk = min(block_k, 1024)
     _prep_x_kernel[(M, K // block_k)](x2d, xp, xs, K, x2d.stride(0), x2d.stride(1), xs.stride(0),
-                                      SUM_K=block_k, CHUNK=chunk, num_warps=4)
+                                      SUM_K=block_k, CHUNK=chunk, FRAG=frag, num_warps=4)
     return xp, xs
 
 
@@ -639,15 +691,16 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         return y
     if cfg.method in ("swap", "swapx"):
         xin, xs = x2d, y  # xs unused unless prepped
+        frag = cfg.method == "swapx" and cfg.block_k % 32 == 0
         if cfg.method == "swapx":
-            xin, xs = _prep_x(x2d, cfg.block_k)
+            xin, xs = _prep_x(x2d, cfg.block_k, frag)
         _w4a16_swap_kernel[(n_mn, split)](
             xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
             M, N, K, split, tiles_per_split, magic * 0x10001,
             xin.stride(0), xin.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
             scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=cfg.method == "swapx",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=cfg.method == "swapx", FRAG=frag,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
