@@ -211,9 +211,8 @@ def _w4a16_swap_kernel(
     M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn, stride_xsm,
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XSUM_DOT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False, UNROLL2: tl.constexpr = False,
-    FRAG: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -245,7 +244,6 @@ def _w4a16_swap_kernel(
     t_start = pid_k * TILES_PER_SPLIT
     t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ones = tl.full((BLOCK_N, BLOCK_K), 1.0, x_ptr.dtype.element_ty)
     # x, scale and zero go through registers (x is permuted there), which the compiler does not pipeline: with
     # PREFETCH, tile t + 1's are loaded while tile t computes, so their latency is not paid once per K tile.
     k_pre = min(t_start, k_tiles - 1) * BLOCK_K
@@ -254,28 +252,6 @@ def _w4a16_swap_kernel(
     z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
     xs_ptrs = xs_ptr + offs_m * stride_xsm
     xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
-    if UNROLL2:
-        # X_PREP, two K tiles per iteration: the loop's own bookkeeping (pipeline barriers, counters, addresses) is
-        # paid once per two tiles. The second tile of an odd-length range is read but weighted 0.
-        for t in range(t_start, t_end, 2):
-            k0 = t * BLOCK_K
-            k1 = min(t + 1, k_tiles - 1) * BLOCK_K
-            w1 = (t + 1 < t_end).to(tl.float32)
-            s0 = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
-            z0 = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
-            s1 = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg).to(tl.float32) * w1
-            z1 = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg).to(tl.float32)
-            xs0 = tl.load(xs_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
-            xs1 = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
-            x0 = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
-            x1 = tl.load(x_ptrs + k1 * stride_xk, mask=mask_m[:, None], other=0.0)
-            p0 = tl.load(q_ptrs + (k0 // 8) * stride_qk)
-            p1 = tl.load(q_ptrs + (k1 // 8) * stride_qk)
-            d0 = tl.dot(_unpack_pairs(p0, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty), tl.trans(x0))
-            d1 = tl.dot(_unpack_pairs(p1, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty), tl.trans(x1))
-            acc += (d0 - (z0 + OFFSET)[:, None] * xs0[None, :]) * s0[:, None]
-            acc += (d1 - (z1 + OFFSET)[:, None] * xs1[None, :]) * s1[:, None]
-        t_end = t_start  # the loop below does nothing
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
         if X_PREP:
@@ -310,13 +286,8 @@ def _w4a16_swap_kernel(
                            (BLOCK_M, BLOCK_K))
             wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
             d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
-            if XSUM_DOT:
-                # sum_k x on the tensor cores, already in the accumulator's layout
-                xsum2 = tl.dot(ones, tl.trans(x))
-                acc += (d - (z + OFFSET)[:, None] * xsum2) * s[:, None]
-            else:
-                xsum = tl.sum(x.to(tl.float32), axis=1)
-                acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
 
     mask_y = mask_n[:, None] & mask_m[None, :]
     bias = 0.0
