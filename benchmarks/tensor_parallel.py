@@ -54,6 +54,8 @@ def _args(p):
                    help="fxopt TP: cut each row-parallel all-reduce into this many token chunks (overlap)")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
+    p.add_argument("--backend", default=None,
+                   help="torch.compile backend (default fxopt; fxopt_eager in --smoke-cpu runs, which skip Inductor)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="check the torchrun path without GPUs: gloo, a tiny model, backend fxopt_eager")
 
@@ -187,6 +189,9 @@ def run_tp(args):
     smoke = args.smoke_cpu
     if smoke:
         BACKEND = "fxopt_eager"
+    if args.backend:
+        BACKEND = args.backend
+    if smoke:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cpu")
