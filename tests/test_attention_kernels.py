@@ -56,6 +56,10 @@ FWD_CASES = {
     "bool_mask": dict(shape=(2, 2, 2, 20, 24, 16), mask="bool"),
     "float_mask": dict(shape=(2, 4, 2, 19, 24, 16), mask="float"),
     "kpm": dict(shape=(2, 2, 2, 20, 24, 16), kpm=True),
+    # unmasked full key blocks take the folded-scale path (max of the raw dot, one FMA per score); a negative
+    # scale must not (the max of the raw dot is then the wrong end)
+    "custom_scale_full_blocks": dict(shape=(1, 2, 2, 24, 48, 16), scale=0.7),
+    "negative_scale": dict(shape=(1, 2, 2, 24, 48, 16), scale=-0.4),
 }
 
 

@@ -188,7 +188,7 @@ def _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, strid
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              USE_TMA: tl.constexpr, PREC: tl.constexpr, WARP_SPEC: tl.constexpr):
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD_SCALE: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -198,14 +198,23 @@ def _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, strid
         else:
             k = _load_rows(k_base, offs_n, offs_d, stride_kn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q, SEQ_K,
-                       sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if CHECK or MASK_KIND != 0 or HAS_KPM:  # only then can a row still be empty
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
+        if FOLD_SCALE and not (CHECK or HAS_SOFTCAP or MASK_KIND != 0 or HAS_KPM):
+            # unmasked blocks, scale > 0: the row max of the raw dot, and the scale folded into the FMA that
+            # subtracts it (one instruction per score instead of a multiply and a subtract)
+            c = sm_scale * 1.4426950408889634
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
+            p = tl.exp2(qk * c - m_use[:, None])
+        else:
+            s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q,
+                           SEQ_K, sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM,
+                           CHECK)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if CHECK or MASK_KIND != 0 or HAS_KPM:  # only then can a row still be empty
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -230,7 +239,7 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, KPM,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr, FOLD_SCALE: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if IS_CAUSAL:  # heaviest query blocks first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -274,17 +283,17 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, KPM,
                                   qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
                                   offs_d, lo, full_lo, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                  MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False)
+                                  MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False, FOLD_SCALE)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
                               qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
                               offs_d, full_lo, full_hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
                               HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, WARP_SPEC)
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, WARP_SPEC, FOLD_SCALE)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
                               qpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, rng_rows,
                               offs_d, full_hi, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False)
+                              MASK_KIND, HAS_KPM, HAS_DROPOUT, USE_TMA, PREC, False, FOLD_SCALE)
     # epilogue: empty rows (l == 0) give 0 and lse = +inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -343,7 +352,7 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
                               qi[:, None], rok[:, None], mask_rows, stride_mn, kpm_base, stride_kpn, rows[:, None],
                               offs_d, lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, 0.0, 0,
                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              MASK_KIND, HAS_KPM, False, False, PREC, False)
+                              MASK_KIND, HAS_KPM, False, False, PREC, False, False)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -421,10 +430,13 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
             delta = tl.load(delta_base + offs_m)
         qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
         qpos = offs_m[None, :]
-        sT, tT = _scores(qkT, qpos, offs_n[:, None], qpos < SEQ_Q, mask_base + qpos * stride_mm, stride_mn,
-                         kpm_base, stride_kpn, SEQ_Q, SEQ_K, sm_scale, softcap, window,
-                         IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
-        pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
+        if CHECK or HAS_SOFTCAP or MASK_KIND != 0 or HAS_KPM:
+            sT, tT = _scores(qkT, qpos, offs_n[:, None], qpos < SEQ_Q, mask_base + qpos * stride_mm, stride_mn,
+                             kpm_base, stride_kpn, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
+            pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
+        else:  # unmasked block: scale and subtraction in one FMA per score
+            pT = tl.exp2(qkT * (sm_scale * 1.4426950408889634) - (lse * 1.4426950408889634)[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if HAS_DROPOUT:
             keep = tl.rand(seed, rng_base + qpos.to(tl.int64) * SEQ_K + offs_n[:, None]) >= dropout_p
@@ -515,9 +527,13 @@ def _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, qpo
         k = _load_rows(k_base, offs_n, offs_d, stride_kn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
         v = _load_rows(v_base, offs_n, offs_d, stride_vn, SEQ_K, HEAD_DIM, BLOCK_D, CHECK)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q, SEQ_K,
-                       sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
-        p = tl.exp2(s - lse[:, None])
+        if CHECK or HAS_SOFTCAP or MASK_KIND != 0 or HAS_KPM:
+            s, t = _scores(qk, qpos, offs_n[None, :], row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, SEQ_Q,
+                           SEQ_K, sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM,
+                           CHECK)
+            p = tl.exp2(s - lse[:, None])
+        else:  # unmasked block: scale and subtraction in one FMA per score
+            p = tl.exp2(qk * (sm_scale * 1.4426950408889634) - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
             keep = tl.rand(seed, rng_rows + offs_n[None, :]) >= dropout_p
@@ -617,16 +633,19 @@ FWD_CONFIGS = {
     256: [(128, 64, 8, 2), (64, 64, 4, 2)],
     "f32": [(64, 32, 4, 2), (32, 32, 4, 2)],
 }
+# The last entries of each dK/dV list are the configs whose sm_90 build does not spill (bf16, no mask): dK and dV
+# accumulate in registers beside K and V, and the earlier entries spill 18-174 instructions' worth in the loop
+# (offline `triton.compile` for sm_90 + nvdisasm; docs/notes_attention.md). The autotuner picks among them.
 DKDV_CONFIGS = {
-    64: [(64, 64, 4, 2), (64, 128, 8, 2)],
-    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
-    256: [(32, 64, 8, 2), (64, 64, 8, 2)],
+    64: [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 8, 2)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+    256: [(32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2)],
     "f32": [(32, 32, 4, 2), (16, 32, 4, 2)],
 }
 DQ_CONFIGS = {
     64: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)],
     128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3)],
-    256: [(64, 32, 8, 2), (32, 32, 4, 2)],
+    256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2)],
     "f32": [(32, 32, 4, 2), (32, 16, 4, 2)],
 }
 INTERPRET_CONFIG = (16, 16, 4, 1)
@@ -858,7 +877,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     args = (q, k, v, o, lse, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             *mstr, *kstr, Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
             _tune_bucket(Sq, Sk))
-    flags.update(HAS_DROPOUT=dropout_p > 0, USE_TMA=bool(use_tma))
+    flags.update(HAS_DROPOUT=dropout_p > 0, USE_TMA=bool(use_tma), FOLD_SCALE=sm_scale > 0)
     if config is not None:
         c = dict(config)
         meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
