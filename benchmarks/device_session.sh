@@ -2,7 +2,7 @@
 # One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
-# Phases: demo tests parallel fp8 calib. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 attn profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,6 +31,22 @@ phase_fp8() {
   # fp8 and int8 kernels against cuDNN / FA2 bf16, then the accuracy table with the kernels' columns
   timeout 300 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -30
   timeout 150 python3 benchmarks/fp8_accuracy.py --dims 128 --out "$RES" 2>&1 | tail -15
+}
+
+phase_w4a16() {
+  # W4A16 correctness on the GPU (every tuner candidate), then the speed table
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py tests/test_w4a16_pass.py \
+    2>&1 | tail -5
+  timeout 240 python3 benchmarks/w4a16.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -48
+}
+
+phase_attn() {
+  # attention forward / fwd+bwd / decode table (autotuned over the config lists); tests run in phase "tests"
+  timeout 300 python3 benchmarks/attention.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -60
+}
+
+phase_profile() {
+  OUT="$RES" bash benchmarks/profile_kernels.sh
 }
 
 phase_calib() {
