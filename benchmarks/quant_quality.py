@@ -43,6 +43,8 @@ VARIANTS = [
     ("gptq (mse, static groups, float target)", dict(method="gptq", act_order=True, static_groups=True, mse=True,
                                                      float_target=True)),
     ("awq (float target)", dict(method="awq", float_target=True)),
+    ("gptq (mse)", dict(method="gptq", act_order=True, mse=True)),
+    ("gptq (float target)", dict(method="gptq", act_order=True, float_target=True)),
 ]
 
 
