@@ -212,7 +212,7 @@ def _w4a16_swap_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn, stride_xsm,
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr = True, X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False,
+    X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -244,50 +244,43 @@ def _w4a16_swap_kernel(
     t_start = pid_k * TILES_PER_SPLIT
     t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # x, scale and zero go through registers (x is permuted there), which the compiler does not pipeline: with
-    # PREFETCH, tile t + 1's are loaded while tile t computes, so their latency is not paid once per K tile.
+    # Scale, zero and x (or, with X_PREP, x's tile sums) go through registers, which the compiler does not
+    # pipeline: tile t + 1's are loaded while tile t computes, so their latency is not paid once per K tile.
     k_pre = min(t_start, k_tiles - 1) * BLOCK_K
-    x_n = tl.load(x_ptrs + k_pre * stride_xk, mask=mask_m[:, None], other=0.0)
     s_n = tl.load(s_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
     z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
-    xs_ptrs = xs_ptr + offs_m * stride_xsm
-    xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
+    if X_PREP:
+        xs_ptrs = xs_ptr + offs_m * stride_xsm
+        xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
+    else:
+        x_n = tl.load(x_ptrs + k_pre * stride_xk, mask=mask_m[:, None], other=0.0)
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
+        k1 = min(t + 1, k_tiles - 1) * BLOCK_K
+        s, z = s_n.to(tl.float32), z_n.to(tl.float32)
+        s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+        z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
         if X_PREP:
-            # x already in PERM order with its group sums (``_prep_x_kernel``): the tile feeds the dot straight from
-            # a pipelined load, and no cross-thread reduction runs per tile
-            s, z, xsum = s_n.to(tl.float32), z_n.to(tl.float32), xs_n
-            k1 = min(t + 1, k_tiles - 1) * BLOCK_K
-            s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
-            z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+            # x already in the codes' K order with its tile sums (``_prep_x_kernel``): the tile feeds the dot
+            # straight from a pipelined load, and no cross-thread reduction runs per tile
+            xsum = xs_n
             xs_n = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
             x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
             packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
             if FRAG:
                 wq_t = _unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
             else:
-                wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-            d = tl.dot(wq_t, tl.trans(x))
-            acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+                wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
         else:
-            if PREFETCH:
-                x, s, z = x_n, s_n.to(tl.float32), z_n.to(tl.float32)
-                k1 = min(t + 1, k_tiles - 1) * BLOCK_K
-                x_n = tl.load(x_ptrs + k1 * stride_xk, mask=mask_m[:, None], other=0.0)
-                s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
-                z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
-            else:
-                x = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None], other=0.0)
-                s = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
-                z = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+            x = x_n
+            x_n = tl.load(x_ptrs + k1 * stride_xk, mask=mask_m[:, None], other=0.0)
             packed = tl.load(q_ptrs + (k0 // 8) * stride_qk)
             x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 4)), (0, 1, 3, 2)),
                            (BLOCK_M, BLOCK_K))
-            wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-            d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
             xsum = tl.sum(x.to(tl.float32), axis=1)
-            acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+            wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+        d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
+        acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
 
     mask_y = mask_n[:, None] & mask_m[None, :]
     bias = 0.0
@@ -490,9 +483,9 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(16, bn, 128, waves, True, 4, stages, "swapx")
         add(16, 64, 128, 4, True, 4, 3, "swap")
         if bucket == 1:
-            out.append(W4A16Config(1, 128, _fit_block_k_spanning(256, K, group_size),
-                                   _split_for(triton.cdiv(N, 128), K // _fit_block_k_spanning(256, K, group_size),
-                                              4 * num_sms), False, 8, 4, 2, "gemv2"))
+            bk = _fit_block_k_spanning(256, K, group_size)
+            split = _split_for(triton.cdiv(N, 128), K // bk, 4 * num_sms)
+            out.append(W4A16Config(1, 128, bk, split, False, 8, 4, 2, "gemv2"))
     elif bucket <= 32:
         for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4),
                                       (32, 64, 3, 3)):
