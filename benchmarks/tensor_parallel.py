@@ -54,6 +54,8 @@ def _args(p):
                    help="fxopt TP: cut each row-parallel all-reduce into this many token chunks (overlap)")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
+    p.add_argument("--profile-phase", default="decode", choices=["decode", "prefill"],
+                   help="the phase --profile runs (also with --local-compute)")
     p.add_argument("--backend", default=None,
                    help="torch.compile backend (default fxopt; fxopt_eager in --smoke-cpu runs, which skip Inductor)")
     p.add_argument("--smoke-cpu", action="store_true",
@@ -98,10 +100,13 @@ def inputs(args, device):
 BACKEND = "fxopt"
 
 
+PROFILE_PHASE = "decode"
+
+
 def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, profile: bool = False) -> dict:
     """Median ms per phase of ``torch.compile(module, backend="fxopt", mode=mode)``.
 
-    ``profile``: a label; then 10 compiled decode steps run under the profiler (on every rank: the TP graph holds
+    ``profile``: then 10 compiled steps of ``PROFILE_PHASE`` run under the profiler (on every rank: the TP graph holds
     collectives) and rank 0 prints the top CUDA kernels.
     """
     torch._dynamo.reset()  # each variant compiles afresh (no cache hit across the one-GPU / TP / DTensor modules)
@@ -118,15 +123,15 @@ def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, pro
         if profile and torch.cuda.is_available():
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
-            x = ins["decode"]
+            x = ins[PROFILE_PHASE]
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     fn(x)
                 torch.cuda.synchronize()
             if rank == 0:
-                print(f"== profile of 10 compiled decode steps: {label}")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+                print(f"== profile of 10 compiled {PROFILE_PHASE} steps: {label}")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     return out
 
 
@@ -167,9 +172,9 @@ def run_local_compute(args):
     model = build(layers, device)
     ins = inputs(args, device)
     t0 = time.perf_counter()
-    full = compiled_timings(model, ins)
-    tpm = parallelize(model, (ins["prefill"],), tp=args.tp)
-    local = compiled_timings(tpm, ins)
+    full = compiled_timings(model, ins, label="full model", profile=args.profile)
+    tpm = parallelize(model, (ins["prefill"],), tp=args.tp, vocab_parallel=args.vocab_parallel)
+    local = compiled_timings(tpm, ins, label="rank 0 local", profile=args.profile)
     print(tpm.plan)
     rows = []
     for name in ins:
@@ -264,7 +269,9 @@ def run_tp(args):
 
 
 def main():
+    global PROFILE_PHASE
     args = parse_args(__doc__.splitlines()[0], _args)
+    PROFILE_PHASE = args.profile_phase
     if not torch.cuda.is_available() and not args.smoke_cpu:
         sys.exit("benchmarks/tensor_parallel.py needs CUDA (or --smoke-cpu)")
     if args.local_compute:

@@ -212,7 +212,7 @@ def _w4a16_swap_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn, stride_xsm,
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False,
+    X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -249,6 +249,10 @@ def _w4a16_swap_kernel(
     k_pre = min(t_start, k_tiles - 1) * BLOCK_K
     s_n = tl.load(s_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
     z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
+    if USE_GDC:
+        # launched with programmatic dependent launch after ``_prep_x_kernel``: the programs become resident and
+        # load their first scales while the prep kernel runs; x and its sums are read only after this wait
+        tl.extra.cuda.gdc_wait()
     if X_PREP:
         xs_ptrs = xs_ptr + offs_m * stride_xsm
         xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
@@ -293,10 +297,12 @@ def _w4a16_swap_kernel(
 
 @triton.jit
 def _prep_x_kernel(x_ptr, xp_ptr, xs_ptr, K, stride_xm, stride_xk, stride_xsm,
-                   SUM_K: tl.constexpr, CHUNK: tl.constexpr, FRAG: tl.constexpr):
+                   SUM_K: tl.constexpr, CHUNK: tl.constexpr, FRAG: tl.constexpr, USE_GDC: tl.constexpr = False):
     """x [M, K] -> xp [M, K] with every 8-group in PERM order (the unpacked weight's K order) and the sums of x
     over each K tile, xs [M, K / SUM_K] in fp32: done once per call instead of once per weight tile in every
     program."""
+    if USE_GDC:  # let the dependent W4A16 kernel launch now (it waits for this grid before reading x)
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     g = tl.program_id(1)
     r = tl.arange(0, CHUNK)
@@ -408,7 +414,8 @@ def _dequant_kernel(
 class W4A16Config:
     """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first),
     "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
-    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS)."""
+    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS). ``pdl`` ("swapx" on CUDA):
+    the main kernel is launched with programmatic dependent launch, so it starts while x is being prepared."""
 
     block_m: int = 16
     block_n: int = 64
@@ -419,6 +426,7 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     method: str = "fused"
+    pdl: bool = False
 
 
 _NUM_SMS_DEFAULT = 132
@@ -620,14 +628,14 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
-def _prep_x(x2d, block_k: int, frag: bool):
+def _prep_x(x2d, block_k: int, frag: bool, pdl: bool = False):
     """(x in the kernel's K order, fp32 sums of x over every block_k columns) for the X_PREP kernels."""
     M, K = x2d.shape
     xp = torch.empty((M, K), dtype=x2d.dtype, device=x2d.device)
     xs = torch.empty((M, K // block_k), dtype=torch.float32, device=x2d.device)
     chunk = min(block_k, 1024)
     _prep_x_kernel[(M, K // block_k)](x2d, xp, xs, K, x2d.stride(0), x2d.stride(1), xs.stride(0),
-                                      SUM_K=block_k, CHUNK=chunk, FRAG=frag, num_warps=4)
+                                      SUM_K=block_k, CHUNK=chunk, FRAG=frag, USE_GDC=pdl, num_warps=4)
     return xp, xs
 
 
@@ -667,8 +675,9 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     if cfg.method in ("swap", "swapx"):
         xin, xs = x2d, y  # xs unused unless prepped
         frag = cfg.method == "swapx" and cfg.block_k % 32 == 0
+        pdl = cfg.pdl and cfg.method == "swapx" and x2d.is_cuda and not _interpreting()
         if cfg.method == "swapx":
-            xin, xs = _prep_x(x2d, cfg.block_k, frag)
+            xin, xs = _prep_x(x2d, cfg.block_k, frag, pdl)
         _w4a16_swap_kernel[(n_mn, split)](
             xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
             M, N, K, split, tiles_per_split, magic * 0x10001,
@@ -676,7 +685,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=cfg.method == "swapx", FRAG=frag,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         return y
     grid = (n_mn, split)
