@@ -7,8 +7,10 @@ time is ``streamed_us`` of ``w4a16.py`` (48 calls back to back in one CUDA graph
 Columns: ``full`` (prep + main, as the op runs), ``full_pdl`` (main launched with programmatic dependent launch),
 ``main`` (the main kernel alone on an x prepared once), ``prep`` (the prep kernel alone), ``read`` (a kernel that
 only loads the packed tiles of the same grid and XORs them), each config checked against a float reference first.
+``--fm`` adds the fragment-major experiment (``_swap_fm_kernel``, weights stored in the threads' register-fragment
+order and loaded straight into registers) at several split counts.
 
-``python benchmarks/w4a16_breakdown.py --out DIR [--shapes 8192x8192] [--ms 1,16] [--sweep]``
+``python benchmarks/w4a16_breakdown.py --out DIR [--shapes 8192x8192] [--ms 1,16] [--sweep] [--fm] [--no-swapx]``
 """
 from __future__ import annotations
 
@@ -58,6 +60,97 @@ def read_call(q, cfg):
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Experiment: "fragment-major" weight storage. Each (64-row N block, 128-deep K tile) is 1024 contiguous words in
+# the order a 4-warp program's threads hold them as wgmma register fragments (FRAG order), so a tile is loaded
+# with plain vector loads straight into registers: no cp.async ring, no shared memory, no barrier.
+# ---------------------------------------------------------------------------------------------------------------
+FM_BN, FM_BK = 64, 128
+
+
+def to_fragment_major(q: torch.Tensor) -> torch.Tensor:
+    """qweight [K/8, N] -> [N/64, K/128, 1024]: word (h, w, r, t, c) = qweight[16 kt + 4 c + t, 64 nb + 16 w + 8 h + r]
+    (a 4-warp program's thread 32 w + 4 r + t holds words (h, c); Triton's 1-D layout gives it 4 contiguous words
+    per 512-word half)."""
+    Kp, N = q.shape
+    KT, NB = Kp // (FM_BK // 8), N // FM_BN
+    v = q.reshape(KT, 4, 4, NB, 4, 2, 8)  # (kt, c, t, nb, w, h, r)
+    v = v.permute(3, 0, 5, 4, 6, 2, 1)  # (nb, kt, h, w, r, t, c)
+    return v.reshape(NB, KT, 1024).contiguous()
+
+
+@triton.jit
+def _swap_fm_kernel(x_ptr, qf_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                    M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
+                    stride_xm, stride_sg, stride_ym, stride_xsm,
+                    GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    xs_ptrs = xs_ptr + offs_m * stride_xsm
+    qf_base = qf_ptr + pid_n.to(tl.int64) * k_tiles * 1024
+    offs_w = tl.arange(0, 1024)
+    s_ptrs = s_ptr + offs_n
+    z_ptrs = z_ptr + offs_n
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # two tiles of words in flight in registers
+    w_n = tl.load(qf_base + t_start * 1024 + offs_w)
+    w_nn = tl.load(qf_base + min(t_start + 1, k_tiles - 1) * 1024 + offs_w)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        words = w_n
+        w_n = w_nn
+        w_nn = tl.load(qf_base + min(t + 2, k_tiles - 1) * 1024 + offs_w)
+        s = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+        z = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
+        xsum = tl.load(xs_ptrs + t, mask=mask_m, other=0.0)
+        x = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+        v = tl.reshape(words, (2, 4, 8, 4, 4))  # (h, w, r, t, c)
+        packed = tl.reshape(tl.permute(v, (4, 3, 1, 0, 2)), (BLOCK_K // 8, BLOCK_N))  # (c, t) x (w, h, r)
+        wq_t = K4._unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+        d = tl.dot(wq_t, tl.trans(x))
+        acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+    mask_y = mask_n[:, None] & mask_m[None, :]
+    K4._store_split_k(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                      ws_ptr + offs_m[None, :] * N + offs_n[:, None], mask_y, 0.0, cnt_ptr,
+                      pid_m * num_pid_n + pid_n, pid_k, SPLIT_K, M * N, True, False)
+
+
+def fm_call(x, qf, s, z, split_k, num_stages=1, pdl=False, prepped=None):
+    M, K = x.shape
+    N = s.shape[1]
+    k_tiles = K // FM_BK
+    per = triton.cdiv(k_tiles, split_k)
+    split = triton.cdiv(k_tiles, per)
+    xp, xs = prepped if prepped is not None else K4._prep_x(x, FM_BK, True, pdl)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    n_mn = triton.cdiv(M, 16) * (N // FM_BN)
+    cnt = K4._counters(x.device, n_mn)
+    magic, offset = K4._MAGIC[x.dtype]
+    _swap_fm_kernel[(n_mn, split)](xp, qf, s, z, y, ws, cnt, xs, M, N, K, split, per, magic * 0x10001,
+                                    xp.stride(0), s.stride(0), y.stride(0), xs.stride(0),
+                                    GROUP_SIZE=G, OFFSET=offset, BLOCK_M=16, BLOCK_N=FM_BN, BLOCK_K=FM_BK,
+                                    USE_GDC=pdl, num_warps=4, num_stages=num_stages,
+                                    **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
 def name(c) -> str:
     return f"bn{c.block_n} sk{c.split_k} w{c.num_warps} s{c.num_stages}"
 
@@ -82,6 +175,8 @@ def main():
         p.add_argument("--shapes", default="8192x8192,8192x28672,4096x11008")
         p.add_argument("--ms", default="1,16")
         p.add_argument("--sweep", action="store_true", help="also a grid of BLOCK_N x waves x stages")
+        p.add_argument("--fm", action="store_true", help="also the fragment-major weight layout experiment")
+        p.add_argument("--no-swapx", action="store_true", help="skip the swapx rows")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -95,7 +190,7 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ w_ref.T
             t_bf = streamed_us(lambda w: F.linear(x, w), bf)
-            for c in configs(M, K, N, num_sms, args.sweep):
+            for c in ([] if args.no_swapx else configs(M, K, N, num_sms, args.sweep)):
                 row = {"K": K, "N": N, "M": M, "config": name(c), "bf16_us": t_bf}
                 try:
                     for pdl in (False, True):
@@ -125,6 +220,29 @@ def main():
                 print(f"[{time.time() - t0:5.0f}s] {K}x{N} M={M} {name(c)}: " + ", ".join(
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                     if k.endswith("_us") or k == "error"), flush=True)
+            if args.fm and N % FM_BN == 0 and K % FM_BK == 0:
+                fms = [(to_fragment_major(q), sc, zc) for q, sc, zc in ours]
+                for split in (2, 3, 4, 5, 6, 8):
+                    row = {"K": K, "N": N, "M": M, "config": f"fragment-major bn64 sk{split} w4", "bf16_us": t_bf}
+                    try:
+                        for pdl in (False, True):
+                            y = fm_call(x, fms[0][0], s0, z0, split, pdl=pdl)
+                            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                            if not err < 2e-2:
+                                raise RuntimeError(f"wrong result (pdl={pdl}): rel err {err:.3g}")
+                            row["full_pdl_us" if pdl else "full_us"] = streamed_us(
+                                lambda it: fm_call(x, *it, split, pdl=pdl), fms)
+                        prepped = K4._prep_x(x, FM_BK, True)
+                        row["main_us"] = streamed_us(lambda it: fm_call(x, *it, split, prepped=prepped), fms)
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+                    best = min(row.get("full_us", 1e9), row.get("full_pdl_us", 1e9))
+                    row["x_vs_bf16"] = t_bf / best if best < 1e9 else None
+                    rows.append(row)
+                    print(f"[{time.time() - t0:5.0f}s] {K}x{N} M={M} {row['config']}: " + ", ".join(
+                        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                        if k.endswith("_us") or k == "error"), flush=True)
+                del fms
             write_results("w4a16_breakdown", rows, title="W4A16 small-M breakdown (swapx)", out_dir=args.out,
                           notes=__doc__.split("\n\n", 1)[1], echo=False)
         del ours, bf

@@ -477,7 +477,9 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             return
         n_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
-        cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method)
+        # swapx launches its main kernel with programmatic dependent launch: 0.5-1.5 us less per call at M <= 16
+        # (benchmarks/w4a16_breakdown.py)
+        cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method, pdl=method == "swapx")
         if cfg not in out:
             out.append(cfg)
 
