@@ -106,20 +106,26 @@ def _swap_fm_kernel(x_ptr, qf_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
     s_ptrs = s_ptr + offs_n
     z_ptrs = z_ptr + offs_n
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # two tiles of words in flight in registers
+    # two tiles of words in flight in registers; scale, zero, x and its sums one tile ahead
     w_n = tl.load(qf_base + t_start * 1024 + offs_w)
     w_nn = tl.load(qf_base + min(t_start + 1, k_tiles - 1) * 1024 + offs_w)
+    k_pre = min(t_start, k_tiles - 1) * BLOCK_K
+    s_n = tl.load(s_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
+    z_n = tl.load(z_ptrs + (k_pre // GROUP_SIZE) * stride_sg)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+    xs_n = tl.load(xs_ptrs + k_pre // BLOCK_K, mask=mask_m, other=0.0)
+    x_n = tl.load(x_ptrs + k_pre, mask=mask_m[:, None], other=0.0)
     for t in range(t_start, t_end):
-        k0 = t * BLOCK_K
+        k1 = min(t + 1, k_tiles - 1) * BLOCK_K
         words = w_n
         w_n = w_nn
         w_nn = tl.load(qf_base + min(t + 2, k_tiles - 1) * 1024 + offs_w)
-        s = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
-        z = tl.load(z_ptrs + (k0 // GROUP_SIZE) * stride_sg).to(tl.float32)
-        xsum = tl.load(xs_ptrs + t, mask=mask_m, other=0.0)
-        x = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+        s, z, xsum, x = s_n.to(tl.float32), z_n.to(tl.float32), xs_n, x_n
+        s_n = tl.load(s_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+        z_n = tl.load(z_ptrs + (k1 // GROUP_SIZE) * stride_sg)
+        xs_n = tl.load(xs_ptrs + k1 // BLOCK_K, mask=mask_m, other=0.0)
+        x_n = tl.load(x_ptrs + k1, mask=mask_m[:, None], other=0.0)
         v = tl.reshape(words, (2, 4, 8, 4, 4))  # (h, w, r, t, c)
         packed = tl.reshape(tl.permute(v, (4, 3, 1, 0, 2)), (BLOCK_K // 8, BLOCK_N))  # (c, t) x (w, h, r)
         wq_t = K4._unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
