@@ -5,6 +5,7 @@ python benchmarks/profile_kernels.py WHAT`` with WHAT one of:
 
 * ``w4a16:M:K:N:METHOD:BM:BN:SPLIT:WARPS:STAGES`` — one W4A16 launch config (``fxopt.kernels.w4a16._launch``), bf16,
   group 128, random codes (e.g. ``w4a16:1:8192:8192:swapx:16:64:4:4:3``);
+* ``w4fm:M:K:N:SPLIT`` — the fragment-major experiment kernel of ``benchmarks/w4a16_breakdown.py``;
 * ``attn:B:H:S:D:CAUSAL`` — the bf16 FlashAttention forward (``flash_attention_triton``), e.g. ``attn:4:16:4096:128:0``.
 
 ``bash benchmarks/profile_kernels.sh`` runs the set used in docs/notes_w4a16.md and writes ncu's text to $OUT.
@@ -33,6 +34,18 @@ def main(what: str):
         cfg = K4.W4A16Config(bm, bn, bk, split, True, 8, warps, stages, method)
         for _ in range(4):
             K4._launch(x, q, s, z, 128, None, cfg)
+    elif kind == "w4fm":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import w4a16_breakdown as WB
+
+        M, K, N, split = (int(v) for v in a)
+        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
+        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        qf = WB.to_fragment_major(q)
+        for _ in range(4):
+            WB.fm_call(x, qf, s, z, split)
     elif kind == "attn":
         from fxopt.kernels.attention import flash_attention_triton
 

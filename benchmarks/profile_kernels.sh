@@ -4,14 +4,24 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/fxopt_out}
 mkdir -p "$OUT"
 export FXOPT_ATTN_AUTOTUNE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 prof() {  # name kernel-regex what
   timeout 90 ncu --clock-control none -k "regex:$2" --launch-skip 3 --launch-count 1 $SECTIONS \
     python3 benchmarks/profile_kernels.py "$3" > "$OUT/ncu_$1.txt" 2>&1
   rc=$?; echo "== $1 ($3): rc=$rc"; [ $rc -ne 0 ] && tail -5 "$OUT/ncu_$1.txt"
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Issued Ipc|No Eligible|Dynamic Shared|Waves Per SM" "$OUT/ncu_$1.txt" | head -16
 }
-prof w4_m1_swapx "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:4:4:3
-prof w4_m1_gemv2 "_w4a16_gemv2_kernel" w4a16:1:8192:8192:gemv2:1:128:8:4:2
-prof w4_m1_28672 "_w4a16_swap_kernel" w4a16:1:8192:28672:swapx:16:128:5:4:3
-prof attn_fwd_d128 "_attn_fwd" attn:4:16:4096:128:0
+# WHAT sets: default (the kernels short of their targets) or "w4stalls" (stall reasons of the small-M W4A16 kernels)
+case "${1:-default}" in
+  w4stalls)
+    prof w4_m1_swapx_bn64_sk5 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:5:4:3
+    prof w4_m1_swapx_bn128_sk6 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:128:6:4:3
+    prof w4_m1_fm_sk5 "_swap_fm_kernel" w4fm:1:8192:8192:5
+    ;;
+  *)
+    prof w4_m1_swapx "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:4:4:3
+    prof w4_m1_gemv2 "_w4a16_gemv2_kernel" w4a16:1:8192:8192:gemv2:1:128:8:4:2
+    prof w4_m1_28672 "_w4a16_swap_kernel" w4a16:1:8192:28672:swapx:16:128:5:4:3
+    prof attn_fwd_d128 "_attn_fwd" attn:4:16:4096:128:0
+    ;;
+esac
