@@ -46,6 +46,8 @@ def _args(p):
     p.add_argument("--no-dtensor", action="store_true")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="also cut the lm_head by vocabulary (fxopt: vocab_parallel=True; DTensor: ColwiseParallel)")
+    p.add_argument("--vocab-parallel-embedding", action="store_true",
+                   help="fxopt: also cut the (untied) embedding by vocabulary rows (one more all-reduce)")
     p.add_argument("--variants", default="one,fxopt,dtensor",
                    help="comma-separated subset of one (one GPU), fxopt (fxopt TP), dtensor (DTensor TP); the DTensor "
                         "variant's Inductor compile took over 3 minutes on the two-H200 machine, so it can run alone")
@@ -173,7 +175,8 @@ def run_local_compute(args):
     ins = inputs(args, device)
     t0 = time.perf_counter()
     full = compiled_timings(model, ins, label="full model", profile=args.profile)
-    tpm = parallelize(model, (ins["prefill"],), tp=args.tp, vocab_parallel=args.vocab_parallel)
+    tpm = parallelize(model, (ins["prefill"],), tp=args.tp, vocab_parallel=args.vocab_parallel,
+                      vocab_parallel_embedding=args.vocab_parallel_embedding)
     local = compiled_timings(tpm, ins, label="rank 0 local", profile=args.profile)
     print(tpm.plan)
     rows = []
@@ -222,7 +225,7 @@ def run_tp(args):
     single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
     tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel,
-                      overlap_chunks=args.overlap_chunks)
+                      overlap_chunks=args.overlap_chunks, vocab_parallel_embedding=args.vocab_parallel_embedding)
     n_local = sum(p.numel() for p in tpm.parameters()) + sum(b.numel() for b in tpm.buffers())
     with torch.no_grad():
         ref = model(ins["prefill"])
@@ -253,7 +256,8 @@ def run_tp(args):
                          "speedup_vs_one_gpu": single_cg["decode"] / fx_cg["decode"]})
         notes = (f"Llama-3-8B-sized blocks (dim 4096, 32/8 heads, SwiGLU 14336, vocab 32000), bf16, every variant "
                  f"compiled with backend='fxopt'. lm_head cut by vocabulary: {args.vocab_parallel} (fxopt "
-                 f"vocab_parallel; DTensor ColwiseParallel with replicated output); overlap_chunks "
+                 f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary (fxopt): "
+                 f"{args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
                  f"{args.overlap_chunks}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")

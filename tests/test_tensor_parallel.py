@@ -126,8 +126,13 @@ def _worker_vocab_quant_compile(rank, ws):
     from fxopt.quant.linear import QuantLinear
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    # vocab-parallel embedding + lm_head: one more all_reduce, one all_gather of the logits
-    tpm = _check_model(rank, ws, _demo(), (ids,), {}, expected_ar=2 * 2 + 1, expected_ag=1, vocab_parallel=True)
+    # vocab-parallel lm_head: one all_gather of the logits; the untied embedding stays replicated by default
+    tpm = _check_model(rank, ws, _demo(), (ids,), {}, expected_ar=2 * 2, expected_ag=1, vocab_parallel=True)
+    assert tpm.get_parameter("embed.weight").shape == (64, 64)
+    assert "vocab_parallel_embedding=False" in str(tpm.plan), str(tpm.plan)
+    # ... and cut by rows on request: one more all_reduce
+    tpm = _check_model(rank, ws, _demo(), (ids,), {}, expected_ar=2 * 2 + 1, expected_ag=1, vocab_parallel=True,
+                       vocab_parallel_embedding=True)
     assert tpm.get_parameter("embed.weight").shape == (32, 64)
     # tied GPT-2 embedding / lm_head cut together by vocabulary rows
     ids2 = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))

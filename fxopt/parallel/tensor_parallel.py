@@ -268,7 +268,8 @@ class TensorParallelModule(nn.Module):
 def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, tp: int,
                 group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
                 vocab_parallel: Optional[bool] = None, training: Optional[bool] = None,
-                overlap_chunks: Optional[int] = None) -> TensorParallelModule:
+                overlap_chunks: Optional[int] = None,
+                vocab_parallel_embedding: Optional[bool] = None) -> TensorParallelModule:
     """Return this rank's tensor-parallel module for ``model`` (call on every rank of the process group).
 
     Args:
@@ -279,12 +280,14 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
         group: the process group (default: the world group).
         config: an :class:`fxopt.Config` for the passes run during capture (default: ``fxopt.Config()``); its
             ``tensor_parallel`` section is set to ``enabled=True, tp=tp``.
-        vocab_parallel: also cut the embedding and the lm_head by vocabulary (logits are all-gathered).
+        vocab_parallel: also cut the lm_head by vocabulary (logits are all-gathered), and an embedding tied to it.
             Default: ``config.tensor_parallel.vocab_parallel``.
         training: emit the autograd-correct collectives (default: grad enabled and a parameter requires grad).
         overlap_chunks: inference only: cut each row-parallel linear and its all-reduce into this many chunks along
             the tokens, so communication overlaps the next chunk's matmul. Default:
             ``config.tensor_parallel.overlap_chunks`` (1).
+        vocab_parallel_embedding: with ``vocab_parallel``, also cut an untied vocabulary embedding (less memory, one
+            more all-reduce per forward). Default: ``config.tensor_parallel.vocab_parallel_embedding`` (False).
 
     Raises:
         RuntimeError: no initialized process group, or the model is not captured as one graph.
@@ -304,7 +307,10 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     chunks = cfg.tensor_parallel.overlap_chunks if overlap_chunks is None else overlap_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"fxopt.parallelize: overlap_chunks must be a positive int, got {chunks!r}")
-    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks)
+    vpe = (cfg.tensor_parallel.vocab_parallel_embedding if vocab_parallel_embedding is None
+           else bool(vocab_parallel_embedding))
+    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks,
+                                               vocab_parallel_embedding=vpe)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())

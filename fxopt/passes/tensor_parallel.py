@@ -31,8 +31,10 @@ position become local sizes (``-1`` stays; a symbolic size there is a conflict).
 bias, gets ``_c10d_functional.all_reduce`` + ``wait_tensor`` and the bias is added after. In training form
 (``TPContext.training``) the all-reduce's backward is made the identity (``y = ar(x.detach()) + (x - x.detach())``)
 and Megatron's *f* (``fxopt::tp_copy``: identity forward, all-reduce backward) guards every replicated tensor that
-needs grad where it enters a sharded computation. With ``vocab_parallel`` the embedding is cut by vocabulary rows
-(masked lookup + all-reduce) and a sharded tensor reaching the graph output (the lm_head logits) is all-gathered.
+needs grad where it enters a sharded computation. With ``vocab_parallel`` a sharded tensor reaching the graph output
+(the lm_head logits) is all-gathered, and an embedding tied to that lm_head is cut by the same vocabulary rows
+(masked lookup + all-reduce); an untied embedding is cut only with ``vocab_parallel_embedding`` (its all-reduce costs
+more time than the replicated lookup, which only costs memory).
 Afterwards the whole graph is fake-propagated again and every node's shape is checked against the plan's
 prediction: a mismatch raises (a wrong shard is never produced silently).
 """
@@ -1244,6 +1246,12 @@ class _Rewriter:
                 an.result.skip(node, "embedding with max_norm: replicated")
                 continue
             other = [u for u in w.users if u is not node]
+            if not other and not an.cfg.vocab_parallel_embedding:
+                reason = ("untied vocabulary embedding kept replicated (vocab_parallel_embedding=False): no masked "
+                          "lookup, no all-reduce")
+                an.result.skip(node, reason)
+                self.plan.replicated.append((an.name(w), reason))
+                continue
             ok = all(u in self.prop.columns and self.prop.columns[u].sections == ((V, 1),) and
                      an.linears[u].kind == "dense" for u in other)
             if not ok:
