@@ -2,7 +2,7 @@
 # One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
-# Phases: demo tests parallel fp8 calib w4a16 attn profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,6 +38,12 @@ phase_w4a16() {
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py tests/test_w4a16_pass.py \
     2>&1 | tail -5
   timeout 240 python3 benchmarks/w4a16.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -48
+}
+
+phase_w4sweep() {
+  # the kernel-variant sweep (swapd, the experimental dequantize-before-dot method, included) on the two main shapes
+  timeout 420 python3 benchmarks/w4a16_sweep.py --out "$RES" --shapes 8192x8192,8192x28672 --ms 64,128,16,1,256 \
+    2>&1 | grep -v "Warn\|warn" | tail -30
 }
 
 phase_attn() {

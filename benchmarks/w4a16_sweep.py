@@ -4,7 +4,8 @@ Not the committed speed table (that is ``benchmarks/w4a16.py``): this script ans
 config" so that ``candidate_configs`` can be cut down to the few that win. Methods: ``gemv`` (one row per program,
 one group per K tile), ``gemv2`` (one row per program, K tiles spanning groups), ``fused`` (x @ codes^T on tensor
 cores, the weight as the dot's second operand), ``swap`` (codes @ x^T: the weight as the first operand, read from
-registers by wgmma), ``swapx`` (``swap`` on x permuted and summed once per call by a small kernel first). Every config is first checked against a dequantized float reference (rows that fail are
+registers by wgmma), ``swapx`` (``swap`` on x permuted and summed once per call by a small kernel first), ``swapd``
+(``swapx`` with the weights dequantized in bf16x2 before the dot, so the dot accumulates over K; experimental). Every config is first checked against a dequantized float reference (rows that fail are
 reported, not timed). Times: medians of CUDA-graph replays with L2 flushed and weights rotated, as in w4a16.py.
 
 ``python benchmarks/w4a16_sweep.py --out DIR [--shapes 8192x8192,8192x28672] [--ms 1,16,64]``
@@ -53,6 +54,10 @@ def configs_for(M: int, K: int, N: int, num_sms: int):
             out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, warps, stages, "swapx"))
         for bn, waves in itertools.product((64, 128), (2, 4)):
             out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, 4, 3, "swap"))
+        # "swapd" (experimental: dequantized in bf16x2 before the dot, which then accumulates over K)
+        for (bn, warps), waves in itertools.product(((64, 4), (128, 4)), (0, 1, 2, 4) if M > 32 else (2, 4, 8)):
+            out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, warps, 3, "swapd",
+                                      pdl=True))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

@@ -54,6 +54,8 @@ SWAP_NOSPLIT = W4A16Config(block_m=16, block_n=64, block_k=32, split_k=1, method
 GEMV2 = W4A16Config(block_m=1, block_n=32, block_k=64, split_k=2, method="gemv2")  # K tiles span groups of 32
 SWAPX = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swapx")  # x permuted + summed first
 SWAPX_BK64 = W4A16Config(block_m=16, block_n=64, block_k=64, split_k=1, method="swapx")  # two 32-column chunks
+SWAPD = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=2, method="swapd")  # dequantized before the dot
+SWAPD_BK64 = W4A16Config(block_m=32, block_n=64, block_k=64, split_k=1, method="swapd")
 
 
 @pytest.mark.parametrize("group_size", [32, 64, -1])
@@ -67,6 +69,30 @@ def test_triton_wrapper_matches_reference(interpret_device, group_size, cfg, M):
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)
     assert y.dtype == torch.float16 and y.shape == (M, N) and y.is_contiguous()
     assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+@pytest.mark.parametrize("cfg,M", [(SWAPD, 5), (SWAPD_BK64, 33)])
+def test_swapd_matches_reference_with_integer_zeros(interpret_device, group_size, cfg, M):
+    K, N = 128, 48
+    qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device, seed=5)
+    zeros = zeros.round()  # swapd's exact dequantization needs integer zeros
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6)).half().to(interpret_device)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)
+    assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+
+
+def test_swapd_falls_back_on_fractional_zeros(interpret_device):
+    """(OFFSET + z) in fp16 is not exact for a fractional z: swapd must run swapx instead, never round the zero."""
+    K, N = 128, 48
+    qweight, scales, zeros, G = make_packed(K, N, 32, torch.float16, interpret_device, seed=7)
+    assert not torch.equal(zeros, zeros.round())
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(8)).half().to(interpret_device)
+    y = w4a16_matmul(x, qweight, scales, zeros, 32, config=SWAPD)
+    assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+    assert not K4._integer_zeros(zeros)
+    zeros.round_()  # an in-place change is seen (the cached answer is per tensor version)
+    assert K4._integer_zeros(zeros)
 
 
 @pytest.mark.parametrize("cfg", [SMALL, LARGE, GEMV, SWAP, GEMV2, SWAPX])
@@ -209,7 +235,7 @@ def test_candidate_configs_respect_group_size():
     for M in (1, 16, 64, 256, 4096):
         for G in (32, 128, 4096):
             for c in K4.candidate_configs(M, 4096, 4096, G):
-                if c.method in ("fused", "gemv", "swap", "swapx"):
+                if c.method in ("fused", "gemv", "swap", "swapx", "swapd"):
                     assert G % c.block_k == 0 and c.split_k >= 1
                 elif c.method == "gemv2":  # K tiles may span whole groups
                     assert (G % c.block_k == 0 or c.block_k % G == 0) and 4096 % c.block_k == 0
@@ -242,6 +268,24 @@ def test_gpu_every_candidate_config(dtype):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
         ref = reference(x, qweight, scales, zeros, G)
         for cfg in K4.candidate_configs(M, N, K, 128):
+            y = w4a16_matmul(x, qweight, scales, zeros, 128, config=cfg)
+            assert_close_to_ref(y, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_swapd(dtype):
+    """The experimental "swapd" method (packed bf16x2/f16x2 dequantization in PTX) against the float reference."""
+    K, N = 2048, 1024 + 64
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=31)
+    zeros = zeros.round()
+    for M in (1, 16, 40, 64, 128):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
+        ref = reference(x, qweight, scales, zeros, G)
+        for bm, bn, split in ((16, 64, 4), (16, 128, 2), (64, 64, 2), (64, 128, 1), (128, 64, 1)):
+            if bm < M and bm < 64:
+                continue
+            cfg = W4A16Config(bm, bn, 128, split, True, 8, 4, 3, "swapd", pdl=True)
             y = w4a16_matmul(x, qweight, scales, zeros, 128, config=cfg)
             assert_close_to_ref(y, ref, dtype)
 

@@ -138,6 +138,36 @@ def _unpack_frag(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, D
 
 
 @triton.jit
+def _unpack_frag_deq(packed, MAGIC2, zo, sc, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                     ASM: tl.constexpr):
+    """``_unpack_frag`` followed by the dequantization ``((OFFSET + q) - (OFFSET + z)) * s`` in the activation dtype,
+    two weights per instruction: the subtraction is exact for integer zeros and the product is rounded once, as the
+    float reference rounds ``(q - z) * s``. ``zo`` = OFFSET + z and ``sc`` = s are [BLOCK_N] in DTYPE. ``ASM``: packed
+    ``sub``/``mul`` on the 32-bit pair words (sm_90 PTX); otherwise Triton arithmetic (the interpreter, fp16)."""
+    if ASM:
+        sh = tl.arange(0, 4) * 4
+        pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]
+        t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4 pairs]
+        zb = zo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        zz = tl.broadcast_to((zb | (zb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
+        ss = tl.broadcast_to((sb | (sb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
+        if DTYPE == tl.bfloat16:
+            t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.bf16x2 d, $1, $2; mul.rn.bf16x2 $0, d, $3; }",
+                                          "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.f16x2 d, $1, $2; mul.rn.f16x2 $0, d, $3; }",
+                                          "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
+        v = tl.join(t.to(tl.int16), (t >> 16).to(tl.int16))
+        v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))
+        v = tl.permute(v, (0, 1, 3, 4, 2, 5))
+        return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(DTYPE, bitcast=True)
+    else:
+        w = _unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, DTYPE)
+        return (w - zo[:, None]) * sc[:, None]
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, SPLIT_K, TILES_PER_SPLIT, MAGIC2,
@@ -213,6 +243,7 @@ def _w4a16_swap_kernel(
     GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_PREP: tl.constexpr = False, FRAG: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+    DEQ: tl.constexpr = False, ASM: tl.constexpr = True,
 ):
     """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
 
@@ -283,8 +314,16 @@ def _w4a16_swap_kernel(
                            (BLOCK_M, BLOCK_K))
             xsum = tl.sum(x.to(tl.float32), axis=1)
             wq_t = _unpack_pairs(packed, MAGIC2, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
-        d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
-        acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
+        if DEQ:
+            # "swapd": the weights are dequantized before the dot (two per instruction, rounded as the reference
+            # rounds), so the dot accumulates over K tiles with no per-tile correction of the [BLOCK_N, BLOCK_M]
+            # product, and its wgmma can run while the next tile is unpacked (needs integer zeros: host check)
+            dt = x_ptr.dtype.element_ty
+            w = _unpack_frag_deq(packed, MAGIC2, (z + OFFSET).to(dt), s.to(dt), BLOCK_K, BLOCK_N, dt, ASM)
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
+            acc += (d - (z + OFFSET)[:, None] * xsum[None, :]) * s[:, None]
 
     mask_y = mask_n[:, None] & mask_m[None, :]
     bias = 0.0
@@ -412,7 +451,8 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class W4A16Config:
-    """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first),
+    """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first;
+    "swapd", experimental and not in the tuner's lists yet, also dequantizes in the activation dtype before the dot),
     "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
     tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS). ``pdl`` ("swapx" on CUDA):
     the main kernel is launched with programmatic dependent launch, so it starts while x is being prepared."""
@@ -630,6 +670,22 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
+def _integer_zeros(zeros: torch.Tensor) -> bool:
+    """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are). Checked once per tensor and in-place version
+    (the answer is kept on the tensor); under CUDA-graph capture an unchecked tensor counts as not integer."""
+    seen = getattr(zeros, "_fxopt_integer_zeros", None)
+    if seen is not None and seen[0] == zeros._version:
+        return seen[1]
+    if zeros.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = bool(torch.equal(zeros, zeros.round()))
+    try:
+        zeros._fxopt_integer_zeros = (zeros._version, ok)
+    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: checked every call
+        pass
+    return ok
+
+
 def _prep_x(x2d, block_k: int, frag: bool, pdl: bool = False):
     """(x in the kernel's K order, fp32 sums of x over every block_k columns) for the X_PREP kernels."""
     M, K = x2d.shape
@@ -674,11 +730,16 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
-    if cfg.method in ("swap", "swapx"):
+    if cfg.method == "swapd" and (cfg.block_k % 32 or not _integer_zeros(zeros)):
+        # swapd dequantizes with (OFFSET + z) in the activation dtype, exact only for integer zeros
+        log.debug("w4a16: swapd needs integer zeros and block_k %% 32 == 0; running swapx")
+        cfg = replace(cfg, method="swapx")
+    if cfg.method in ("swap", "swapx", "swapd"):
         xin, xs = x2d, y  # xs unused unless prepped
-        frag = cfg.method == "swapx" and cfg.block_k % 32 == 0
-        pdl = cfg.pdl and cfg.method == "swapx" and x2d.is_cuda and not _interpreting()
-        if cfg.method == "swapx":
+        prep = cfg.method in ("swapx", "swapd")
+        frag = prep and cfg.block_k % 32 == 0
+        pdl = cfg.pdl and prep and x2d.is_cuda and not _interpreting()
+        if prep:
             xin, xs = _prep_x(x2d, cfg.block_k, frag, pdl)
         _w4a16_swap_kernel[(n_mn, split)](
             xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
@@ -686,8 +747,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             xin.stride(0), xin.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
             scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=cfg.method == "swapx", FRAG=frag,
-            USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=prep, FRAG=frag,
+            DEQ=cfg.method == "swapd", ASM=not _interpreting(), USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         return y
     grid = (n_mn, split)
@@ -717,7 +778,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
         return x.new_empty(*lead, N)
     if config is None:
         config = choose_config(x2d, qweight, scales, zeros, group_size, bias)
-    elif config.method in ("fused", "gemv", "swap", "swapx"):
+    elif config.method in ("fused", "gemv", "swap", "swapx", "swapd"):
         config = replace(config, block_k=_fit_block_k(config.block_k, K, group_size))
     elif config.method == "gemv2":
         config = replace(config, block_k=_fit_block_k_spanning(config.block_k, K, group_size))
