@@ -35,6 +35,10 @@ kernel (``_prep_x_kernel``) first writes x in the codes' K order together with i
 so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS),
 and the codes are unpacked in FRAG order (``_unpack_frag``): the K order of wgmma's register fragment, so a thread
 reads each packed word once and uses all 8 of its nibbles (4x fewer shared-memory loads, fewer registers).
+The main kernel is launched with programmatic dependent launch (``pdl``): its programs become resident and load
+their first scales while the prep kernel runs, and wait (``gdc_wait``) only before reading x. "swapd" (experimental,
+not in the tuner's lists yet) dequantizes the codes in the activation dtype before the dot, two per PTX instruction,
+so the dot accumulates over K with no per-tile correction (integer zeros only; otherwise it runs as "swapx").
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
 
