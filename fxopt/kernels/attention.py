@@ -321,7 +321,8 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
                     H_Q, GROUP, SEQ_Q, SEQ_K, SPLIT_LEN, NUM_SPLITS, sm_scale, softcap, window,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    USE_GDC: tl.constexpr = False):
     split = tl.program_id(0)
     off_zk = tl.program_id(1)
     H_KV = H_Q // GROUP
@@ -353,6 +354,8 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
                               offs_d, lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, 0.0, 0,
                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                               MASK_KIND, HAS_KPM, False, False, PREC, False, False)
+    if USE_GDC:  # the combine kernel may launch now; it waits for this whole grid before reading the partials
+        tl.extra.cuda.gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -364,7 +367,9 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
 
 @triton.jit
 def _attn_combine(OPART, LPART, O, LSE, stride_oz, stride_oh, stride_om, H_Q, SEQ_Q, NUM_SPLITS,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # launched with programmatic dependent launch: the split kernel's partials are complete after this
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # over B * Hq * Sq
     off_z = row // (H_Q * SEQ_Q)
     off_h = (row // SEQ_Q) % H_Q
@@ -922,13 +927,16 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
     num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
     opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
     lpart = torch.empty((B, Hq, Sq, num_splits), device=q.device, dtype=torch.float32)
+    # programmatic dependent launch (sm_90+): the combine kernel is launched while the split kernel drains
+    pdl = not _INTERPRET and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     _attn_fwd_split[(num_splits, B * Hkv)](
         q, k, v, opart, lpart, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr, *kstr,
         Hq, group, Sq, Sk, split_len, num_splits, sm_scale, float(softcap), int(window),
-        BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, USE_GDC=pdl, num_warps=num_warps, num_stages=num_stages, **flags)
     _attn_combine[(B * Hq * Sq,)](opart, lpart, o, lse, *o.stride()[:3], Hq, Sq, num_splits,
                                   HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                                  num_warps=4 if _INTERPRET else 1)
+                                  USE_GDC=pdl, num_warps=4 if _INTERPRET else 1,
+                                  **({"launch_pdl": True} if pdl else {}))
 
 
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -674,6 +674,11 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
+def _has_pdl(device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``) needs sm_90 or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _integer_zeros(zeros: torch.Tensor) -> bool:
     """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are). Checked once per tensor and in-place version
     (the answer is kept on the tensor); under CUDA-graph capture an unchecked tensor counts as not integer."""
@@ -742,7 +747,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         xin, xs = x2d, y  # xs unused unless prepped
         prep = cfg.method in ("swapx", "swapd")
         frag = prep and cfg.block_k % 32 == 0
-        pdl = cfg.pdl and prep and x2d.is_cuda and not _interpreting()
+        pdl = cfg.pdl and prep and x2d.is_cuda and not _interpreting() and _has_pdl(x2d.device)
         if prep:
             xin, xs = _prep_x(x2d, cfg.block_k, frag, pdl)
         _w4a16_swap_kernel[(n_mn, split)](
