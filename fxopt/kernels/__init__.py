@@ -2,3 +2,14 @@
 
 Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
 """
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code. ``triton.cdiv`` is a ``ConstexprFunction``: about 1.6 us per call from Python,
+    and a launch computes several of these."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code (see :func:`cdiv`)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fxopt.kernels import cdiv, next_pow2
+
 log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -618,7 +620,7 @@ def dropout_keep_mask_triton(seed, shape, dropout_p, device):
     """The bool keep mask [B, Hq, Sq, Sk] that the Triton kernels use for ``seed`` (Philox, see module doc)."""
     B, Hq, Sq, Sk = shape
     keep = torch.empty((B, Hq, Sq, Sk), dtype=torch.int8, device=device)
-    _dropout_keep_kernel[(B * Hq * Sq, triton.cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
+    _dropout_keep_kernel[(B * Hq * Sq, cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
     return keep.bool()
 
 
@@ -697,8 +699,8 @@ _TUNE_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP", "MASK_KIND", 
 
 def _tune_bucket(Sq, Sk):
     """(Sq, Sk) -> one int, each rounded up to a power of two in [16, 16384]; always a multiple of 16."""
-    qb = min(max(16, triton.next_power_of_2(Sq)), 16384)
-    kb = min(max(16, triton.next_power_of_2(Sk)), 16384)
+    qb = min(max(16, next_pow2(Sq)), 16384)
+    kb = min(max(16, next_pow2(Sk)), 16384)
     return qb * 32768 + kb
 _attn_fwd_tuned = triton.autotune(_configs(FWD_CONFIGS, ws_ok=True), key=_TUNE_KEY + ["USE_TMA"],
                                   prune_configs_by={"early_config_prune": _pruner(FWD_CONFIGS)},
@@ -797,7 +799,7 @@ def _mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk):
 
 
 def _block_d(D):
-    return max(16, triton.next_power_of_2(D))
+    return max(16, next_pow2(D))
 
 
 def _tma_ok(*tensors):
@@ -886,10 +888,10 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if config is not None:
         c = dict(config)
         meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
-        grid = (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Sq, meta["BLOCK_M"]), B * Hq)
         _attn_fwd[grid](*args, **flags, **meta, **c)
     else:
-        grid = lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        grid = lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
         try:
             _attn_fwd_tuned[grid](*args, **flags)
         except Exception as e:  # a TMA build the compiler rejects: remember it and use plain pointers
@@ -910,9 +912,9 @@ def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
     """Number of key chunks so that B * Hkv * chunks fills the GPU a few times over."""
     ctas_per_sm = ctas_per_sm or int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))
     target = _num_sms(device) * ctas_per_sm
-    splits = max(1, min(triton.cdiv(target, B * Hkv), triton.cdiv(Sk, 2 * block_n), 128))
-    split_len = triton.cdiv(triton.cdiv(Sk, splits), block_n) * block_n
-    return triton.cdiv(Sk, split_len), split_len
+    splits = max(1, min(cdiv(target, B * Hkv), cdiv(Sk, 2 * block_n), 128))
+    split_len = cdiv(cdiv(Sk, splits), block_n) * block_n
+    return cdiv(Sk, split_len), split_len
 
 
 def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
@@ -922,7 +924,7 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
     BLOCK_D = flags["BLOCK_D"]
     if _INTERPRET:
         block_n, num_warps, num_stages = 16, 4, 1
-    BLOCK_R = max(16, triton.next_power_of_2(group * Sq))
+    BLOCK_R = max(16, next_pow2(group * Sq))
     block_n = block_n or (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32)
     num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
     opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
@@ -934,7 +936,7 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
         Hq, group, Sq, Sk, split_len, num_splits, sm_scale, float(softcap), int(window),
         BLOCK_R=BLOCK_R, BLOCK_N=block_n, USE_GDC=pdl, num_warps=num_warps, num_stages=num_stages, **flags)
     _attn_combine[(B * Hq * Sq,)](opart, lpart, o, lse, *o.stride()[:3], Hq, Sq, num_splits,
-                                  HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                                  HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(num_splits)),
                                   USE_GDC=pdl, num_warps=4 if _INTERPRET else 1,
                                   **({"launch_pdl": True} if pdl else {}))
 
@@ -957,7 +959,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     pre_bm = 16 if _INTERPRET else 64
-    _attn_bwd_preprocess[(triton.cdiv(Sq, pre_bm), B * Hq)](
+    _attn_bwd_preprocess[(cdiv(Sq, pre_bm), B * Hq)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_M=pre_bm)
     flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
@@ -972,15 +974,15 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
     if dkdv_config is not None:
         c = dict(dkdv_config)
         bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-        _attn_bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
+        _attn_bwd_dkdv[(cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
     else:
-        _attn_bwd_dkdv_tuned[lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
+        _attn_bwd_dkdv_tuned[lambda META: (cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
     if dq_config is not None:
         c = dict(dq_config)
         bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-        _attn_bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*dq_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
+        _attn_bwd_dq[(cdiv(Sq, bm), B * Hq)](*dq_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
     else:
-        _attn_bwd_dq_tuned[lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
+        _attn_bwd_dq_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
     return dq, dk, dv
 
 

@@ -74,6 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fxopt.kernels import cdiv, next_pow2
+
 from .attention import check_qkv
 
 log = logging.getLogger(__name__)
@@ -445,7 +447,7 @@ def hadamard_triton(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     if n == 0:
         return y
     block_r = 16 if _INTERPRET else max(1, min(64, 2048 // d))  # 16 fp32 per thread: no spills on sm_90
-    grid = (triton.cdiv(n, block_r),)
+    grid = (cdiv(n, block_r),)
     _hadamard_kernel[grid](x2, y2, hadamard_signs(d, seed, x.device), x2.stride(0), y2.stride(0), n,
                            1.0 / math.sqrt(d), D=d, LOG2_D=d.bit_length() - 1, BLOCK_R=block_r, num_warps=4)
     return y
@@ -513,7 +515,7 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     B, H, S, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n_blocks = max(1, triton.cdiv(S, qblock))
+    n_blocks = max(1, cdiv(S, qblock))
     s_pad = n_blocks * qblock
     shape = (B, H, D, s_pad) if transpose else (B, H, s_pad, D)
     xq = torch.empty(shape, device=x.device, dtype=qdtype)
@@ -583,10 +585,10 @@ def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_head
         meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"), WARP_SPEC=c.pop("WARP_SPEC", False))
         if use_tma:
             _tma_pre_hook(dict(Q=q_arg, K=k_arg, VT=v_arg, USE_TMA=True, HEAD_DIM=D, **meta))
-        grid = (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+        grid = (cdiv(Sq, meta["BLOCK_M"]), B * Hq)
         _fp8_attn_fwd[grid](*args, **flags, **meta, **c)
     else:
-        grid = lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        grid = lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
         _fp8_attn_fwd_tuned[grid](*args, **flags)
     return o
 

@@ -67,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fxopt.kernels import cdiv, next_pow2
+
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
 log = logging.getLogger(__name__)
@@ -483,7 +485,7 @@ def _num_sms(device) -> int:
 
 
 def _m_bucket(M: int) -> int:
-    return min(triton.next_power_of_2(max(M, 1)), 4096)
+    return min(next_pow2(max(M, 1)), 4096)
 
 
 def _fit_block_k(block_k: int, K: int, group_size: int) -> int:
@@ -506,8 +508,8 @@ def _split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
     split = max(1, round(target_ctas / max(n_tiles_mn, 1)))
     split = min(split, k_tiles)
     # balance: every split gets the same number of K tiles
-    tiles_per = triton.cdiv(k_tiles, split)
-    return triton.cdiv(k_tiles, tiles_per)
+    tiles_per = cdiv(k_tiles, split)
+    return cdiv(k_tiles, tiles_per)
 
 
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[W4A16Config]:
@@ -519,7 +521,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         bk = _fit_block_k(bk, K, group_size)
         if bk < 16:
             return
-        n_mn = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        n_mn = cdiv(M, bm) * cdiv(N, bn)
         split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
         # swapx launches its main kernel with programmatic dependent launch: 0.5-1.5 us less per call at M <= 16
         # (benchmarks/w4a16_breakdown.py)
@@ -538,7 +540,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         add(16, 64, 128, 4, True, 4, 3, "swap")
         if bucket == 1:
             bk = _fit_block_k_spanning(256, K, group_size)
-            split = _split_for(triton.cdiv(N, 128), K // bk, 4 * num_sms)
+            split = _split_for(cdiv(N, 128), K // bk, 4 * num_sms)
             out.append(W4A16Config(1, 128, bk, split, False, 8, 4, 2, "gemv2"))
     elif bucket <= 32:
         for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4),
@@ -719,18 +721,18 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     k_tiles = K // cfg.block_k
     split = max(1, min(cfg.split_k, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)
-    n_mn = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles_per_split = cdiv(k_tiles, split)
+    split = cdiv(k_tiles, tiles_per_split)
+    n_mn = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     if cfg.method in ("gemv", "gemv2"):
-        n_mn = M * triton.cdiv(N, cfg.block_n)
+        n_mn = M * cdiv(N, cfg.block_n)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2d.device)
         cnt = _counters(x2d.device, n_mn)
     else:
         ws, cnt = y, y  # unused
     if cfg.method in ("gemv", "gemv2"):
-        _w4a16_gemv2_kernel[(triton.cdiv(N, cfg.block_n), split, M)](
+        _w4a16_gemv2_kernel[(cdiv(N, cfg.block_n), split, M)](
             x2d, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
             M, N, K, split, tiles_per_split, 0x43004300,
             x2d.stride(0), x2d.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0),
@@ -808,7 +810,7 @@ def dequantize_w4_triton(qweight, scales, zeros, group_size: int, block_n: int =
         raise ValueError(f"dequantize_w4: group size {group_size} / K {K} not a multiple of 8")
     magic, offset = _MAGIC[scales.dtype]
     w = torch.empty((N, K), dtype=scales.dtype, device=qweight.device)
-    grid = (K // bk, triton.cdiv(N, block_n))
+    grid = (K // bk, cdiv(N, block_n))
     _dequant_kernel[grid](
         qweight, scales, zeros, w, N, K,
         qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), w.stride(0), w.stride(1),
