@@ -41,8 +41,9 @@ phase_w4a16() {
 }
 
 phase_w4sweep() {
-  # the kernel-variant sweep (swapd, the experimental dequantize-before-dot method, included) on the two main shapes
-  timeout 420 python3 benchmarks/w4a16_sweep.py --out "$RES" --shapes 8192x8192,8192x28672 --ms 64,128,16,1,256 \
+  # the tuner's candidates against the experimental swapd configs (dequantize before the dot) on the two main shapes
+  timeout 420 python3 benchmarks/w4a16_sweep.py --out "$RES" --shapes 8192x8192,8192x28672 --ms 64,128,32,256,16 \
+    --only swapd \
     2>&1 | grep -v "Warn\|warn" | tail -30
 }
 

@@ -8,7 +8,7 @@ registers by wgmma), ``swapx`` (``swap`` on x permuted and summed once per call 
 (``swapx`` with the weights dequantized in bf16x2 before the dot, so the dot accumulates over K; experimental). Every config is first checked against a dequantized float reference (rows that fail are
 reported, not timed). Times: medians of CUDA-graph replays with L2 flushed and weights rotated, as in w4a16.py.
 
-``python benchmarks/w4a16_sweep.py --out DIR [--shapes 8192x8192,8192x28672] [--ms 1,16,64]``
+``python benchmarks/w4a16_sweep.py --out DIR [--shapes 8192x8192,8192x28672] [--ms 1,16,64] [--only swapd]``
 """
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ def main():
     def extra(p):
         p.add_argument("--shapes", default="8192x8192,8192x28672,11008x4096")
         p.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,1024")
+        p.add_argument("--only", default="", help="time only the tuner's candidates plus the sweep's configs of "
+                                                  "these methods (comma list, e.g. swapd)")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -90,7 +92,11 @@ def main():
             ref = (x.float() @ w_ref.T)
             t_bf = bench_ms(graphed(lambda w: F.linear(x, w), bf), warmup=5, rep=30) * 1e3
             best = {}
-            for c in configs_for(M, K, N, num_sms):
+            cfgs = configs_for(M, K, N, num_sms)
+            if args.only:
+                keep = set(args.only.split(","))
+                cfgs = K4.candidate_configs(M, N, K, G, num_sms) + [c for c in cfgs if c.method in keep]
+            for c in cfgs:
                 try:
                     y = K4._launch(x, q, s, z, G, None, c)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
