@@ -269,7 +269,14 @@ def run_tp(args):
             notes = "CPU SMOKE RUN (gloo, tiny model, fxopt_eager): checks the code path, not a measurement. " + notes
         write_results("tensor_parallel" + ("_smoke" if smoke else ""), rows, out_dir=args.out,
                       title=f"Tensor parallel TP={world}: fxopt.parallelize vs one GPU vs DTensor", notes=notes)
+    dist.barrier()
     dist.destroy_process_group()
+    if not smoke:
+        # On the H200s the process lingered after its table was written (CUDA graphs / NCCL teardown) until the
+        # session script's timeout killed it, 270 s later: everything is written, so leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main():
