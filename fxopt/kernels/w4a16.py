@@ -68,7 +68,6 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, next_pow2
-
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
 log = logging.getLogger(__name__)
