@@ -256,8 +256,8 @@ def run_tp(args):
                          "speedup_vs_one_gpu": single_cg["decode"] / fx_cg["decode"]})
         notes = (f"Llama-3-8B-sized blocks (dim 4096, 32/8 heads, SwiGLU 14336, vocab 32000), bf16, every variant "
                  f"compiled with backend='fxopt'. lm_head cut by vocabulary: {args.vocab_parallel} (fxopt "
-                 f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary (fxopt): "
-                 f"{args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
+                 f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary "
+                 f"(fxopt): {args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
                  f"{args.overlap_chunks}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels import cdiv
 
 from .attention import check_qkv
 

@@ -758,7 +758,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=prep, FRAG=frag,
-            DEQ=cfg.method == "swapd", ASM=not _interpreting(), USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            DEQ=cfg.method == "swapd", ASM=not _interpreting(), USE_GDC=pdl, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         return y
     grid = (n_mn, split)
