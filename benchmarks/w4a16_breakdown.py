@@ -40,9 +40,7 @@ def _read_kernel(qw_ptr, out_ptr, N, K, TILES_PER_SPLIT, stride_qk, BLOCK_N: tl.
     offs_kp = tl.arange(0, BLOCK_K // 8)
     q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :]
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.int32)
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    k_tiles, t_start, t_end = K4._k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
     for t in range(t_start, t_end):
         acc ^= tl.load(q_ptrs + t * (BLOCK_K // 8) * stride_qk)
     tl.store(out_ptr + pid_k * N + offs_n, tl.sum(acc, 0))
@@ -95,9 +93,7 @@ def _swap_fm_kernel(x_ptr, qf_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    k_tiles, t_start, t_end = K4._k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     xs_ptrs = xs_ptr + offs_m * stride_xsm

@@ -2,6 +2,7 @@
 
 Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
 """
+import functools
 
 
 def cdiv(a: int, b: int) -> int:
@@ -13,3 +14,12 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host code (see :func:`cdiv`)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def has_pdl(device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``, Triton's ``launch_pdl``) needs sm_90 or newer. ``device``:
+    a CUDA ``torch.device``."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 9

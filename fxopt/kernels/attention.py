@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels import cdiv, has_pdl, next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -930,7 +930,7 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
     opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
     lpart = torch.empty((B, Hq, Sq, num_splits), device=q.device, dtype=torch.float32)
     # programmatic dependent launch (sm_90+): the combine kernel is launched while the split kernel drains
-    pdl = not _INTERPRET and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    pdl = not _INTERPRET and q.is_cuda and has_pdl(q.device)
     _attn_fwd_split[(num_splits, B * Hkv)](
         q, k, v, opart, lpart, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr, *kstr,
         Hq, group, Sq, Sk, split_len, num_splits, sm_scale, float(softcap), int(window),

@@ -48,12 +48,13 @@ Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough byt
 the counter. One launch, no memset, no extra reduction kernel.
 
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
-time a shape is seen (L2 emptied by reading a large buffer between runs), then cached. Under CUDA-graph capture or in the Triton interpreter
-no tuning happens (a heuristic config; ``FXOPT_W4A16_NO_TUNE=1`` forces that too). From M = 64 the candidate list
-also contains "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS", and from M = 256 it comes
-first: there the GEMM is compute-bound, cuBLAS beats Triton, and the extra dequant pass (the packed bytes read, a
-16-bit W written) costs less than the per-tile unpacking; the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to memory (a
-temporary, freed after the call); the fused paths never do.
+time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
+then cached. Under CUDA-graph capture or in the Triton interpreter no tuning happens (a heuristic config;
+``FXOPT_W4A16_NO_TUNE=1`` forces that too). From M = 64 the candidate list also contains "dequantize to a 16-bit W
+with the Triton dequant kernel, then cuBLAS", and from M = 256 it comes first: there the GEMM is compute-bound,
+cuBLAS beats Triton, and the extra dequant pass (the packed bytes read, a 16-bit W written) costs less than the
+per-tile unpacking; the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to
+memory (a temporary, freed after the call); the fused paths never do.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels import cdiv, has_pdl, next_pow2
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
 log = logging.getLogger(__name__)
@@ -86,19 +87,22 @@ def _interpreting() -> bool:
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _unpack_pairs(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
-    """packed int32 [BLOCK_K/8, BLOCK_N] -> OFFSET + q as DTYPE [BLOCK_N, BLOCK_K], K in PERM order per 8-group.
-
-    ``(p >> 4 j) & 0x000F000F | MAGIC2`` (MAGIC2 = MAGIC * 0x10001, a run-time argument so that it sits in a
-    register and the and/or is a single LOP3) holds the 16-bit float bits of OFFSET + nibble j (low half) and
-    OFFSET + nibble j + 4 (high half): one shift and one and/or for two weights, and the pair is already adjacent.
-    """
+def _pair_words(packed, MAGIC2):
+    """packed int32 [BLOCK_K/8, BLOCK_N] -> [BLOCK_N, BLOCK_K/8, 4] words: ``(p >> 4 j) & 0x000F000F | MAGIC2``
+    holds the 16-bit float bits of OFFSET + nibble j (low half) and OFFSET + nibble j + 4 (high half). MAGIC2 =
+    MAGIC * 0x10001 is a run-time argument so that it sits in a register and the and/or is a single LOP3: one shift
+    and one and/or for two weights, and the pair is already adjacent."""
     sh = tl.arange(0, 4) * 4
     pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]; K contiguous per thread
-    t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4]
-    lo = t.to(tl.int16)
-    hi = (t >> 16).to(tl.int16)
-    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    return ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2
+
+
+@triton.jit
+def _unpack_pairs(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """packed int32 [BLOCK_K/8, BLOCK_N] -> OFFSET + q as DTYPE [BLOCK_N, BLOCK_K], K in PERM order per 8-group
+    (the pair words of ``_pair_words`` split into their halves, side by side)."""
+    t = _pair_words(packed, MAGIC2)
+    w = tl.reshape(tl.join(t.to(tl.int16), (t >> 16).to(tl.int16)), (BLOCK_N, BLOCK_K))
     return w.to(DTYPE, bitcast=True)
 
 
@@ -127,15 +131,12 @@ def _store_split_k(acc, y_ptrs, ws_ptrs, mask_y, bias, cnt_ptr, tile_id, pid_k, 
 
 
 @triton.jit
-def _unpack_frag(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
-    """Like ``_unpack_pairs`` but in FRAG order: tile column c of every 32-column chunk holds
-    k = 8 t + 2 kb + h + 4 e with (kb, h, t, e) = (c // 16, c // 8 % 2, c // 2 % 4, c % 2). That is the register
-    fragment of wgmma's first operand (thread t of a quad holds columns 2t, 2t+1, 2t+8, 2t+9 of each 16-column
-    block), so the 8 codes a thread needs from a chunk are the 8 nibbles of one packed word: one shared-memory
-    load per word instead of one per pair."""
-    sh = tl.arange(0, 4) * 4
-    pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]
-    t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4 pairs]
+def _frag_order(t, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """Pair words [BLOCK_N, BLOCK_K/8, 4] -> DTYPE [BLOCK_N, BLOCK_K] in FRAG order: tile column c of every
+    32-column chunk holds k = 8 t + 2 kb + h + 4 e with (kb, h, t, e) = (c // 16, c // 8 % 2, c // 2 % 4, c % 2).
+    That is the register fragment of wgmma's first operand (thread t of a quad holds columns 2t, 2t+1, 2t+8, 2t+9 of
+    each 16-column block), so the 8 codes a thread needs from a chunk are the 8 nibbles of one packed word: one
+    shared-memory load per word instead of one per pair."""
     v = tl.join(t.to(tl.int16), (t >> 16).to(tl.int16))  # [BLOCK_N, BLOCK_K/8, 4, 2]: (word, pair, e)
     v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))  # (chunk, t, kb, h, e)
     v = tl.permute(v, (0, 1, 3, 4, 2, 5))  # (chunk, kb, h, t, e)
@@ -143,33 +144,49 @@ def _unpack_frag(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, D
 
 
 @triton.jit
-def _unpack_frag_deq(packed, MAGIC2, zo, sc, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-                     ASM: tl.constexpr):
-    """``_unpack_frag`` followed by the dequantization ``((OFFSET + q) - (OFFSET + z)) * s`` in the activation dtype,
-    two weights per instruction: the subtraction is exact for integer zeros and the product is rounded once, as the
-    float reference rounds ``(q - z) * s``. ``zo`` = OFFSET + z and ``sc`` = s are [BLOCK_N] in DTYPE. ``ASM``: packed
-    ``sub``/``mul`` on the 32-bit pair words (sm_90 PTX); otherwise Triton arithmetic (the interpreter, fp16)."""
-    if ASM:
-        sh = tl.arange(0, 4) * 4
-        pt = tl.trans(packed)  # [BLOCK_N, BLOCK_K/8]
-        t = ((pt[:, :, None] >> sh[None, None, :]) & 0x000F000F) | MAGIC2  # [BLOCK_N, BLOCK_K/8, 4 pairs]
-        zb = zo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        zz = tl.broadcast_to((zb | (zb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
-        ss = tl.broadcast_to((sb | (sb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
-        if DTYPE == tl.bfloat16:
-            t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.bf16x2 d, $1, $2; mul.rn.bf16x2 $0, d, $3; }",
-                                          "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.f16x2 d, $1, $2; mul.rn.f16x2 $0, d, $3; }",
-                                          "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
-        v = tl.join(t.to(tl.int16), (t >> 16).to(tl.int16))
-        v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))
-        v = tl.permute(v, (0, 1, 3, 4, 2, 5))
-        return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(DTYPE, bitcast=True)
+def _unpack_frag(packed, MAGIC2, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """Like ``_unpack_pairs`` but in FRAG order (``_frag_order``)."""
+    return _frag_order(_pair_words(packed, MAGIC2), BLOCK_K, BLOCK_N, DTYPE)
+
+
+@triton.jit
+def _unpack_frag_deq(packed, MAGIC2, zo, sc, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """``_unpack_frag`` with the dequantization ``((OFFSET + q) - (OFFSET + z)) * s`` done on the pair words by packed
+    PTX ``sub``/``mul`` (sm_90), two weights per instruction: the subtraction is exact for integer zeros and the
+    product is rounded once, as the float reference rounds ``(q - z) * s``. ``zo`` = OFFSET + z and ``sc`` = s are
+    [BLOCK_N] in DTYPE."""
+    t = _pair_words(packed, MAGIC2)
+    zb = zo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    zz = tl.broadcast_to((zb | (zb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
+    ss = tl.broadcast_to((sb | (sb << 16))[:, None, None], (BLOCK_N, BLOCK_K // 8, 4))
+    if DTYPE == tl.bfloat16:
+        t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.bf16x2 d, $1, $2; mul.rn.bf16x2 $0, d, $3; }",
+                                      "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        w = _unpack_frag(packed, MAGIC2, BLOCK_K, BLOCK_N, DTYPE)
-        return (w - zo[:, None]) * sc[:, None]
+        t = tl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.f16x2 d, $1, $2; mul.rn.f16x2 $0, d, $3; }",
+                                      "=r,r,r,r", [t, zz, ss], dtype=tl.int32, is_pure=True, pack=1)
+    return _frag_order(t, BLOCK_K, BLOCK_N, DTYPE)
+
+
+@triton.jit
+def _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K: tl.constexpr):
+    """(number of K tiles, first and end tile) of split ``pid_k``."""
+    k_tiles = K // BLOCK_K
+    t_start = pid_k * TILES_PER_SPLIT
+    return k_tiles, t_start, min(t_start + TILES_PER_SPLIT, k_tiles)
+
+
+@triton.jit
+def _operand_ptrs(x_ptr, qw_ptr, s_ptr, z_ptr, offs_m, offs_n_safe, stride_xm, stride_xk, stride_qk, stride_qn,
+                  stride_sn, BLOCK_K: tl.constexpr):
+    """Pointers of K tile 0: x [len(offs_m), BLOCK_K] (natural K order), packed codes [BLOCK_K/8, BLOCK_N], and the
+    scale and zero rows [BLOCK_N] of group 0."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_K // 8)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
+    return x_ptrs, q_ptrs, s_ptr + offs_n_safe * stride_sn, z_ptr + offs_n_safe * stride_sn
 
 
 @triton.jit
@@ -199,18 +216,12 @@ def _w4a16_kernel(
     mask_n = offs_n < N
     # in-bounds (wrapped) column addresses, so weight loads need no mask and stay 16-byte vectorized
     offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_kp = tl.arange(0, BLOCK_K // 8)
     # Tile position r of the unpacked weight holds k = 8 (r // 8) + PERM[r % 8], PERM = 0 4 1 5 2 6 3 7: one 32-bit
-    # shift-and-mask then yields the 16-bit floats of nibbles j and j + 4 side by side (see _unpack_pairs).
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # natural order, 16-byte loads
-    q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
-    s_ptrs = s_ptr + offs_n_safe * stride_sn
-    z_ptrs = z_ptr + offs_n_safe * stride_sn
-
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    # shift-and-mask then yields the 16-bit floats of nibbles j and j + 4 side by side (see _unpack_pairs); x is
+    # loaded in natural order (16-byte loads) and permuted in registers.
+    x_ptrs, q_ptrs, s_ptrs, z_ptrs = _operand_ptrs(x_ptr, qw_ptr, s_ptr, z_ptr, offs_m, offs_n_safe, stride_xm,
+                                                   stride_xk, stride_qk, stride_qn, stride_sn, BLOCK_K)
+    k_tiles, t_start, t_end = _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
@@ -269,16 +280,9 @@ def _w4a16_swap_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_kp = tl.arange(0, BLOCK_K // 8)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    q_ptrs = qw_ptr + offs_kp[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
-    s_ptrs = s_ptr + offs_n_safe * stride_sn
-    z_ptrs = z_ptr + offs_n_safe * stride_sn
-
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    x_ptrs, q_ptrs, s_ptrs, z_ptrs = _operand_ptrs(x_ptr, qw_ptr, s_ptr, z_ptr, offs_m, offs_n_safe, stride_xm,
+                                                   stride_xk, stride_qk, stride_qn, stride_sn, BLOCK_K)
+    k_tiles, t_start, t_end = _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # Scale, zero and x (or, with X_PREP, x's tile sums) go through registers, which the compiler does not
     # pipeline: tile t + 1's are loaded while tile t computes, so their latency is not paid once per K tile.
@@ -324,7 +328,10 @@ def _w4a16_swap_kernel(
             # rounds), so the dot accumulates over K tiles with no per-tile correction of the [BLOCK_N, BLOCK_M]
             # product, and its wgmma can run while the next tile is unpacked (needs integer zeros: host check)
             dt = x_ptr.dtype.element_ty
-            w = _unpack_frag_deq(packed, MAGIC2, (z + OFFSET).to(dt), s.to(dt), BLOCK_K, BLOCK_N, dt, ASM)
+            if ASM:
+                w = _unpack_frag_deq(packed, MAGIC2, (z + OFFSET).to(dt), s.to(dt), BLOCK_K, BLOCK_N, dt)
+            else:  # the interpreter runs no PTX: the same arithmetic on the unpacked tile (fp16 there)
+                w = (wq_t - (z + OFFSET).to(dt)[:, None]) * s.to(dt)[:, None]
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             d = tl.dot(wq_t, tl.trans(x))  # [BLOCK_N, BLOCK_M]
@@ -393,9 +400,7 @@ def _w4a16_gemv2_kernel(
     offs_r = tl.arange(0, BLOCK_K // 8)
     q_ptrs = qw_ptr + offs_r[:, None] * stride_qk + offs_n_safe[None, :] * stride_qn
     x_row = x_ptr + pid_m * stride_xm
-    k_tiles = K // BLOCK_K
-    t_start = pid_k * TILES_PER_SPLIT
-    t_end = min(t_start + TILES_PER_SPLIT, k_tiles)
+    k_tiles, t_start, t_end = _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
     acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
@@ -675,11 +680,6 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
-def _has_pdl(device) -> bool:
-    """Programmatic dependent launch (``griddepcontrol``) needs sm_90 or newer."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _integer_zeros(zeros: torch.Tensor) -> bool:
     """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are). Checked once per tensor and in-place version
     (the answer is kept on the tensor); under CUDA-graph capture an unchecked tensor counts as not integer."""
@@ -748,7 +748,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         xin, xs = x2d, y  # xs unused unless prepped
         prep = cfg.method in ("swapx", "swapd")
         frag = prep and cfg.block_k % 32 == 0
-        pdl = cfg.pdl and prep and x2d.is_cuda and not _interpreting() and _has_pdl(x2d.device)
+        interp = _interpreting()
+        pdl = cfg.pdl and prep and x2d.is_cuda and not interp and has_pdl(x2d.device)
         if prep:
             xin, xs = _prep_x(x2d, cfg.block_k, frag, pdl)
         _w4a16_swap_kernel[(n_mn, split)](
@@ -758,7 +759,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
             GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_PREP=prep, FRAG=frag,
-            DEQ=cfg.method == "swapd", ASM=not _interpreting(), USE_GDC=pdl, num_warps=cfg.num_warps,
+            DEQ=cfg.method == "swapd", ASM=not interp, USE_GDC=pdl, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         return y

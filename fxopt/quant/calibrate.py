@@ -92,9 +92,9 @@ class QuantizeReport:
 def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
              damp: float = 0.01, *, mse: bool = False, float_target: bool = False, block_size: int = 128,
-             exclude: Iterable[str] = (),
-             include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5, clip: bool = True,
-             offload: bool = False, pack: bool = True, progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
+             exclude: Iterable[str] = (), include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5,
+             clip: bool = True, offload: bool = False, pack: bool = True, progress: bool = True,
+             report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
 
     Args:
@@ -112,9 +112,9 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
         float_target: GPTQ / AWQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃``
             (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
-            compute, one more copy of each parameter the calibration changes) and quantizes the weight that best maps x̃ to ``W x`` (a least-squares
-            correction, ridge-regularised towards ``W`` by ``damp``), so later layers also correct the error of
-            earlier ones.
+            compute, one more copy of each parameter the calibration changes) and quantizes the weight that best
+            maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
+            layers also correct the error of earlier ones.
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
