@@ -112,6 +112,12 @@ def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, pro
     collectives) and rank 0 prints the top CUDA kernels.
     """
     torch._dynamo.reset()  # each variant compiles afresh (no cache hit across the one-GPU / TP / DTensor modules)
+    if mode == "reduce-overhead":
+        # Fresh CUDA-graph trees on every rank: rank 0 alone ran the one-GPU variant's graphs, and a rank that records
+        # its collectives while the other still warms up eagerly would wait forever (one TP run hung here).
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
     fn = torch.compile(module, backend=BACKEND, mode=mode)
     out = {}
     with torch.no_grad():
@@ -210,6 +216,13 @@ def run_tp(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = torch.device("cuda", torch.cuda.current_device())
     layers = args.layers or 4
+    hang_s = float(os.environ.get("FXOPT_HANG_DUMP_S", "0"))
+    if hang_s > 0:  # every thread's Python stack, every hang_s seconds, to find where a rank waits
+        import faulthandler
+
+        os.makedirs(args.out, exist_ok=True)
+        stacks = open(os.path.join(args.out, f"stacks_rank{rank}.txt"), "w")
+        faulthandler.dump_traceback_later(hang_s, repeat=True, file=stacks)
     t0 = time.perf_counter()
     model = build(layers, device, small=smoke)
     ins = inputs(args, device)
@@ -270,10 +283,11 @@ def run_tp(args):
         write_results("tensor_parallel" + ("_smoke" if smoke else ""), rows, out_dir=args.out,
                       title=f"Tensor parallel TP={world}: fxopt.parallelize vs one GPU vs DTensor", notes=notes)
     dist.barrier()
-    dist.destroy_process_group()
-    if not smoke:
-        # On the H200s the process lingered after its table was written (CUDA graphs / NCCL teardown) until the
-        # session script's timeout killed it, 270 s later: everything is written, so leave at once.
+    if smoke:
+        dist.destroy_process_group()
+    else:
+        # On the H200s destroy_process_group() never returned once CUDA graphs held NCCL work (Python stacks of both
+        # ranks, session 5): the table is written and every rank is past the barrier, so leave at once.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -241,6 +241,17 @@ def test_candidate_configs_respect_group_size():
                     assert (G % c.block_k == 0 or c.block_k % G == 0) and 4096 % c.block_k == 0
 
 
+def test_candidate_configs_list_swapd_only_for_integer_zeros():
+    for M in (16, 32, 64, 128, 256, 4096):
+        with_int = K4.candidate_configs(M, 8192, 8192, 128, integer_zeros=True)
+        without = K4.candidate_configs(M, 8192, 8192, 128, integer_zeros=False)
+        assert any(c.method == "swapd" for c in with_int), M
+        assert without and not any(c.method == "swapd" for c in without), M
+        assert all(c.pdl == (c.method in ("swapx", "swapd")) for c in with_int)
+    # swapd needs block_k % 32 == 0: group 16 would force smaller tiles, so no swapd is listed
+    assert not any(c.method == "swapd" for c in K4.candidate_configs(64, 4096, 4096, 16))
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -264,12 +275,13 @@ def test_gpu_every_candidate_config(dtype):
     """Each config the tuner may choose is correct (not only the winner)."""
     K, N = 1024, 1024
     qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=21)
-    for M in (1, 16, 48, 128, 512):
-        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
-        ref = reference(x, qweight, scales, zeros, G)
-        for cfg in K4.candidate_configs(M, N, K, 128):
-            y = w4a16_matmul(x, qweight, scales, zeros, 128, config=cfg)
-            assert_close_to_ref(y, ref, dtype)
+    for z in (zeros, zeros.round()):  # swapd configs run only with integer zeros (as swapx otherwise)
+        for M in (1, 16, 48, 128, 200, 512):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
+            ref = reference(x, qweight, scales, z, G)
+            for cfg in K4.candidate_configs(M, N, K, 128):
+                y = w4a16_matmul(x, qweight, scales, z, 128, config=cfg)
+                assert_close_to_ref(y, ref, dtype)
 
 
 @pytest.mark.gpu

@@ -36,9 +36,10 @@ so no program permutes or reduces x in its inner loop (about 40% fewer instructi
 and the codes are unpacked in FRAG order (``_unpack_frag``): the K order of wgmma's register fragment, so a thread
 reads each packed word once and uses all 8 of its nibbles (4x fewer shared-memory loads, fewer registers).
 The main kernel is launched with programmatic dependent launch (``pdl``): its programs become resident and load
-their first scales while the prep kernel runs, and wait (``gdc_wait``) only before reading x. "swapd" (experimental,
-not in the tuner's lists yet) dequantizes the codes in the activation dtype before the dot, two per PTX instruction,
-so the dot accumulates over K with no per-tile correction (integer zeros only; otherwise it runs as "swapx").
+their first scales while the prep kernel runs, and wait (``gdc_wait``) only before reading x. "swapd"
+dequantizes the codes in the activation dtype before the dot, two per PTX instruction, so the dot accumulates over
+K with no per-tile correction and the wgmma stays asynchronous (integer zeros only; otherwise it runs as "swapx").
+It is the tuner's main candidate from M = 17 to 256 (12-35% faster than swapx at M = 64-256 on the H200).
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
 
@@ -462,9 +463,9 @@ def _dequant_kernel(
 @dataclass(frozen=True)
 class W4A16Config:
     """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first;
-    "swapd", experimental and not in the tuner's lists yet, also dequantizes in the activation dtype before the dot),
+    "swapd" also dequantizes in the activation dtype before the dot, for integer zero points only),
     "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
-    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS). ``pdl`` ("swapx" on CUDA):
+    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS). ``pdl`` (swapx/swapd on CUDA):
     the main kernel is launched with programmatic dependent launch, so it starts while x is being prepared."""
 
     block_m: int = 16
@@ -516,25 +517,30 @@ def _split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
     return cdiv(k_tiles, tiles_per)
 
 
-def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[W4A16Config]:
-    """The short list of configs the tuner times for this shape (first = heuristic default)."""
+def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
+                      integer_zeros: bool = True) -> list[W4A16Config]:
+    """The short list of configs the tuner times for this shape (first = heuristic default). ``integer_zeros``:
+    whether the layer's zero points are integers; "swapd" configs are listed only then (it is exact only for them)."""
     bucket = _m_bucket(M)
     out: list[W4A16Config] = []
 
     def add(bm, bn, bk, waves, code_dot, warps, stages, method="fused"):
+        if method == "swapd" and not integer_zeros:
+            return
         bk = _fit_block_k(bk, K, group_size)
-        if bk < 16:
+        if bk < 16 or (method == "swapd" and bk % 32):
             return
         n_mn = cdiv(M, bm) * cdiv(N, bn)
         split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
-        # swapx launches its main kernel with programmatic dependent launch: 0.5-1.5 us less per call at M <= 16
-        # (benchmarks/w4a16_breakdown.py)
-        cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method, pdl=method == "swapx")
+        # the main kernel of swapx / swapd launches with programmatic dependent launch: 0.5-1.5 us less per call at
+        # M <= 16 (benchmarks/w4a16_breakdown.py)
+        cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method, pdl=method in ("swapx", "swapd"))
         if cfg not in out:
             out.append(cfg)
 
-    # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md): "swapx" (weight as the register
-    # operand of wgmma, x permuted and summed once per call) wins from M = 1 to 128 on every shape measured.
+    # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md). "swapx" (weight as the register
+    # operand of wgmma, x permuted and summed once per call) wins up to M = 32; "swapd" (weights dequantized before
+    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29, session 5).
     if bucket <= 16:
         # waves = programs per SM: ~5 of 4 warps fit at BLOCK_N = 64 (registers), ~3 at 128 (Nsight Compute: at
         # M = 1 the kernel is short of eligible warps, so grids that fill those slots are in the list)
@@ -542,6 +548,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
                                   (128, 4, 4)):
             add(16, bn, 128, waves, True, 4, stages, "swapx")
         add(16, 64, 128, 4, True, 4, 3, "swap")
+        if bucket == 16:  # within 2% of swapx at M = 16 on both shapes swept
+            add(16, 64, 128, 2, True, 4, 3, "swapd")
         if bucket == 1:
             bk = _fit_block_k_spanning(256, K, group_size)
             split = _split_for(cdiv(N, 128), K // bk, 4 * num_sms)
@@ -550,22 +558,32 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         for bm, bn, waves, stages in ((32, 128, 2, 3), (32, 128, 1, 3), (32, 64, 2, 3), (32, 128, 4, 4),
                                       (32, 64, 3, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
+        for bn, waves in ((64, 4), (64, 2)):
+            add(32, bn, 128, waves, True, 4, 3, "swapd")
     elif bucket <= 64:
-        for bm, bn, waves, stages in ((64, 64, 2, 4), (32, 128, 1, 3), (64, 64, 4, 3), (32, 128, 2, 3)):
+        for bn, waves in ((64, 4), (64, 2), (128, 2), (128, 1)):
+            add(64, bn, 128, waves, True, 4, 3, "swapd")
+        for bm, bn, waves, stages in ((64, 64, 2, 4), (32, 128, 1, 3), (32, 128, 2, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
         out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 128:
-        for bm, bn, waves, stages in ((128, 64, 2, 3), (128, 64, 1, 3), (128, 64, 4, 3), (64, 64, 1, 4)):
+        for bm, bn, waves in ((128, 64, 2), (128, 128, 1), (128, 64, 1), (64, 128, 2)):
+            add(bm, bn, 128, waves, True, 4, 3, "swapd")
+        for bm, bn, waves, stages in ((128, 64, 2, 3), (128, 64, 1, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
         out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 256:
+        for bn, waves in ((64, 1), (128, 1), (128, 2)):
+            add(128, bn, 128, waves, True, 4, 3, "swapd")
         out.append(W4A16Config(method="dequant_matmul"))
-        for bm, bn, waves, stages in ((128, 64, 1, 3), (128, 64, 2, 3)):
-            add(bm, bn, 128, waves, True, 4, stages, "swapx")
+        add(128, 64, 128, 1, True, 4, 3, "swapx")
     else:  # compute-bound: cuBLAS on a dequantized copy won every shape measured; the fused GEMMs stay as options
         out.append(W4A16Config(method="dequant_matmul"))
+        add(128, 128, 128, 1, True, 4, 3, "swapd")
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
+    if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
+        out.append(W4A16Config(method="dequant_matmul"))
     return out
 
 
@@ -608,11 +626,12 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     interp = _interpreting() or x2d.device.type != "cuda"
     if interp:
         return _interpreter_config(M, K, group_size)
-    key = (x2d.device.index, x2d.dtype, _m_bucket(M), K, N, group_size, bias is not None)
+    intz = _integer_zeros(zeros)
+    key = (x2d.device.index, x2d.dtype, _m_bucket(M), K, N, group_size, bias is not None, intz)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device))
+    cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device), integer_zeros=intz)
     if torch.cuda.is_current_stream_capturing() or len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
         return cands[0]
     best, best_t = cands[0], float("inf")
