@@ -3,7 +3,7 @@
 Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
 H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
 forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
-``--quick``: a few rows. ``--explore``: time fixed kernel configs (tuning aid, writes attention_explore.*).
+``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--explore``: time fixed kernel configs (tuning aid, writes attention_explore.*).
 """
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def _sdpa(backend, q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def _sdpa_gqa(backend, q, k, v):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
 def _fwd_bwd(f, q, k, v, do):
     return lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)
 
@@ -100,25 +105,34 @@ def attention_rows(d, S, causal, bwd=True):
     return row
 
 
-def decode_rows(S, B=8, H=32, d=128, **split_kw):
+def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
+    """One decode row. ``hkv``: key/value heads (GQA when < H); ``combine``: "fused" / "kernel" sets the split-KV
+    combine mode for the fxopt calls (default: the library's)."""
+    hkv = hkv or H
+    if combine is not None:
+        A._FUSED_COMBINE = combine == "fused"
     q = _rand(B, H, 1, d)
-    k, v = _rand(B, H, S, d), _rand(B, H, S, d)
-    nbytes = 2 * B * H * S * d * 2
+    k, v = _rand(B, hkv, S, d), _rand(B, hkv, S, d)
+    nbytes = 2 * B * hkv * S * d * 2
     row = {"decode_S": S, "B": B, "H": H, "d": d}
+    if hkv != H or combine is not None:
+        row.update(Hkv=hkv, combine=combine or ("fused" if A._FUSED_COMBINE else "kernel"))
+    gqa = hkv != H
+    sdpa = lambda backend: _sdpa_gqa(backend, q, k, v) if gqa else _sdpa(backend, q, k, v, False)  # noqa: E731
     t = {"fxopt": _try(lambda: A.flash_attention_triton(q, k, v)),
-         "fa2": _try(lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, False)),
-         "cudnn": _try(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, False))}
+         "fa2": _try(lambda: sdpa(SDPBackend.FLASH_ATTENTION)),
+         "cudnn": _try(lambda: sdpa(SDPBackend.CUDNN_ATTENTION))}
     for name, ms in t.items():
         row[f"{name}_TBps"] = round(nbytes / ms / 1e9, 2) if ms else None
     row["vs_cudnn"] = _ratio(row["fxopt_TBps"], row["cudnn_TBps"])
     row["vs_fa2"] = _ratio(row["fxopt_TBps"], row["fa2_TBps"])
     # the same calls replayed from CUDA graphs (host launch overhead removed for both)
     tg = {"fxopt": _try(lambda: A.flash_attention_triton(q, k, v), graph=True),
-          "cudnn": _try(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, False), graph=True)}
+          "cudnn": _try(lambda: sdpa(SDPBackend.CUDNN_ATTENTION), graph=True)}
     for name, ms in tg.items():
         row[f"graph_{name}_TBps"] = round(nbytes / ms / 1e9, 2) if ms else None
     row["graph_vs_cudnn"] = _ratio(row["graph_fxopt_TBps"], row["graph_cudnn_TBps"])
-    ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, False)
+    ref = sdpa(SDPBackend.FLASH_ATTENTION) if not gqa else sdpa(SDPBackend.MATH)
     row["max_err_vs_fa2"] = round((A.flash_attention_triton(q, k, v) - ref).abs().max().item(), 4)
     print(row, flush=True)
     return row
@@ -232,8 +246,26 @@ def explore(out_dir, budget_s=110.0):
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--explore", action="store_true"))
+    def extra(p):
+        p.add_argument("--explore", action="store_true")
+        p.add_argument("--decode-only", action="store_true",
+                       help="decode rows only, fused combine against the combine kernel, MHA and GQA "
+                            "(writes attention_decode.*)")
+
+    args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
+    if args.decode_only:
+        rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)
+                for c in ("fused", "kernel")]
+        A._FUSED_COMBINE = False
+        write_results("attention_decode", rows, out_dir=args.out,
+                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): fused combine vs combine kernel",
+                      notes="TB/s = K+V bytes / time. fused: the last split of each (batch, kv head) merges the "
+                            "partials in the split kernel; kernel: a second kernel (_attn_combine) launched with "
+                            "programmatic dependent launch. graph_* = replayed from a CUDA graph. FA2 takes no "
+                            "GQA here (SDPA enable_gqa), so Hkv=8 rows compare with cuDNN; max_err against SDPA "
+                            "MATH for Hkv=8. Medians of triton.testing.do_bench.")
+        return
     if args.explore:
         os.makedirs(args.out, exist_ok=True)
         rows = explore(args.out, float(os.environ.get("EXPLORE_BUDGET_S", "110")))

@@ -173,8 +173,10 @@ def test_transposed_bshd_inputs_read_in_place():
     _assert_close(A.flash_attention_triton(qs, k, v), _ref64(q, k, v), torch.float32)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
 @pytest.mark.parametrize("Sq,mask", [(1, False), (3, True)])
-def test_decode_split_kv_path(Sq, mask):
+def test_decode_split_kv_path(Sq, mask, fused, monkeypatch):
+    monkeypatch.setattr(A, "_FUSED_COMBINE", fused)
     B, Hq, Hkv, Sk, D = 1, 4, 1, 1030, 16
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D)
     assert A._use_split(q, k, 0.0)  # chosen automatically for few queries and long keys
@@ -411,8 +413,10 @@ def test_gpu_forward_backward(name, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
 @pytest.mark.parametrize("Sk,Hkv", [(4096, 32), (5000, 4)])
-def test_gpu_decode(Sk, Hkv):
+def test_gpu_decode(Sk, Hkv, fused, monkeypatch):
+    monkeypatch.setattr(A, "_FUSED_COMBINE", fused)
     q, k, v = _inputs(4, 32, Hkv, 1, Sk, 128, torch.bfloat16, "cuda")
     assert A._use_split(q, k, 0.0)
     out, lse = A.flash_attention_triton(q, k, v, return_lse=True, is_causal=True)
@@ -421,6 +425,22 @@ def test_gpu_decode(Sk, Hkv):
     assert (lse.double() - ref_lse).abs().max() < 1e-2
     ref_sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != 32)
     _assert_close(out, ref_sdpa.float(), torch.bfloat16)
+    # repeated launches (the arrival counters reset themselves) and CUDA-graph replays on new inputs agree too
+    for _ in range(3):
+        assert torch.equal(A.flash_attention_triton(q, k, v, is_causal=True), out)
+    qs = q.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        A.flash_attention_triton(qs, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        og = A.flash_attention_triton(qs, k, v, is_causal=True)
+    for seed in range(3):
+        qs.copy_(_inputs(4, 32, Hkv, 1, 8, 128, torch.bfloat16, "cuda", seed=seed + 7)[0])
+        g.replay()
+        _assert_close(og, _ref64(qs, k, v, is_causal=True), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,8 @@ Design
 * Decode (``_attn_fwd_split`` + ``_attn_combine``, flash-decoding): used automatically for few query tokens
   (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
   packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
-  GPU; a combine kernel merges the partial (output, lse) pairs.
+  GPU; a combine kernel merges the partial (output, lse) pairs (or, with ``FXOPT_ATTN_DECODE_COMBINE=fused``, the
+  last split to finish does, behind an acq_rel arrival counter: one launch fewer, but slower on the GPU).
 * Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
   KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
   ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp.
@@ -321,10 +322,11 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
                     stride_vz, stride_vh, stride_vn,
                     stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
                     H_Q, GROUP, SEQ_Q, SEQ_K, SPLIT_LEN, NUM_SPLITS, sm_scale, softcap, window,
+                    O, LSE, LOCKS, stride_oz, stride_oh, stride_om,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                     HAS_KPM: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_GDC: tl.constexpr = False):
+                    USE_GDC: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False):
     split = tl.program_id(0)
     off_zk = tl.program_id(1)
     H_KV = H_Q // GROUP
@@ -365,6 +367,33 @@ def _attn_fwd_split(Q, K, V, OPART, LPART, MASK, KPM,
     prow = ((off_z * H_Q + hq).to(tl.int64) * SEQ_Q + qi) * NUM_SPLITS + split
     tl.store(LPART + prow, lse2, mask=rok)
     tl.store(OPART + prow[:, None] * BLOCK_D + offs_d[None, :], out, mask=rok[:, None])
+    if FUSED_COMBINE:
+        # The last split of this (batch, kv head) to arrive merges the partials of its rows: no second kernel.
+        # A CTA barrier orders every thread's stores before the acq_rel arrival; partials are read from L2 (.cg).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(LOCKS + off_zk, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            pbase = prow - split
+            mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+            for s in range(0, NUM_SPLITS):
+                mx = tl.maximum(mx, tl.load(LPART + pbase + s, mask=rok, other=float("-inf"), cache_modifier=".cg"))
+            mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+            tot = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+            for s in range(0, NUM_SPLITS):
+                w = tl.exp2(tl.load(LPART + pbase + s, mask=rok, other=float("-inf"), cache_modifier=".cg") - mx_safe)
+                o_s = tl.load(OPART + (pbase + s)[:, None] * BLOCK_D + offs_d[None, :], mask=rok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                acc2 += o_s * w[:, None]
+                tot += w
+            tot_safe = tl.where(tot == 0.0, 1.0, tot)
+            res = acc2 / tot_safe[:, None]
+            lse = tl.where(tot == 0.0, float("inf"), (mx_safe + tl.log2(tot_safe)) * 0.6931471805599453)
+            tl.store(LSE + (off_z * H_Q + hq).to(tl.int64) * SEQ_Q + qi, lse, mask=rok)
+            o_ptrs = (O + off_z.to(tl.int64) * stride_oz + hq[:, None].to(tl.int64) * stride_oh
+                      + qi[:, None] * stride_om + offs_d[None, :])
+            tl.store(o_ptrs, res.to(O.dtype.element_ty), mask=rok[:, None] & (offs_d[None, :] < HEAD_DIM))
+            tl.atomic_xchg(LOCKS + off_zk, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -918,7 +947,13 @@ def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
 
 
 def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
-                  block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None):
+                  block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None, fused=None):
+    """Split-KV decode. By default ``_attn_combine`` merges the partials as a second kernel, launched with
+    programmatic dependent launch on sm_90+. ``fused`` (or FXOPT_ATTN_DECODE_COMBINE=fused): the last split of each
+    (batch, kv head) to finish merges them inside the split kernel. On the H200 that saves a launch on the host
+    (eager 4k: 3.68 against 3.54 TB/s) but lengthens the GPU's critical path, since one CTA then reads every partial
+    after its own work (CUDA graphs, 4k: 3.64 against 3.87 TB/s; GQA 4:1 at 4k: 2.28 against 2.67), so it is off
+    (benchmarks/results/attention_decode.md)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     BLOCK_D = flags["BLOCK_D"]
@@ -929,16 +964,43 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
     num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
     opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
     lpart = torch.empty((B, Hq, Sq, num_splits), device=q.device, dtype=torch.float32)
+    if fused is None:
+        fused = _FUSED_COMBINE
+    locks = _decode_locks(q.device, B * Hkv) if fused else lpart
     # programmatic dependent launch (sm_90+): the combine kernel is launched while the split kernel drains
-    pdl = not _INTERPRET and q.is_cuda and has_pdl(q.device)
+    pdl = not fused and not _INTERPRET and q.is_cuda and has_pdl(q.device)
     _attn_fwd_split[(num_splits, B * Hkv)](
         q, k, v, opart, lpart, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstr, *kstr,
         Hq, group, Sq, Sk, split_len, num_splits, sm_scale, float(softcap), int(window),
-        BLOCK_R=BLOCK_R, BLOCK_N=block_n, USE_GDC=pdl, num_warps=num_warps, num_stages=num_stages, **flags)
-    _attn_combine[(B * Hq * Sq,)](opart, lpart, o, lse, *o.stride()[:3], Hq, Sq, num_splits,
-                                  HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(num_splits)),
-                                  USE_GDC=pdl, num_warps=4 if _INTERPRET else 1,
-                                  **({"launch_pdl": True} if pdl else {}))
+        o, lse, locks, *o.stride()[:3],
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, USE_GDC=pdl, FUSED_COMBINE=bool(fused), num_warps=num_warps,
+        num_stages=num_stages, **flags)
+    if not fused:
+        _attn_combine[(B * Hq * Sq,)](opart, lpart, o, lse, *o.stride()[:3], Hq, Sq, num_splits,
+                                      HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(num_splits)),
+                                      USE_GDC=pdl, num_warps=4 if _INTERPRET else 1,
+                                      **({"launch_pdl": True} if pdl else {}))
+
+
+_FUSED_COMBINE = os.environ.get("FXOPT_ATTN_DECODE_COMBINE", "kernel") == "fused"
+_LOCKS: dict = {}
+
+
+def _decode_locks(device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused combine; every launch leaves them at zero again. One buffer per
+    (device, stream), so launches on two streams never share counters. Under CUDA-graph capture a fresh buffer is
+    captured (its memset replays with the graph) and not cached: graph-pool memory must not leak to eager calls."""
+    if device.type != "cuda":
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
 
 
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
