@@ -271,17 +271,20 @@ def test_gpu_op_realistic(dtype, M, group_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_every_candidate_config(dtype):
-    """Each config the tuner may choose is correct (not only the winner)."""
+@pytest.mark.parametrize("M", [1, 16, 48, 128, 200, 512])
+def test_gpu_every_candidate_config(dtype, M):
+    """Each config the tuner may choose is correct (not only the winner), for integer zeros (swapd listed) and
+    fractional ones (swapd not listed)."""
     K, N = 1024, 1024
     qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=21)
-    for z in (zeros, zeros.round()):  # swapd configs run only with integer zeros (as swapx otherwise)
-        for M in (1, 16, 48, 128, 200, 512):
-            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
-            ref = reference(x, qweight, scales, z, G)
-            for cfg in K4.candidate_configs(M, N, K, 128):
-                y = w4a16_matmul(x, qweight, scales, z, 128, config=cfg)
-                assert_close_to_ref(y, ref, dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
+    for z, integer in ((zeros.round(), True), (zeros + 0.25, False)):
+        ref = reference(x, qweight, scales, z, G)
+        cands = K4.candidate_configs(M, N, K, 128, integer_zeros=integer)
+        assert integer or not any(c.method == "swapd" for c in cands)
+        for cfg in cands:
+            y = w4a16_matmul(x, qweight, scales, z, 128, config=cfg)
+            assert_close_to_ref(y, ref, dtype)
 
 
 @pytest.mark.gpu

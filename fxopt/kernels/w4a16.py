@@ -563,23 +563,30 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
     elif bucket <= 64:
         for bn, waves in ((64, 4), (64, 2), (128, 2), (128, 1)):
             add(64, bn, 128, waves, True, 4, 3, "swapd")
+        add(64, 128, 128, 1, True, 8, 3, "swapd")
         for bm, bn, waves, stages in ((64, 64, 2, 4), (32, 128, 1, 3), (32, 128, 2, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
         out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 128:
         for bm, bn, waves in ((128, 64, 2), (128, 128, 1), (128, 64, 1), (64, 128, 2)):
             add(bm, bn, 128, waves, True, 4, 3, "swapd")
+        # two warpgroups split BLOCK_N: 170 registers at 128 x 128 against 255 (and a spill) with one
+        for bn, waves, stages in ((128, 1, 3), (128, 2, 3), (256, 1, 3), (128, 1, 4)):
+            add(128, bn, 128, waves, True, 8, stages, "swapd")
         for bm, bn, waves, stages in ((128, 64, 2, 3), (128, 64, 1, 3)):
             add(bm, bn, 128, waves, True, 4, stages, "swapx")
         out.append(W4A16Config(method="dequant_matmul"))
     elif bucket <= 256:
         for bn, waves in ((64, 1), (128, 1), (128, 2)):
             add(128, bn, 128, waves, True, 4, 3, "swapd")
+        for bm, bn, stages in ((128, 128, 3), (128, 256, 3), (256, 128, 3), (128, 128, 4)):
+            add(bm, bn, 128, 1, True, 8, stages, "swapd")
         out.append(W4A16Config(method="dequant_matmul"))
         add(128, 64, 128, 1, True, 4, 3, "swapx")
     else:  # compute-bound: cuBLAS on a dequantized copy won every shape measured; the fused GEMMs stay as options
         out.append(W4A16Config(method="dequant_matmul"))
-        add(128, 128, 128, 1, True, 4, 3, "swapd")
+        for bm, bn in ((128, 256), (256, 128), (128, 128)):
+            add(bm, bn, 128, 0, True, 8, 3, "swapd")
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
