@@ -73,6 +73,36 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def bench_ms_fixed(fn, warmup: int = 10, iters: int = 100) -> float:
+    """Median time of ``fn()`` in ms over a fixed number of calls: for functions that hold collectives.
+
+    ``triton.testing.do_bench`` picks its repetition count from a timing estimate, so two ranks may call ``fn`` a
+    different number of times; the extra collectives of one rank then wait for partners that never come (the TP
+    benchmark hung that way on the H200s, session 5). Every rank here calls ``fn`` exactly ``warmup + iters`` times.
+    """
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        import statistics
+        import time
+
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return float(times[len(times) // 2])
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"

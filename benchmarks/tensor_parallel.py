@@ -30,7 +30,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import bench_ms, parse_args, write_results  # noqa: E402
+from common import bench_ms_fixed, parse_args, write_results  # noqa: E402
 
 import fxopt  # noqa: E402
 from fxopt.models import TinyLlama, TinyLlamaConfig  # noqa: E402
@@ -103,6 +103,7 @@ BACKEND = "fxopt"
 
 
 PROFILE_PHASE = "decode"
+ITERS = 100
 
 
 def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, profile: bool = False) -> dict:
@@ -125,7 +126,8 @@ def compiled_timings(module, ins, mode=None, label: str = "", rank: int = 0, pro
             module(x)  # eager once: a new shape re-captures outside the compiled region (fxopt.parallelize)
             for _ in range(3):  # CUDA graphs record on the second or third call
                 fn(x)
-            out[name] = bench_ms(lambda: fn(x))
+            # a fixed call count on every rank (the TP and DTensor graphs hold collectives)
+            out[name] = bench_ms_fixed(lambda: fn(x), warmup=10, iters=ITERS)
             if rank == 0:
                 print(f"timing: {label} mode={mode} {name}: {out[name]:.3f} ms", flush=True)
         if profile and torch.cuda.is_available():
@@ -199,10 +201,11 @@ def run_local_compute(args):
 
 
 def run_tp(args):
-    global BACKEND
+    global BACKEND, ITERS
     smoke = args.smoke_cpu
     if smoke:
         BACKEND = "fxopt_eager"
+        ITERS = 5
     if args.backend:
         BACKEND = args.backend
     if smoke:
