@@ -1198,10 +1198,10 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
                         window: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None,
                         seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward -> (out like q, lse [B, Hq, Sq] float32, natural log, +inf on fully masked rows)."""
-    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
-    if q.device.type == "cuda":
+    if q.device.type == "cuda":  # flash_attention_triton checks the inputs itself (once per call: host time)
         return flash_attention_triton(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
                                       key_padding_mask, _seed_int(seed), return_lse=True)
+    _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     return _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask,
                           _seed_int(seed))
 
