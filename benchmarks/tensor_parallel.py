@@ -54,6 +54,11 @@ def _args(p):
     p.add_argument("--skip-one-gpu", action="store_true", help="same as leaving 'one' out of --variants")
     p.add_argument("--overlap-chunks", type=int, default=1,
                    help="fxopt TP: cut each row-parallel all-reduce into this many token chunks (overlap)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="fxopt TP: reduce-scatter / all-gather over the tokens instead of all-reduce (inference)")
+    p.add_argument("--async-tp", action="store_true",
+                   help="with --sequence-parallel: Inductor's micro-pipeline TP (all-gather -> matmul and matmul -> "
+                        "reduce-scatter overlapped through symmetric memory); experimental")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
     p.add_argument("--profile-phase", default="decode", choices=["decode", "prefill"],
@@ -240,8 +245,17 @@ def run_tp(args):
     single = compiled_timings(model, ins, label="one GPU", profile=prof) if one else {}
     single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
+    if args.async_tp and not smoke:
+        # Inductor's micro-pipeline TP pass fuses all_gather -> mm and mm -> reduce_scatter into overlapped
+        # symmetric-memory ops; it needs symmetric memory on the group
+        import torch._inductor.config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        inductor_config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(dist.group.WORLD.group_name)
     tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel,
-                      overlap_chunks=args.overlap_chunks, vocab_parallel_embedding=args.vocab_parallel_embedding)
+                      overlap_chunks=args.overlap_chunks, vocab_parallel_embedding=args.vocab_parallel_embedding,
+                      sequence_parallel=args.sequence_parallel or args.async_tp)
     n_local = sum(p.numel() for p in tpm.parameters()) + sum(b.numel() for b in tpm.buffers())
     with torch.no_grad():
         ref = model(ins["prefill"])
@@ -274,7 +288,8 @@ def run_tp(args):
                  f"compiled with backend='fxopt'. lm_head cut by vocabulary: {args.vocab_parallel} (fxopt "
                  f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary "
                  f"(fxopt): {args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
-                 f"{args.overlap_chunks}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
+                 f"{args.overlap_chunks}; sequence_parallel {args.sequence_parallel or args.async_tp}; async TP "
+                 f"(Inductor micro-pipeline) {args.async_tp}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")
         if dt_t:

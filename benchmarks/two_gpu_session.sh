@@ -2,7 +2,7 @@
 # Two-GPU device calls (issue 9), run from the repo root on a machine with two H200s; writes under $OUT.
 #   bash benchmarks/two_gpu_session.sh tests tp        # correctness (NCCL + one-GPU suites, the example), TP bench
 #   bash benchmarks/two_gpu_session.sh pp costmodel    # pipeline bench (M = 1..16), cost model on one GPU
-# Phases: info tests example tp tpcg tpdtensor tpoverlap pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
+# Phases: info tests example tp tpcg tpsp tpdtensor tpoverlap pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
 cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast must stay off on these shared hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -49,6 +49,15 @@ phase_tpcg() {
     d="$RES/cg${e:+_emb}"; mkdir -p "$d"
     FXOPT_HANG_DUMP_S=50 timeout 160 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel $e \
       --variants fxopt --out "$d" 2>&1 | grep -v "^W1" | grep "timing\|Error\|error" | head -20
+  done
+}
+
+phase_tpsp() {
+  # fxopt TP with sequence parallelism, then with Inductor's micro-pipeline (async) TP on top
+  for v in "--sequence-parallel" "--async-tp"; do
+    d="$RES/sp${v#--}"; mkdir -p "$d"
+    timeout 200 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel $v --variants fxopt \
+      --no-cudagraphs --out "$d" 2>&1 | grep -v "^W1" | grep "timing\|Error\|error\|plan" | head -20
   done
 }
 

@@ -61,6 +61,10 @@ class TensorParallelConfig:
         overlap_chunks: in inference graphs, cut each row-parallel linear along its token dimension into this many
             chunks, each followed by its own all-reduce, so that one chunk's all-reduce runs while the next chunk's
             matmul does (1: one matmul, one all-reduce). Chunks the token count does not divide are not cut.
+        sequence_parallel: in inference graphs, replace each row-parallel all-reduce by a reduce-scatter over the
+            tokens and run the token-wise ops that follow (residual adds, norms) on this rank's tokens only, with an
+            all-gather before the next column-parallel linear (Megatron's sequence parallelism). Same bytes on the
+            wire; the all-gather -> matmul pairs are what Inductor's micro-pipeline TP overlaps.
     """
 
     enabled: bool = False
@@ -68,6 +72,7 @@ class TensorParallelConfig:
     vocab_parallel: bool = False
     vocab_parallel_embedding: bool = False
     overlap_chunks: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclass

@@ -208,6 +208,49 @@ def _check_overlap_chunks(ws, model, ids):
     torch.testing.assert_close(q(x).float(), mlp(x).float(), rtol=2e-3, atol=2e-3)
 
 
+def _check_sequence_parallel(ws):
+    """sequence_parallel: every row-parallel all-reduce becomes a reduce-scatter over the tokens, token-wise ops
+    (residual adds, RMSNorm / LayerNorm, casts, eval dropout, views) run on the local tokens and one all-gather
+    feeds each column-parallel block; outputs equal the full model's."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for model, args, kwargs in ((_demo(), (ids,), {}),
+                                    (_llama(), (), {"input_ids": ids, "use_cache": False}),
+                                    (_gpt2(), (), {"input_ids": ids, "use_cache": False})):
+            model = model.eval().requires_grad_(False)
+            tpm = parallelize(model, args, kwargs, tp=ws, config=_cfg(), sequence_parallel=True)
+            gm = tpm.graph_module
+            assert tpm.plan.all_reduces == 0 == _count(gm, "_c10d_functional.all_reduce"), str(tpm.plan)
+            assert tpm.plan.reduce_scatters == 4 == _count(gm, "reduce_scatter_tensor"), str(tpm.plan)
+            # one gather before each attention / MLP block's column linears (the last one feeds the lm_head)
+            assert tpm.plan.all_gathers == 4 == _count(gm, "all_gather_into_tensor"), str(tpm.plan)
+            assert "reduce_scatter" in str(tpm.plan) and "sequence_parallel" in str(tpm.plan)
+            torch.testing.assert_close(_logits(tpm(*args, **kwargs)), _logits(model(*args, **kwargs)),
+                                       rtol=1e-5, atol=1e-5)
+        # GPT-2 with its tied embedding cut by vocabulary: the embedding's all-reduce is reduce-scattered too, and
+        # the position embeddings [1, S, H] are expanded and sliced locally
+        gpt2 = _gpt2().eval().requires_grad_(False)
+        kw = {"input_ids": ids, "use_cache": False}
+        tpv = parallelize(gpt2, (), kw, tp=ws, config=_cfg(), sequence_parallel=True, vocab_parallel=True)
+        assert tpv.plan.all_reduces == 0 and tpv.plan.reduce_scatters == 5, str(tpv.plan)
+        torch.testing.assert_close(_logits(tpv(**kw)), _logits(gpt2(**kw)), rtol=1e-5, atol=1e-5)
+        # 7 tokens do not split over 2 ranks: the all-reduces stay, with a note
+        demo = _demo().eval().requires_grad_(False)
+        odd = ids[:1, :7]
+        t7 = parallelize(demo, (odd,), tp=ws, config=_cfg(), sequence_parallel=True)
+        assert t7.plan.all_reduces == 4 and t7.plan.reduce_scatters == 0, str(t7.plan)
+        assert "no all-reduce with a token count divisible" in str(t7.plan)
+        torch.testing.assert_close(t7(odd), demo(odd), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sequence_parallel and overlap_chunks"):
+        parallelize(demo, (ids,), tp=ws, sequence_parallel=True, overlap_chunks=2)
+    # a training graph keeps its all-reduces (the note says why)
+    tr = parallelize(_demo(), (ids,), tp=ws, config=_cfg(), sequence_parallel=True, training=True)
+    assert tr.plan.reduce_scatters == 0 and tr.plan.all_reduces == 4
+    assert "inference graphs" in str(tr.plan)
+
+
 def _worker_all(rank, ws):
     import time
 
@@ -215,6 +258,7 @@ def _worker_all(rank, ws):
     _worker_models(rank, ws)
     t1 = time.perf_counter()
     _worker_vocab_quant_compile(rank, ws)
+    _check_sequence_parallel(ws)
     if rank == 0:
         print(f"models {t1 - t0:.1f}s, vocab/quant/compile {time.perf_counter() - t1:.1f}s")
 
@@ -257,6 +301,26 @@ def test_fake_pg_world4_gqa_kv_replicated(fake_pg):
     assert tpm(ids).shape == (2, 8, 64)
     report_notes = [l for r in tpm.pass_results if r.name == "tensor_parallel" for l in r.notes]
     assert any("tp=4" in l for l in report_notes)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_fake_pg_world4_sequence_parallel_graph(fake_pg):
+    """The sequence-parallel graph at world size 4: the residual stream and the norms hold 16 / 4 tokens, every
+    column-parallel block reads an all-gathered input, the embeddings are sliced locally (no communication)."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _demo().eval().requires_grad_(False)
+    ids = torch.randint(0, 64, (2, 8))
+    tpm = parallelize(model, (ids,), tp=4, config=_cfg(), sequence_parallel=True)
+    gm = tpm.graph_module
+    assert tpm.plan.reduce_scatters == 4 and tpm.plan.all_reduces == 0 and tpm.plan.all_gathers == 4
+    rs = [n for n in gm.graph.nodes if "reduce_scatter" in str(n.target)]
+    assert all(tuple(n.meta["val"].shape) == (4, 64) for n in rs)  # 16 tokens / 4 ranks
+    narrows = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "narrow"]
+    assert len(narrows) == 1 and narrows[0].args[1:] == (0, 0, 4)  # the embeddings, rank 0's first 4 tokens
+    for ag in (n for n in gm.graph.nodes if "all_gather" in str(n.target)):
+        assert tuple(ag.meta["val"].shape) == (16, 64)
+    assert tpm(ids).shape == (2, 8, 64)
 
 
 @pytest.mark.parametrize("fake_pg", [8], indirect=True)

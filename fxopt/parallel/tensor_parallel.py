@@ -269,7 +269,8 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
                 group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
                 vocab_parallel: Optional[bool] = None, training: Optional[bool] = None,
                 overlap_chunks: Optional[int] = None,
-                vocab_parallel_embedding: Optional[bool] = None) -> TensorParallelModule:
+                vocab_parallel_embedding: Optional[bool] = None,
+                sequence_parallel: Optional[bool] = None) -> TensorParallelModule:
     """Return this rank's tensor-parallel module for ``model`` (call on every rank of the process group).
 
     Args:
@@ -288,6 +289,9 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
             ``config.tensor_parallel.overlap_chunks`` (1).
         vocab_parallel_embedding: with ``vocab_parallel``, also cut an untied vocabulary embedding (less memory, one
             more all-reduce per forward). Default: ``config.tensor_parallel.vocab_parallel_embedding`` (False).
+        sequence_parallel: inference only: reduce-scatter the row-parallel outputs over the tokens and run the
+            token-wise ops after them on 1/tp of the tokens, all-gathering before the next column-parallel linear.
+            Default: ``config.tensor_parallel.sequence_parallel`` (False). Not combined with ``overlap_chunks`` > 1.
 
     Raises:
         RuntimeError: no initialized process group, or the model is not captured as one graph.
@@ -309,8 +313,12 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
         raise ValueError(f"fxopt.parallelize: overlap_chunks must be a positive int, got {chunks!r}")
     vpe = (cfg.tensor_parallel.vocab_parallel_embedding if vocab_parallel_embedding is None
            else bool(vocab_parallel_embedding))
+    sp = cfg.tensor_parallel.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
+    if sp and chunks > 1:
+        raise ValueError("fxopt.parallelize: sequence_parallel and overlap_chunks > 1 are two ways to place the "
+                         "row-parallel communication; choose one")
     cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks,
-                                               vocab_parallel_embedding=vpe)
+                                               vocab_parallel_embedding=vpe, sequence_parallel=sp)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())

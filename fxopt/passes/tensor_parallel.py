@@ -85,6 +85,7 @@ tp_copy.register_autograd(_tp_copy_backward, setup_context=_tp_copy_setup)
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,13 +160,15 @@ class TensorParallelPlan:
     linears: list = field(default_factory=list)  # (kind, module/weight name, detail)
     all_reduces: int = 0
     all_gathers: int = 0
+    reduce_scatters: int = 0  # sequence parallel: row-parallel outputs reduce-scattered over the tokens
     overlap_chunks: int = 1  # token chunks of the row-parallel all-reduces (1: not chunked)
     replicated: list = field(default_factory=list)  # (name, reason)
     notes: list = field(default_factory=list)
 
     def lines(self) -> list:
+        rs = f", {self.reduce_scatters} reduce_scatter(s)" if self.reduce_scatters else ""
         out = [f"tensor_parallel plan: tp={self.tp}, rank {self.rank}: {len(self.linears)} sharded op(s), "
-               f"{self.all_reduces} all_reduce(s), {self.all_gathers} all_gather(s) in forward"]
+               f"{self.all_reduces} all_reduce(s), {self.all_gathers} all_gather(s){rs} in forward"]
         for kind, name, detail in self.linears:
             out.append(f"  {kind:<10} {name}  {detail}")
         for n in self.notes:
@@ -1035,6 +1038,8 @@ class _Rewriter:
         self.plan = TensorParallelPlan(self.tp, self.rank)
         self.f_cache: dict = {}
         self.dead: list = []  # unchunked row linears replaced by their chunks, erased at the end of run()
+        self.reduced: list = []  # (input, all_reduce, wait) of every whole (unchunked) inference all-reduce
+        self.local_shapes: dict = {}  # node -> local shape changed by the sequence-parallel step
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
@@ -1061,6 +1066,7 @@ class _Rewriter:
                 ar = g.call_function(_ALL_REDUCE, (x, "sum", self.tpc.group_name))
                 out = g.call_function(_WAIT, (ar,))
                 nodes = [ar, out]
+                self.reduced.append((x, ar, out))
         for n in nodes:
             _copy_meta(n, x)
         self.plan.all_reduces += 1
@@ -1151,6 +1157,13 @@ class _Rewriter:
             if not node.users:
                 self.prop.state.pop(node, None)
                 g.erase_node(node)
+        # 7. sequence parallel: reduce-scatter instead of all-reduce, token-wise ops on the local tokens
+        if an.cfg.sequence_parallel:
+            if self.tpc.training:
+                self.plan.notes.append("sequence_parallel applies to inference graphs; this training graph keeps "
+                                       "its all-reduces")
+            else:
+                _SequenceParallel(self).run()
 
     def _column(self, node, sh):
         an = self.an
@@ -1204,6 +1217,8 @@ class _Rewriter:
                 with g.inserting_before(node):
                     mm = g.call_function(torch.mm, (lin.x, lin.weight))
                 _copy_meta(mm, node)
+                if "val" in node.meta:  # same (full) shape as the addmm it replaces
+                    mm.meta["val"] = node.meta["val"]
                 node.replace_all_uses_with(mm)
                 g.erase_node(node)
                 node = mm
@@ -1215,6 +1230,8 @@ class _Rewriter:
             with g.inserting_after(out):
                 last = g.call_function(operator.add, (out, bias))
             _copy_meta(last, node)
+            if "val" in node.meta:  # the full output, as before the cut (read by the sequence-parallel step)
+                last.meta["val"] = node.meta["val"]
         for u in users:
             u.replace_input_with(node, last)
         if lin.node is not node:  # conv1d: keep the analysis' maps pointing at live nodes
@@ -1281,6 +1298,8 @@ class _Rewriter:
                 masked = g.call_method("masked_fill", (node, m, 0.0))
             _copy_meta(m, node)
             _copy_meta(masked, node)
+            if "val" in node.meta:  # the embeddings' full shape (read by the sequence-parallel step)
+                masked.meta["val"] = node.meta["val"]
             out = self.all_reduce(masked, masked)
             for u in users:
                 u.replace_input_with(node, out)
@@ -1341,6 +1360,191 @@ class _Rewriter:
                     targets.append((node, a))
         for node, a in targets:
             node.replace_input_with(a, self.tp_copy(a, node))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sequence parallel (inference graphs)
+# ----------------------------------------------------------------------------------------------------------------
+_TOKENWISE_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+                    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt,
+                    torch.exp, torch.tanh, torch.sigmoid, torch.abs, F.silu, F.gelu, F.relu, torch.square}
+_TOKENWISE_METHODS = {"add", "sub", "mul", "div", "pow", "rsqrt", "sqrt", "exp", "neg", "tanh", "sigmoid", "abs",
+                      "square", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"}
+_LASTDIM_REDUCTIONS = {"mean", "sum", "amax", "amin"}
+_VIEW_METHODS = {"view", "reshape"}
+
+
+class _SequenceParallel:
+    """Megatron's sequence parallelism on an inference graph, after the tensor-parallel rewrite.
+
+    Every whole row-parallel all-reduce becomes a reduce-scatter over the tokens: the output, seen as
+    [N tokens, H], is left as this rank's N / tp consecutive token rows. Token-wise ops (elementwise, casts, norms as
+    reductions over the last dim with keepdim, views that keep the last dim) then run on those rows only: a
+    replicated operand with the same tokens is sliced locally (no communication), one that does not vary over the
+    tokens (a norm weight, a bias, a scalar) is used as it is. Any other consumer (the next column-parallel linear,
+    attention, the graph output) gets the full tensor back from one all-gather per value. The bytes moved equal the
+    all-reduce's; the norms and residual adds run on 1 / tp of the tokens, and every all-gather feeding a matmul is
+    the pattern Inductor's micro-pipeline TP can overlap with that matmul. An all-reduce whose token count the group
+    size does not divide stays as it is."""
+
+    def __init__(self, rw: _Rewriter):
+        self.rw, self.g = rw, rw.g
+        self.tp, self.rank, self.group = rw.tp, rw.rank, rw.tpc.group_name
+        self.gshape: dict = {}  # token-sharded node -> its global shape
+        self.gathered: dict = {}
+        self.sliced: dict = {}
+
+    def _tokens(self, shape) -> int:
+        return math.prod(shape[:-1])
+
+    def run(self):
+        converted = 0
+        for x, ar, w in self.rw.reduced:
+            shape = _shape(x)  # the row-parallel output: full size on every rank (new nodes carry no "val")
+            if shape is None or not _concrete(shape) or len(shape) < 2 or self._tokens(shape) % self.tp:
+                continue
+            n, h = self._tokens(shape), shape[-1]
+            with self.g.inserting_before(ar):
+                flat = self.g.call_method("reshape", (x, (n, h)))
+                rs = self.g.call_function(_REDUCE_SCATTER, (flat, "sum", self.tp, self.group))
+                wrs = self.g.call_function(_WAIT, (rs,))
+            for nd in (flat, rs, wrs):
+                _copy_meta(nd, w)
+            w.replace_all_uses_with(wrs)
+            self.g.erase_node(w)
+            self.g.erase_node(ar)
+            self.gshape[wrs] = tuple(shape)
+            self.rw.local_shapes[wrs] = (n // self.tp, h)
+            converted += 1
+        if not converted:
+            self.rw.plan.notes.append("sequence_parallel: no all-reduce with a token count divisible by tp")
+            return
+        self.rw.plan.all_reduces -= converted
+        self.rw.plan.reduce_scatters += converted
+        for node in list(self.g.nodes):
+            if node in self.gshape or not any(a in self.gshape for a in node.all_input_nodes):
+                continue
+            if not self._keep_local(node):
+                for a in [a for a in node.all_input_nodes if a in self.gshape]:
+                    node.replace_input_with(a, self._gather(a))
+        self.rw.plan.notes.append(f"sequence_parallel: {converted} all-reduce(s) became reduce-scatter(s) over the "
+                                  f"tokens; token-wise ops run on 1/{self.tp} of them")
+
+    def _keep_local(self, node: fx.Node) -> bool:
+        """Make ``node`` run on the local token rows if it is token-wise (rewriting its operands); False if not."""
+        out = _shape(node)
+        if out is None or not _concrete(out) or len(out) < 1 or node.op not in ("call_function", "call_method"):
+            return False
+        tok = [a for a in node.all_input_nodes if a in self.gshape]
+        n = self._tokens(self.gshape[tok[0]])
+        if any(self._tokens(self.gshape[a]) != n for a in tok):
+            return False
+        name = node.target if node.op == "call_method" else None
+        if name in _VIEW_METHODS or node.target is torch.reshape:
+            # a view that only regroups the token dims keeps the local rows as they are
+            x = node.args[0]
+            if x not in self.gshape or len(out) < 1 or out[-1] != self.gshape[x][-1] or self._tokens(out) != n:
+                return False
+            node.args = (x, (n // self.tp, out[-1]))
+            node.kwargs = {}
+        elif node.op == "call_method" and name in _LASTDIM_REDUCTIONS or node.target in (torch.mean, torch.sum):
+            x = node.args[0]
+            if x not in self.gshape or len(out) != len(self.gshape[x]) or out[-1] != 1 or self._tokens(out) != n:
+                return False  # only keepdim reductions over the last dim
+            if not self._rewrite_operands(node, out, n, skip=(0,)):
+                return False
+        elif node.op == "call_function" and node.target in (F.layer_norm, getattr(F, "rms_norm", None)):
+            shape_arg = match.get_arg(node, 1, "normalized_shape")
+            if node.args[0] not in self.gshape or tuple(shape_arg or ()) != (out[-1],):
+                return False  # normalized over more than the last dim
+            if not self._rewrite_operands(node, out, n, skip=(0,)):
+                return False
+        elif node.op == "call_function" and node.target is F.dropout:
+            if match.get_arg(node, 2, "training", True) is not False or node.args[0] not in self.gshape:
+                return False  # eval-mode dropout (the identity) only: a random mask per rank would differ
+        elif (node.op == "call_function" and node.target in _TOKENWISE_FUNCS) or name in _TOKENWISE_METHODS:
+            if self._tokens(out) != n:
+                return False
+            if not self._rewrite_operands(node, out, n, skip=(1,) if name == "type_as" else ()):
+                return False
+        else:
+            return False
+        self.gshape[node] = tuple(out)
+        self.rw.local_shapes[node] = (n // self.tp, out[-1])
+        return True
+
+    def _rewrite_operands(self, node, out, n, skip=()) -> bool:
+        """Replicated tensor operands: sliced to the local tokens, or flattened when they do not vary over the
+        tokens; False (nothing changed) if one is neither."""
+        edits = {}
+        for i, a in enumerate(node.args):
+            if i in skip or not isinstance(a, fx.Node) or a in self.gshape:
+                continue
+            s = _shape(a)
+            if s is None:
+                if "val" in a.meta and not isinstance(a.meta["val"], torch.Tensor):
+                    continue  # a number
+                return False  # unknown: not proven token-wise
+            if not _concrete(s):
+                return False
+            lead = s[:-1] if len(s) >= 1 else ()
+            if math.prod(lead) == 1:
+                if len(s) > 1:
+                    edits[a] = ("flat", s[-1] if len(s) else 1)
+            elif tuple(s[:-1]) == tuple(out[:-1]):  # the same token dims, in the same order
+                edits[a] = ("slice", s[-1])
+            elif len(s) <= len(out) and all(d == 1 or d == o for d, o in zip(s[-2::-1], out[-2::-1])):
+                edits[a] = ("expand", s[-1])  # broadcast over some token dims (a position embedding [1, S, H])
+            else:
+                return False
+        for kw in node.kwargs.values():
+            if isinstance(kw, fx.Node) and kw not in self.gshape:
+                s = _shape(kw)
+                if s is None or len(s) > 1:
+                    return False  # only [H]-shaped keyword operands (a norm's weight or bias) pass as they are
+        for a, (kind, last) in edits.items():
+            if kind == "flat":
+                node.replace_input_with(a, self._flat(a, last))
+            else:
+                node.replace_input_with(a, self._slice(a, n, last, node, tuple(out[:-1]) if kind == "expand" else None))
+        return True
+
+    def _flat(self, a: fx.Node, last: int) -> fx.Node:
+        with self.g.inserting_after(a):
+            v = self.g.call_method("reshape", (a, (last,)))
+        _copy_meta(v, a)
+        return v
+
+    def _slice(self, a: fx.Node, n: int, last: int, before: fx.Node, expand_to=None) -> fx.Node:
+        """This rank's token rows of a replicated operand (expanded first to ``expand_to`` token dims if it
+        broadcasts over some of them)."""
+        key = (a, n, last, expand_to)
+        if key not in self.sliced:
+            per = n // self.tp
+            with self.g.inserting_before(before):
+                src = self.g.call_method("expand", (a, (*expand_to, last))) if expand_to else a
+                flat = self.g.call_method("reshape", (src, (n, last)))
+                part = self.g.call_method("narrow", (flat, 0, self.rank * per, per))
+            for nd in (src, flat, part):
+                _copy_meta(nd, a)
+            self.sliced[key] = part
+        return self.sliced[key]
+
+    def _gather(self, a: fx.Node) -> fx.Node:
+        if a not in self.gathered:
+            with self.g.inserting_after(a):
+                cont = self.g.call_method("contiguous", (a,))
+            with self.g.inserting_after(cont):
+                ag = self.g.call_function(_ALL_GATHER, (cont, self.tp, self.group))
+            with self.g.inserting_after(ag):
+                w = self.g.call_function(_WAIT, (ag,))
+            with self.g.inserting_after(w):
+                full = self.g.call_method("reshape", (w, self.gshape[a]))
+            for nd in (cont, ag, w, full):
+                _copy_meta(nd, a)
+            self.gathered[a] = full
+            self.rw.plan.all_gathers += 1
+        return self.gathered[a]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1406,6 +1610,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, cfg: TensorParallelConfig, ctx: Pas
             expected[n] = tuple(_shape(n))
     rw = _Rewriter(an, prop)
     rw.run()
+    expected.update(rw.local_shapes)
     plan = rw.plan
     kind_rank = {"vocab": 0, "column": 1, "row": 1, "gather": 2}
     plan.linears.sort(key=lambda e: kind_rank.get(e[0], 1))
