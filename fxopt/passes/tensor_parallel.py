@@ -1040,6 +1040,7 @@ class _Rewriter:
         self.dead: list = []  # unchunked row linears replaced by their chunks, erased at the end of run()
         self.reduced: list = []  # (input, all_reduce, wait) of every whole (unchunked) inference all-reduce
         self.local_shapes: dict = {}  # node -> local shape changed by the sequence-parallel step
+        self.unchecked: set = set()  # nodes whose shape the sequence-parallel step changed without a prediction
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
@@ -1391,7 +1392,8 @@ class _SequenceParallel:
         self.rw, self.g = rw, rw.g
         self.tp, self.rank, self.group = rw.tp, rw.rank, rw.tpc.group_name
         self.gshape: dict = {}  # token-sharded node -> its global shape
-        self.gathered: dict = {}
+        self.gathered: dict = {}  # token-sharded node -> its all-gathered value, in its global shape
+        self.gathered_2d: dict = {}  # ... as the [N, H] all-gather result
         self.sliced: dict = {}
 
     def _tokens(self, shape) -> int:
@@ -1426,7 +1428,8 @@ class _SequenceParallel:
                 continue
             if not self._keep_local(node):
                 for a in [a for a in node.all_input_nodes if a in self.gshape]:
-                    node.replace_input_with(a, self._gather(a))
+                    if not self._linear_on_gathered(node, a):
+                        node.replace_input_with(a, self._gather(a))
         self.rw.plan.notes.append(f"sequence_parallel: {converted} all-reduce(s) became reduce-scatter(s) over the "
                                   f"tokens; token-wise ops run on 1/{self.tp} of them")
 
@@ -1530,20 +1533,47 @@ class _SequenceParallel:
             self.sliced[key] = part
         return self.sliced[key]
 
-    def _gather(self, a: fx.Node) -> fx.Node:
-        if a not in self.gathered:
+    def _linear_on_gathered(self, node: fx.Node, a: fx.Node) -> bool:
+        """A dense linear reading the gathered tokens takes them as the 2-D [N, H] all-gather result itself and
+        its output is viewed back to the token dims: all_gather -> wait -> mm is the pattern Inductor's
+        micro-pipeline TP fuses (a view in between, shared by q/k/v or gate/up, hides it)."""
+        lin = self.rw.an.all_linears.get(node)
+        if lin is None or lin.kind != "dense" or lin.x is not a or len(self.gshape[a]) < 2:
+            return False
+        if sum(1 for x in node.all_input_nodes if x is a) != 1 or "val" not in node.meta:
+            return False
+        flat = self._gather_2d(a)
+        node.replace_input_with(a, flat)
+        users = list(node.users)
+        with self.g.inserting_after(node):
+            back = self.g.call_method("reshape", (node, (*self.gshape[a][:-1], -1)))
+        _copy_meta(back, node)
+        for u in users:
+            u.replace_input_with(node, back)
+        self.rw.unchecked.add(node)  # its local shape is now [N, out / tp]; ``back`` restores the checked one
+        return True
+
+    def _gather_2d(self, a: fx.Node) -> fx.Node:
+        if a not in self.gathered_2d:
             with self.g.inserting_after(a):
                 cont = self.g.call_method("contiguous", (a,))
             with self.g.inserting_after(cont):
                 ag = self.g.call_function(_ALL_GATHER, (cont, self.tp, self.group))
             with self.g.inserting_after(ag):
                 w = self.g.call_function(_WAIT, (ag,))
+            for nd in (cont, ag, w):
+                _copy_meta(nd, a)
+            self.gathered_2d[a] = w
+            self.rw.plan.all_gathers += 1
+        return self.gathered_2d[a]
+
+    def _gather(self, a: fx.Node) -> fx.Node:
+        if a not in self.gathered:
+            w = self._gather_2d(a)
             with self.g.inserting_after(w):
                 full = self.g.call_method("reshape", (w, self.gshape[a]))
-            for nd in (cont, ag, w, full):
-                _copy_meta(nd, a)
+            _copy_meta(full, a)
             self.gathered[a] = full
-            self.rw.plan.all_gathers += 1
         return self.gathered[a]
 
 
@@ -1611,6 +1641,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, cfg: TensorParallelConfig, ctx: Pas
     rw = _Rewriter(an, prop)
     rw.run()
     expected.update(rw.local_shapes)
+    for n in rw.unchecked:
+        expected.pop(n, None)
     plan = rw.plan
     kind_rank = {"vocab": 0, "column": 1, "row": 1, "gather": 2}
     plan.linears.sort(key=lambda e: kind_rank.get(e[0], 1))
