@@ -251,6 +251,34 @@ def _check_sequence_parallel(ws):
     assert "inference graphs" in str(tr.plan)
 
 
+def _check_async_tp_patterns(ws):
+    """The sequence-parallel graph, compiled by Inductor, offers every all-gather to a consumer matmul and every
+    reduce-scatter to a producer matmul, as Inductor's micro-pipeline TP (async TP) needs to fuse them."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes import micro_pipeline_tp as mptp
+
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    found = []
+
+    def probe(graph):
+        ags = [len(mptp._find_consumer_matmuls(m.res_node)) for m in mptp.find_all_gather_patterns(graph)]
+        rss = [mptp._find_producer_matmul(m.input_node) is not None for m in mptp.find_reduce_scatter_patterns(graph)]
+        found.append((ags, rss))
+
+    model = _demo().eval().requires_grad_(False)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=probe):
+        tpm = parallelize(model, (ids,), tp=ws, config=_cfg(), sequence_parallel=True)
+        out = torch.compile(tpm, backend="fxopt")(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-4)
+    ags, rss = found[-1]
+    # layer 0's MLP (gate + up share one gather), layer 1's q/k/v and MLP, the lm_head
+    assert ags == [2, 3, 2, 1], found
+    assert len(rss) == 4 and all(rss), found
+
+
 def _worker_all(rank, ws):
     import time
 
@@ -259,6 +287,7 @@ def _worker_all(rank, ws):
     t1 = time.perf_counter()
     _worker_vocab_quant_compile(rank, ws)
     _check_sequence_parallel(ws)
+    _check_async_tp_patterns(ws)
     if rank == 0:
         print(f"models {t1 - t0:.1f}s, vocab/quant/compile {time.perf_counter() - t1:.1f}s")
 
