@@ -243,6 +243,19 @@ def _check_sequence_parallel(ws):
         assert t7.plan.all_reduces == 4 and t7.plan.reduce_scatters == 0, str(t7.plan)
         assert "no all-reduce with a token count divisible" in str(t7.plan)
         torch.testing.assert_close(t7(odd), demo(odd), rtol=1e-5, atol=1e-5)
+        # int4 linears (dequantize -> linear) in an MLP whose residual stream starts at the graph input
+        from fxopt.quant.linear import QuantLinear
+
+        torch.manual_seed(8)
+        mlp = MLP(d=64, h=128, blocks=2)
+        for blk in mlp.blocks:
+            blk[0] = QuantLinear.from_linear(blk[0], group_size=32)
+            blk[2] = QuantLinear.from_linear(blk[2], group_size=32)
+        mlp = mlp.half().eval().requires_grad_(False)
+        x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(9)).half()
+        q = parallelize(mlp, (x,), tp=ws, config=_cfg(), sequence_parallel=True)
+        assert q.plan.reduce_scatters == 2 and q.plan.all_reduces == 0, str(q.plan)
+        torch.testing.assert_close(q(x).float(), mlp(x).float(), rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="sequence_parallel and overlap_chunks"):
         parallelize(demo, (ids,), tp=ws, sequence_parallel=True, overlap_chunks=2)
     # a training graph keeps its all-reduces (the note says why)
