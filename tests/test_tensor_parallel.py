@@ -365,6 +365,24 @@ def test_fake_pg_world4_sequence_parallel_graph(fake_pg):
     assert tpm(ids).shape == (2, 8, 64)
 
 
+class _InplaceMLP(MLP):
+    def forward(self, x):
+        x = x.clone()
+        x.mul_(0.5)  # an in-place op anywhere in the graph: sequence parallel is not applied
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_fake_pg_sequence_parallel_refuses_inplace_graphs(fake_pg):
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _InplaceMLP().eval().requires_grad_(False)
+    x = torch.randn(4, 6, 32)
+    tpm = parallelize(model, (x,), tp=4, config=_cfg(), sequence_parallel=True)
+    assert tpm.plan.reduce_scatters == 0 and tpm.plan.all_reduces == 2, str(tpm.plan)
+    assert "mutates tensors in place" in str(tpm.plan)
+
+
 @pytest.mark.parametrize("fake_pg", [8], indirect=True)
 def test_fake_pg_world8_heads_not_divisible(fake_pg):
     from fxopt.parallel.tensor_parallel import parallelize

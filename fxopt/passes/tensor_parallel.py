@@ -1373,6 +1373,7 @@ _TOKENWISE_METHODS = {"add", "sub", "mul", "div", "pow", "rsqrt", "sqrt", "exp",
                       "square", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"}
 _LASTDIM_REDUCTIONS = {"mean", "sum", "amax", "amin"}
 _VIEW_METHODS = {"view", "reshape"}
+_INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
 class _SequenceParallel:
@@ -1400,6 +1401,13 @@ class _SequenceParallel:
         return math.prod(shape[:-1])
 
     def run(self):
+        inplace = [n for n in self.g.nodes
+                   if (n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("_"))
+                   or (n.op == "call_function" and n.target in _INPLACE_FUNCS)]
+        if inplace:  # a mutation of a value that got gathered would miss its other users: stay with all-reduces
+            self.rw.plan.notes.append(f"sequence_parallel: not applied, the graph mutates tensors in place "
+                                      f"({inplace[0].format_node()[:80]})")
+            return
         converted = 0
         for x, ar, w in self.rw.reduced:
             shape = _shape(x)  # the row-parallel output: full size on every rank (new nodes carry no "val")
