@@ -59,6 +59,9 @@ def _args(p):
     p.add_argument("--async-tp", action="store_true",
                    help="with --sequence-parallel: Inductor's micro-pipeline TP (all-gather -> matmul and matmul -> "
                         "reduce-scatter overlapped through symmetric memory); experimental")
+    p.add_argument("--one-shot-ar", action="store_true",
+                   help="Inductor lowers all-reduces of <= 128 KB (decode) to symmetric-memory one-shot all-reduces "
+                        "(config._collective.auto_select); experimental")
     p.add_argument("--no-cudagraphs", action="store_true", help="skip the mode='reduce-overhead' decode rows")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a decode step (rank 0)")
     p.add_argument("--profile-phase", default="decode", choices=["decode", "prefill"],
@@ -245,13 +248,15 @@ def run_tp(args):
     single = compiled_timings(model, ins, label="one GPU", profile=prof) if one else {}
     single_cg = cudagraph_timings(model, ins, "one GPU") if one and cg else {}
     dist.barrier()
-    if args.async_tp and not smoke:
+    if (args.async_tp or args.one_shot_ar) and not smoke:
         # Inductor's micro-pipeline TP pass fuses all_gather -> mm and mm -> reduce_scatter into overlapped
-        # symmetric-memory ops; it needs symmetric memory on the group
+        # symmetric-memory ops; auto_select lowers small all-reduces to one-shot symmetric-memory kernels. Both
+        # need symmetric memory on the group.
         import torch._inductor.config as inductor_config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        inductor_config._micro_pipeline_tp = True
+        inductor_config._micro_pipeline_tp = bool(args.async_tp)
+        inductor_config._collective.auto_select = bool(args.one_shot_ar)
         enable_symm_mem_for_group(dist.group.WORLD.group_name)
     tpm = parallelize(model, (ins["prefill"],), tp=world, vocab_parallel=args.vocab_parallel,
                       overlap_chunks=args.overlap_chunks, vocab_parallel_embedding=args.vocab_parallel_embedding,
@@ -289,7 +294,7 @@ def run_tp(args):
                  f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary "
                  f"(fxopt): {args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
                  f"{args.overlap_chunks}; sequence_parallel {args.sequence_parallel or args.async_tp}; async TP "
-                 f"(Inductor micro-pipeline) {args.async_tp}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
+                 f"(Inductor micro-pipeline) {args.async_tp}; one-shot symmetric-memory all-reduces {args.one_shot_ar}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")
         if dt_t:

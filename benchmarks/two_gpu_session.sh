@@ -53,11 +53,13 @@ phase_tpcg() {
 }
 
 phase_tpsp() {
-  # fxopt TP with sequence parallelism, then with Inductor's micro-pipeline (async) TP on top
-  for v in "--sequence-parallel" "--async-tp"; do
+  # fxopt TP with sequence parallelism, then with Inductor's micro-pipeline (async) TP on top, then the default
+  # plan with small all-reduces lowered to one-shot symmetric-memory kernels (decode)
+  for v in "--sequence-parallel" "--async-tp" "--one-shot-ar"; do
     d="$RES/sp${v#--}"; mkdir -p "$d"
+    cg="--no-cudagraphs"; [ "$v" = "--one-shot-ar" ] && cg=""  # one-shot all-reduces matter for decode
     timeout 200 $TR benchmarks/tensor_parallel.py --layers 2 --seq 4096 --vocab-parallel $v --variants fxopt \
-      --no-cudagraphs --out "$d" 2>&1 | grep -v "^W1" | grep "timing\|Error\|error\|plan" | head -20
+      $cg --out "$d" 2>&1 | grep -v "^W1" | grep "timing\|Error\|error\|plan" | head -20
   done
 }
 
