@@ -3,7 +3,8 @@
 Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
 H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
 forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
-``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--explore``: time fixed kernel configs (tuning aid, writes attention_explore.*).
+``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--explore``: time fixed
+kernel configs (tuning aid, writes attention_explore.*).
 """
 from __future__ import annotations
 

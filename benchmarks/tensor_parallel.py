@@ -294,7 +294,8 @@ def run_tp(args):
                  f"vocab_parallel; DTensor ColwiseParallel with replicated output); embedding cut by vocabulary "
                  f"(fxopt): {args.vocab_parallel and args.vocab_parallel_embedding}; overlap_chunks "
                  f"{args.overlap_chunks}; sequence_parallel {args.sequence_parallel or args.async_tp}; async TP "
-                 f"(Inductor micro-pipeline) {args.async_tp}; one-shot symmetric-memory all-reduces {args.one_shot_ar}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
+                 f"(Inductor micro-pipeline) {args.async_tp}; one-shot symmetric-memory all-reduces "
+                 f"{args.one_shot_ar}. Parameters on rank 0: {n_local / 1e6:.0f}M of {n_full / 1e6:.0f}M "
                  f"({n_local / n_full:.1%}). max |fxopt TP - one GPU| on prefill logits: {err:.3g} "
                  f"(logits up to {ref_scale:.3g})")
         if dt_t:

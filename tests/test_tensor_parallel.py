@@ -63,6 +63,18 @@ class MLP(nn.Module):
         return x
 
 
+def _quant_mlp(seed: int, blocks: int = 1) -> nn.Module:
+    """An MLP whose linears are int4 QuantLinears (dequantize_w4 -> linear), fp16 as the w4a16 kernels take it."""
+    from fxopt.quant.linear import QuantLinear
+
+    torch.manual_seed(seed)
+    mlp = MLP(d=64, h=128, blocks=blocks)
+    for blk in mlp.blocks:
+        blk[0] = QuantLinear.from_linear(blk[0], group_size=32)
+        blk[2] = QuantLinear.from_linear(blk[2], group_size=32)
+    return mlp.half().eval().requires_grad_(False)
+
+
 def _count(gm, name):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
 
@@ -123,7 +135,6 @@ def _worker_models(rank, ws):
 
 def _worker_vocab_quant_compile(rank, ws):
     from fxopt.parallel.tensor_parallel import parallelize
-    from fxopt.quant.linear import QuantLinear
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     # vocab-parallel lm_head: one all_gather of the logits; the untied embedding stays replicated by default
@@ -139,12 +150,7 @@ def _worker_vocab_quant_compile(rank, ws):
     _check_model(rank, ws, _gpt2(), (), {"input_ids": ids2, "use_cache": False}, expected_ar=2 * 2 + 1,
                  expected_ag=1, vocab_parallel=True)
     # int4 QuantLinear (dequantize_w4 -> linear; fp16 activations as the w4a16 kernels take them)
-    torch.manual_seed(3)
-    mlp = MLP(d=64, h=128, blocks=1)
-    for blk in mlp.blocks:
-        blk[0] = QuantLinear.from_linear(blk[0], group_size=32)
-        blk[2] = QuantLinear.from_linear(blk[2], group_size=32)
-    mlp = mlp.half().eval().requires_grad_(False)
+    mlp = _quant_mlp(3)
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(4)).half()
     q = parallelize(mlp, (x,), tp=ws, config=_cfg())
     assert q.plan.all_reduces == 1, str(q.plan)
@@ -195,13 +201,7 @@ def _check_overlap_chunks(ws, model, ids):
     assert g2.plan.all_reduces == 2 * 2 * 2, str(g2.plan)
     torch.testing.assert_close(_logits(g2(input_ids=ids2, use_cache=False)),
                                _logits(gpt2(input_ids=ids2, use_cache=False)), rtol=1e-5, atol=1e-5)
-    from fxopt.quant.linear import QuantLinear
-
-    torch.manual_seed(5)
-    mlp = MLP(d=64, h=128, blocks=1)
-    mlp.blocks[0][0] = QuantLinear.from_linear(mlp.blocks[0][0], group_size=32)
-    mlp.blocks[0][2] = QuantLinear.from_linear(mlp.blocks[0][2], group_size=32)
-    mlp = mlp.half().eval().requires_grad_(False)
+    mlp = _quant_mlp(5)
     x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).half()
     q = parallelize(mlp, (x,), tp=ws, config=_cfg(), overlap_chunks=2)
     assert q.plan.all_reduces == 2 and q.plan.overlap_chunks == 2, str(q.plan)
@@ -244,14 +244,7 @@ def _check_sequence_parallel(ws):
         assert "no all-reduce with a token count divisible" in str(t7.plan)
         torch.testing.assert_close(t7(odd), demo(odd), rtol=1e-5, atol=1e-5)
         # int4 linears (dequantize -> linear) in an MLP whose residual stream starts at the graph input
-        from fxopt.quant.linear import QuantLinear
-
-        torch.manual_seed(8)
-        mlp = MLP(d=64, h=128, blocks=2)
-        for blk in mlp.blocks:
-            blk[0] = QuantLinear.from_linear(blk[0], group_size=32)
-            blk[2] = QuantLinear.from_linear(blk[2], group_size=32)
-        mlp = mlp.half().eval().requires_grad_(False)
+        mlp = _quant_mlp(8, blocks=2)
         x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(9)).half()
         q = parallelize(mlp, (x,), tp=ws, config=_cfg(), sequence_parallel=True)
         assert q.plan.reduce_scatters == 2 and q.plan.all_reduces == 0, str(q.plan)
