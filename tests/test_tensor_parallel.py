@@ -38,6 +38,13 @@ def _llama(seed=0):
     return transformers.LlamaForCausalLM(c).train()
 
 
+def _bert(seed=0):
+    torch.manual_seed(seed)
+    c = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, max_position_embeddings=64, attn_implementation="sdpa")
+    return transformers.BertModel(c).train()
+
+
 def _gpt2(seed=0, attn="sdpa"):
     torch.manual_seed(seed)
     c = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
@@ -229,6 +236,15 @@ def _check_sequence_parallel(ws):
             assert "reduce_scatter" in str(tpm.plan) and "sequence_parallel" in str(tpm.plan)
             torch.testing.assert_close(_logits(tpm(*args, **kwargs)), _logits(model(*args, **kwargs)),
                                        rtol=1e-5, atol=1e-5)
+        # BERT: post-norm (LayerNorm after each residual add) and a key-padding mask
+        bert = _bert().eval().requires_grad_(False)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6:] = 0
+        bkw = {"input_ids": ids, "attention_mask": mask}
+        tpb = parallelize(bert, (), bkw, tp=ws, config=_cfg(), sequence_parallel=True)
+        assert tpb.plan.reduce_scatters == 4 and tpb.plan.all_reduces == 0, str(tpb.plan)
+        torch.testing.assert_close(tpb(**bkw).last_hidden_state, bert(**bkw).last_hidden_state, rtol=1e-5,
+                                   atol=1e-5)
         # GPT-2 with its tied embedding cut by vocabulary: the embedding's all-reduce is reduce-scattered too, and
         # the position embeddings [1, S, H] are expanded and sliced locally
         gpt2 = _gpt2().eval().requires_grad_(False)
