@@ -111,13 +111,13 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     combine mode for the fxopt calls (default: the library's)."""
     hkv = hkv or H
     if combine is not None:
-        A._FUSED_COMBINE = combine == "fused"
+        A._FUSED_COMBINE = None if combine == "auto" else combine == "fused"
     q = _rand(B, H, 1, d)
     k, v = _rand(B, hkv, S, d), _rand(B, hkv, S, d)
     nbytes = 2 * B * hkv * S * d * 2
     row = {"decode_S": S, "B": B, "H": H, "d": d}
     if hkv != H or combine is not None:
-        row.update(Hkv=hkv, combine=combine or ("fused" if A._FUSED_COMBINE else "kernel"))
+        row.update(Hkv=hkv, combine=combine or A._COMBINE_MODE)
     gqa = hkv != H
     sdpa = lambda backend: _sdpa_gqa(backend, q, k, v) if gqa else _sdpa(backend, q, k, v, False)  # noqa: E731
     t = {"fxopt": _try(lambda: A.flash_attention_triton(q, k, v)),
@@ -250,20 +250,21 @@ def main():
     def extra(p):
         p.add_argument("--explore", action="store_true")
         p.add_argument("--decode-only", action="store_true",
-                       help="decode rows only, fused combine against the combine kernel, MHA and GQA "
+                       help="decode rows only, combine modes auto / fused / kernel, MHA and GQA "
                             "(writes attention_decode.*)")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
     if args.decode_only:
         rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)
-                for c in ("fused", "kernel")]
-        A._FUSED_COMBINE = False
+                for c in ("auto", "fused", "kernel")]
+        A._FUSED_COMBINE = None
         write_results("attention_decode", rows, out_dir=args.out,
                       title="Split-KV decode (bf16, B=8, H=32, d=128, one query): fused combine vs combine kernel",
                       notes="TB/s = K+V bytes / time. fused: the last split of each (batch, kv head) merges the "
                             "partials in the split kernel; kernel: a second kernel (_attn_combine) launched with "
-                            "programmatic dependent launch. graph_* = replayed from a CUDA graph. FA2 takes no "
+                            "programmatic dependent launch; auto (the default): fused when launched eagerly on at "
+                            "most 192 MB of K/V, the kernel under CUDA-graph capture and above that. graph_* = replayed from a CUDA graph. FA2 takes no "
                             "GQA here (SDPA enable_gqa), so Hkv=8 rows compare with cuDNN; max_err against SDPA "
                             "MATH for Hkv=8. Medians of triton.testing.do_bench.")
         return

@@ -173,6 +173,16 @@ def test_transposed_bshd_inputs_read_in_place():
     _assert_close(A.flash_attention_triton(qs, k, v), _ref64(q, k, v), torch.float32)
 
 
+def test_decode_combine_rule():
+    """Fused combine for eager CUDA launches of small steps only (host-bound); the combine kernel under CUDA-graph
+    capture, for large K/V, and off CUDA."""
+    mb = 1 << 20
+    assert A._fused_combine_rule(True, False, 134 * mb)
+    assert not A._fused_combine_rule(True, True, 134 * mb)
+    assert not A._fused_combine_rule(True, False, 268 * mb)
+    assert not A._fused_combine_rule(False, False, 1 * mb)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
 @pytest.mark.parametrize("Sq,mask", [(1, False), (3, True)])
 def test_decode_split_kv_path(Sq, mask, fused, monkeypatch):
@@ -413,7 +423,7 @@ def test_gpu_forward_backward(name, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
+@pytest.mark.parametrize("fused", [True, False, None], ids=["fused_combine", "combine_kernel", "auto"])
 @pytest.mark.parametrize("Sk,Hkv", [(4096, 32), (5000, 4)])
 def test_gpu_decode(Sk, Hkv, fused, monkeypatch):
     monkeypatch.setattr(A, "_FUSED_COMBINE", fused)

@@ -29,8 +29,8 @@ Design
 * Decode (``_attn_fwd_split`` + ``_attn_combine``, flash-decoding): used automatically for few query tokens
   (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
   packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
-  GPU; a combine kernel merges the partial (output, lse) pairs (or, with ``FXOPT_ATTN_DECODE_COMBINE=fused``, the
-  last split to finish does, behind an acq_rel arrival counter: one launch fewer, but slower on the GPU).
+  GPU; a combine kernel merges the partial (output, lse) pairs, or the last split to finish does, behind an acq_rel
+  arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``).
 * Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
   KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
   ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp.
@@ -53,6 +53,7 @@ Design
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -751,11 +752,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def check_qkv(op: str, q, k, v, dtypes) -> None:
     """The checks every attention op shares: 4-D q/k/v of one allowed dtype and device, k and v alike, batch and
     head dim matching q, query heads a multiple of kv heads. Raises ValueError prefixed with ``op``."""
-    names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise ValueError(f"{op}: {name} dtype {t.dtype} unsupported ({names})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{op}: dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}")
@@ -861,8 +862,13 @@ def _ensure_allocator():
 
 def _num_sms(device):
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:  # device properties cost microseconds per query: once per device
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _use_split(q, k, dropout_p):
@@ -937,9 +943,12 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 _TMA_FAILED: set = set()
 
 
+_DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import
+
+
 def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
     """Number of key chunks so that B * Hkv * chunks fills the GPU a few times over."""
-    ctas_per_sm = ctas_per_sm or int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))
+    ctas_per_sm = ctas_per_sm or _DECODE_CTAS_PER_SM
     target = _num_sms(device) * ctas_per_sm
     splits = max(1, min(cdiv(target, B * Hkv), cdiv(Sk, 2 * block_n), 128))
     split_len = cdiv(cdiv(Sk, splits), block_n) * block_n
@@ -948,12 +957,12 @@ def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
 
 def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
                   block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None, fused=None):
-    """Split-KV decode. By default ``_attn_combine`` merges the partials as a second kernel, launched with
-    programmatic dependent launch on sm_90+. ``fused`` (or FXOPT_ATTN_DECODE_COMBINE=fused): the last split of each
-    (batch, kv head) to finish merges them inside the split kernel. On the H200 that saves a launch on the host
-    (eager 4k: 3.68 against 3.54 TB/s) but lengthens the GPU's critical path, since one CTA then reads every partial
-    after its own work (CUDA graphs, 4k: 3.64 against 3.87 TB/s; GQA 4:1 at 4k: 2.28 against 2.67), so it is off
-    (benchmarks/results/attention_decode.md)."""
+    """Split-KV decode. The partials are merged either by ``_attn_combine``, a second kernel launched with
+    programmatic dependent launch on sm_90+, or (``fused``) by the last split of each (batch, kv head) to finish,
+    inside the split kernel. Fused saves a launch on the host but lengthens the GPU's critical path, since one CTA
+    then reads every partial after its own work (benchmarks/results/attention_decode.md). ``fused=None`` follows
+    FXOPT_ATTN_DECODE_COMBINE, and by default ``_fused_combine_auto``: fused for eager launches of small steps,
+    the combine kernel under CUDA-graph capture and for large K/V."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     BLOCK_D = flags["BLOCK_D"]
@@ -962,10 +971,13 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
     BLOCK_R = max(16, next_pow2(group * Sq))
     block_n = block_n or (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32)
     num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
-    opart = torch.empty((B, Hq, Sq, num_splits, BLOCK_D), device=q.device, dtype=torch.float32)
-    lpart = torch.empty((B, Hq, Sq, num_splits), device=q.device, dtype=torch.float32)
+    # one allocation for both partial buffers (an allocator call costs host microseconds per decode step)
+    n_o = B * Hq * Sq * num_splits * BLOCK_D
+    parts = torch.empty(n_o + B * Hq * Sq * num_splits, device=q.device, dtype=torch.float32)
+    opart = parts[:n_o].view(B, Hq, Sq, num_splits, BLOCK_D)
+    lpart = parts[n_o:].view(B, Hq, Sq, num_splits)
     if fused is None:
-        fused = _FUSED_COMBINE
+        fused = _FUSED_COMBINE if _FUSED_COMBINE is not None else _fused_combine_auto(q, k)
     locks = _decode_locks(q.device, B * Hkv) if fused else lpart
     # programmatic dependent launch (sm_90+): the combine kernel is launched while the split kernel drains
     pdl = not fused and not _INTERPRET and q.is_cuda and has_pdl(q.device)
@@ -982,7 +994,23 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
                                       **({"launch_pdl": True} if pdl else {}))
 
 
-_FUSED_COMBINE = os.environ.get("FXOPT_ATTN_DECODE_COMBINE", "kernel") == "fused"
+# FXOPT_ATTN_DECODE_COMBINE: "auto" (default), "fused" or "kernel"
+_COMBINE_MODE = os.environ.get("FXOPT_ATTN_DECODE_COMBINE", "auto")
+_FUSED_COMBINE = None if _COMBINE_MODE == "auto" else _COMBINE_MODE == "fused"
+_FUSED_MAX_KV_BYTES = 192 << 20
+
+
+def _fused_combine_auto(q, k) -> bool:
+    """Eager launches of a small decode step are bound by the host, so one kernel fewer wins (H200, B = 8, H = 32:
+    GQA 4:1 at 4k 1.27 against 0.57 TB/s, MHA at 4k 3.68 against 3.54). Replayed from a CUDA graph, or with more
+    K/V to read, the combine kernel's shorter critical path wins (graphs at 4k: 3.87 against 3.64; GQA at 32k, 268
+    MB, eagerly: 4.00 against 3.88). So: fused when launched eagerly on at most 192 MB of K/V."""
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    return _fused_combine_rule(q.is_cuda, capturing, 2 * k.numel() * k.element_size())
+
+
+def _fused_combine_rule(is_cuda: bool, capturing: bool, kv_bytes: int) -> bool:
+    return is_cuda and not capturing and kv_bytes <= _FUSED_MAX_KV_BYTES
 _LOCKS: dict = {}
 
 
