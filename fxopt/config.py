@@ -65,6 +65,8 @@ class TensorParallelConfig:
             tokens and run the token-wise ops that follow (residual adds, norms) on this rank's tokens only, with an
             all-gather before the next column-parallel linear (Megatron's sequence parallelism). Same bytes on the
             wire; the all-gather -> matmul pairs are what Inductor's micro-pipeline TP overlaps.
+        sequence_parallel_min_bytes: with ``sequence_parallel``, an all-reduce of fewer bytes than this (a decode
+            step's [batch, hidden]) stays an all-reduce: one latency-bound collective, not two.
     """
 
     enabled: bool = False
@@ -73,6 +75,7 @@ class TensorParallelConfig:
     vocab_parallel_embedding: bool = False
     overlap_chunks: int = 1
     sequence_parallel: bool = False
+    sequence_parallel_min_bytes: int = 1 << 20
 
 
 @dataclass

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 def _cfg():
     cfg = fxopt.Config()
     cfg.attention.enabled = False  # keep these tests about sharding (flash attention has its own tests)
+    cfg.tensor_parallel.sequence_parallel_min_bytes = 0  # the test models' activations are a few KB
     return cfg
 
 
@@ -258,6 +259,10 @@ def _check_sequence_parallel(ws):
         t7 = parallelize(demo, (odd,), tp=ws, config=_cfg(), sequence_parallel=True)
         assert t7.plan.all_reduces == 4 and t7.plan.reduce_scatters == 0, str(t7.plan)
         assert "no all-reduce with a token count divisible" in str(t7.plan)
+        # the default config keeps decode-sized all-reduces (under 1 MB) as they are
+        small = parallelize(demo, (ids,), tp=ws, sequence_parallel=True, config=fxopt.Config())
+        assert small.plan.reduce_scatters == 0 and small.plan.all_reduces == 4, str(small.plan)
+        assert "sequence_parallel_min_bytes" in str(small.plan)
         torch.testing.assert_close(t7(odd), demo(odd), rtol=1e-5, atol=1e-5)
         # int4 linears (dequantize -> linear) in an MLP whose residual stream starts at the graph input
         mlp = _quant_mlp(8, blocks=2)

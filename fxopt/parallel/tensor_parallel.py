@@ -317,8 +317,9 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     if sp and chunks > 1:
         raise ValueError("fxopt.parallelize: sequence_parallel and overlap_chunks > 1 are two ways to place the "
                          "row-parallel communication; choose one")
-    cfg.tensor_parallel = TensorParallelConfig(enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks,
-                                               vocab_parallel_embedding=vpe, sequence_parallel=sp)
+    cfg.tensor_parallel = TensorParallelConfig(
+        enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks, vocab_parallel_embedding=vpe,
+        sequence_parallel=sp, sequence_parallel_min_bytes=cfg.tensor_parallel.sequence_parallel_min_bytes)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())

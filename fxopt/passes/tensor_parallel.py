@@ -1408,10 +1408,14 @@ class _SequenceParallel:
             self.rw.plan.notes.append(f"sequence_parallel: not applied, the graph mutates tensors in place "
                                       f"({inplace[0].format_node()[:80]})")
             return
-        converted = 0
+        converted, small = 0, 0
+        min_bytes = self.rw.an.cfg.sequence_parallel_min_bytes
         for x, ar, w in self.rw.reduced:
             shape = _shape(x)  # the row-parallel output: full size on every rank (new nodes carry no "val")
             if shape is None or not _concrete(shape) or len(shape) < 2 or self._tokens(shape) % self.tp:
+                continue
+            if math.prod(shape) * x.meta["val"].element_size() < min_bytes:
+                small += 1
                 continue
             n, h = self._tokens(shape), shape[-1]
             with self.g.inserting_before(ar):
@@ -1427,7 +1431,9 @@ class _SequenceParallel:
             self.rw.local_shapes[wrs] = (n // self.tp, h)
             converted += 1
         if not converted:
-            self.rw.plan.notes.append("sequence_parallel: no all-reduce with a token count divisible by tp")
+            why = (f"{small} all-reduce(s) under sequence_parallel_min_bytes={min_bytes} (decode-sized: one "
+                   f"collective beats two)" if small else "no all-reduce with a token count divisible by tp")
+            self.rw.plan.notes.append(f"sequence_parallel: not applied, {why}")
             return
         self.rw.plan.all_reduces -= converted
         self.rw.plan.reduce_scatters += converted
