@@ -166,6 +166,38 @@ def two_gpus(args):
         dist.barrier()
         return (time.perf_counter() - t0) / reps
 
+    def gpu_idle(fn):
+        """Fraction of one step's GPU window (first kernel start to last kernel end) in which no compute kernel runs:
+        the bubble as the GPU sees it. NCCL kernels count as idle (a stage waiting in a receive does no work)."""
+        if smoke:
+            return None
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        sync()
+        dist.barrier()
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                sync()
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            if not kernels:
+                return None
+            lo = min(e.time_range.start for e in kernels)
+            hi = max(e.time_range.end for e in kernels)
+            busy, end = 0.0, lo
+            for a, b in sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()):
+                a = max(a, end)
+                if b > a:
+                    busy += b - a
+                    end = b
+            return 1.0 - busy / max(hi - lo, 1e-9)
+        except Exception as e:  # the profiler is a measurement aid: the other columns stand without it
+            print(f"rank {rank}: GPU-idle measurement failed: {type(e).__name__}: {e}")
+            return None
+        finally:
+            dist.barrier()
+
     # One GPU: the whole model, compiled with fxopt, same batch (rank 0; the other rank waits).
     single_s = None
     if rank == 0:
@@ -193,6 +225,9 @@ def two_gpus(args):
         runner = pipeline(model, (ids,), stages=world, microbatches=m, schedule="1F1B", loss_fn=_lm_loss,
                           device=dev, compile=backend)
         step_s = timed(lambda: runner.step(ids, target=tgt if runner.is_last else None))
+        idle = gpu_idle(lambda: runner.step(ids, target=tgt if runner.is_last else None))
+        idles = [None] * world
+        dist.all_gather_object(idles, idle)
         # Each rank's stage alone: fwd and fwd+bwd of one micro-batch.
         mb_ids = ids.chunk(m)[0]
         stage = runner._compiled[runner.stage_indices[0]]
@@ -222,6 +257,8 @@ def two_gpus(args):
                "speedup_vs_1gpu": single_s / step_s, "bubble_measured": max(0.0, 1 - m * slowest / step_s),
                "bubble_ideal": (p - 1) / (m + p - 1)}
         for s in range(world):
+            row[f"stage{s}_gpu_idle"] = idles[s] if idles[s] is not None else ""
+        for s in range(world):
             row[f"stage{s}_fwd_pred_us"] = runner.plan.stages[s].seconds * 1e6
             row[f"stage{s}_fwd_meas_us"] = gathered[s][0] * 1e3
         rows.append(row)
@@ -233,6 +270,9 @@ def two_gpus(args):
                   if smoke else "") + f"2 stages on {world} GPUs, 1F1B, demo Llama dim {args.dim}, {args.layers} layers, batch {args.batch} x "
                  f"seq {args.seq}, bf16, stages compiled with backend='fxopt'. One-GPU step: {single_s * 1e3:.1f} ms. "
                  "bubble_measured = 1 - M * (fwd+bwd of one micro-batch on the slowest stage, alone) / step time. "
+                 "stageN_gpu_idle = the share of one profiled step's GPU window (first to last kernel) in which "
+                 "rank N runs no compute kernel (NCCL kernels count as idle): the bubble as that GPU sees it, "
+                 "host gaps included. "
                  f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}. Wall time {time.time() - t_start:.0f} s.")
         write_results("pipeline_parallel" + ("_smoke" if smoke else ""), rows, title="Pipeline parallel training step (2 stages)", notes=notes,
                       out_dir=args.out)
