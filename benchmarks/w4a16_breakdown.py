@@ -89,10 +89,7 @@ def _swap_fm_kernel(x_ptr, qf_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid % num_pid_m
     pid_n = pid // num_pid_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n, _ = K4._tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     k_tiles, t_start, t_end = K4._k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -164,12 +161,7 @@ def configs(M, K, N, num_sms, sweep):
             bk = 128
             split = K4._split_for(-(-M // 16) * -(-N // bn), K // bk, waves * num_sms)
             cands.append(K4.W4A16Config(16, bn, bk, split, True, 8, 8 if bn == 256 else 4, stages, "swapx"))
-    seen, out = set(), []
-    for c in cands:
-        if c not in seen:
-            seen.add(c)
-            out.append(c)
-    return out
+    return list(dict.fromkeys(cands))  # first occurrence of each config, in order
 
 
 def main():

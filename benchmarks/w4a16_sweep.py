@@ -58,12 +58,7 @@ def configs_for(M: int, K: int, N: int, num_sms: int):
         for (bn, warps), waves in itertools.product(((64, 4), (128, 4)), (0, 1, 2, 4) if M > 32 else (2, 4, 8)):
             out.append(K4.W4A16Config(bm, bn, 128, split(bm, bn, 128, waves), True, 8, warps, 3, "swapd",
                                       pdl=True))
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return uniq
+    return list(dict.fromkeys(out))  # first occurrence of each config, in order
 
 
 def name(c) -> str:

@@ -179,6 +179,16 @@ def _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows and columns of output tile (pid_m, pid_n), their masks, and the columns wrapped in bounds (so weight
+    loads need no mask and stay 16-byte vectorized)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N, offs_n_safe
+
+
+@triton.jit
 def _operand_ptrs(x_ptr, qw_ptr, s_ptr, z_ptr, offs_m, offs_n_safe, stride_xm, stride_xk, stride_qk, stride_qn,
                   stride_sn, BLOCK_K: tl.constexpr):
     """Pointers of K tile 0: x [len(offs_m), BLOCK_K] (natural K order), packed codes [BLOCK_K/8, BLOCK_N], and the
@@ -211,12 +221,7 @@ def _w4a16_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    # in-bounds (wrapped) column addresses, so weight loads need no mask and stay 16-byte vectorized
-    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n, offs_n_safe = _tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     # Tile position r of the unpacked weight holds k = 8 (r // 8) + PERM[r % 8], PERM = 0 4 1 5 2 6 3 7: one 32-bit
     # shift-and-mask then yields the 16-bit floats of nibbles j and j + 4 side by side (see _unpack_pairs); x is
     # loaded in natural order (16-byte loads) and permuted in registers.
@@ -276,11 +281,7 @@ def _w4a16_swap_kernel(
     # neighbouring programs share a weight tile (pid_n) across M tiles, so the second read hits L2
     pid_m = pid % num_pid_m
     pid_n = pid // num_pid_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    offs_n_safe = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n, offs_n_safe = _tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     x_ptrs, q_ptrs, s_ptrs, z_ptrs = _operand_ptrs(x_ptr, qw_ptr, s_ptr, z_ptr, offs_m, offs_n_safe, stride_xm,
                                                    stride_xk, stride_qk, stride_qn, stride_sn, BLOCK_K)
     k_tiles, t_start, t_end = _k_slice(pid_k, K, TILES_PER_SPLIT, BLOCK_K)

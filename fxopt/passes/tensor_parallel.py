@@ -1366,13 +1366,6 @@ class _Rewriter:
 # ----------------------------------------------------------------------------------------------------------------
 # Sequence parallel (inference graphs)
 # ----------------------------------------------------------------------------------------------------------------
-_TOKENWISE_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-                    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt,
-                    torch.exp, torch.tanh, torch.sigmoid, torch.abs, F.silu, F.gelu, F.relu, torch.square}
-_TOKENWISE_METHODS = {"add", "sub", "mul", "div", "pow", "rsqrt", "sqrt", "exp", "neg", "tanh", "sigmoid", "abs",
-                      "square", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"}
-_LASTDIM_REDUCTIONS = {"mean", "sum", "amax", "amin"}
-_VIEW_METHODS = {"view", "reshape"}
 _INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
@@ -1456,15 +1449,15 @@ class _SequenceParallel:
         n = self._tokens(self.gshape[tok[0]])
         if any(self._tokens(self.gshape[a]) != n for a in tok):
             return False
-        name = node.target if node.op == "call_method" else None
-        if name in _VIEW_METHODS or node.target is torch.reshape:
+        kind = _kind(node)  # the op tables the sharding rules use
+        if kind == "reshape":
             # a view that only regroups the token dims keeps the local rows as they are
             x = node.args[0]
-            if x not in self.gshape or len(out) < 1 or out[-1] != self.gshape[x][-1] or self._tokens(out) != n:
+            if x not in self.gshape or out[-1] != self.gshape[x][-1] or self._tokens(out) != n:
                 return False
             node.args = (x, (n // self.tp, out[-1]))
             node.kwargs = {}
-        elif node.op == "call_method" and name in _LASTDIM_REDUCTIONS or node.target in (torch.mean, torch.sum):
+        elif kind == "reduce":
             x = node.args[0]
             if x not in self.gshape or len(out) != len(self.gshape[x]) or out[-1] != 1 or self._tokens(out) != n:
                 return False  # only keepdim reductions over the last dim
@@ -1476,13 +1469,16 @@ class _SequenceParallel:
                 return False  # normalized over more than the last dim
             if not self._rewrite_operands(node, out, n, skip=(0,)):
                 return False
-        elif node.op == "call_function" and node.target is F.dropout:
-            if match.get_arg(node, 2, "training", True) is not False or node.args[0] not in self.gshape:
+        elif node.op == "call_function" and node.target in (F.dropout, torch.dropout):
+            training = match.get_arg(node, 2, "training", node.kwargs.get("train", True))
+            if training is not False or node.args[0] not in self.gshape:
                 return False  # eval-mode dropout (the identity) only: a random mask per rank would differ
-        elif (node.op == "call_function" and node.target in _TOKENWISE_FUNCS) or name in _TOKENWISE_METHODS:
+        elif kind in ("elementwise", "cast"):
             if self._tokens(out) != n:
                 return False
-            if not self._rewrite_operands(node, out, n, skip=(1,) if name == "type_as" else ()):
+            # a cast reads data from its first argument only (``type_as``'s second gives just a dtype)
+            skip = tuple(range(1, len(node.args))) if kind == "cast" else ()
+            if not self._rewrite_operands(node, out, n, skip=skip):
                 return False
         else:
             return False
