@@ -44,6 +44,8 @@ def _extra(p):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--split-points", nargs="*", default=[], help="--single-gpu: pinned split points (module names)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="two-GPU run: fxopt.pipeline(..., cuda_graphs=True), stages replayed from CUDA graphs")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="check the torchrun path without GPUs: gloo, a tiny model, fp32, backend fxopt_eager")
 
@@ -223,7 +225,7 @@ def two_gpus(args):
     ms = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16]
     for m in ms:
         runner = pipeline(model, (ids,), stages=world, microbatches=m, schedule="1F1B", loss_fn=_lm_loss,
-                          device=dev, compile=backend)
+                          device=dev, compile=backend, cuda_graphs=args.cuda_graphs and not smoke)
         step_s = timed(lambda: runner.step(ids, target=tgt if runner.is_last else None))
         idle = gpu_idle(lambda: runner.step(ids, target=tgt if runner.is_last else None))
         idles = [None] * world
@@ -261,6 +263,10 @@ def two_gpus(args):
         for s in range(world):
             row[f"stage{s}_fwd_pred_us"] = runner.plan.stages[s].seconds * 1e6
             row[f"stage{s}_fwd_meas_us"] = gathered[s][0] * 1e3
+        if args.cuda_graphs:
+            states = [None] * world
+            dist.all_gather_object(states, runner.cuda_graphs)
+            row["cuda_graphs"] = "; ".join(f"stage {k}: {v}" for st in states for k, v in st.items())
         rows.append(row)
         if rank == 0:
             print(runner.plan)
@@ -268,13 +274,15 @@ def two_gpus(args):
     if rank == 0:
         notes = (("CPU SMOKE RUN (gloo, tiny fp32 model, fxopt_eager): checks the code path, not a measurement. "
                   if smoke else "") + f"2 stages on {world} GPUs, 1F1B, demo Llama dim {args.dim}, {args.layers} layers, batch {args.batch} x "
-                 f"seq {args.seq}, bf16, stages compiled with backend='fxopt'. One-GPU step: {single_s * 1e3:.1f} ms. "
+                 f"seq {args.seq}, bf16, stages compiled with backend='fxopt'"
+                 f"{', replayed from CUDA graphs (cuda_graphs=True)' if args.cuda_graphs else ''}. "
+                 f"One-GPU step: {single_s * 1e3:.1f} ms. "
                  "bubble_measured = 1 - M * (fwd+bwd of one micro-batch on the slowest stage, alone) / step time. "
                  "stageN_gpu_idle = the share of one profiled step's GPU window (first to last kernel) in which "
                  "rank N runs no compute kernel (NCCL kernels count as idle): the bubble as that GPU sees it, "
                  "host gaps included. "
                  f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}. Wall time {time.time() - t_start:.0f} s.")
-        write_results("pipeline_parallel" + ("_smoke" if smoke else ""), rows, title="Pipeline parallel training step (2 stages)", notes=notes,
+        write_results("pipeline_parallel" + ("_cuda_graphs" if args.cuda_graphs else "") + ("_smoke" if smoke else ""), rows, title="Pipeline parallel training step (2 stages)", notes=notes,
                       out_dir=args.out)
     dist.destroy_process_group()
 

@@ -2,7 +2,7 @@
 # Two-GPU device calls (issue 9), run from the repo root on a machine with two H200s; writes under $OUT.
 #   bash benchmarks/two_gpu_session.sh tests tp        # correctness (NCCL + one-GPU suites, the example), TP bench
 #   bash benchmarks/two_gpu_session.sh pp costmodel    # pipeline bench (M = 1..16), cost model on one GPU
-# Phases: info tests example tp tpcg tpsp tpdtensor tpoverlap pp costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
+# Phases: info tests example tp tpcg tpsp tpdtensor tpoverlap pp ppcg costmodel calib. Result tables land in $OUT/results.tgz, logs in $OUT/*.txt.
 cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast must stay off on these shared hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -83,6 +83,12 @@ phase_pp() {
   # dim 2048 so that a micro-batch's stage work outweighs the host's per-kernel launch cost
   timeout 230 $TR benchmarks/pipeline_parallel.py --dim 2048 --layers 8 --seq 1024 --batch 16 --out "$RES" 2>&1 \
     | grep -v "^W1" | grep -v "UserWarning\|return func" | tail -40
+}
+
+phase_ppcg() {
+  # the same training pipeline with every stage replayed from CUDA graphs (fxopt.pipeline(..., cuda_graphs=True))
+  timeout 230 $TR benchmarks/pipeline_parallel.py --dim 2048 --layers 8 --seq 1024 --batch 16 --cuda-graphs \
+    --out "$RES" 2>&1 | grep -v "^W1" | grep -v "UserWarning\|return func" | tail -40
 }
 
 phase_costmodel() {

@@ -423,6 +423,11 @@ def _ranks_main(rank, world):
         pipeline(GraphBreak(), (torch.randn(4, 4),), microbatches=2, compile=False)
     with pytest.raises(PipelineError, match="stages must equal the world size"):
         pipeline(MLPStack(), (torch.randn(4, 16),), stages=3, compile=False)
+    with pytest.raises(PipelineError, match="cuda_graphs needs CUDA stages"):
+        pipeline(MLPStack(), (torch.randn(4, 16),), microbatches=2, compile=False, device="cpu", cuda_graphs=True)
+    with pytest.raises(PipelineError, match="not Interleaved1F1B"):
+        pipeline(MLPStack(), (torch.randn(4, 16),), stages=4, microbatches=4, schedule="Interleaved1F1B",
+                 compile=False, cuda_graphs=True)
 
 
 @pytest.mark.slow

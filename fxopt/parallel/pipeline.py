@@ -21,6 +21,9 @@ Flow (on every rank of an initialized process group, with the same model and exa
    ``torch.distributed.pipelining.PipelineStage`` and driven by PyTorch's ``ScheduleGPipe``, ``Schedule1F1B`` or
    ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % world_size``; interleaved needs
    ``stages = v * world_size``). Only public constructor arguments are used (same on torch 2.11 and 2.13).
+   ``cuda_graphs=True`` replays each stage's training forward and backward from CUDA graphs from the second step on
+   (:class:`_GraphedStage`): one graph pair per micro-batch the schedule holds in flight, parameter gradients summed
+   inside the backward graph.
 
 Gradients. Schedules run with ``scale_grads=False``; :meth:`PipelineRunner.step` divides this step's gradients by the
 number of micro-batches itself (a ``mean`` loss then gives the full-batch gradient) and adds them to whatever the
@@ -231,6 +234,171 @@ class _HostStaged(nn.Module):
         return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
 
+class _GraphSlot:
+    """One captured forward/backward pair of a stage: its static buffers and its own memory pool."""
+
+    def __init__(self):
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd = torch.cuda.CUDAGraph()
+        self.inputs: list = []  # static inputs (leaves; floating ones that arrived with requires_grad keep it)
+        self.outputs: list = []  # static outputs of the forward graph
+        self.diff: list = []  # positions of the outputs that carry a gradient
+        self.grad_outputs: list = []  # static incoming gradients, one per differentiable output
+        self.input_grads: list = []  # static gradients of the inputs that require grad (None where unused)
+        self.busy = False  # forward replayed, backward not yet
+
+
+class _Replay(torch.autograd.Function):
+    """A training forward replayed from a slot's graph; its backward replays the slot's backward graph. The
+    parameters are arguments only so that autograd runs the backward: their gradients are added inside the graph to
+    the stage's ``main_grads`` and reach autograd as ``None``."""
+
+    @staticmethod
+    def forward(ctx, stage, slot, n_args, *args_and_params):
+        args = args_and_params[:n_args]
+        for s, a in zip(slot.inputs, args):
+            if s.data_ptr() != a.data_ptr():
+                s.copy_(a)
+        slot.fwd.replay()
+        slot.busy = True
+        ctx.slot, ctx.n_args, ctx.n_params = slot, n_args, len(args_and_params) - n_args
+        # copies: the slot's buffers are rewritten when the slot is next replayed, the callers' tensors are not
+        outs = tuple(o.clone() for o in slot.outputs)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in slot.diff])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        slot = ctx.slot
+        for buf, i in zip(slot.grad_outputs, slot.diff):
+            g = grads[i]
+            if g is None:
+                buf.zero_()
+            else:
+                buf.copy_(g)
+        slot.bwd.replay()
+        slot.busy = False
+        it = iter(slot.input_grads)
+        in_grads = []
+        for s in slot.inputs:
+            g = next(it) if s.requires_grad else None
+            in_grads.append(None if g is None else g.clone())
+        return (None, None, None, *in_grads, *([None] * ctx.n_params))
+
+
+class _GraphedStage(nn.Module):
+    """Runs a (compiled) stage's training micro-batches from CUDA graphs, so a micro-batch costs the host a few
+    replays instead of one launch per kernel (`benchmarks/results/pipeline_parallel.md`: at 1k tokens per
+    micro-batch the eager stages were bound by the host).
+
+    The first training step runs the stage as it is: that compiles it, tunes its kernels and records the shapes,
+    dtypes and ``requires_grad`` of its inputs. Before the second step, :meth:`capture` records ``slots`` pairs of
+    graphs (forward; backward of the stage's outputs against static incoming gradients), each with its own memory
+    pool, so ``slots`` micro-batches can be in flight at once (1F1B: the stages after this one plus one; GPipe:
+    every micro-batch). A micro-batch takes a free slot in its forward and frees it in its backward. Parameter
+    gradients are summed inside the backward graph into ``main_grads`` (one buffer per parameter, zeroed at each
+    step); :class:`PipelineRunner` hands them to ``.grad``. Forward-only calls (no grad) and the schedule's shape
+    inference on the meta device run the stage directly.
+
+    If a capture fails (an op that synchronizes with the host, say), the stage stays eager and ``failure`` says why:
+    slower, never wrong.
+    """
+
+    def __init__(self, fn, params: list, slots: int):
+        super().__init__()
+        self.fn = fn
+        self.params = [p for p in params if p.requires_grad]
+        self.n_slots = slots
+        self.slots: list = []
+        self.main_grads: list = []
+        self.spec = None  # [(shape, dtype, device, requires_grad)] of the inputs seen in the first step
+        self.failure: Optional[str] = None
+        self._tuple_out = False
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.slots)
+
+    def forward(self, *args):
+        if (not self.captured or not torch.is_grad_enabled()
+                or any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args)):
+            if torch.is_grad_enabled() and self.spec is None and args and all(
+                    isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
+                self.spec = [(a.shape, a.dtype, a.device, a.requires_grad) for a in args]
+            return self.fn(*args)
+        got = [(a.shape, a.dtype, a.device) for a in args]
+        if got != [s[:3] for s in self.spec]:
+            raise PipelineError(f"cuda_graphs: stage inputs {got} differ from the captured {self.spec}")
+        slot = next((s for s in self.slots if not s.busy), None)
+        if slot is None:
+            raise PipelineError(f"cuda_graphs: all {len(self.slots)} graph slots hold a micro-batch awaiting its "
+                                "backward; the schedule keeps more micro-batches in flight than planned")
+        outs = _Replay.apply(self, slot, len(args), *args, *self.params)
+        return outs if len(outs) > 1 or self._tuple_out else outs[0]
+
+    def begin_step(self) -> None:
+        """Called by the runner before each training step: captures once the stage has run a step, zeroes the
+        gradient buffers and frees every slot (a step that raised may have left some busy)."""
+        if not self.captured and self.failure is None and self.spec is not None:
+            self.capture()
+        for s in self.slots:
+            s.busy = False
+        if self.main_grads:
+            torch._foreach_zero_(self.main_grads)
+
+    def capture(self) -> None:
+        try:
+            self.main_grads = [torch.zeros_like(p) for p in self.params]
+            self.slots = [self._capture_one() for _ in range(self.n_slots)]
+        except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, say why
+            self.slots, self.main_grads = [], []
+            self.failure = f"{type(e).__name__}: {e}"
+            log.warning("fxopt.pipeline: CUDA-graph capture failed, the stage stays eager: %s", self.failure)
+
+    def _inputs(self) -> list:
+        # random floats, zero integers (valid indices): a warm-up run must not meet inf/NaN or out-of-range ids
+        return [(torch.randn(shape, device=dev).to(dt) if dt.is_floating_point
+                 else torch.zeros(shape, dtype=dt, device=dev)).requires_grad_(rg)
+                for shape, dt, dev, rg in self.spec]
+
+    def _warm_up(self, stream) -> None:
+        """One forward and backward on the capture stream first, so that per-stream lazy state (cuBLAS workspaces)
+        is not created during a capture."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            xs = self._inputs()
+            out = self.fn(*xs)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+            wrt = [x for x in xs if x.requires_grad] + self.params
+            if outs:
+                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _capture_one(self) -> "_GraphSlot":
+        slot = _GraphSlot()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        self._warm_up(stream)
+        slot.inputs = self._inputs()
+        with torch.cuda.graph(slot.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = self.fn(*slot.inputs)
+        self._tuple_out = isinstance(out, tuple)
+        slot.outputs = list(out) if self._tuple_out else [out]
+        slot.diff = [i for i, o in enumerate(slot.outputs) if o.requires_grad]
+        slot.grad_outputs = [torch.zeros_like(slot.outputs[i]) for i in slot.diff]
+        wrt = [x for x in slot.inputs if x.requires_grad] + self.params
+        with torch.cuda.graph(slot.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad([slot.outputs[i] for i in slot.diff], wrt, slot.grad_outputs,
+                                        retain_graph=True, allow_unused=True)
+            n_in = len(wrt) - len(self.params)
+            pairs = [(m, g) for m, g in zip(self.main_grads, grads[n_in:]) if g is not None]
+            if pairs:
+                torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
+        slot.input_grads = list(grads[:n_in])
+        return slot
+
+
 def _comm_device(device: torch.device, group) -> torch.device:
     """Where p2p buffers live: the stage device, except CUDA stages over gloo (host memory only)."""
     if torch.device(device).type != "cpu" and dist.get_backend(group) == "gloo":
@@ -267,6 +435,19 @@ class PipelineRunner:
         self._train = None
         self._train_loss_fn = None
         self.is_last = (n_stages - 1) in self.stage_indices
+        self._graphed = [m for m in compiled.values() if isinstance(m, _GraphedStage)]
+
+    @property
+    def cuda_graphs(self) -> dict:
+        """Per local stage: ``"captured (N slots)"``, ``"eager until the second step"`` or why capture failed
+        (empty without ``cuda_graphs=True``)."""
+        out = {}
+        for s in self.stage_indices:
+            g = self._compiled[s]
+            if isinstance(g, _GraphedStage):
+                out[s] = (f"captured ({len(g.slots)} slots)" if g.captured else
+                          f"eager: capture failed: {g.failure}" if g.failure else "eager until the second step")
+        return out
 
     def parameters(self):
         """This rank's parameters (each once, also when several local stages share one)."""
@@ -340,6 +521,8 @@ class PipelineRunner:
             raise PipelineError("step() needs target= on the rank holding the last stage")
         if self._train is None or self._train_loss_fn is not loss_fn:
             self._train, self._train_loss_fn = self._make(loss_fn), loss_fn
+        for g in self._graphed:
+            g.begin_step()
         params = list(self.parameters())
         before = [p.grad for p in params]
         for p in params:
@@ -350,6 +533,11 @@ class PipelineRunner:
             self._train.step(*flat, **kw)
         else:
             self._train.step(**kw)
+        for g in self._graphed:  # gradients summed inside the backward graphs
+            if g.captured and g.params:
+                fresh = torch._foreach_mul(g.main_grads, 1.0)
+                for p, f in zip(g.params, fresh):
+                    p.grad = f if p.grad is None else p.grad.add_(f)
         # one multi-tensor kernel per dtype group rather than a launch per parameter: the host is the bottleneck
         # when micro-batches are small
         grads = [p.grad for p in params if p.grad is not None]
@@ -379,7 +567,8 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
              stages: Optional[int] = None, microbatches: int = 1, schedule: str = "1F1B",
              split_points: Sequence[str] = (), loss_fn: Optional[Callable] = None, compile: Any = True,
              device: Any = None, group: Optional[dist.ProcessGroup] = None, config: Optional[Config] = None,
-             profile: Optional[DeviceProfile] = None, balance_slack: float = 0.05) -> PipelineRunner:
+             profile: Optional[DeviceProfile] = None, balance_slack: float = 0.05,
+             cuda_graphs: bool = False) -> PipelineRunner:
     """Split ``model`` into pipeline stages balanced by a cost model and run them with PyTorch's schedules.
 
     Call on every rank of ``group`` (default: the world) with the same model (same initial weights) and example
@@ -404,6 +593,9 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
         profile: the cost model's :class:`DeviceProfile` (default: the preset for ``device``).
         balance_slack: a stage may be predicted up to this fraction slower than the best bottleneck when that
             sends fewer bytes between stages (0 = strict balance first).
+        cuda_graphs: replay each local stage's training forward and backward from CUDA graphs from the second
+            :meth:`PipelineRunner.step` on (CUDA stages; GPipe or 1F1B). Small micro-batches are otherwise bound
+            by the host's kernel launches. ``runner.cuda_graphs`` reports each stage's state.
     """
     import os
 
@@ -425,12 +617,16 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     elif stages != world:
         raise PipelineError(f"schedule {schedule} runs one stage per rank: stages must equal the world size {world}, "
                             f"got {stages} (use Interleaved1F1B for several stages per rank)")
+    if cuda_graphs and schedule == "Interleaved1F1B":
+        raise PipelineError("cuda_graphs supports the GPipe and 1F1B schedules, not Interleaved1F1B")
     example_kwargs = dict(example_kwargs or {})
     _check_batch(example_args, example_kwargs, microbatches)
     if device is None:
         device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank) or 0) % torch.cuda.device_count())
                   if torch.cuda.is_available() else torch.device("cpu"))
     device = torch.device(device)
+    if cuda_graphs and device.type != "cuda":
+        raise PipelineError(f"cuda_graphs needs CUDA stages; this rank's stages run on {device}")
 
     # 1. Capture one micro-batch.
     mb_args = [_chunk0(a, microbatches) for a in example_args]
@@ -510,6 +706,13 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
         else:
             backend = compile
         compiled[s] = torch.compile(m, backend=backend, dynamic=False)
+    if cuda_graphs:
+        # micro-batches a stage holds between forward and backward: 1F1B, the later stages plus one; GPipe (and
+        # 1F1B with fewer micro-batches than stages, which runs in GPipe's order) all of them
+        gpipe_order = schedule == "GPipe" or microbatches < stages
+        for s in list(compiled):
+            slots = microbatches if gpipe_order else min(microbatches, stages - s)
+            compiled[s] = _GraphedStage(compiled[s], list(mods[s].parameters()), slots)
 
     spec = ([tuple(t.shape) for t in _flat_inputs(example_args, example_kwargs)], list(example_kwargs))
     return PipelineRunner(plan, mods, compiled, local, stages, microbatches, schedule, device, group, loss_fn,
