@@ -389,8 +389,10 @@ class _GraphedStage(nn.Module):
         slot.grad_outputs = [torch.zeros_like(slot.outputs[i]) for i in slot.diff]
         wrt = [x for x in slot.inputs if x.requires_grad] + self.params
         with torch.cuda.graph(slot.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            # no retain_graph: the saved activations' memory stays reserved in the slot's pool (and AOTAutograd's
+            # backwards with donated buffers refuse retain_graph=True)
             grads = torch.autograd.grad([slot.outputs[i] for i in slot.diff], wrt, slot.grad_outputs,
-                                        retain_graph=True, allow_unused=True)
+                                        allow_unused=True)
             n_in = len(wrt) - len(self.params)
             pairs = [(m, g) for m, g in zip(self.main_grads, grads[n_in:]) if g is not None]
             if pairs:
