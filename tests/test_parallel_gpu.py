@@ -292,10 +292,10 @@ def _worker_pipeline_cuda_graphs(rank, world):
     _setup()
     if not ON_GPU:
         return
-    model = _pp_llama(False).float()
-    ref = copy.deepcopy(model).double()
-    ref_params = dict(ref.named_parameters())
     for schedule, m in (("1F1B", 2), ("GPipe", 3)):
+        model = _pp_llama(False).float()  # fresh: pipeline() moved the previous one to the device
+        ref = copy.deepcopy(model).double()
+        ref_params = dict(ref.named_parameters())
         x0 = torch.randint(0, 128, (2 * m, 8), generator=torch.Generator().manual_seed(0))
         runner = pipeline(model, (x0,), device=_dev(), microbatches=m, schedule=schedule, compile=BACKEND,
                           cuda_graphs=True)

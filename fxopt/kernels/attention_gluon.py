@@ -1,0 +1,586 @@
+"""FA3-style FlashAttention forward for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
+
+Status: compiled offline for sm_90 only (``python -m fxopt.kernels.attention_gluon`` prints the resource usage of
+every config); NOT yet run on a GPU. ``benchmarks/gluon_attention_check.py`` checks it against a float64 / fp32
+reference and times it against the Triton kernel and SDPA (FA2 / cuDNN).
+
+Why
+---
+The Triton-language forward (``fxopt/kernels/attention.py``) runs QK^T -> softmax -> PV one after the other in every
+warpgroup; Nsight shows the schedulers idle 60% of cycles (docs/notes_attention.md). Triton-language cannot keep a
+wgmma in flight across the softmax. Gluon lets us write the FA3 structure by hand.
+
+Structure (one CTA = one 128-row query tile of one (batch, head); grid = (cdiv(Sq, 128), B * Hq))
+-------------------------------------------------------------------------------------------------
+``gl.warp_specialize`` splits the CTA into three partitions (12 warps after rounding to warpgroups):
+
+* consumer warpgroup 0 (default partition, 4 warps) and consumer warpgroup 1 (worker partition, 4 warps): the same
+  function ``_fa_consumer``; warpgroup ``w`` owns query rows ``m0 + 64 w .. m0 + 64 w + 63``. The two warpgroups
+  share every K/V tile in shared memory but never wait for each other, so while one runs its softmax the other's
+  wgmma keeps the tensor cores busy (the hardware scheduler interleaves them; there is no explicit ping-pong named
+  barrier as in FA3, Gluon 3.6 does not expose ``bar.sync id``).
+* producer (worker partition, 1 warp, 24 registers): issues every TMA load: the two 64-row Q tiles once, then K_j
+  and V_j into a ``STAGES``-deep ring of shared-memory slots.
+
+Inside each consumer warpgroup the key loop is software-pipelined like FA3's "intra-warpgroup overlap": at step j
+
+    issue S_j = Q K_j^T            (async wgmma, group A)
+    issue O  += P_{j-1} V_{j-1}    (async wgmma, group B; P_{j-1} in registers as the A operand)
+    wait until <= 1 group is in flight  -> S_j is ready, PV_{j-1} may still run
+    release K_j slot; softmax of S_j (masking, row max, exp2, row sum) -> P_j, alpha_j   (overlaps PV_{j-1})
+    wait for 0 groups in flight -> PV_{j-1} done; release V_{j-1} slot; O *= alpha_j
+
+then after the loop the last O += P_{n-1} V_{n-1}. ``P`` never touches shared memory: the fp32 score accumulator is
+cast to 16 bits and converted (in registers) to ``DotOperandLayout(0, parent=<PV accumulator layout>, k_width=2)``.
+Key blocks that need masking (ragged last block, causal diagonal) run in a second loop compiled with the mask, so
+no branch sits between a wgmma issue and its wait (see ``_fa_step`` for what ptxas does otherwise).
+
+What the sm_90 SASS shows (ptxas 12.8): per step 8 + 8 HGMMA (d = 128), ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after
+the PV issue as intended, no wgmma serialisation warning (C7512), no spills. But ptxas places the second wait
+(``DEPBAR.LE gsb0, 0x0``) right after the row max, before the exp2s, because it reuses the registers PV_{j-1}
+still reads. So within one warpgroup only the row max overlaps PV_{j-1}; the exp2 / row-sum work overlaps the
+*other* warpgroup's wgmma. Moving the wait to the top of the next step made ptxas serialise every wgmma (C7512),
+and forcing P_{j-1} live past the softmax did not move the wait either (both tried and dropped).
+
+Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
+----------------------------------------------------------------------------
+* ``q_bar[w]`` (count 1): producer ``expect(nbytes)`` + TMA; consumer ``w`` waits parity 0 once (the kernel is not
+  persistent, every barrier is used from a fresh init).
+* ``k_ready[s]`` / ``v_ready[s]`` (count 1 = the producer's expect-arrive; completes when the TMA bytes land).
+  The j-th key block lives in slot ``s = j % STAGES``; it is that slot's ``u = j // STAGES``-th use, so the
+  consumers wait parity ``u & 1``.
+* ``k_empty[s]`` / ``v_empty[s]`` (count 2 = one arrive from each consumer warpgroup, after the wgmma that read the
+  slot has been waited for). The producer's u-th fill of slot s waits parity ``(u & 1) ^ 1``: for u = 0 that is
+  the parity of the phase "before" the first one, which a freshly initialised barrier reports as complete, so the
+  first STAGES fills do not block; fill u >= 1 waits for the completion of phase u - 1, i.e. both consumers
+  released use u - 1.
+  Both consumers walk the same number of key blocks (``n_blocks`` is a per-CTA value), so every slot use gets
+  exactly two releases.
+* No deadlock for any STAGES >= 1: the producer fills K_j then V_j in order of j. Filling K_j waits for the
+  release of K_{j-STAGES}, done in consumer step j - STAGES; filling V_j waits for V_{j-STAGES}, released in step
+  j - STAGES + 1, which needs only K_{j-STAGES+1} and V_{j-STAGES}, both issued earlier by the producer.
+* Triton adds a ``bar.sync`` over the partition's 128 threads before every ``mbarrier.arrive`` (one elected thread
+  arrives), so a warpgroup releases a slot only when all its 4 warps passed the wgmma wait.
+
+Tiles and resources (ptxas, sm_90, offline; see ``python -m fxopt.kernels.attention_gluon``)
+-----------------------------------------------------------------------------------------
+* d = 64: BLOCK_N = 128, 3 stages; d = 128: BLOCK_N = 128, 2 stages; d = 256: BLOCK_N = 64, 2 stages.
+  64 query rows per consumer warpgroup (128 per CTA). Kernel ``maxnreg`` 168 for 12 warps; the producer asks for 24
+  registers and consumer warpgroup 1 for 240, consumer warpgroup 0 gets what is left (240).
+* Offline build (Triton 3.6, ptxas 12.8), every config bf16 / fp16, causal or not: no spills (LOCAL 0, STACK 0),
+  no C7512 wgmma serialisation; highest register index used by a consumer: 158 (d 64), 189 (d 128), 210 (d 256)
+  of the 240 granted; shared memory 115,064 / 164,152 / 196,920 bytes; HGMMA 72 / 96 / 120 in the binary.
+* Shared memory: Q 2 x 64 x d, K and V STAGES x BLOCK_N x d each (16-bit), plus 2 + 4 * STAGES mbarriers.
+  The output tile is staged through the consumer's own Q buffer (Q is dead after the last QK^T) and written with a
+  TMA store, which clips rows >= Sq by itself.
+
+Semantics
+---------
+* q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d], Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq // Hkv)).
+  Any strides with a contiguous last dim and 16-byte aligned other strides and base pointers (TMA rules); the 4-D
+  descriptors take the strides as they are (a [B, S, H, d] tensor viewed as [B, H, S, d] is fine).
+* bf16 / fp16, d in {64, 128, 256}; fp32 accumulation; scale > 0 (default 1/sqrt(d)), folded into the exponent:
+  p = exp2(s * c - m * c) with c = scale * log2(e) and m the running max of the raw dot products.
+* causal: bottom-right aligned like the Triton kernel and FA2 (key j visible to query i iff j <= i + Sk - Sq).
+  Ragged Sq / Sk: TMA zero-fills out-of-range rows, key columns >= Sk are masked to -inf in the last block.
+* Output: ``out`` (same dtype, contiguous [B, Hq, Sq, d]) and ``lse`` fp32 [B, Hq, Sq] = NATURAL-log
+  log-sum-exp of the scaled scores, the convention of ``flash_attention_triton(..., return_lse=True)``. A row with
+  no visible key (causal with Sq > Sk) gives out = 0 and lse = +inf, never NaN.
+* Not supported: masks other than causal, dropout, softcap, windows, fp32 inputs, scale <= 0, d other than
+  64 / 128 / 256, pre-Hopper GPUs. ``gluon_supported`` says why; ``gluon_attention_fwd`` raises ValueError.
+* Not done (next steps): persistent grid / tile scheduler, explicit ping-pong ordering of the two warpgroups,
+  FP8, backward.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; keep the module importable without it (CPU-only installs, old Triton).
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_IMPORT_ERROR: Optional[str] = None
+except Exception as _e:  # pragma: no cover - depends on the installed Triton
+    _GLUON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+    class _Stub:  # lets the decorated definitions below evaluate; the kernels are never launched
+        @staticmethod
+        def jit(fn=None, **_kw):
+            return fn if fn is not None else (lambda f: f)
+
+    gluon = _Stub()
+    gl = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Rows of the query tile owned by one consumer warpgroup, and consumer warpgroups per CTA.
+WG_ROWS = 64
+NUM_CONSUMERS = 2
+
+# Per head dim: (BLOCK_N, STAGES). Chosen to fit sm_90's 227 KB of shared memory and 240 registers per consumer
+# thread without spills (checked offline, see __main__).
+_CONFIGS = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+_MAXNREG = 168  # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device code
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _as_tma_box(buf, desc):
+    # [rows, d] slot -> the [1, 1, rows, d] box of the 4-D descriptor (same bytes, leading dims of size 1).
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 b, h, hk, m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    # Q: one 64-row box per consumer warpgroup, each on its own barrier.
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_bars.index(w),
+                                        _as_tma_box(q_smem.index(w), q_desc))
+    # K_j, V_j into slot j % STAGES. Fill number u = j // STAGES of a slot waits until both consumers released
+    # use u - 1 (parity (u & 1) ^ 1; u = 0 passes at once on a fresh barrier).
+    for j in range(n_blocks):
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), empty_phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(s),
+                                        _as_tma_box(k_smem.index(s), k_desc))
+        mbarrier.wait(v_empty.index(s), empty_phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(s),
+                                        _as_tma_box(v_smem.index(s), v_desc))
+
+
+@gluon.jit
+def _fa_mask(s, n0, rows, SEQ_K, diag_off, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    # key columns >= Sk and (causal) columns right of the bottom-right aligned diagonal -> -inf
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = gl.expand_dims(cols < SEQ_K, 0)
+    if CAUSAL:
+        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_off, 1))
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _fa_softmax(s, m_i, l_i, qk_scale):
+    """One online-softmax step on (masked) raw scores s [ROWS, BLOCK_N].
+
+    Returns (p fp32, new running max in raw units, new row sum, alpha = rescale factor of the old O)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # A row with no visible key so far keeps m = -inf: use 0 as the offset so exp2 sees -inf (-> 0), not NaN.
+    m_off = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+    alpha = gl.exp2(m_i * qk_scale - m_off)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_off, 1))  # one FFMA + MUFU.EX2 per score
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, m_i, l_i,
+             rows, SEQ_K, diag_off, qk_scale,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+             s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr):
+    """Key block i >= 1: S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued back to back; wait for S_i only; softmax_i
+    runs while PV_{i-1} is on the tensor cores; then wait for PV_{i-1}, rescale O, P_i becomes the next A operand.
+
+    Everything from the first issue to the last wait is straight-line code on purpose. Seen in the sm_90 SASS:
+    * a branch (runtime mask test) while a wgmma is in flight: ptxas put the wait for all wgmma at the join, so
+      masking is a compile-time variant (MASKED) and the caller runs two loops;
+    * keeping PV in flight across the loop back-edge (wait at the top of the next step): ptxas serialised every
+      wgmma ("C7512 ... serialized due to insufficient register resources");
+    * ptxas 12.8 still schedules the PV wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) right after the row max, above
+      the exp2s: it writes P_i / temporaries into the registers that PV_{i-1} reads. Forcing P_{i-1} live past
+      the softmax (a select on a runtime-false condition) did not move the wait, so that variant was dropped.
+      Within one warpgroup the softmax therefore overlaps only the S_i -> PV_{i-1} tail; the overlap this
+      kernel relies on is between the two consumer warpgroups."""
+    dtype: gl.constexpr = q_buf.dtype
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    jv = i - 1
+    vs = jv % STAGES
+    mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+    o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+    # wgmma groups retire in order: <= 1 outstanding means S_i is done (PV_{i-1} may still run)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        s = _fa_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
+    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+    # PV_{i-1} must finish before O is rescaled and before P_{i-1}'s registers are reused (p16 in deps keeps
+    # them alive in the LLVM IR until here).
+    o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+    mbarrier.arrive(v_empty.index(vs), count=1)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    return s, o, p16, m_i, l_i
+
+
+@gluon.jit
+def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    # wgmma accumulator layouts of one warpgroup (4 warps along M, m64nNk16 instructions).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row_first = m0 + WG * ROWS
+    rows = row_first + gl.arange(0, ROWS, layout=row_layout)
+    diag_off = SEQ_K - SEQ_Q
+    # Leading key blocks that need no mask for any row of this warpgroup: fully inside Sk and (causal) left of
+    # the diagonal for the first row. The rest (diagonal blocks, ragged last block) take the masked loop.
+    n_full = SEQ_K // BLOCK_N
+    if CAUSAL:
+        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+    n_full = gl.minimum(n_full, n_blocks)
+
+    q_buf = q_smem.index(WG)
+    mbarrier.wait(q_bars.index(WG), 0)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    # ---- block 0: S_0 = Q K_0^T, softmax -> P_0 (no PV in flight yet, so a runtime branch is harmless here)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        s = _fa_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
+    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    # ---- steady state: unmasked blocks 1 .. n_full-1, then masked blocks up to n_blocks-1
+    for i in range(1, n_full):
+        s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
+                                       m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False,
+                                       s_layout, p_layout, orow_layout)
+    for i in range(gl.maximum(n_full, 1), n_blocks):
+        s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
+                                       m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True,
+                                       s_layout, p_layout, orow_layout)
+
+    # ---- tail: O += P_{n-1} V_{n-1}
+    jv = n_blocks - 1
+    vs = jv % STAGES
+    mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+    o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+    o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+    mbarrier.arrive(v_empty.index(vs), count=1)
+
+    # ---- epilogue: O / l (0 for empty rows), natural-log lse (+inf for empty rows)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, orow_layout), 1)
+    lse = gl.where(empty, float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(lse_ptr + bh.to(gl.int64) * SEQ_Q + rows, lse, mask=rows < SEQ_Q)
+    # Q is dead (every QK^T wgmma was waited for): stage O in the same buffer, TMA-store it (rows >= Sq clipped).
+    q_buf.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_tma_box(q_buf, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:  # the longest rows (most key blocks) first
+        pid_m = NUM_M_BLOCKS - 1 - pid_m
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * (2 * ROWS)
+
+    # Key blocks this CTA visits (both consumers walk all of them; see the module docstring).
+    hi = SEQ_K
+    if CAUSAL:
+        hi = gl.minimum(SEQ_K, m0 + 2 * ROWS + (SEQ_K - SEQ_Q))
+    # At least one block, so the pipeline is never empty; rows that see no key there are masked to l = 0.
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()  # make the initialised barriers visible to the async proxy (TMA) before first use
+
+    # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
+    # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
+    gl.warp_specialize([
+        (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty, lse_ptr, bh,
+                            b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty, lse_ptr, bh,
+                            b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+_TORCH_TO_GL = {}
+
+
+def _gl_dtype(dt):
+    if not _TORCH_TO_GL:
+        _TORCH_TO_GL.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16})
+    return _TORCH_TO_GL[dt]
+
+
+def config_for(head_dim: int) -> dict:
+    """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check)."""
+    block_n, stages = _CONFIGS[head_dim]
+    return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
+                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+
+
+def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    if t.stride(-1) != 1:
+        return f"{name}: last dim must be contiguous for TMA (stride {t.stride(-1)})"
+    esz = t.element_size()
+    for i, st in enumerate(t.stride()[:-1]):
+        if (st * esz) % 16:
+            return f"{name}: stride {st} of dim {i} is not 16-byte aligned (TMA)"
+    if t.data_ptr() % 16:
+        return f"{name}: base pointer not 16-byte aligned (TMA)"
+    return None
+
+
+def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
+    """None if ``gluon_attention_fwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if not t.is_cuda:
+            return f"{name} is not a CUDA tensor"
+        if t.dim() != 4:
+            return f"{name} must be 4-D [B, H, S, D], got {tuple(t.shape)}"
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return f"{name}: dtype {t.dtype} not supported (bf16 / fp16 only)"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return "q, k, v on different devices"
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return f"needs sm_90+ (TMA / wgmma), device is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    B, Hq, Sq, D = q.shape
+    if k.shape != v.shape:
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    if k.shape[0] != B or k.shape[3] != D:
+        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if D not in _CONFIGS:
+        return f"head dim {D} not supported (only {sorted(_CONFIGS)})"
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    if scale is not None and not (float(scale) > 0.0):
+        return f"scale must be > 0 (got {scale}); it is folded into exp2"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        r = _tma_stride_reason(name, t)
+        if r is not None:
+            return r
+    if max(Sq, k.shape[2]) >= 2 ** 30:
+        return "sequence too long for int32 TMA coordinates"
+    if B * Hq > 65535:
+        return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
+    return None
+
+
+def _desc(t: torch.Tensor, rows: int):
+    D = t.shape[-1]
+    block = [1, 1, rows, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        scale: Optional[float] = None):
+    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D] contiguous, lse fp32
+    [B, Hq, Sq], natural log, +inf for rows with no visible key). Raises ValueError when unsupported."""
+    reason = gluon_supported(q, k, v, causal, scale)
+    if reason is not None:
+        raise ValueError(f"gluon_attention_fwd: {reason}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if B * Hq * Sq == 0:
+        return out, lse
+    if Sk == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    cfg = config_for(D)
+    rows_per_cta = NUM_CONSUMERS * WG_ROWS
+    num_m = (Sq + rows_per_cta - 1) // rows_per_cta  # not triton.cdiv: a ConstexprFunction, slow on the host
+    q_desc = _desc(q, WG_ROWS)
+    o_desc = _desc(out, WG_ROWS)
+    k_desc = _desc(k, cfg["BLOCK_N"])
+    v_desc = _desc(v, cfg["BLOCK_N"])
+    grid = (num_m, B * Hq)
+    _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
+                          HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+                          CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offline compile check (no GPU needed): python -m fxopt.kernels.attention_gluon [--sass DIR]
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _signature(dtype_str: str, D: int, block_n: int):
+    def td(rows):
+        gdt = gl.bfloat16 if dtype_str == "bf16" else gl.float16
+        lay = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gdt)
+        return f"tensordesc<{dtype_str}[1, 1, {rows}, {D}],{lay!r}>"
+
+    sig = {"q_desc": td(WG_ROWS), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(WG_ROWS),
+           "lse_ptr": "*fp32", "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32",
+           "NUM_M_BLOCKS": "i32", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+           "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
+    return sig
+
+
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config_for(D)
+    constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
+                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
+    src = GluonASTSource(_fa3_fwd_kernel, signature=_signature(dtype_str, D, cfg["BLOCK_N"]), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
+
+
+def _tool(name: str, data, suffix: str, *args) -> str:
+    import os
+    import subprocess
+    import tempfile
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=suffix, delete=False, mode="wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+        path = f.name
+    try:
+        r = subprocess.run([os.path.join(bindir, name), *args, path], capture_output=True, text=True)
+        return r.stdout + r.stderr
+    finally:
+        os.unlink(path)
+
+
+def sass_summary(c) -> dict:
+    """Counts in the sm_90 SASS of a compiled kernel: HGMMA, waits, ptxas wgmma-serialisation warnings."""
+    import re
+
+    sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+    regs = [int(x) for x in re.findall(r"\bR(\d+)\b", sass)]
+    return {"hgmma": len(re.findall(r"HGMMA", sass)),
+            "depbar_le0": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)),
+            "depbar_le1": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)),
+            "setmaxnreg": sorted(set(re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))),
+            "max_reg_index": max(regs) if regs else None,
+            "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
+
+
+if __name__ == "__main__":  # pragma: no cover - tooling
+    import argparse
+    import os
+    import re
+
+    ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon attention config")
+    ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin of each config")
+    ap.add_argument("--dims", default="64,128,256")
+    args = ap.parse_args()
+    for D in [int(x) for x in args.dims.split(",")]:
+        for causal in (False, True):
+            for dt in ("bf16", "fp16"):
+                tag = f"d{D}_{'causal' if causal else 'full'}_{dt}"
+                try:
+                    c = compile_offline(D, causal, dt)
+                except Exception as e:  # report and go on
+                    print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+                    continue
+                use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                      f"warps={c.metadata.num_warps}  {sass_summary(c)}")
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    for ext in ("ttgir", "ptx"):
+                        with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                            f.write(c.asm[ext])
+                    with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
+                        f.write(c.asm["cubin"])

@@ -1,0 +1,512 @@
+"""W4A16 GEMM for Hopper (sm_90) written in Gluon: warp-specialized, producer ring + two consumer warpgroups.
+
+Status: compiled offline for sm_90 only; NOT yet run on a GPU (see ``benchmarks/gluon_w4a16_check.py``).
+
+Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` from fxopt's packed format (``fxopt/kernels/w4a16.py``):
+``qweight`` int32 [K/8, N] (nibble j of row i = code of W[n, 8i + j]), ``scales`` / ``zeros`` [K/128, N] in the
+activation dtype, ``W = (q - zero) * scale``, integer zeros only (the "swapd" arithmetic). Like swapd it computes the
+transposed product ``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]``: the dequantized weights are the REGISTER A operand of
+wgmma (tensor-core M = the weight's N, so 16..256 activation rows are the wgmma N), x^T is the shared-memory B
+operand.
+
+x order. As in "swapd", x is first rewritten in FRAG order by ``fxopt.kernels.w4a16._prep_x`` (every 32 columns
+permuted so that column c holds k = 8 t + 2 kb + h + 4 e, (kb, h, t, e) = (c // 16, c // 8 % 2, c // 2 % 4, c % 2)).
+Then thread t of a quad needs, per 32-K chunk, exactly the 8 nibbles of ONE packed word (word 4 q + t of the chunk),
+so each thread reads whole words and uses all 8 codes.
+
+Partitions (``gl.warp_specialize``), one output tile [BM, BN] (and one K slice with split-K) per CTA:
+
+* producer (worker, 1 warp, few registers): for every K tile (BK = 128 = one group) of the slice it waits for a free
+  ring slot, then TMA-loads into it the x tile [BM, 128] (bf16, 128B swizzle; rows past M are zero-filled by TMA),
+  the packed tile [16, BN] int32 (128B swizzle), and the scale and zero rows [1, BN] (no swizzle); the four copies
+  complete on the slot's ``ready`` barrier (expect-tx = their byte count).
+* consumer 0 (default partition, 4 warps) and consumer 1 (worker, 4 warps): consumer c owns weight columns
+  [c BN/2, (c + 1) BN/2) of the tile (BN_C = BN / 2 rows of y^T) and its own fp32 accumulator [BN_C, BM] in the
+  wgmma layout. Per K tile: wait ``ready``, then per KC-column chunk (KC = 32 or 64): load the chunk's packed words
+  from shared memory (one 2R-word vector per thread and word row, R = BN_C / 64), shift/mask/OR them into bf16x2
+  pair words ``OFFSET + q``, dequantize with PTX ``sub.rn.bf16x2`` (OFFSET + zero: exact for integer zeros) and
+  ``mul.rn.bf16x2`` (scale, one rounding as the reference), relabel the registers (join / reshape / permute, no data
+  movement: checked with ``convert_layout(..., assert_trivial=True)``) into the wgmma A-operand layout, issue an async
+  ``warpgroup_mma`` against the x^T chunk in shared memory, and ``warpgroup_mma_wait(1)``: one wgmma stays in flight
+  while the next chunk is dequantized. The two consumers are independent warpgroups, so one's dequantization
+  overlaps the other's tensor-core work (ping-pong by the warp schedulers, not by an explicit ordering barrier).
+
+Weight-column relabeling. A thread of the wgmma A layout owns tile rows r = 64 rep + 16 warp + 8 h + g (g = lane / 4,
+rep < R, h < 2). Tile row r is mapped to weight column n = 2R (8 warp + g) + 2 rep + h of the consumer's slice, so a
+thread's 2R rows are 2R CONSECUTIVE columns of the packed tile: one vector shared-memory load per word row instead of
+2R scalar loads. The epilogue applies the same map when it writes y.
+
+Ring and barriers (STAGES slots; slot s = i % STAGES, use count u = i // STAGES for the i-th K tile of the slice):
+
+* ``ready[s]`` (count 1): the producer's ``expect`` arrival + the TMA bytes. Consumers wait with parity u & 1.
+* ``empty[s]`` (count 2: one arrival per consumer). The producer waits with parity (u & 1) ^ 1: a fresh barrier
+  counts as having completed the phase before phase 0, so the first STAGES waits pass at once.
+  A consumer releases slot s of tile i only when the wgmmas reading it have finished: right after the
+  ``warpgroup_mma_wait(1)`` that follows the FIRST wgmma of tile i + 1 (at that point every earlier wgmma is done),
+  with ``fence_async_shared`` before the arrive (generic-proxy reads of the slot, then TMA writes into it). The last
+  tile's slot is never released (the producer does not need it: each CTA handles one tile).
+
+Split-K (``split_k`` > 1, small grids: e.g. 8192 x 8192 at M = 64 has 32-64 output tiles for 132 SMs): grid
+(tiles, split_k); each CTA handles a contiguous range of K tiles; each consumer writes its fp32 partial to a workspace
+[split, M, N], bumps a counter per (tile, consumer) (acq_rel atomic after a partition barrier), and the last one to
+arrive sums the partials, adds the bias, writes y and resets the counter (as in ``fxopt/kernels/w4a16.py``).
+
+Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
+integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fxopt.kernels import cdiv, next_pow2
+
+try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or without a GPU)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - old Triton
+    HAS_GLUON = False
+
+__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "HAS_GLUON"]
+
+GROUP = 128  # K per ring stage = the (only supported) group size
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+_SMEM_LIMIT = 227 * 1024
+_NUM_SMS_DEFAULT = 132
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _pair_bits(v):
+        """16-bit float tensor [1, BN_C] -> int32 with its bits in both halves (a bf16x2 / f16x2 operand)."""
+        b = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return b | (b << 16)
+
+    @gluon.jit
+    def _deq_pairs(words, j: gl.constexpr, zz, ss, MAGIC2, IS_BF16: gl.constexpr):
+        """Pair words of nibbles j and j + 4, dequantized: ``((OFFSET + q) - (OFFSET + z)) * s`` on both bf16x2
+        (or f16x2) halves by packed PTX (two weights per instruction)."""
+        # low half = OFFSET + nibble j, high half = OFFSET + nibble j + 4 (the bits of exact 16-bit floats)
+        t = ((words >> (4 * j)) & 0x000F000F) | MAGIC2
+        if IS_BF16:
+            t = gl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.bf16x2 d, $1, $2; mul.rn.bf16x2 $0, d, $3; }",
+                                          "=r,r,r,r", [t, zz, ss], dtype=gl.int32, is_pure=True, pack=1)
+        else:
+            t = gl.inline_asm_elementwise("{ .reg .b32 d; sub.rn.f16x2 d, $1, $2; mul.rn.f16x2 $0, d, $3; }",
+                                          "=r,r,r,r", [t, zz, ss], dtype=gl.int32, is_pure=True, pack=1)
+        return t
+
+    @gluon.jit
+    def _dequant_chunk(words, zz, ss, MAGIC2, BN_C: gl.constexpr, KC: gl.constexpr, R: gl.constexpr,
+                       IS_BF16: gl.constexpr, a_layout: gl.constexpr):
+        """Packed words [KC/8, BN_C] int32 (row 4 q + t, column 2R (8 warp + g) + 2 rep + h of the consumer's slice)
+        -> dequantized weights [BN_C, KC] in the wgmma A-operand layout ``a_layout``: tile row r = 64 rep + 16 warp +
+        8 h + g, tile column 32 q + 16 kb + 8 hk + 2 t + e = code nibble 2 kb + hk + 4 e of word 4 q + t (FRAG
+        order, matching x prepared by ``_prep_x(frag=True)``)."""
+        zz, _ = gl.broadcast(zz, words)
+        ss, _ = gl.broadcast(ss, words)
+        d0 = _deq_pairs(words, 0, zz, ss, MAGIC2, IS_BF16)
+        d1 = _deq_pairs(words, 1, zz, ss, MAGIC2, IS_BF16)
+        d2 = _deq_pairs(words, 2, zz, ss, MAGIC2, IS_BF16)
+        d3 = _deq_pairs(words, 3, zz, ss, MAGIC2, IS_BF16)
+        # pair index j = 2 kb + hk: [KC/8, BN_C] x (hk, kb), then the two 16-bit halves (e) as the last dim
+        p = gl.join(gl.join(d0, d1), gl.join(d2, d3))  # [KC/8, BN_C, 2 (hk), 2 (kb)]
+        h16 = gl.join(p.to(gl.int16), (p >> 16).to(gl.int16))  # [KC/8, BN_C, hk, kb, e]
+        if IS_BF16:
+            w = h16.to(gl.bfloat16, bitcast=True)
+        else:
+            w = h16.to(gl.float16, bitcast=True)
+        # split word row (q, t) and column (warp, g, rep, h); gather into (r = rep warp h g, k = q kb hk t e)
+        w = gl.reshape(w, [KC // 32, 4, 4, 8, R, 2, 2, 2, 2])  # q t warp g rep h hk kb e
+        w = gl.permute(w, [4, 2, 5, 3, 0, 7, 6, 1, 8])  # rep warp h g | q kb hk t e
+        w = gl.reshape(w, [BN_C, KC])
+        return gl.convert_layout(w, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _consumer(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                  M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                  C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr):
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        R: gl.constexpr = BN_C // 64
+        NCHUNK: gl.constexpr = BK // KC
+        if IS_BF16:
+            DT: gl.constexpr = gl.bfloat16
+        else:
+            DT: gl.constexpr = gl.float16
+        # one warpgroup: wgmma M = 16 per warp x 4 warps x R repetitions = BN_C; wgmma N = BM; k = 16
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        # packed words [rows, BN_C]: word row 4 q + t on lane t (+ registers for q), 2R consecutive columns per
+        # thread, column block g = lane / 4 and warp
+        w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * R], threads_per_warp=[4, 8],
+                                                  warps_per_cta=[1, 4], order=[0, 1])
+
+        acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
+        # n_iter >= 1 (host: every split gets at least one K tile). Without this the zero-trip path (acc = zeros,
+        # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
+        gl.assume(n_iter > 0)
+        for i in range(n_iter):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)  # the slot's TMA bytes have landed
+            sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)  # [1, BN_C]
+            zr = z_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
+            ss = _pair_bits(sc)
+            zz = _pair_bits((zr.to(gl.float32) + OFFSET).to(DT))  # OFFSET + zero, exact for integer zeros
+            q_tile = q_bufs.index(s).slice(C * BN_C, BN_C, dim=1)  # [BK/8, BN_C]
+            xt = x_bufs.index(s).permute((1, 0))  # x^T [BK, BM] (K-major B operand)
+            # all BK/8 word rows at once (a slice of 4 rows would cut the 8-row swizzle pattern), then split into
+            # chunks in registers (word row 4 q + t: q is a register index, so the split moves no data)
+            words_all = q_tile.load(w_layout)
+            if NCHUNK == 4:
+                wr = gl.permute(gl.reshape(words_all, [2, 2, 4, BN_C]), [2, 3, 0, 1])  # t n q1 q0 (q = 2 q1 + q0)
+                w_e, w_o = gl.split(wr)  # q0 = 0 / 1: [4, BN_C, 2 (q1)]
+                w0, w2 = gl.split(w_e)
+                w1, w3 = gl.split(w_o)
+            else:
+                wr = gl.permute(gl.reshape(words_all, [2, 8, BN_C]), [1, 2, 0])  # rows-in-chunk n chunk
+                w0, w1 = gl.split(wr)
+                w2 = w0
+                w3 = w1
+            for cq in gl.static_range(NCHUNK):
+                if cq == 0:
+                    words = w0
+                elif cq == 1:
+                    words = w1
+                elif cq == 2:
+                    words = w2
+                else:
+                    words = w3
+                words = gl.convert_layout(words, w_layout, assert_trivial=True)  # same registers, named layout
+                a = _dequant_chunk(words, zz, ss, MAGIC2, BN_C, KC, R, IS_BF16, a_layout)
+                acc = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
+                # keep this chunk's wgmma in flight while the next chunk is dequantized
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if cq == 0:
+                    # every wgmma issued before this one (all of K tile i - 1) has completed: release its slot
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+        # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
+        r = gl.arange(0, BN_C, layout=gl.SliceLayout(1, acc_layout))
+        m_loc = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+        n_loc = 2 * R * (8 * ((r // 16) % 4) + r % 8) + 2 * (r // 64) + (r // 8) % 2
+        offs_n = off_n + C * BN_C + n_loc
+        offs_m = off_m + m_loc
+        mask = gl.expand_dims(offs_m < M, 0) & gl.expand_dims(offs_n < N, 1)
+        y_ptrs = y_ptr + gl.expand_dims(offs_m, 0) * stride_ym + gl.expand_dims(offs_n, 1)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + offs_n).to(gl.float32)
+        if USE_SPLIT:
+            ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+            slice_elems = M * N
+            gl.store(ws_ptrs + pid_k * slice_elems, acc, mask=mask)
+            gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
+            cnt = cnt_ptr + tile_id * 2 + C
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                # reuse acc's registers for the sum (a second accumulator spills at 128 fp32 per thread)
+                acc = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT_K):
+                    acc += gl.load(ws_ptrs + sk * slice_elems, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += gl.expand_dims(bias, 1)
+                gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt, 0)
+        else:
+            if HAS_BIAS:
+                acc += gl.expand_dims(bias, 1)
+            gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _producer(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                  off_m, off_n, k_tile0, n_iter):
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        NBYTES: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + z_desc.block_type.nbytes)
+        for i in range(n_iter):
+            s = i % STAGES
+            # the slot's previous contents (K tile i - STAGES) have been released by both consumers
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, NBYTES)
+            kt = k_tile0 + i
+            tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+            tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+            tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+
+    @gluon.jit
+    def _w4a16_gluon_kernel(x_desc, q_desc, s_desc, z_desc, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                            M, N, K_TILES, TILES_PER_SPLIT, SPLIT_K, stride_ym, MAGIC2, OFFSET,
+                            BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN_C: gl.constexpr = BN // 2
+        gl.static_assert(BK == 128, "one ring stage = one group of 128")
+        gl.static_assert(BN_C % 64 == 0, "each consumer warpgroup needs a multiple of 64 weight columns")
+        gl.static_assert(BK % KC == 0 and KC % 32 == 0, "KC: a multiple of 32 dividing 128")
+
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        num_pid_m = gl.cdiv(M, BM)
+        pid_m = pid % num_pid_m  # neighbouring CTAs share the weight tile (second read hits L2)
+        pid_n = pid // num_pid_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        k_tile0 = pid_k * TILES_PER_SPLIT
+        n_iter = gl.minimum(TILES_PER_SPLIT, K_TILES - k_tile0)
+
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        z_bufs = gl.allocate_shared_memory(z_desc.dtype, [STAGES] + z_desc.block_type.shape, z_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)  # the producer's expect + TMA bytes
+            mbarrier.init(empty.index(st), count=2)  # one arrival per consumer warpgroup
+
+        tile_id = pid
+        gl.warp_specialize([
+            (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                         M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16)),
+            (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                         M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16)),
+            (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                         off_m, off_n, k_tile0, n_iter)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+def _smem_bytes(block_m: int, block_n: int, stages: int) -> int:
+    per_stage = block_m * GROUP * 2 + (GROUP // 8) * block_n * 4 + 2 * block_n * 2
+    return stages * per_stage + 2 * stages * 8 + 1024  # + barriers + alignment slack
+
+
+def _block_m_for(M: int) -> int:
+    return min(max(next_pow2(M), 16), 256)
+
+
+def _split_for(n_tiles: int, k_tiles: int, num_sms: int) -> int:
+    split = max(1, min(k_tiles, round(num_sms / max(n_tiles, 1))))
+    return cdiv(k_tiles, cdiv(k_tiles, split))  # balanced: every split gets the same number of K tiles
+
+
+def _config_ok(M: int, K: int, N: int, block_m: int, block_n: int, stages: int, kc: int) -> bool:
+    bn_c = block_n // 2
+    return (bn_c % 64 == 0 and bn_c <= 256 and N % block_n == 0 and bn_c * block_m // 128 <= 128
+            and block_m in (16, 32, 64, 128, 256) and kc in (32, 64) and stages >= 2
+            and _smem_bytes(block_m, block_n, stages) <= _SMEM_LIMIT)
+
+
+def _max_stages(block_m: int, block_n: int, cap: int = 8) -> int:
+    s = cap
+    while s > 2 and _smem_bytes(block_m, block_n, s) > _SMEM_LIMIT:
+        s -= 1
+    return s
+
+
+def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
+    """A handful of candidate configs for this shape (first = default). Keys: block_m, block_n, stages, kc,
+    split_k (None = fill the SMs)."""
+    bm = _block_m_for(M)
+    out: list[dict] = []
+
+    def add(block_m, block_n, stages=None, kc=32, split_k=None):
+        stages = stages or _max_stages(block_m, block_n)
+        cfg = dict(block_m=block_m, block_n=block_n, stages=stages, kc=kc, split_k=split_k)
+        if _config_ok(M, K, N, block_m, block_n, stages, kc) and cfg not in out:
+            out.append(cfg)
+
+    if bm <= 64:
+        add(bm, 256)
+        add(bm, 128)
+        add(bm, 256, kc=64)
+        add(bm, 256, stages=4)
+    elif bm == 128:
+        add(128, 256)
+        add(128, 128)
+        add(128, 256, kc=64)
+        add(64, 256)  # two M tiles
+    else:
+        add(256, 128)
+        add(128, 256)
+        add(256, 128, kc=64)
+        add(128, 128)
+    if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
+        add(min(bm, 128), 128, stages=2)
+    return out
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _nvmma(block_shape, gl_dtype, swizzle: Optional[int] = None):
+    if swizzle is None:
+        return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth, rank=2)
+
+
+def make_descriptors(xp, qweight, scales, zeros, block_m: int, block_n: int):
+    """TMA descriptors (x prepared in FRAG order [M, K], packed codes, scales, zeros)."""
+    gdt = gl.bfloat16 if xp.dtype == torch.bfloat16 else gl.float16
+    x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], _nvmma([block_m, GROUP], gdt))
+    q_desc = TensorDescriptor.from_tensor(qweight, [GROUP // 8, block_n], _nvmma([GROUP // 8, block_n], gl.int32))
+    s_desc = TensorDescriptor.from_tensor(scales, [1, block_n], _nvmma([1, block_n], gdt, swizzle=0))
+    z_desc = TensorDescriptor.from_tensor(zeros, [1, block_n], _nvmma([1, block_n], gdt, swizzle=0))
+    return x_desc, q_desc, s_desc, z_desc
+
+
+def _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros):
+    if not HAS_GLUON:
+        raise ValueError("gluon_w4a16: triton.experimental.gluon is not available in this Triton")
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        raise ValueError("gluon_w4a16: x must be a CUDA tensor")
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError(f"gluon_w4a16: needs sm_90 (Hopper), got {torch.cuda.get_device_capability(x.device)}")
+    if x.dtype not in _MAGIC:
+        raise ValueError(f"gluon_w4a16: x must be bfloat16 or float16, got {x.dtype}")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"gluon_w4a16: qweight must be int32 [K/8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[-1] != K or x.dim() not in (2, 3):
+        raise ValueError(f"gluon_w4a16: x must be [..., {K}] (2-D or 3-D), got {tuple(x.shape)}")
+    if K % GROUP or N % GROUP:
+        raise ValueError(f"gluon_w4a16: K ({K}) and N ({N}) must be multiples of {GROUP}")
+    if group_size != GROUP:
+        raise ValueError(f"gluon_w4a16: only group size {GROUP} is supported, got {group_size}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.dtype != x.dtype or tuple(t.shape) != (K // GROUP, N):
+            raise ValueError(f"gluon_w4a16: {name} must be {x.dtype} [{K // GROUP}, {N}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+        raise ValueError(f"gluon_w4a16: bias must be [{N}], got {tuple(bias.shape)}")
+    if not _config_ok(1, K, N, block_m, block_n, stages, kc):
+        raise ValueError(f"gluon_w4a16: unsupported config block_m={block_m} block_n={block_n} stages={stages} "
+                         f"kc={kc} for N={N} (block_n/2 a multiple of 64 dividing N, block_m*block_n/256 <= 128 "
+                         f"accumulators per thread, shared memory {_smem_bytes(block_m, block_n, stages)} B <= "
+                         f"{_SMEM_LIMIT})")
+    if check_zeros:
+        from fxopt.kernels.w4a16 import _integer_zeros
+
+        if not _integer_zeros(zeros):
+            raise ValueError("gluon_w4a16: zeros must be integers (the bf16x2 dequantization is exact only then)")
+    return K, N
+
+
+def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None, *, block_m: int = 64,
+                   block_n: int = 256, stages: int = 4, kc: int = 32, split_k: Optional[int] = None,
+                   xp: Optional[torch.Tensor] = None, consumer_regs: int = 232, producer_regs: int = 40,
+                   check_zeros: bool = True, num_sms: Optional[int] = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
+    ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
+    in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
+    ``split_k`` None: enough K splits to give the grid about one CTA per SM. Raises ValueError when unsupported."""
+    K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, K)
+    M = x2d.shape[0]
+    if M == 0:
+        return x.new_empty(*lead, N)
+    if xp is None:
+        from fxopt.kernels.w4a16 import _prep_x
+
+        xp, _ = _prep_x(x2d.contiguous(), GROUP, True)
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    k_tiles = K // GROUP
+    n_tiles = cdiv(M, block_m) * (N // block_n)
+    if split_k is None:
+        sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
+        split_k = _split_for(n_tiles, k_tiles, sms)
+    if (block_n // 2) * block_m // 128 >= 128:
+        split_k = 1  # the split-K epilogue spills at 128 fp32 accumulators per thread (offline sm_90 build)
+    split_k = max(1, min(split_k, k_tiles))
+    tiles_per_split = cdiv(k_tiles, split_k)
+    split_k = cdiv(k_tiles, tiles_per_split)
+    if split_k > 1:
+        ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, 2 * n_tiles)
+    else:
+        ws, cnt = y, y  # unused
+    magic, offset = _MAGIC[x.dtype]
+    x_desc, q_desc, s_desc, z_desc = make_descriptors(xp, qweight, scales, zeros, block_m, block_n)
+    maxnreg = _maxnreg(consumer_regs, producer_regs)
+    _w4a16_gluon_kernel[(n_tiles, split_k)](
+        x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
+        M, N, k_tiles, tiles_per_split, split_k, y.stride(0), magic * 0x10001, offset,
+        BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1,
+        IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4, maxnreg=maxnreg,
+    )
+    return y.reshape(*lead, N)
+
+
+def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
+    """Launch register limit: 12 warps (default consumer, worker consumer, producer padded to a warpgroup) share
+    64K registers; Triton then emits ``setmaxnreg`` (consumers ``consumer_regs``, producer ``producer_regs``).
+    KNOWN ISSUE (offline sm_90 SASS): with ``setmaxnreg`` in the kernel, ptxas 12.8 serializes every wgmma (C7512
+    "insufficient register resources": DEPBAR.LE gsb0 0x0 after each HGMMA). The same PTX with the setmaxnreg lines
+    removed keeps one wgmma group in flight (DEPBAR.LE gsb0 0x1, 168 registers, no spill). Requests of (256, 256)
+    stop Triton's reallocation but the warp-specialize lowering still emits two setmaxnreg (and ptxas then spills)."""
+    if consumer_regs >= 256 and producer_regs >= 256:
+        return 168
+    return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
+
+
+def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", split: bool = True,
+                    consumer_regs: int = 232, producer_regs: int = 40):
+    """Compile one config for sm_90 without a GPU (for resource checks); returns the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    xp = torch.empty(max(M, 1), K, dtype=tdt)
+    qw = torch.empty(K // 8, N, dtype=torch.int32)
+    sc = torch.empty(K // GROUP, N, dtype=tdt)
+    descs = make_descriptors(xp, qw, sc, sc, bm, bn)
+    sig = {"x_desc": mangle_type(descs[0]), "q_desc": mangle_type(descs[1]), "s_desc": mangle_type(descs[2]),
+           "z_desc": mangle_type(descs[3]), "y_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K_TILES": "i32", "TILES_PER_SPLIT": "i32", "SPLIT_K": "i32",
+           "stride_ym": "i32", "MAGIC2": "i32", "OFFSET": "fp32"}
+    consts = dict(BM=bm, BN=bn, STAGES=cfg["stages"], KC=cfg["kc"], HAS_BIAS=False, USE_SPLIT=split,
+                  IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+    for k in consts:
+        sig[k] = "constexpr"
+    src = GluonASTSource(_w4a16_gluon_kernel, signature=sig, constexprs=consts)
+    opts = {"num_warps": 4, "maxnreg": _maxnreg(consumer_regs, producer_regs)}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
