@@ -467,3 +467,60 @@ def test_gpu_fp32_and_op_compile():
     r.square().sum().backward()
     _assert_close(o.detach(), r.detach(), torch.bfloat16)
     _assert_close(qb.grad, q64.grad, torch.bfloat16, scale=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Gluon (FA3-style) forward, routed from flash_attention_triton on sm_90
+# ---------------------------------------------------------------------------------------------------------------
+
+GLUON_CASES = {
+    "plain": ((2, 8, 8, 300, 300), False, False),
+    "causal_gqa": ((2, 8, 2, 256, 256), True, False),
+    "causal_sq<sk": ((1, 4, 4, 100, 333), True, False),
+    "causal_sq>sk_empty_rows": ((1, 4, 4, 333, 100), True, False),
+    "bshd_view": ((2, 4, 4, 1000, 1000), False, True),
+}
+
+
+def test_gluon_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):
+    q, k, v = _inputs(1, 2, 2, 8, 8, 128, torch.float16, "cpu")
+    assert not A._gluon_route(q, k, v, None, None, 0.0, -1, 0.0, False, None, 128)  # CPU / not sm_90
+    # arguments the Gluon kernel does not take are refused before any device query
+    for kw in (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), dict(dropout_p=0.1), dict(window=4),
+               dict(softcap=1.0)):
+        args = dict(attn_mask=None, key_padding_mask=None, dropout_p=0.0, window=-1, softcap=0.0) | kw
+        assert not A._gluon_route(q, k, v, args["attn_mask"], args["key_padding_mask"], args["dropout_p"],
+                                  args["window"], args["softcap"], False, None, 128)
+    assert not A._gluon_route(q[..., :64], k[..., :64], v[..., :64], None, None, 0.0, -1, 0.0, False, None, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gpu_gluon_forward(name, dtype, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is routed on sm_90 only")
+    (B, Hq, Hkv, Sq, Sk), causal, bshd = GLUON_CASES[name]
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, 128, dtype, "cuda", bshd=bshd)
+    assert A._gluon_route(q, k, v, None, None, 0.0, -1, 0.0, causal, None, 128)
+    out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+    assert out.stride() == torch.empty_like(q).stride()  # what the op's fake impl promises
+    ref, ref_lse = _ref64(q, k, v, return_lse=True, is_causal=causal)
+    _assert_close(out, ref, dtype)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse.double() - ref_lse)[fin].abs().max() < 1e-3
+    # the Triton kernel on the same inputs (FXOPT_ATTN_GLUON=0) agrees with the same reference
+    monkeypatch.setenv("FXOPT_ATTN_GLUON", "0")
+    assert not A._gluon_route(q, k, v, None, None, 0.0, -1, 0.0, causal, None, 128)
+    _assert_close(A.flash_attention_triton(q, k, v, is_causal=causal), ref, dtype)
+    monkeypatch.delenv("FXOPT_ATTN_GLUON")
+    # gradients through the op: the backward kernels read the Gluon forward's out and lse
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = torch.ops.fxopt.flash_attention(qg, kg, vg, is_causal=causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, is_causal=causal).backward(do.double())
+    for got, want in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+        _assert_close(got, want, dtype, scale=2)

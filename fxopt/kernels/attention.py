@@ -911,6 +911,17 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
             raise ValueError("flash_attention: the split-KV decode path does not support dropout")
         _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags)
         return (o, lse) if return_lse else o
+    if config is None and use_tma is None and _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window,
+                                                           softcap, is_causal, scale, D):
+        from fxopt.kernels.attention_gluon import gluon_attention_fwd
+
+        try:
+            gluon_attention_fwd(q, k, v, causal=bool(is_causal), scale=sm_scale, out=o, lse=lse, checked=True)
+            return (o, lse) if return_lse else o
+        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernel runs
+            _GLUON_FAILED.add((q.device, q.dtype, D, bool(is_causal)))
+            log.warning("flash_attention: Gluon forward failed (%s: %s); using the Triton kernel for %s",
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", (q.dtype, D, is_causal))
     auto_tma = use_tma is None
     if auto_tma:
         use_tma = _tma_ok(q, k, v, o) and (q.dtype, D, bool(is_causal)) not in _TMA_FAILED
@@ -941,6 +952,28 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 
 _TMA_FAILED: set = set()
+_GLUON_FAILED: set = set()
+# Head dims routed to the Gluon (FA3-style) forward: measured faster than this file's kernel at d = 128
+# (benchmarks/results/gluon/); at d = 64 it was slower, d = 256 is not measured yet.
+_GLUON_HEAD_DIMS = (128,)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale, D) -> bool:
+    """Whether the forward goes to ``attention_gluon``: sm_90, 16-bit, a routed head dim, causal or no mask, no
+    dropout / window / softcap, TMA-compatible strides (``gluon_supported``). ``FXOPT_ATTN_GLUON=0`` turns it off."""
+    if (D not in _GLUON_HEAD_DIMS or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
+            or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
+            or os.environ.get("FXOPT_ATTN_GLUON", "1") == "0" or q.device.type != "cuda" or not _is_sm90(q.device)
+            or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_FAILED):
+        return False
+    from fxopt.kernels.attention_gluon import gluon_supported
+
+    return gluon_supported(q, k, v, bool(is_causal), scale) is None
 
 
 _DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import

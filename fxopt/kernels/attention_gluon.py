@@ -463,17 +463,27 @@ def _desc(t: torch.Tensor, rows: int):
 
 
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        scale: Optional[float] = None):
-    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D] contiguous, lse fp32
-    [B, Hq, Sq], natural log, +inf for rows with no visible key). Raises ValueError when unsupported."""
-    reason = gluon_supported(q, k, v, causal, scale)
+                        scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                        lse: Optional[torch.Tensor] = None, checked: bool = False):
+    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
+    natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
+
+    out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
+    ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
+    ``gluon_supported`` (the caller ran it)."""
+    reason = None if checked else gluon_supported(q, k, v, causal, scale)
+    if reason is None and out is not None:
+        reason = _tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
+            f"out {tuple(out.shape)} {out.dtype} does not match q {tuple(q.shape)} {q.dtype}"
     if reason is not None:
         raise ValueError(f"gluon_attention_fwd: {reason}")
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
+    if lse is None:
+        lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if B * Hq * Sq == 0:
         return out, lse
     if Sk == 0:
