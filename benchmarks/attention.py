@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fxopt.kernels import attention as A  # noqa: E402
+from fxopt.kernels import attention_gluon as G  # noqa: E402
 
 
 def _rand(*shape, grad=False):
@@ -71,6 +72,17 @@ def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
+def _triton_only(fn):
+    """fn with the Gluon forward routing switched off."""
+    def run():
+        saved, A._GLUON_HEAD_DIMS = A._GLUON_HEAD_DIMS, ()
+        try:
+            return fn()
+        finally:
+            A._GLUON_HEAD_DIMS = saved
+    return run
+
+
 def attention_rows(d, S, causal, bwd=True):
     B, H = 16384 // S, 2048 // d
     flops = 4 * B * H * S * S * d / (2 if causal else 1)
@@ -83,6 +95,11 @@ def attention_rows(d, S, causal, bwd=True):
     row = {"d": d, "S": S, "B": B, "H": H, "causal": causal}
     t = {}
     t["fxopt"] = _try(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal))
+    # the two forwards fxopt has, each on its own: the Triton-language kernel and the Gluon (FA3-style) one;
+    # "fxopt" is whichever flash_attention_triton routes to (the Gluon one at the head dims in _GLUON_HEAD_DIMS)
+    t["triton"] = _try(_triton_only(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal)))
+    t["gluon"] = _try(lambda: G.gluon_attention_fwd(qd, kd, vd, causal=causal)) if G.gluon_supported(
+        qd, kd, vd, causal) is None else None
     t["fa2"] = _try(lambda: fa2(qd, kd, vd))
     t["cudnn"] = _try(lambda: cud(qd, kd, vd))
     for name, ms in t.items():
@@ -289,7 +306,9 @@ def main():
         rows.append(attention_rows(d, S, c))
         if i % 6 == 5:  # partial results survive a time-out
             write_results(name + "_partial", rows, title="partial", out_dir=args.out)
-    notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch); fwd+bwd through "
+    notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch; on sm_90 at d = 128 it runs "
+             "the Gluon FA3-style kernel, fxopt/kernels/attention_gluon.py); fwd_triton = the Triton-language "
+             "kernel alone, fwd_gluon = the Gluon kernel alone (where it takes the inputs); fwd+bwd through "
              "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`. FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
              "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
              "replayed from a CUDA graph (no host launch overhead). Medians of triton.testing.do_bench "
