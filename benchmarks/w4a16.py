@@ -140,9 +140,7 @@ def main():
             if M <= 64:
                 nbytes = K * N // 2 + 2 * 2 * (K // G) * N + 2 * M * (K + N)
                 row["fxopt_GBps"] = nbytes / (t_ours * 1e-6) / 1e9
-            row["config"] = (cfg.method if cfg.method == "dequant_matmul" else
-                             f"{cfg.method} bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} "
-                             f"{'code' if cfg.code_dot else 'deq'} w{cfg.num_warps} s{cfg.num_stages}")
+            row["config"] = cfg.label()
             rows.append(row)
             print(f"[{time.time() - t0:6.1f}s] K={K} N={N} M={M}: fxopt {t_ours:.1f} us, bf16 {t_bf:.1f}, "
                   f"tinygemm {t_tg:.1f} ({row['config']})", flush=True)

@@ -252,6 +252,62 @@ def test_candidate_configs_list_swapd_only_for_integer_zeros():
     assert not any(c.method == "swapd" for c in K4.candidate_configs(64, 4096, 4096, 16))
 
 
+def _is_sm90():
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_candidate_configs_list_gluon_only_on_sm90(monkeypatch):
+    """No "gluon" configs without an sm_90 GPU (CPU included: nothing may raise there), nor without dtype/device,
+    nor with FXOPT_W4A16_GLUON=0."""
+    def gluon(M, dtype=torch.bfloat16, device="cuda", **kw):
+        args = dict(K=1024, N=2048, group_size=128, integer_zeros=True)
+        args.update(kw)
+        return [c for c in K4.candidate_configs(M, args["N"], args["K"], args["group_size"],
+                                                integer_zeros=args["integer_zeros"], dtype=dtype, device=device)
+                if c.method == "gluon"]
+
+    for M in (1, 16, 32, 64, 128, 256, 512):
+        assert not gluon(M, device="cpu"), M
+        assert not gluon(M, dtype=None, device=None), M
+        if not _is_sm90():
+            assert not gluon(M), M
+    monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")
+    assert not any(gluon(M) for M in (32, 64, 128, 256))
+
+
+def test_candidate_configs_gluon_rules(monkeypatch):
+    """With an sm_90 device faked: gluon configs only for buckets 32..256, bf16, integer zeros, group 128, K and N
+    multiples of 128, listed after the others (the heuristic default is unchanged), named "gluon bm.. bn.. s.. kc.."."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    monkeypatch.delenv("FXOPT_W4A16_GLUON", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def cands(M, K=1024, N=2048, G=128, dtype=torch.bfloat16, integer_zeros=True):
+        return K4.candidate_configs(M, N, K, G, integer_zeros=integer_zeros, dtype=dtype, device="cuda")
+
+    for M in (17, 32, 64, 100, 128, 256):
+        cs = cands(M)
+        g = [c for c in cs if c.method == "gluon"]
+        assert g, M
+        assert cs[0] == K4.candidate_configs(M, 2048, 1024, 128)[0]  # same default as before
+        assert cs[:len(cs) - len(g)] == K4.candidate_configs(M, 2048, 1024, 128)
+        for c in g:
+            assert c.block_k == 128 and c.kc in (32, 64) and c.split_k == 0
+            assert c.label() == f"gluon bm{c.block_m} bn{c.block_n} s{c.num_stages} kc{c.kc}"
+    for M in (1, 16, 257, 1024):
+        assert not any(c.method == "gluon" for c in cands(M)), M
+    for kw in (dict(dtype=torch.float16), dict(integer_zeros=False), dict(G=64), dict(G=1024), dict(N=2048 + 64)):
+        assert not any(c.method == "gluon" for c in cands(64, **kw)), kw
+    monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")
+    assert not any(c.method == "gluon" for c in cands(64))
+    monkeypatch.delenv("FXOPT_W4A16_GLUON")
+    for cap in ((8, 9), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert not any(c.method == "gluon" for c in cands(64)), cap
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -320,3 +376,29 @@ def test_gpu_3d_group32_and_grad():
     assert_close_to_ref(x.grad.reshape(-1, K), ref_g, torch.bfloat16)
     w_gpu = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, 32)
     torch.testing.assert_close(w_gpu.cpu().double(), w, rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("M", [32, 64, 128, 256])
+def test_gpu_gluon(M, use_bias):
+    """Every "gluon" config the tuner may choose, through the op's wrapper, against the float reference (bf16,
+    integer zeros); then the op with the tuner free to pick it."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    dtype, K, N = torch.bfloat16, 1024, 2048
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=41)
+    zeros = zeros.round()
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda() if use_bias else None
+    ref = reference(x, qweight, scales, zeros, G, bias)
+    cands = [c for c in K4.candidate_configs(M, N, K, 128, integer_zeros=True, dtype=dtype, device=x.device)
+             if c.method == "gluon"]
+    assert cands
+    for cfg in cands:
+        y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)
+        assert y.dtype == dtype and y.shape == (M, N)
+        assert_close_to_ref(y, ref, dtype)
+    assert_close_to_ref(torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 128, bias), ref, dtype)

@@ -40,6 +40,10 @@ their first scales while the prep kernel runs, and wait (``gdc_wait``) only befo
 dequantizes the codes in the activation dtype before the dot, two per PTX instruction, so the dot accumulates over
 K with no per-tile correction and the wgmma stays asynchronous (integer zeros only; otherwise it runs as "swapx").
 It is the tuner's main candidate from M = 17 to 256 (12-35% faster than swapx at M = 64-256 on the H200).
+"gluon" (``fxopt/kernels/w4a16_gluon.py``, sm_90 only) is a warp-specialized Gluon kernel with the swapd
+arithmetic: a TMA producer warp and two consumer warpgroups, one dequantizing while the other's wgmma runs. It is
+listed from M = 17 to 256 (bucket 32..256) for bf16, integer zeros, group 128, K and N multiples of 128, when Gluon
+imports; ``FXOPT_W4A16_GLUON=0`` removes it. 1.10-1.29x swapd's speed at M = 64-256 on the H200, 0.92x at M = 16.
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
 
@@ -466,8 +470,10 @@ class W4A16Config:
     """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first;
     "swapd" also dequantizes in the activation dtype before the dot, for integer zero points only),
     "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
-    tile span groups), or "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS). ``pdl`` (swapx/swapd on CUDA):
-    the main kernel is launched with programmatic dependent launch, so it starts while x is being prepared."""
+    tile span groups), "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS), or "gluon"
+    (``w4a16_gluon.gluon_w4a16_mm``: block_m, block_n, num_stages = its stages, ``kc``; split_k 0 = its own choice,
+    about one CTA per SM). ``pdl`` (swapx/swapd on CUDA): the main kernel is launched with programmatic dependent
+    launch, so it starts while x is being prepared."""
 
     block_m: int = 16
     block_n: int = 64
@@ -479,6 +485,16 @@ class W4A16Config:
     num_stages: int = 3
     method: str = "fused"
     pdl: bool = False
+    kc: int = 0  # "gluon" only: K columns per dequantized wgmma chunk
+
+    def label(self) -> str:
+        """Short printable name (the "config" column of benchmarks/w4a16.py)."""
+        if self.method == "dequant_matmul":
+            return self.method
+        if self.method == "gluon":
+            return f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
+        return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
+                f"{'code' if self.code_dot else 'deq'} w{self.num_warps} s{self.num_stages}")
 
 
 _NUM_SMS_DEFAULT = 132
@@ -518,10 +534,49 @@ def _split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
     return cdiv(k_tiles, tiles_per)
 
 
+_GLUON = None  # the w4a16_gluon module once imported, False if it cannot be
+
+
+def _gluon_module():
+    """fxopt.kernels.w4a16_gluon if Triton's Gluon imports, else None (never raises: CPU use must not break)."""
+    global _GLUON
+    if _GLUON is None:
+        try:
+            from fxopt.kernels import w4a16_gluon
+
+            _GLUON = w4a16_gluon if w4a16_gluon.HAS_GLUON else False
+        except Exception as e:  # noqa: BLE001
+            log.debug("w4a16: Gluon kernel unavailable (%s)", e)
+            _GLUON = False
+    return _GLUON or None
+
+
+def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4A16Config]:
+    """The Gluon kernel's candidates, or [] where it does not apply or was not measured faster. It runs only on
+    sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros); it beat swapd at
+    M = 64-256 and lost at M = 16 (benchmarks/results/gluon/gluon_w4a16_bench.md), so buckets 32..256 only. Gated
+    on the bucket, not M: the tuner caches one pick per bucket. bf16 only: fp16 was never run on a GPU."""
+    bucket = _m_bucket(M)
+    if (os.environ.get("FXOPT_W4A16_GLUON") == "0" or dtype != torch.bfloat16 or device is None
+            or torch.device(device).type != "cuda" or not integer_zeros or group_size != 128
+            or K % 128 or N % 128 or not 32 <= bucket <= 256):
+        return []
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    kg = _gluon_module()
+    if kg is None:
+        return []
+    return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",
+                        kc=c["kc"]) for c in kg.gluon_w4a16_configs(bucket, K, N)]
+
+
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
-                      integer_zeros: bool = True) -> list[W4A16Config]:
+                      integer_zeros: bool = True, dtype: Optional[torch.dtype] = None,
+                      device=None) -> list[W4A16Config]:
     """The short list of configs the tuner times for this shape (first = heuristic default). ``integer_zeros``:
-    whether the layer's zero points are integers; "swapd" configs are listed only then (it is exact only for them)."""
+    whether the layer's zero points are integers; "swapd" configs are listed only then (it is exact only for them).
+    ``dtype`` / ``device``: the activation dtype and the device; "gluon" configs are listed only when both are
+    given and qualify (``_gluon_configs``), after the others so the heuristic default does not change."""
     bucket = _m_bucket(M)
     out: list[W4A16Config] = []
 
@@ -592,7 +647,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(bm, bn, bk, 0, False, warps, stages)
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
         out.append(W4A16Config(method="dequant_matmul"))
-    return out
+    return out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
 
 
 _TUNED: dict = {}
@@ -639,7 +694,8 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device), integer_zeros=intz)
+    cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device), integer_zeros=intz, dtype=x2d.dtype,
+                              device=x2d.device)
     if torch.cuda.is_current_stream_capturing() or len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
         return cands[0]
     best, best_t = cands[0], float("inf")
@@ -740,6 +796,14 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     if cfg.method == "dequant_matmul":
         w = dequantize_w4_triton(qweight, scales, zeros, group_size)
         return torch.nn.functional.linear(x2d, w, bias)
+    if cfg.method == "gluon":
+        # as benchmarks/gluon_w4a16_check.py: the wrapper prepares x in FRAG order (_prep_x), fuses the bias, and
+        # raises ValueError on what it does not support (non-integer zeros included; the tuner skips such configs)
+        kg = _gluon_module()
+        if kg is None:
+            raise ValueError("w4a16: the gluon method needs triton.experimental.gluon")
+        return kg.gluon_w4a16_mm(x2d, qweight, scales, zeros, group_size, bias, block_m=cfg.block_m,
+                                 block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None)
     spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
     if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
