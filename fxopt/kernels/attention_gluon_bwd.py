@@ -1,0 +1,693 @@
+"""FA3-style FlashAttention BACKWARD for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
+
+Status: compiled offline for sm_90 only (``python -m fxopt.kernels.attention_gluon_bwd`` prints the resource usage
+of every config); NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks it against a float64
+autograd reference and times it against the Triton backward and cuDNN.
+
+Why
+---
+The Triton-language backward (``flash_attention_triton_bwd``) runs two kernels that each recompute S and P (a dK/dV
+kernel and a dQ kernel: 7 GEMMs of Q-block x K-block size instead of 5), and every wgmma is waited for before the
+next instruction (docs/notes_attention.md): 0.73-0.79x cuDNN at d = 128. This kernel follows FA3's backward: one
+main kernel parallel over key blocks that does all five GEMMs, dQ accumulated with fp32 atomics.
+
+Three launches
+--------------
+1. ``_bwd_preprocess`` (Triton language, mirrors ``_attn_bwd_preprocess``): per query row
+   ``delta = rowsum(dO * O)`` (fp32) and ``lse2 = lse * log2(e)`` written into PADDED buffers
+   [B * Hq, Sq_pad] (Sq_pad = Sq rounded up to 64); padded rows get lse2 = +inf, delta = 0, so the main kernel
+   needs no row masks (P = exp2(s - inf) = 0). It also zeroes the fp32 dQ workspace [B, Hq, Sq_pad, d].
+2. ``_fa3_bwd_kernel`` (Gluon, the main kernel), below.
+3. ``_bwd_dq_convert`` (Triton language): dq = (workspace * scale).to(dtype), rows < Sq.
+
+Main kernel: one CTA = one 128-key block of one (batch, kv head); grid = (cdiv(Sk, 128), B * Hkv)
+---------------------------------------------------------------------------------------------------
+``gl.warp_specialize`` splits the CTA into three partitions (12 warps):
+
+* producer (1 warp, 24 registers): TMA-loads the CTA's K and V (two 64-row boxes each, once, on ``kv_bar``), then
+  for every (query head g of the GQA group, query block m) in order: Q_m and lse2_m into ring slot s on
+  ``q_ready[s]``, dO_m and delta_m on ``do_ready[s]``. 64 query rows per block, ``STAGES`` slots.
+* consumer warpgroup w in {0, 1} (4 warps each, 240 registers): owns keys ``n0 + 64 w .. n0 + 64 w + 63`` and
+  keeps dK_w, dV_w [64, d] fp32 in registers for the whole kernel. Per query block (transposed formulation: rows
+  are keys, columns are queries, so lse / delta are per-column vectors and dK, dV need no transposes):
+
+      S^T  = K_w Q^T            wgmma, A = K_w (smem), B = Q^T (permuted smem view)         \\ issued back to back
+      dP^T = V_w dO^T           wgmma, A = V_w (smem), B = dO^T (permuted smem view)        /  (2 groups)
+      wait(<=1): S^T done -> P^T = exp2(S^T * scale * log2e - lse2)   (causal mask only on diagonal blocks)
+      dV_w += P^T dO            wgmma, A = P^T in registers (DotOperandLayout), B = dO (smem)
+      wait(<=1): dP^T done (dV in flight) -> dS^T = P^T * (dP^T - delta); dS^T -> smem (16 bit)
+      dK_w += dS^T Q            wgmma, A = dS^T in registers, B = Q (smem)
+      wait(0): release the Q and dO slots (arrive on q_empty / do_empty)
+      dQ_part = dS K_w          wgmma, A = (dS^T)^T = permuted smem view (MN-major A, "tnspA" in SASS),
+                                B = K_w (smem); wait(0)
+      dQ_part -> fp32 atomics (REDG.ADD, relaxed, no fences) into the workspace
+
+  Masking is a compile-time variant (MASKED) with two loops per query head, as in the forward: the query
+  blocks that touch the causal diagonal of this key block come first (lowest m), then the unmasked ones.
+  Keys >= Sk need no mask: TMA zero-fills their K / V rows, so they add dS * 0 = 0 to dQ, and their dK / dV
+  rows are clipped by the TMA store. Queries >= Sq need no mask either (padded lse2 = +inf -> P = 0).
+  The overlap is between the two consumer warpgroups (one runs exp2 / dS while the other's wgmma run) and
+  between the TMA producer and both; there is no intra-warpgroup pipelining across query blocks (that would keep
+  a second set of S / dP accumulators live: see the register budget below).
+
+dQ: atomics (chosen) vs a separate dQ kernel (the trade-off)
+-----------------------------------------------------------
+* A separate dQ kernel (what the Triton backward does) recomputes S = Q K^T and dP = dO V^T: 7 GEMMs per
+  (query block, key block) pair instead of 5 (+40% tensor-core work), plus a second pass over K / V.
+* Atomics (FA3's choice, chosen here): 5 GEMMs; the cost is fp32 reduction traffic into L2 and a workspace of
+  B * Hq * Sq_pad * d * 4 bytes (+ one zeroing pass in the preprocess and one convert pass). Here every
+  consumer warpgroup adds its own partial dQ (over its 64 keys), i.e. 2 * 64 * d fp32 adds per 128-key block
+  and query block: twice what FA3 issues (FA3 first sums the two warpgroups' halves through shared memory
+  and reduces with a TMA ``cp.reduce.async.bulk``, which Gluon 3.6 does not expose for Hopper). The adds are
+  fire-and-forget (``red``), so they cost issue slots and L2 bandwidth, not latency. Results are
+  non-deterministic in the last bits (fp32 summation order), like FA3's default.
+
+Barriers and phases (every barrier is used from a fresh init: the kernel is not persistent)
+----------------------------------------------------------------------------------------
+* ``kv_bar`` (count 1): producer expect(4 boxes) + 4 TMA loads; each consumer waits parity 0 once.
+* ``q_ready[s]`` / ``do_ready[s]`` (count 1 = the producer's expect-arrive; the phase completes when the TMA
+  bytes land). Query block number ``it`` (a running counter over all (g, m) pairs, identical in producer and
+  consumers) lives in slot ``s = it % STAGES`` and is that slot's ``u = it // STAGES``-th use: consumers wait
+  parity ``u & 1``.
+* ``q_empty[s]`` / ``do_empty[s]`` (count 2 = one arrive per consumer warpgroup, after ``wait(0)`` of the wgmma
+  that read the slot: dK (last reader of Q) and dV (last reader of dO); lse2 / delta were read into registers
+  before). The producer's u-th fill of slot s waits parity ``(u & 1) ^ 1``: u = 0 passes at once on a fresh
+  barrier, fill u >= 1 waits for the completion of phase u - 1 (both consumers released use u - 1).
+* Both consumers walk exactly the same (g, m) sequence as the producer, so every slot use gets two releases
+  and no phase is skipped. No deadlock for STAGES >= 1: consumers release slot use u before waiting for u + 1.
+* ``ds_smem[w]`` is private to warpgroup w: written after the previous step's ``wait(0)`` (so the previous dQ
+  wgmma has finished reading it), then ``fence_async_shared`` before the dQ wgmma reads it through the async
+  proxy; Triton's membar pass puts a partition-wide barrier between the 128 threads' stores and the wgmma.
+
+Tiles and resources (ptxas 12.8, sm_90, offline; ``python -m fxopt.kernels.attention_gluon_bwd``)
+-------------------------------------------------------------------------------------------------
+* BLOCK_N = 128 keys per CTA (64 per consumer), BLOCK_M = 64 queries per step, STAGES = 2 (d = 128) / 3 (d = 64).
+* Registers per consumer thread at d = 128: dK 64 + dV 64 (whole kernel) + S^T 32 + dP^T 32 + lse2 / delta
+  column vectors 16 each (first half of a step), or dQ_part 64 + P^T / dS^T 16-bit operands (second half).
+  dV and dK are retired (``wait(0)``) before the dQ wgmma is issued: with dV, dK and dQ_part in flight together
+  ptxas spilled 192 B and serialised every wgmma (C7512). Loading lse2 / delta from smem just before use
+  (instead of right after the barrier wait) took the spills from 192 B to 72 B.
+* Shared memory at d = 128: K 32 KB + V 32 KB + STAGES x (Q 16 KB + dO 16 KB + lse2 / delta 0.5 KB) + dS 2 x 8 KB.
+* Offline build (Triton 3.6, ptxas 12.8, sm_90a; bf16 and fp16 identical), kernel maxnreg 168, setmaxnreg
+  240 consumers / 24 producer, no C7512 in any config:
+
+      config        STACK (spill)  smem (B)   HGMMA  DEPBAR.LE 0 / 1  REDG.F32  max reg
+      d64  full          0         100,304      40       4 / 4          64      R191
+      d64  causal        0         100,320      80       8 / 8         128      R227
+      d128 full         72         148,880      56       4 / 4         128      R237
+      d128 causal      200         148,896     112       8 / 8         256      R237
+
+  (counts are for both consumer warpgroups' inlined copies; causal has two loop bodies, masked + unmasked). Per
+  step and warpgroup at d = 128: 8 (S^T) + 8 (dP^T) + 4 (dV) + 4 (dK) + 4 (dQ) HGMMA, waits LE 1 after the
+  S^T result (dP^T in flight), LE 1 after issuing dV (dP^T done, dV in flight), LE 0 after dK, LE 0 after dQ.
+  The d = 128 spills are scalars (loop counters, smem / global base addresses), ~4 LDL per step in the loop,
+  not accumulators. Scalar ``REDG.E.ADD.F32.FTZ.RN.STRONG.GPU`` (64 per thread and step at d = 128,
+  immediate offsets from one base address): Triton 3.6 does not vectorise fp32 reductions here.
+* Not done (next steps): sum the two warpgroups' dQ halves in smem before the atomics (half the L2 traffic,
+  FA3's layout), keep dQ / dK in flight across the next step's S^T / dP^T, STAGES = 3 at d = 128 (smem allows
+  it: 182 KB), a deterministic dQ mode, persistent grid.
+
+Semantics
+---------
+* q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
+  dout like q, lse fp32 [B, Hq, Sq] natural log (+inf on rows with no visible key: those rows get exactly zero
+  gradient). Any strides with a contiguous last dim and 16-byte aligned other strides (TMA rules) for q, k, v,
+  dout; out and lse are read by the Triton preprocess (any strides).
+* causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), as the forward.
+* returns dq (like q, contiguous), dk, dv (like k / v, contiguous; summed over the query heads of each GQA
+  group inside the CTA, no atomics).
+* Not supported: masks other than causal, dropout, softcap, windows, fp32, d other than 64 / 128, pre-Hopper.
+  ``gluon_bwd_supported`` says why; ``gluon_attention_bwd`` raises ValueError.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+try:  # keep the module importable without Gluon (CPU-only installs, old Triton)
+    import triton
+    import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_IMPORT_ERROR: Optional[str] = None
+except Exception as _e:  # pragma: no cover - depends on the installed Triton
+    _GLUON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+    class _Stub:  # lets the decorated definitions below evaluate; the kernels are never launched
+        @staticmethod
+        def jit(fn=None, **_kw):
+            return fn if fn is not None else (lambda f: f)
+
+    gluon = _Stub()
+    triton = _Stub()
+    gl = None
+    tl = None
+
+LOG2E = 1.4426950408889634
+
+BLOCK_M = 64          # query rows per step (ring slot)
+WG_KEYS = 64          # keys per consumer warpgroup
+NUM_CONSUMERS = 2
+BLOCK_N = WG_KEYS * NUM_CONSUMERS  # keys per CTA
+_STAGES = {64: 3, 128: 2}
+_MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+_PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton-language helpers: preprocess (delta, lse2, zero dQ workspace) and dQ convert
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, DQ_ACC,
+                    stride_oz, stride_oh, stride_om, stride_doz, stride_doh, stride_dom,
+                    stride_lz, stride_lh, H, SEQ_Q, SQ_PAD,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows < SEQ_Q
+    o = tl.load(O + b.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + rows[:, None] * stride_om
+                + cols[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_doz + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dom
+                 + cols[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + b.to(tl.int64) * stride_lz + h.to(tl.int64) * stride_lh + rows, mask=ok,
+                  other=float("inf"))
+    # +inf (row with no visible key, or padding) stays +inf: exp2(s - inf) = 0 -> zero gradient
+    lse2 = tl.where(ok, lse * 1.4426950408889634, float("inf"))
+    delta = tl.where(ok, delta, 0.0)
+    base = bh.to(tl.int64) * SQ_PAD
+    tl.store(DELTA + base + rows, delta)
+    tl.store(LSE2 + base + rows, lse2)
+    # zero this tile of the fp32 dQ workspace (rows < SQ_PAD always: SQ_PAD is a multiple of BLOCK)
+    tl.store(DQ_ACC + (base + rows[:, None]) * HEAD_DIM + cols[None, :],
+             tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32))
+
+
+@triton.jit
+def _bwd_dq_convert(DQ_ACC, DQ, stride_dqz, stride_dqh, stride_dqm, H, SEQ_Q, SQ_PAD, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < SEQ_Q
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * SQ_PAD + rows[:, None]) * HEAD_DIM + cols[None, :], mask=ok,
+                  other=0.0)
+    tl.store(DQ + b.to(tl.int64) * stride_dqz + h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqm
+             + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gluon main kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _as_tma_box(buf, desc):
+    # [rows, d] slot -> the [1, 1, rows, d] box of the 4-D descriptor (same bytes, leading dims of size 1).
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                  kv_bar, q_ready, q_empty, do_ready, do_empty,
+                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                  dk_desc, dv_desc,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    # K and V of this CTA, once: two 64-row boxes each (one per consumer warpgroup), one barrier.
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + w * 64, 0], kv_bar, _as_tma_box(k_smem.index(w), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + w * 64, 0], kv_bar, _as_tma_box(v_smem.index(w), v_desc))
+    # Query blocks m_lo .. n_m - 1 of every query head of the group, in the consumers' order.
+    it = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        row_base = (b * H + h) * SQ_PAD
+        for mb in range(m_lo, n_m):
+            s = it % STAGES
+            empty_phase = ((it // STAGES) & 1) ^ 1  # fill u of slot s waits for release of use u - 1
+            m0 = mb * 64
+            mbarrier.wait(q_empty.index(s), empty_phase)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(s),
+                                            _as_tma_box(q_smem.index(s), q_desc))
+            tma.async_copy_global_to_shared(lse_desc, [row_base + m0], q_ready.index(s), lse_smem.index(s))
+            mbarrier.wait(do_empty.index(s), empty_phase)
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], do_ready.index(s),
+                                            _as_tma_box(do_smem.index(s), do_desc))
+            tma.async_copy_global_to_shared(delta_desc, [row_base + m0], do_ready.index(s), delta_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _bwd_step(it, mb, k_buf, v_buf, ds_buf, q_smem, do_smem, lse_smem, delta_smem,
+              q_ready, q_empty, do_ready, do_empty, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+              s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr):
+    """One query block (64 rows) against this warpgroup's 64 keys. See the module docstring for the sequence."""
+    dtype: gl.constexpr = q_smem.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
+    s = it % STAGES
+    ready_phase = (it // STAGES) & 1
+    m0 = mb * 64
+    q_buf = q_smem.index(s)
+    do_buf = do_smem.index(s)
+
+    # ---- S^T = K_w Q^T and dP^T = V_w dO^T, two async groups
+    mbarrier.wait(q_ready.index(s), ready_phase)
+    st = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(s), ready_phase)
+    dpt = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                        use_acc=False, is_async=True)
+    # ---- P^T as soon as S^T is back (dP^T may still run); lse2 read from smem only now (16 registers per
+    # thread in the column layout: short live ranges matter at 240 registers)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
+    if MASKED:  # causal diagonal: key j visible to query i iff j <= i + (Sk - Sq)
+        qpos = m0 + gl.arange(0, 64, layout=col_layout)
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
+        st = gl.where(keep, st, float("-inf"))
+    lse2 = lse_smem.index(s).load(col_layout)      # lse * log2(e); +inf on empty / padded rows
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    # ---- dV += P^T dO right away (register A operand), in flight together with dP^T
+    p16 = gl.convert_layout(pt.to(dtype), op_layout)
+    dv = warpgroup_mma(p16, do_buf, dv, is_async=True)
+    # groups in flight: dP^T, dV; <= 1 outstanding -> dP^T is done
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+    delta = delta_smem.index(s).load(col_layout)   # rowsum(dO * O); 0 on padded rows
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+
+    # ---- dK += dS^T Q (register A operand); dS^T also to smem for dQ
+    ds16 = dst.to(dtype)
+    ds_buf.store(ds16)  # the previous step's dQ wgmma was waited for: the buffer is free
+    d16 = gl.convert_layout(ds16, op_layout)
+    dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
+    # Retire dV / dK before dQ_part is allocated: dK + dV + dQ_part (192 fp32) plus the two 16-bit register
+    # operands do not fit the 240 registers (with all three in flight ptxas spilled and serialised every wgmma).
+    dv, dk, p16, d16 = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p16, d16])
+    # Q (read by S^T and dK) and dO (read by dP^T and dV) are no longer needed by this warpgroup.
+    mbarrier.arrive(q_empty.index(s), count=1)
+    mbarrier.arrive(do_empty.index(s), count=1)
+    # ---- dQ_part = dS K_w: A = (dS^T)^T, the transposed smem view (wgmma reads MN-major 16-bit A natively)
+    fence_async_shared()  # generic-proxy stores of dS^T -> visible to the wgmma (async proxy)
+    dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, gl.zeros([64, HEAD_DIM], gl.float32, acc_layout),
+                       use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+
+    # ---- dQ_part -> fp32 workspace (padded rows: no mask). Relaxed: no fences around the reductions.
+    rows = m0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    ptrs = dq_row_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+    gl.atomic_add(ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                  kv_bar, q_ready, q_empty, do_ready, do_empty,
+                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                  dk_desc, dv_desc,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    # wgmma accumulator layouts of one warpgroup (4 warps along M = keys)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    k_buf = k_smem.index(WG)
+    v_buf = v_smem.index(WG)
+    ds_buf = ds_smem.index(WG)
+    keys = n0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    diag_off = SEQ_K - SEQ_Q
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        dq_row_ptr = dq_ptr + (b * H + h).to(gl.int64) * SQ_PAD * HEAD_DIM
+        # diagonal (masked) query blocks first, then the fully visible ones: the producer's order m_lo .. n_m-1
+        for mb in range(m_lo, m_full):
+            dk, dv = _bwd_step(it, mb, k_buf, v_buf, ds_buf, q_smem, do_smem, lse_smem, delta_smem,
+                               q_ready, q_empty, do_ready, do_empty, dk, dv, keys, dq_row_ptr, qk_scale,
+                               diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout)
+            it += 1
+        for mb in range(m_full, n_m):
+            dk, dv = _bwd_step(it, mb, k_buf, v_buf, ds_buf, q_smem, do_smem, lse_smem, delta_smem,
+                               q_ready, q_empty, do_ready, do_empty, dk, dv, keys, dq_row_ptr, qk_scale,
+                               diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout)
+            it += 1
+
+    # ---- epilogue: dK * scale, dV; K_w / V_w are dead (every wgmma waited for): stage through them, TMA store
+    # (rows >= Sk clipped by the descriptor). qk_scale = scale * log2(e).
+    dk = dk * (qk_scale * 0.6931471805599453)
+    k_buf.store(dk.to(dtype))
+    v_buf.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(k_buf, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(v_buf, dv_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_consumer_wg0(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                      q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                      kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                      dk_desc, dv_desc,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _bwd_consumer(0, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                  kv_bar, q_ready, q_empty, do_ready, do_empty,
+                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                  dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _bwd_consumer_wg1(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                      q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                      kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                      dk_desc, dv_desc,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _bwd_consumer(1, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                  kv_bar, q_ready, q_empty, do_ready, do_empty,
+                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                  dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
+                    qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n = gl.program_id(0)  # causal: low key blocks see the most query blocks and run first
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    n0 = pid_n * 128
+
+    # Query blocks this key block needs (the same for every head of the group and both warpgroups):
+    #   m_lo:   first block with a query that sees key n0 (causal: i >= n0 - (Sk - Sq))
+    #   m_full: first block whose first query sees key n0 + 127 (no mask needed from there on)
+    n_m = gl.cdiv(SEQ_Q, 64)
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        diag_off = SEQ_K - SEQ_Q
+        m_lo = gl.minimum(gl.maximum(n0 - diag_off, 0) // 64, n_m)
+        m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + 127 - diag_off, 0), 64), m_lo), n_m)
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64], gl.float32)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    fence_async_shared()  # initialised barriers visible to the async proxy (TMA) before first use
+
+    # Argument tuples inline (a variable would turn the constexprs into tensors, see attention_gluon.py).
+    gl.warp_specialize([
+        (_bwd_consumer_wg0, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty,
+                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+        (_bwd_consumer_wg1, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty,
+                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         kv_bar, q_ready, q_empty, do_ready, do_empty,
+                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+_TORCH_TO_GL = {}
+
+
+def _gl_dtype(dt):
+    if not _TORCH_TO_GL:
+        _TORCH_TO_GL.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16})
+    return _TORCH_TO_GL[dt]
+
+
+def config_for(head_dim: int) -> dict:
+    """Kernel meta-parameters for a head dim (also used by the offline compile check)."""
+    return dict(STAGES=_STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
+                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+
+
+def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    if t.stride(-1) != 1:
+        return f"{name}: last dim must be contiguous for TMA (stride {t.stride(-1)})"
+    esz = t.element_size()
+    for i, st in enumerate(t.stride()[:-1]):
+        if (st * esz) % 16:
+            return f"{name}: stride {st} of dim {i} is not 16-byte aligned (TMA)"
+    if t.data_ptr() % 16:
+        return f"{name}: base pointer not 16-byte aligned (TMA)"
+    return None
+
+
+def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
+    """None if ``gluon_attention_bwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
+    named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+    for name, t in named + (("lse", lse),):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if not t.is_cuda:
+            return f"{name} is not a CUDA tensor"
+    for name, t in named:
+        if t.dim() != 4:
+            return f"{name} must be 4-D [B, H, S, D], got {tuple(t.shape)}"
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return f"{name}: dtype {t.dtype} not supported (bf16 / fp16 only)"
+    if len({t.dtype for _, t in named}) != 1:
+        return "dtype mismatch between dout, q, k, v, out"
+    if len({t.device for _, t in named + (("lse", lse),)}) != 1:
+        return "inputs on different devices"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap[0] != 9:
+        return f"needs sm_90 (TMA / wgmma, Hopper only), device is sm_{cap[0]}{cap[1]}"
+    B, Hq, Sq, D = q.shape
+    if k.shape != v.shape:
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    if k.shape[0] != B or k.shape[3] != D:
+        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if out.shape != q.shape or dout.shape != q.shape:
+        return f"out {tuple(out.shape)} / dout {tuple(dout.shape)} must match q {tuple(q.shape)}"
+    if D not in _STAGES:
+        return f"head dim {D} not supported (only {sorted(_STAGES)})"
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (B, Hq, Sq):
+        return f"lse must be fp32 [B, Hq, Sq] = {(B, Hq, Sq)}, got {lse.dtype} {tuple(lse.shape)}"
+    if scale is not None and not (float(scale) > 0.0):
+        return f"scale must be > 0 (got {scale})"
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        r = _tma_stride_reason(name, t)
+        if r is not None:
+            return r
+    if max(Sq, k.shape[2]) >= 2 ** 30:
+        return "sequence too long for int32 TMA coordinates"
+    if B * Hq * (Sq + _PRE_BLOCK) >= 2 ** 31:
+        return "B * Hq * Sq too large for the int32 lse / delta TMA coordinate"
+    if B * Hkv > 65535 or B * Hq > 65535:
+        return "B * H exceeds the grid's y limit (65535)"
+    return None
+
+
+def _desc(t: torch.Tensor, rows: int):
+    D = t.shape[-1]
+    block = [1, 1, rows, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _vec_desc(t: torch.Tensor):
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], layout)
+
+
+def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                        checked: bool = False):
+    """FA3-style backward -> (dq, dk, dv), contiguous, dtypes of q / k / v. Raises ValueError when unsupported
+    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check)."""
+    reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
+    if reason is not None:
+        raise ValueError(f"gluon_attention_bwd: {reason}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    dq = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
+    if B * Hq * Sq == 0 or Sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    n_m = (Sq + BLOCK_M - 1) // BLOCK_M
+    sq_pad = n_m * BLOCK_M
+    lse2 = torch.empty((B * Hq * sq_pad,), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(lse2)
+    dq_acc = torch.empty((B * Hq * sq_pad * D,), device=q.device, dtype=torch.float32)
+    _bwd_preprocess[(n_m, B * Hq)](out, dout, lse, delta, lse2, dq_acc, *out.stride()[:3], *dout.stride()[:3],
+                                   lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=_PRE_BLOCK)
+    cfg = config_for(D)
+    grid = ((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)
+    _fa3_bwd_kernel[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
+                          _desc(dk, WG_KEYS), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta), dq_acc,
+                          sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
+                          HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+                          CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
+                                   HEAD_DIM=D, BLOCK=_PRE_BLOCK)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offline compile check (no GPU needed): python -m fxopt.kernels.attention_gluon_bwd [--dump DIR]
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _signature(dtype_str: str, D: int):
+    gdt = gl.bfloat16 if dtype_str == "bf16" else gl.float16
+
+    def td(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gdt)
+        return f"tensordesc<{dtype_str}[1, 1, {rows}, {D}],{lay!r}>"
+
+    vlay = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    vd = f"tensordesc<fp32[{BLOCK_M}],{vlay!r}>"
+    return {"q_desc": td(BLOCK_M), "k_desc": td(WG_KEYS), "v_desc": td(WG_KEYS), "do_desc": td(BLOCK_M),
+            "dk_desc": td(WG_KEYS), "dv_desc": td(WG_KEYS), "lse_desc": vd, "delta_desc": vd, "dq_ptr": "*fp32",
+            "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "SQ_PAD": "i32",
+            "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "CONSUMER_REGS": "constexpr",
+            "PRODUCER_REGS": "constexpr"}
+
+
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90):
+    """Compile the main kernel for sm_<arch> without a GPU; returns triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config_for(D)
+    constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
+                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
+    src = GluonASTSource(_fa3_bwd_kernel, signature=_signature(dtype_str, D), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
+
+
+def sass_summary(c) -> dict:
+    """Counts in the sm_90 SASS: HGMMA, wgmma waits, barriers, reductions, ptxas serialisation warnings."""
+    import re
+
+    from fxopt.kernels.attention_gluon import _tool
+
+    sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+    regs = [int(x) for x in re.findall(r"\bR(\d+)\b", sass)]
+    return {"hgmma": len(re.findall(r"HGMMA", sass)),
+            "depbar_le0": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)),
+            "depbar_le1": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)),
+            "redg_f32": len(re.findall(r"\bREDG\.E\.ADD\.F32", sass)),
+            "atomg": len(re.findall(r"\bATOMG", sass)),
+            "bar_sync": len(re.findall(r"\bBAR\.SYNC", sass)),
+            "setmaxnreg": sorted(set(re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))),
+            "max_reg_index": max(regs) if regs else None,
+            "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
+
+
+if __name__ == "__main__":  # pragma: no cover - tooling
+    import argparse
+    import os
+    import re
+
+    from fxopt.kernels.attention_gluon import _tool
+
+    ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon attention backward config")
+    ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin / sass of each config")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    args = ap.parse_args()
+    for D in [int(x) for x in args.dims.split(",")]:
+        for causal in (False, True):
+            for dt in args.dtypes.split(","):
+                tag = f"d{D}_{'causal' if causal else 'full'}_{dt}"
+                try:
+                    c = compile_offline(D, causal, dt)
+                except Exception as e:  # report and go on
+                    print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
+                    continue
+                use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                      f"warps={c.metadata.num_warps}  {sass_summary(c)}", flush=True)
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    for ext in ("ttgir", "ptx"):
+                        with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                            f.write(c.asm[ext])
+                    with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
+                        f.write(c.asm["cubin"])
+                    with open(os.path.join(args.dump, f"{tag}.sass"), "w") as f:
+                        f.write(_tool("nvdisasm", c.asm["cubin"], ".cubin"))
