@@ -51,6 +51,23 @@ Split-K (``split_k`` > 1, small grids: e.g. 8192 x 8192 at M = 64 has 32-64 outp
 [split, M, N], bumps a counter per (tile, consumer) (acq_rel atomic after a partition barrier), and the last one to
 arrive sums the partials, adds the bias, writes y and resets the counter (as in ``fxopt/kernels/w4a16.py``).
 
+Register split (``regs=``, ``_REGS``). The measured configs use consumers 232 / producer 40 registers: ptxas then
+serializes every wgmma (C7512, ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each HGMMA), so the overlap above does not
+happen. The cause is the producer's small ``setmaxnreg`` (offline: any producer value < 112 gives C7512, whatever the
+consumer value; the attention kernel's 24 does not, its partitions differ). ``regs="async"`` = consumers 200 (the
+default partition gets the rest of the pool, 192) / producer 112, same maxnreg 168: offline sm_90 SASS (Triton 3.6,
+ptxas 12.8) has no C7512, one ``DEPBAR.LE gsb0, 0x1`` per KC chunk in the main loop (HGMMAs of a chunk grouped), and
+no spill (168 registers, STACK 0, bf16 / fp16, split-K on / off) for the configs of ``_async_regs_ok`` (<= 64 fp32
+accumulators per thread; not BM 64 x BN 256 with KC 64; BM > 64 is run without split-K); exception: BM 64 x BN 256 with
+split-K AND bias keeps 8 bytes (2 words stored at entry, reloaded once in the split-K final sum, not in the loop).
+On the H200 (session 6, ``python benchmarks/gluon_w4a16_check.py --quick``, ``benchmarks/results/gluon/``) the
+"async" builds were 8-14% faster than the default split (8192 x 8192, M = 64: 28.4 against 31.0 us; 8192 x 28672,
+M = 64: 68.4 against 79.3 us), but 5 of the 18 "async" cases checked were WRONG (max relative error 0.07-0.13): every
+BM 128 x BN 128 case at M = 128 and 256, and BM 64 x BN 256 at M = 256 on 4096 x 11008. The M = 16 and 64 cases
+passed. With wgmma really asynchronous, some buffer is evidently reused while a wgmma still reads it: a ring slot
+released too early, or the A-operand registers of the next chunk. The serialized build hides this. So
+``gluon_w4a16_configs`` does not list "async" configs, and the knob stays for that investigation.
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -329,15 +346,29 @@ def _max_stages(block_m: int, block_n: int, cap: int = 8) -> int:
     return s
 
 
+def _async_regs_ok(block_m: int, block_n: int, kc: int, split: bool) -> bool:
+    """Configs whose ``regs="async"`` build was checked offline (sm_90 SASS, bf16 and fp16, split-K on and off):
+    no C7512, DEPBAR.LE gsb0 0x1 in the main loop, no spill. Outside it (128 accumulators per thread, or
+    64 accumulators + KC = 64 at BM = 64) ptxas still serializes; BM = 128 spills in the split-K epilogue."""
+    acc = (block_n // 2) * block_m // 128  # fp32 accumulators per consumer thread
+    a_regs = (block_n // 2) * kc // 256  # bf16x2 A-operand registers per thread per chunk
+    return acc <= 64 and acc + a_regs <= 80 and (block_m <= 64 or not split)
+
+
 def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
     """A handful of candidate configs for this shape (first = default). Keys: block_m, block_n, stages, kc,
     split_k (None = fill the SMs)."""
     bm = _block_m_for(M)
     out: list[dict] = []
 
-    def add(block_m, block_n, stages=None, kc=32, split_k=None):
+    def add(block_m, block_n, stages=None, kc=32, split_k=None, regs=None):
         stages = stages or _max_stages(block_m, block_n)
         cfg = dict(block_m=block_m, block_n=block_n, stages=stages, kc=kc, split_k=split_k)
+        if regs is not None:
+            # the wrapper runs regs="async" with BM > 64 without split-K (see gluon_w4a16_mm)
+            if not _async_regs_ok(block_m, block_n, kc, split_k != 1 and block_m <= 64):
+                return
+            cfg["regs"] = regs
         if _config_ok(M, K, N, block_m, block_n, stages, kc) and cfg not in out:
             out.append(cfg)
 
@@ -358,6 +389,7 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
         add(128, 128)
     if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
         add(min(bm, 128), 128, stages=2)
+    # regs="async" configs are NOT listed: on the H200 they gave wrong results at M = 128 / 256 (module docstring)
     return out
 
 
@@ -428,11 +460,15 @@ def _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages
 def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None, *, block_m: int = 64,
                    block_n: int = 256, stages: int = 4, kc: int = 32, split_k: Optional[int] = None,
                    xp: Optional[torch.Tensor] = None, consumer_regs: int = 232, producer_regs: int = 40,
-                   check_zeros: bool = True, num_sms: Optional[int] = None) -> torch.Tensor:
+                   check_zeros: bool = True, num_sms: Optional[int] = None,
+                   regs: Optional[str] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
     ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
     in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
-    ``split_k`` None: enough K splits to give the grid about one CTA per SM. Raises ValueError when unsupported."""
+    ``split_k`` None: enough K splits to give the grid about one CTA per SM. ``regs``: None / "default" = the
+    ``consumer_regs`` / ``producer_regs`` arguments, "async" = the register split of ``_REGS["async"]`` (wgmma not
+    serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported."""
+    consumer_regs, producer_regs = _regs_for(regs, consumer_regs, producer_regs)
     K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, K)
@@ -452,6 +488,8 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         split_k = _split_for(n_tiles, k_tiles, sms)
     if (block_n // 2) * block_m // 128 >= 128:
         split_k = 1  # the split-K epilogue spills at 128 fp32 accumulators per thread (offline sm_90 build)
+    if regs == "async" and block_m > 64:
+        split_k = 1  # with the "async" register split, BM = 128 spills in the split-K epilogue (offline sm_90 build)
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
@@ -473,6 +511,24 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     return y.reshape(*lead, N)
 
 
+# Named register splits (consumer warpgroups, producer warpgroup) for ``regs=``. Same launch limit (maxnreg 168 from
+# _maxnreg); Triton gives the default partition what is left of the 3 x 168 per-thread pool (504 - c - p):
+# "default" 232/40/232, "async" 200/112/192. Offline sm_90 (Triton 3.6, ptxas 12.8): with the producer warpgroup
+# at < 112 registers ptxas serializes every wgmma (C7512, DEPBAR.LE gsb0 0x0 after each HGMMA), whatever the
+# consumer value (tried 88..104 with consumers 200..232, and PTX edits of the producer's setmaxnreg from 24 to 104);
+# from 112 up (consumers <= 200 to stay in the pool) the main loop keeps one wgmma group in flight
+# (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``.
+_REGS = {"default": (232, 40), "async": (200, 112)}
+
+
+def _regs_for(regs: Optional[str], consumer_regs: int, producer_regs: int) -> tuple[int, int]:
+    if regs is None:
+        return consumer_regs, producer_regs
+    if regs not in _REGS:
+        raise ValueError(f"gluon_w4a16: regs must be one of {sorted(_REGS)} or None, got {regs!r}")
+    return _REGS[regs]
+
+
 def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
     """Launch register limit: 12 warps (default consumer, worker consumer, producer padded to a warpgroup) share
     64K registers; Triton then emits ``setmaxnreg`` (consumers ``consumer_regs``, producer ``producer_regs``).
@@ -487,7 +543,9 @@ def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
 
 def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", split: bool = True,
                     consumer_regs: int = 232, producer_regs: int = 40):
-    """Compile one config for sm_90 without a GPU (for resource checks); returns the CompiledKernel."""
+    """Compile one config for sm_90 without a GPU (for resource checks); returns the CompiledKernel. ``cfg["regs"]``
+    (if present) overrides ``consumer_regs`` / ``producer_regs`` as in ``gluon_w4a16_mm``."""
+    consumer_regs, producer_regs = _regs_for(cfg.get("regs"), consumer_regs, producer_regs)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
