@@ -2,7 +2,7 @@
 # One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -54,6 +54,18 @@ phase_attn() {
 
 phase_profile() {
   OUT="$RES" bash benchmarks/profile_kernels.sh
+}
+
+phase_gluon() {
+  # the Gluon (sm_90) kernels' own checks: correctness against float64 references, then timing against the Triton
+  # kernels and the anchors; each script has a watchdog (a wrong mbarrier phase hangs the GPU)
+  mkdir -p "$RES/gluon"
+  for s in gluon_attention_check gluon_attention_bwd_check gluon_w4a16_check fp8_gluon_check; do
+    [ -f "benchmarks/$s.py" ] || continue
+    echo "== $s (at $SECONDS s)"
+    timeout 200 python3 "benchmarks/$s.py" --quick --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
+    echo "rc=$?"; grep -E "PASS$|FAIL|ERROR|\[check\] [0-9]+ / |correctness:|\[bench\]" "$OUT/$s.txt" | tail -12
+  done
 }
 
 phase_calib() {
