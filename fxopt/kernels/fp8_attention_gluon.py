@@ -1,0 +1,712 @@
+"""FP8 (e4m3) FA3-style attention forward for Hopper (sm_90), written in Gluon.
+
+Status: compiled offline for sm_90 only (``python -m fxopt.kernels.fp8_attention_gluon`` prints registers, spills,
+shared memory and the QGMMA / wait counts of every config); NOT yet run on a GPU. ``benchmarks/fp8_gluon_check.py``
+is the GPU check (correctness against the Triton fp8 kernel and float64, then TFLOP/s).
+
+Why
+---
+The Triton-language fp8 kernel (``fxopt/kernels/fp8_attention.py``) reaches 656-773 TFLOP/s at d = 128: Triton 3.6
+waits for every wgmma right after issuing it, so a program's exp2 never overlaps its own tensor-core work
+(docs/notes_fp8.md). At d = 128 the exp2s (16 MUFU ops / clock / SM) take as long as the fp8 MMAs, so overlap is
+the whole game. The Gluon bf16 forward (``attention_gluon.py``) already has the FA3 structure; this file is its fp8
+variant.
+
+Inputs: exactly what ``fp8_attention.fp8_attention_quantized`` takes
+-------------------------------------------------------------------
+The host wrapper ``fp8_gluon_attention`` runs fp8_attention.py's own ``quantize_blocks`` (it does not reimplement
+the Hadamard transform or the quantization), and ``fp8_gluon_attention_quantized`` has the signature of
+``fp8_attention_quantized`` so it can replace that launch:
+
+* qq [B, Hq, Sq_pad, d] e4m3 (after Q -> Q M when hadamard), qs fp32 [B * Hq, Sq_pad / 128];
+* kq [B, Hkv, Sk_pad, d] e4m3 (K -> K M), ks fp32 [B * Hkv, Sk_pad / 128];
+* vt [B, Hkv, d, Sk_pad] e4m3 (V transposed, no transform), vs fp32 [B * Hkv, Sk_pad / 128];
+* x ~ xq * s with one s per 128 rows of a head (QBLOCK = 128), padded rows are zero.
+
+Structure (one CTA = 128 query rows of one (batch, head); grid = (cdiv(Sq, 128), B * Hq))
+----------------------------------------------------------------------------------------
+Same as ``attention_gluon.py``: ``gl.warp_specialize`` with two consumer warpgroups (64 query rows each, the same
+function) and a 1-warp TMA producer that fills a ``STAGES``-deep ring of K / V^T slots guarded by mbarriers
+(``k_ready`` / ``v_ready`` count 1 + tx bytes, ``k_empty`` / ``v_empty`` count 2 = one release per consumer; the
+phase bookkeeping is identical, see attention_gluon.py's docstring). Per consumer, key block i >= 1:
+
+    S_i = Q K_i^T          async QGMMA (A = Q tile in smem, B = K_i slot permuted: both K-major over d)
+    O  += P8_{i-1} V_{i-1}  async QGMMA (A = P8 in registers, B = V^T slot permuted: K-major over the keys)
+    wait(<= 1 in flight) -> S_i; release K_i; mask; softmax_i        (overlaps PV_{i-1})
+    wait(0) -> PV_{i-1} done; release V_{i-1}; O *= alpha_i * vs_{i-1} / vs_i; P8_i = e4m3(P_i) in registers
+
+FP8 specifics
+-------------
+* Operand layouts. sm_90 fp8 wgmma reads shared-memory operands K-major only (no transpose bit for 8-bit types).
+  A = Q [64, d] row-major: K-major. B = K_i^T: the K slot [BLOCK_N, d] is d-contiguous, ``permute((1, 0))`` gives
+  a [d, BLOCK_N] view whose contraction dim (d) is contiguous: K-major. B = V_i: the V^T slot [d, BLOCK_N] (one TMA
+  box of fp8_attention.py's transposed V) permuted to [BLOCK_N, d] has the keys (contraction) contiguous: K-major.
+  That is exactly why fp8_attention.py stores V transposed; no in-kernel transpose is needed.
+* P from registers. The A operand of an 8-bit register wgmma is ``DotOperandLayout(0, parent=<PV accumulator>,
+  k_width=4)`` (k_width = elements per 32-bit register: 4 for 8-bit). Unlike 16-bit (k_width 2), the QK^T
+  accumulator layout is NOT the A-operand layout: in an m64nNk32 fp8 fragment lane t holds keys 4(t%4)..+3 (and
+  +16) of each 32-key chunk, while the accumulator gives it keys 2(t%4), +1, +8, +9 (and +16, +24). So
+  ``gl.convert_layout(p.to(e4m3), p_layout)`` is a real intra-quad exchange (shuffles). ``permute_k=True`` avoids
+  it without touching V's layout: K is loaded through a 5-D TMA view (strides [16d, 2d, 4d, d, 1]) that puts key
+  4q + 2jl + e of every 16 into shared-memory row 8jl + 2q + e, so lane q's accumulator columns ARE keys
+  4q .. 4q+3; P's columns are relabelled in registers (reshape / permute, no data movement) and the causal /
+  length mask uses the permuted key index. The TMA view has non-monotonic strides: allowed by the host
+  TensorDescriptor, unverified on hardware, hence both variants in the GPU check (``PERMUTE_K_DEFAULT`` False).
+* Instruction shape: accumulator layouts use ``instr_shape=[16, N, 32]`` (k = 32 for 8-bit wgmma).
+* Scales, folded exactly as fp8_attention.py's kernel does (so the two agree to fp32 rounding):
+  - scores in log2 units: t = S_raw * c_j with c_j = qs * ks_j * scale * log2(e) (qs: one per CTA, the 128 query
+    rows are one quantization block; ks_j per key block, BLOCK_N = 128 = QBLOCK). The running max m is kept in
+    these units (c_j changes per block), m_new = max(m, rowmax(S_raw) * c_j) (c_j > 0).
+  - P = exp2(t - m + 8): the static scale 2^8 (``P_SHIFT``), so P in [0, 256] (<= 448, no saturation, exact power
+    of two) and is cast to e4m3 in registers; l sums the fp32 P, so 2^8 cancels in O / l.
+  - O is kept in units of the current V block's scale: the online-softmax factor becomes
+    alpha_i * vs_{i-1} / vs_i (one scalar per row per block), and the epilogue multiplies by vs_{n-1} / l.
+* Output: the input dtype (bf16 / fp16), staged through its own shared buffer (the fp8 Q buffer is half the size)
+  and TMA-stored (rows >= Sq clipped). lse (natural log, +inf for a row with no visible key) is written only when
+  asked (``return_lse=True``); fp8_attention.py produces none.
+* fp32 accumulation: ``max_num_imprecise_acc`` stays Triton's sm_90 default (2^30: no split accumulation), like
+  ``tl.dot`` in the Triton kernel.
+
+Semantics: as ``fxopt::fp8_attention`` (bottom-right aligned causal; rows with no visible key give 0; GQA query head
+h reads kv head h // (Hq / Hkv)); d in {64, 128} (d = 256 is not configured: 2 stages of 32 KB K and V^T slots plus
+the accumulators did not fit the register budget in the bf16 kernel's layout either without BLOCK_N = 64; left out).
+``fp8_gluon_supported`` returns the reason a call is refused; the wrappers raise ValueError with it.
+
+Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_attention_gluon``)
+-----------------------------------------------------------------------------------------------
+* Every config (d 64 / 128, causal or not, bf16 / fp16 out, lse on / off, permute_k on / off) compiles: no spills
+  (LOCAL 0, STACK 0), no C7512 serialisation; kernel REG 168, consumers setmaxnreg 240, highest register used
+  205-218 (d 128), 179-191 (d 64). Shared memory 147,880 B (d 128, 3 stages) / 90,536 B (d 64, 4 stages).
+* SASS: QGMMA.64x128x32.F32.E4M3.E4M3 (48 at d 128 = 2 consumers x (4 QK + 4 PV + 2 x 8 per loop step)); 36 at
+  d 64. PV takes P from registers (``QGMMA ... R152, gdesc``). Per step ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after the
+  PV issue, then ptxas places ``DEPBAR.LE gsb0, 0x0`` right after the row max (as in the bf16 kernel), so the exp2
+  work overlaps the other warpgroup's QGMMAs, not the own PV.
+* Main-loop body (d 128, unmasked, one consumer): 719 instructions with the plain K load (64 MUFU.EX2, 32 F2FP,
+  150 PRMT, 64 LOP3, 24 SHFL of which 16 are the P exchange); 674 with ``permute_k`` (the P exchange shuffles are
+  gone: 8 SHFL left, all row max / sum). The remaining ~200 PRMT / LOP3 / SHF are Triton's lowering of the
+  fp32 -> e4m3 cast (bytes unpacked and repacked for the wgmma); an inline-asm cvt.e4m3x2 pack made it worse.
+* Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
+  against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the kernel is likely issue-bound below 1000
+  TFLOP/s unless the cast / bookkeeping shrinks. NOT yet run on a GPU.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import fp8_attention as _fp8
+
+try:  # Gluon ships with Triton >= 3.5; keep the module importable without it
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_IMPORT_ERROR: Optional[str] = None
+except Exception as _e:  # pragma: no cover - depends on the installed Triton
+    _GLUON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+    class _Stub:
+        @staticmethod
+        def jit(fn=None, **_kw):
+            return fn if fn is not None else (lambda f: f)
+
+    gluon = _Stub()
+    gl = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+P_SHIFT = _fp8.P_SHIFT  # P stored as p * 2^8 in e4m3 (fp8_attention.py's convention)
+QBLOCK = _fp8.QUANT_BLOCK  # 128 rows per quantization block
+
+WG_ROWS = 64
+NUM_CONSUMERS = 2
+# head dim -> (BLOCK_N, STAGES). BLOCK_N must divide QBLOCK (one K / V scale per key block).
+_CONFIGS = {64: (128, 4), 128: (128, 3)}
+_MAXNREG = 168
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+# K rows loaded permuted within every 16 keys so that P needs no cross-lane exchange before the PV wgmma (see
+# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles); both are in the GPU check.
+PERMUTE_K_DEFAULT = False
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device code
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _as_box(buf, desc):
+    # 2-D slot -> the 4-D descriptor's [1, 1, r, c] box (same bytes)
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _f8_producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 b, h, hk, bhk, m0, n_blocks, SK_PAD, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 PERMUTE_K: gl.constexpr):
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_bars.index(w),
+                                        _as_box(q_smem.index(w), q_desc))
+    for j in range(n_blocks):
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), empty_phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        if PERMUTE_K:  # 5-D view [rows / 16, jl, q, e, d] of the flat K: smem row 8 jl + 2 q + e = key 4 q + 2 jl + e
+            tma.async_copy_global_to_shared(k_desc, [(bhk * SK_PAD + j * BLOCK_N) // 16, 0, 0, 0, 0],
+                                            k_ready.index(s), _as_box(k_smem.index(s), k_desc))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(s),
+                                            _as_box(k_smem.index(s), k_desc))
+        mbarrier.wait(v_empty.index(s), empty_phase)
+        mbarrier.expect(v_ready.index(s), vt_desc.block_type.nbytes)
+        # V^T [d, Sk_pad]: the box is all d rows x BLOCK_N key columns
+        tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(s),
+                                        _as_box(v_smem.index(s), vt_desc))
+
+
+@gluon.jit
+def _f8_mask(s, n0, rows, SEQ_K, diag_off, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+             PERMUTE_K: gl.constexpr):
+    c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if PERMUTE_K:  # score column c = 16 g + 8 jl + 2 q + e holds key 16 g + 4 q + 2 jl + e
+        c = (c & ~15) + ((c >> 1) & 3) * 4 + ((c >> 3) & 1) * 2 + (c & 1)
+    cols = n0 + c
+    keep = gl.expand_dims(cols < SEQ_K, 0)
+    if CAUSAL:
+        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_off, 1))
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _f8_p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, PERMUTE_K: gl.constexpr):
+    """fp32 P (wgmma accumulator layout) -> e4m3 A operand of the PV wgmma (k_width 4)."""
+    if PERMUTE_K:
+        # relabel in fp32 (pure register renaming), cast in the operand layout: F2FP pairs + one PRMT per 4 keys
+        R0: gl.constexpr = p.shape[0]
+        N0: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [R0, N0 // 16, 2, 4, 2])
+        p = gl.permute(p, (0, 1, 3, 2, 4))
+        p = gl.reshape(p, [R0, N0])
+        return gl.convert_layout(p, p_layout).to(fp8)
+    p8 = p.to(fp8)
+    if PERMUTE_K:
+        # Column 16 g + 8 jl + 2 q + e holds key 16 g + 4 q + 2 jl + e (K rows were loaded permuted): relabel the
+        # columns by their key (swap the jl and q axes). In the accumulator layout lane q of a quad owns columns
+        # 2 q + e + 8 jl, so after the relabelling it owns keys 4 q .. 4 q + 3 of each 16: the fp8 A-fragment
+        # layout, and the convert_layout below should need no data movement between threads.
+        R: gl.constexpr = p8.shape[0]
+        N: gl.constexpr = p8.shape[1]
+        p8 = gl.reshape(p8, [R, N // 16, 2, 4, 2])
+        p8 = gl.permute(p8, (0, 1, 3, 2, 4))
+        p8 = gl.reshape(p8, [R, N])
+    return gl.convert_layout(p8, p_layout)
+
+
+@gluon.jit
+def _f8_softmax(s, m_i, l_i, c):
+    """Online-softmax step on raw fp8-dot scores s; c = qs * ks_j * scale * log2(e) > 0.
+
+    m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s * c - gl.expand_dims(m_use - 8.0, 1))  # one FFMA + MUFU.EX2 per score; 8.0 = P_SHIFT
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, m_i, l_i, vs_prev,
+             ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+             QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
+             PERMUTE_K: gl.constexpr):
+    """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
+    branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step)."""
+    fp8: gl.constexpr = q_buf.dtype
+    # block scales of key block i (issued before the waits so their latency hides behind them)
+    c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
+    vs_i = gl.load(vs_base + (i * BLOCK_N) // QB)
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    jv = i - 1
+    vslot = jv % STAGES
+    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+    o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c)
+    # deps=[o] only: Triton 3.6 cannot lower an 8-bit tensor as a wait dependency ("Unexpected bitwidth in
+    # WGMMAWaitGroupOp: 8"); ptxas itself keeps P8's registers untouched while the wgmma that reads them runs.
+    o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+    # O was in units of vs_{i-1}; after this it is in units of vs_i (the PV_i about to be added)
+    o = o * gl.expand_dims(gl.convert_layout(alpha * (vs_prev / vs_i), orow_layout), 1)
+    p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
+    return s, o, p8, m_i, l_i, vs_i
+
+
+@gluon.jit
+def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready,
+                 v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                 sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    out_dtype: gl.constexpr = o_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row_first = m0 + WG * ROWS
+    rows = row_first + gl.arange(0, ROWS, layout=row_layout)
+    diag_off = SEQ_K - SEQ_Q
+    n_full = SEQ_K // BLOCK_N
+    if CAUSAL:
+        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+    n_full = gl.minimum(n_full, n_blocks)
+
+    # 128 query rows per CTA = one quantization block of Q: one scale for both warpgroups
+    qk_scale = gl.load(qs_ptr + bh * NQB + m0 // QB) * sm_scale_log2
+    ks_base = ks_ptr + bhk * NKB
+    vs_base = vs_ptr + bhk * NKB
+
+    q_buf = q_smem.index(WG)
+    mbarrier.wait(q_bars.index(WG), 0)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    # ---- block 0
+    c0 = qk_scale * gl.load(ks_base)
+    vs_prev = gl.load(vs_base)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        s = _f8_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c0)
+    p8 = _f8_p_operand(p, q_buf.dtype, p_layout, PERMUTE_K)
+
+    for i in range(1, n_full):
+        s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
+                                               p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
+                                               diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
+                                               orow_layout, PERMUTE_K)
+    for i in range(gl.maximum(n_full, 1), n_blocks):
+        s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
+                                               p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
+                                               diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
+                                               orow_layout, PERMUTE_K)
+
+    # ---- tail: O += P8_{n-1} V_{n-1}
+    jv = n_blocks - 1
+    vslot = jv % STAGES
+    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+    o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+
+    # ---- epilogue: O * vs_{n-1} / l (0 for rows without a visible key)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = o * gl.expand_dims(gl.convert_layout(vs_prev / l_safe, orow_layout), 1)
+    if WRITE_LSE:
+        # l sums p * 2^8: lse2 = m + log2(l) - 8
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe) - 8.0) * 0.6931471805599453)
+        gl.store(lse_ptr + bh.to(gl.int64) * SEQ_Q + rows, lse, mask=rows < SEQ_Q)
+    o_buf = o_smem.index(WG)
+    o_buf.store(o.to(out_dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_box(o_buf, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
+                     ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+    _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
+                 ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)
+
+
+@gluon.jit
+def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
+                     ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+    _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
+                 ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)
+
+
+@gluon.jit
+def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr, lse_ptr, sm_scale_log2,
+                        H, GROUP, H_KV, SEQ_Q, SEQ_K, NQB, NKB, NUM_M_BLOCKS,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    fp8: gl.constexpr = q_desc.dtype
+    out_dtype: gl.constexpr = o_desc.dtype
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    bhk = b * H_KV + hk
+    m0 = pid_m * (2 * ROWS)
+
+    hi = SEQ_K
+    if CAUSAL:
+        hi = gl.minimum(SEQ_K, m0 + 2 * ROWS + (SEQ_K - SEQ_Q))
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], fp8)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], fp8)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], fp8)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], out_dtype)
+    q_smem = gl.allocate_shared_memory(fp8, [2, ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(fp8, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
+    v_smem = gl.allocate_shared_memory(fp8, [STAGES, HEAD_DIM, BLOCK_N], v_layout)
+    o_smem = gl.allocate_shared_memory(out_dtype, [2, ROWS, HEAD_DIM], o_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)),
+        (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)),
+        (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _gl_dtype(dt):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dt]
+
+
+def config_for(head_dim: int) -> dict:
+    block_n, stages = _CONFIGS[head_dim]
+    return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
+                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+
+
+def _tma_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    if t.stride(-1) != 1:
+        return f"{name}: last dim must be contiguous for TMA (stride {t.stride(-1)})"
+    esz = t.element_size()
+    for i, st in enumerate(t.stride()[:-1]):
+        if (st * esz) % 16:
+            return f"{name}: stride {st} of dim {i} is not 16-byte aligned (TMA)"
+    if t.data_ptr() % 16:
+        return f"{name}: base pointer not 16-byte aligned (TMA)"
+    return None
+
+
+def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None,
+                        training: bool = False) -> Optional[str]:
+    """None if ``fp8_gluon_attention`` can run these (bf16 / fp16) inputs, else a one-line reason."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
+    if training:
+        return "forward only (inference); training keeps bf16 / fp16 attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.dim() != 4:
+            return f"{name} must be 4-D [B, H, S, D], got {tuple(t.shape)}"
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return f"{name}: dtype {t.dtype} not supported (bf16 / fp16 inputs; quantized here)"
+        if not t.is_cuda:
+            return f"{name} is not a CUDA tensor"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return "q, k, v on different devices"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap[0] != 9:
+        return f"needs sm_90 (fp8 wgmma + TMA), device is sm_{cap[0]}{cap[1]}"
+    B, Hq, Sq, D = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    if k.shape[0] != B or k.shape[3] != D:
+        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if D not in _CONFIGS:
+        return f"head dim {D} not supported by the Gluon fp8 kernel (only {sorted(_CONFIGS)})"
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    if scale is not None and not (float(scale) > 0.0):
+        return f"scale must be > 0 (got {scale}); it is folded into exp2"
+    if max(Sq, k.shape[2]) >= 2 ** 30:
+        return "sequence too long for int32 TMA coordinates"
+    if B * Hq > 65535:
+        return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
+    return None
+
+
+def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -> Optional[str]:
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
+    B, Hq, Sq, D = shape_q
+    if D not in _CONFIGS:
+        return f"head dim {D} not supported by the Gluon fp8 kernel (only {sorted(_CONFIGS)})"
+    for name, t in (("qq", qq), ("kq", kq), ("vt", vt)):
+        if t.dtype != torch.float8_e4m3fn:
+            return f"{name}: dtype {t.dtype}, expected torch.float8_e4m3fn (int8 / fp16 emulation not supported)"
+        if not t.is_cuda:
+            return f"{name} is not a CUDA tensor"
+        r = _tma_reason(name, t)
+        if r:
+            return r
+    sq_pad, sk_pad = qq.shape[2], kq.shape[2]
+    if sq_pad % QBLOCK or sk_pad % QBLOCK:
+        return f"padded lengths {sq_pad} / {sk_pad} are not multiples of QBLOCK={QBLOCK} (quantize_blocks' default)"
+    if tuple(qq.shape) != (B, Hq, sq_pad, D) or tuple(kq.shape) != (B, n_kv_heads, sk_pad, D):
+        return f"qq {tuple(qq.shape)} / kq {tuple(kq.shape)} do not match shape_q {shape_q}, Hkv {n_kv_heads}"
+    if tuple(vt.shape) != (B, n_kv_heads, D, sk_pad):
+        return f"vt {tuple(vt.shape)} is not V transposed [B, Hkv, D, Sk_pad]"
+    if sq_pad < Sq or sk_pad < seq_k:
+        return "quantized tensors shorter than the sequence"
+    if tuple(qs.shape) != (B * Hq, sq_pad // QBLOCK) or tuple(ks.shape) != (B * n_kv_heads, sk_pad // QBLOCK) \
+            or tuple(vs.shape) != tuple(ks.shape):
+        return f"scale shapes qs {tuple(qs.shape)} ks {tuple(ks.shape)} vs {tuple(vs.shape)} do not match"
+    for name, t in (("qs", qs), ("ks", ks), ("vs", vs)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return f"{name} must be contiguous fp32"
+    if out is not None:
+        r = _tma_reason("out", out)
+        if r:
+            return r
+    return None
+
+
+def _desc(t: torch.Tensor, block, shape=None, strides=None):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
+
+
+def _k_block(block_n: int, D: int, permute_k: bool):
+    return [block_n // 16, 2, 4, 2, D] if permute_k else [1, 1, block_n, D]
+
+
+def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
+    """K's TMA descriptor. permute_k: a 5-D view [rows / 16, jl, q, e, d] of the contiguous [B, Hkv, Sk_pad, d]
+    tensor with strides [16 d, 2 d, 4 d, d, 1], so a box lands in shared memory with row 8 jl + 2 q + e holding key
+    4 q + 2 jl + e of each 16 (jl and q swapped: non-monotonic strides, which the TMA unit accepts as far as the
+    CUDA docs say; NOT verified on a GPU)."""
+    D = kq.shape[-1]
+    if not permute_k:
+        return _desc(kq, _k_block(block_n, D, False))
+    rows = kq.shape[0] * kq.shape[1] * kq.shape[2]
+    return _desc(kq, _k_block(block_n, D, True), shape=[rows // 16, 2, 4, 2, D], strides=[16 * D, 2 * D, 4 * D, D, 1])
+
+
+def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
+                                  is_causal=False, scale=None, out=None, return_lse=False, lse=None,
+                                  permute_k: Optional[bool] = None):
+    """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
+    ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``)."""
+    B, Hq, Sq, D = shape_q
+    reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
+    if reason is None and scale is not None and not (float(scale) > 0.0):
+        reason = f"scale must be > 0 (got {scale})"
+    if reason is not None:
+        raise ValueError(f"fp8_gluon_attention: {reason}")
+    Hkv = n_kv_heads
+    if out is None:
+        out = torch.empty((B, Hq, Sq, D), device=qq.device, dtype=out_dtype)
+    if return_lse and lse is None:
+        lse = torch.empty((B, Hq, Sq), device=qq.device, dtype=torch.float32)
+    res = (out, lse) if return_lse else out
+    if B * Hq * Sq == 0:
+        return res
+    if seq_k == 0:
+        out.zero_()
+        if return_lse:
+            lse.fill_(float("inf"))
+        return res
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    cfg = config_for(D)
+    bn = cfg["BLOCK_N"]
+    rows_per_cta = NUM_CONSUMERS * WG_ROWS
+    num_m = (Sq + rows_per_cta - 1) // rows_per_cta
+    q_desc = _desc(qq, [1, 1, WG_ROWS, D])
+    pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
+    k_desc = _k_desc(kq, bn, pk)
+    vt_desc = _desc(vt, [1, 1, D, bn])
+    o_desc = _desc(out, [1, 1, WG_ROWS, D])
+    lse_arg = lse if return_lse else qs
+    _fp8_fa3_fwd_kernel[(num_m, B * Hq)](
+        q_desc, k_desc, vt_desc, o_desc, qs, ks, vs, lse_arg, sm_scale * LOG2E,
+        Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
+        HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
+        QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return res
+
+
+def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
+    """fp8_attention.py's own host steps (Hadamard + block quantization; V transposed). Returns
+    (qq, qs, kq, ks, vt, vs)."""
+    qq, qs = _fp8.quantize_blocks(q, hadamard=hadamard, seed=seed)
+    kq, ks = _fp8.quantize_blocks(k, hadamard=hadamard, seed=seed)
+    vt, vs = _fp8.quantize_blocks(v, hadamard=False, transpose=True)
+    return qq, qs, kq, ks, vt, vs
+
+
+def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
+                        seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None):
+    """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
+    Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
+    reason = fp8_gluon_supported(q, k, v, is_causal, scale)
+    if reason is not None:
+        raise ValueError(f"fp8_gluon_attention: {reason}")
+    _fp8._check_attn_inputs(q, k, v, scale)
+    B, Hq, Sq, D = q.shape
+    qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
+    return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
+                                         n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
+                                         scale=scale, out=out, return_lse=return_lse, permute_k=permute_k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offline compile check (no GPU): python -m fxopt.kernels.fp8_attention_gluon [--dump DIR]
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
+    ogdt = gl.bfloat16 if out_str == "bf16" else gl.float16
+
+    def tds(dt_str, gdt, block):
+        lay = gl.NVMMASharedLayout.get_default_for(block, gdt)
+        return f"tensordesc<{dt_str}[{', '.join(map(str, block))}],{lay!r}>"
+
+    return {"q_desc": tds("fp8e4nv", gl.float8e4nv, [1, 1, WG_ROWS, D]),
+            "k_desc": tds("fp8e4nv", gl.float8e4nv, _k_block(block_n, D, permute_k)),
+            "vt_desc": tds("fp8e4nv", gl.float8e4nv, [1, 1, D, block_n]),
+            "o_desc": tds(out_str, ogdt, [1, 1, WG_ROWS, D]),
+            "qs_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale_log2": "fp32",
+            "H": "i32", "GROUP": "i32", "H_KV": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "NQB": "i32", "NKB": "i32",
+            "NUM_M_BLOCKS": "i32", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+            "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "QB": "constexpr", "PERMUTE_K": "constexpr",
+            "CONSUMER_REGS": "constexpr",
+            "PRODUCER_REGS": "constexpr"}
+
+
+def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
+                    stages: Optional[int] = None, permute_k: Optional[bool] = None):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config_for(D)
+    pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
+    constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": stages or cfg["STAGES"],
+                  "CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "QB": QBLOCK, "PERMUTE_K": pk,
+                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
+    src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=_signature(D, out_str, cfg["BLOCK_N"], pk),
+                         constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
+
+
+def sass_summary(c) -> dict:
+    """QGMMA / wait / shuffle counts in the sm_90 SASS and the ptxas wgmma-serialisation warning."""
+    import re
+
+    from .attention_gluon import _tool
+
+    sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+    regs = [int(x) for x in re.findall(r"\bR(\d+)\b", sass)]
+    return {"qgmma": len(re.findall(r"QGMMA", sass)), "hgmma": len(re.findall(r"HGMMA", sass)),
+            "depbar_le0": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)),
+            "depbar_le1": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)),
+            "shfl": len(re.findall(r"\bSHFL\.", sass)), "prmt": len(re.findall(r"\bPRMT\b", sass)),
+            "f2fp": len(re.findall(r"\bF2FP\.", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+            "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS", sass)),
+            "max_reg_index": max(regs) if regs else None,
+            "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
+
+
+if __name__ == "__main__":  # pragma: no cover - tooling
+    import argparse
+    import os
+    import re
+
+    from .attention_gluon import _tool
+
+    ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon fp8 attention config")
+    ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin / sass of each config")
+    ap.add_argument("--dims", default="128,64")
+    args = ap.parse_args()
+    for D in [int(x) for x in args.dims.split(",")]:
+        for causal in (False, True):
+            for ot in ("bf16", "fp16"):
+                for wl, pk in ((False, False), (True, False), (False, True), (True, True)):
+                    tag = f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}{'_permk' if pk else ''}"
+                    try:
+                        c = compile_offline(D, causal, ot, wl, permute_k=pk)
+                    except Exception as e:
+                        print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
+                        continue
+                    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                    print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                          f"{sass_summary(c)}", flush=True)
+                    if args.dump:
+                        os.makedirs(args.dump, exist_ok=True)
+                        for ext in ("ttgir", "ptx"):
+                            with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                                f.write(c.asm[ext])
+                        with open(os.path.join(args.dump, f"{tag}.sass"), "w") as f:
+                            f.write(_tool("nvdisasm", c.asm["cubin"], ".cubin"))
