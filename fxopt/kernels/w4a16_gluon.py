@@ -64,9 +64,57 @@ On the H200 (session 6, ``python benchmarks/gluon_w4a16_check.py --quick``, ``be
 "async" builds were 8-14% faster than the default split (8192 x 8192, M = 64: 28.4 against 31.0 us; 8192 x 28672,
 M = 64: 68.4 against 79.3 us), but 5 of the 18 "async" cases checked were WRONG (max relative error 0.07-0.13): every
 BM 128 x BN 128 case at M = 128 and 256, and BM 64 x BN 256 at M = 256 on 4096 x 11008. The M = 16 and 64 cases
-passed. With wgmma really asynchronous, some buffer is evidently reused while a wgmma still reads it: a ring slot
-released too early, or the A-operand registers of the next chunk. The serialized build hides this. So
-``gluon_w4a16_configs`` does not list "async" configs, and the knob stays for that investigation.
+passed. Cause and fix (offline, session 7): "Epilogue hazard" below. ``gluon_w4a16_configs`` still does not list
+"async" configs until a GPU run confirms the fix; ``gluon_w4a16_async_configs`` lists the ones to check.
+
+Epilogue hazard (found offline from the sm_90 SASS; Triton 3.6, ptxas 12.8). The 5 wrong "async" cases are exactly
+the "async" cases that ran WITHOUT split-K: BM 128 is always run with split_k = 1, and BM 64 x BN 256 at M = 256 on
+4096 x 11008 has 172 output tiles > 132 SMs, so ``_split_for`` gives 1; all 13 passing "async" cases ran split-K
+(small grids). The PTX is correct: ``wgmma.wait_group 0`` (the post-loop ``warpgroup_mma_wait(0)``) precedes the
+epilogue's ``cvt.rn.bf16.f32`` of the accumulator. But ptxas schedules ALL the epilogue's conversions of the
+accumulator (``F2FP.BF16.F32.PACK_AB`` / ``F2FP.F16.F32.PACK_AB``, one per two fp32) ABOVE the
+``WARPGROUP.DEPBAR.LE gsb0, 0x0`` it emits for that wait, i.e. while the last chunk's HGMMA group is still in flight
+and writing those registers (BM 128 x BN 128, bf16, either consumer)::
+
+    HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR8], R24 ;
+    HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR8], R24, gsb0 ;   <- last chunk: accumulators R24..R87
+    WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                               <- that group stays in flight
+    @P0 BRA <loop> ;
+    F2FP.BF16.F32.PACK_AB R17, R71, R70 ;                        <- 32 reads of R24..R87 ...
+    ...
+    WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                               <- ... before the wait that retires it
+
+With split-K the first readers of the accumulator are the fp32 partial stores (STG), which ptxas keeps after the
+DEPBAR: no hazard in any split-K build, hence the M = 16 / 64 passes. Every "async" build without split-K had it
+(all 13 tile configs of ``_async_regs_ok``, bf16 and fp16: 4 to 32 F2FP per consumer). The default split (232 / 40)
+has none: ptxas waits 0x0 after every HGMMA, so nothing is in flight at the loop exit (why it never showed there).
+Ruled out on the same SASS: (a) ring slots: slot i is released in tile i + 1 after the ``DEPBAR.LE gsb0, 0x1`` that
+follows chunk 0's HGMMA (in-order retirement: every group of tile i is done), then ``MEMBAR.ALL.CTA``,
+``FENCE.VIEW.ASYNC.S``, a warpgroup ``BAR.SYNC`` (all 4 warps passed the DEPBAR) and ONE ``SYNCS.ARRIVE`` per
+consumer; the slot's packed words, scales and zeros were loaded into registers at the top of tile i and consumed by
+tile i's dequantization, before its last HGMMA issued. (b) A registers: each chunk's A operand has its own
+registers (BM 128 x BN 128: R96-R103, R104-R111, R112-R119, R88-R95 for chunks 0-3), and no instruction writes them
+while a group reading them is in flight, also across the loop's back edge. (d) the two consumers share only ring
+slots (empty count 2). (e) nothing depends on the M tile but off_m; BM 128 differs only by the HGMMA N.
+Fix (``DRAIN_IN_LOOP``, every register split except the default one, ``_drain_in_loop``): in the last K tile the
+consumer calls ``warpgroup_mma_wait(0)`` INSIDE the loop after the last chunk. ptxas does not move the epilogue into
+the loop (observed in every build below), so the only path to the epilogue now passes a ``DEPBAR.LE gsb0, 0x0``::
+
+    WARPGROUP.DEPBAR.LE gsb0, 0x1 ;  @P0 BRA <skip> ;  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;  <skip>: @P0 BRA <loop> ;
+    F2FP.BF16.F32.PACK_AB ...                                   <- after the 0x0 wait on the exiting iteration
+
+The main loop keeps one ``DEPBAR.LE gsb0, 0x1`` per KC chunk (the overlap), plus one predicated branch per K tile;
+no wgmma overlap is lost (the epilogue needed that wait anyway). Offline (``wgmma_sass_hazards`` on
+``sass_of(compile_offline(...))``, 256 x 4096 x 11008): the 13 ``_async_regs_ok`` tile configs x bf16 / fp16 x
+split-K on / off (48 builds), plus 8 with bias: 0 hazard sites (before: 8-64 in each of the 26 non-split builds, 0
+in the 22 split-K ones), DEPBAR 0x1 count unchanged (4 per consumer with KC 32, 2 with KC 64), 168 registers,
+STACK 0 / LOCAL 0 (except the pre-existing 8 bytes of BM 64 x BN 256 split-K + bias). The default split's SASS is
+identical to that of the build checked on the H200 (20 builds compared). ``wgmma_sass_hazards`` is the CPU-side
+ordering argument: it walks the SASS with the group semantics of HGMMA (a group ends at ``gsb0``;
+``DEPBAR.LE gsb0, n`` retires all but the n most recent) and flags any instruction touching an in-flight group's
+accumulator or overwriting its A registers, including across the loop's back edge; it flags the epilogue F2FPs of
+every non-split "async" build before the fix and nothing in the fixed or default builds. Ring ordering is argued
+above, not simulated. Not yet confirmed on a GPU.
 
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
@@ -96,7 +144,7 @@ try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or w
 except Exception:  # pragma: no cover - old Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "HAS_GLUON"]
+__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "gluon_w4a16_async_configs", "HAS_GLUON"]
 
 GROUP = 128  # K per ring stage = the (only supported) group size
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -156,7 +204,8 @@ if HAS_GLUON:
     def _consumer(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                   M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                   C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
+                  DRAIN_IN_LOOP: gl.constexpr):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         R: gl.constexpr = BN_C // 64
@@ -218,6 +267,12 @@ if HAS_GLUON:
                     # every wgmma issued before this one (all of K tile i - 1) has completed: release its slot
                     fence_async_shared()
                     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            if DRAIN_IN_LOOP:
+                if i == n_iter - 1:
+                    # retire the last wgmma INSIDE the loop: ptxas 12.8 schedules the epilogue's reads of acc
+                    # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (module docstring, "Epilogue
+                    # hazard"); it does not move them into the loop, so this DEPBAR.LE gsb0 0x0 stays before them
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
@@ -275,7 +330,8 @@ if HAS_GLUON:
                             M, N, K_TILES, TILES_PER_SPLIT, SPLIT_K, stride_ym, MAGIC2, OFFSET,
                             BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
                             HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            DRAIN_IN_LOOP: gl.constexpr = False):
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN_C: gl.constexpr = BN // 2
         gl.static_assert(BK == 128, "one ring stage = one group of 128")
@@ -306,10 +362,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16)),
+                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP)),
             (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16)),
+                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP)),
             (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
                          off_m, off_n, k_tile0, n_iter)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -389,7 +445,36 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
         add(128, 128)
     if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
         add(min(bm, 128), 128, stages=2)
-    # regs="async" configs are NOT listed: on the H200 they gave wrong results at M = 128 / 256 (module docstring)
+    # regs="async" configs are NOT listed: on the H200 they gave wrong results at M = 128 / 256 (module docstring);
+    # the epilogue fix (DRAIN_IN_LOOP) awaits a GPU check with gluon_w4a16_async_configs
+    return out
+
+
+def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
+    """``regs="async"`` configs to check on the GPU after the epilogue fix (module docstring, "Epilogue hazard"); NOT
+    tuner candidates until that check passes. The tiles of the session-6 check (which gave the 5 wrong cases) plus
+    BM 128 x BN 128 with KC 64, and, for BM <= 64, the same tiles with ``split_k=1``: the non-split epilogue (where
+    the hazard was) then also runs at M = 16 / 64, and the split-K one stays covered by ``split_k=None``."""
+    bm = _block_m_for(M)
+    out: list[dict] = []
+
+    def add(block_m, block_n, kc=32, split_k=None):
+        stages = _max_stages(block_m, block_n)
+        if not _async_regs_ok(block_m, block_n, kc, split_k != 1 and block_m <= 64):
+            return
+        cfg = dict(block_m=block_m, block_n=block_n, stages=stages, kc=kc, split_k=split_k, regs="async")
+        if _config_ok(M, K, N, block_m, block_n, stages, kc) and cfg not in out:
+            out.append(cfg)
+
+    if bm <= 64:
+        for block_n, kc in ((256, 32), (128, 32), (256, 64)):
+            add(bm, block_n, kc)
+            add(bm, block_n, kc, split_k=1)
+    else:
+        add(64, 256)
+        add(64, 256, split_k=1)
+        add(128, 128)
+        add(128, 128, kc=64)
     return out
 
 
@@ -506,7 +591,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         M, N, k_tiles, tiles_per_split, split_k, y.stride(0), magic * 0x10001, offset,
         BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1,
         IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=maxnreg,
+        DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs), num_warps=4, maxnreg=maxnreg,
     )
     return y.reshape(*lead, N)
 
@@ -517,8 +602,16 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 # at < 112 registers ptxas serializes every wgmma (C7512, DEPBAR.LE gsb0 0x0 after each HGMMA), whatever the
 # consumer value (tried 88..104 with consumers 200..232, and PTX edits of the producer's setmaxnreg from 24 to 104);
 # from 112 up (consumers <= 200 to stay in the pool) the main loop keeps one wgmma group in flight
-# (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``.
+# (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``. Such builds need the in-loop
+# final wait (``_drain_in_loop``, module docstring "Epilogue hazard").
 _REGS = {"default": (232, 40), "async": (200, 112)}
+
+
+def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
+    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; module docstring, "Epilogue
+    hazard"): every register split except the measured default (232 / 40), whose SASS waits after every HGMMA
+    anyway and which is kept byte-identical to the build checked on the H200."""
+    return (consumer_regs, producer_regs) != _REGS["default"]
 
 
 def _regs_for(regs: Optional[str], consumer_regs: int, producer_regs: int) -> tuple[int, int]:
@@ -542,9 +635,10 @@ def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
 
 
 def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", split: bool = True,
-                    consumer_regs: int = 232, producer_regs: int = 40):
+                    consumer_regs: int = 232, producer_regs: int = 40, bias: bool = False):
     """Compile one config for sm_90 without a GPU (for resource checks); returns the CompiledKernel. ``cfg["regs"]``
-    (if present) overrides ``consumer_regs`` / ``producer_regs`` as in ``gluon_w4a16_mm``."""
+    (if present) overrides ``consumer_regs`` / ``producer_regs`` as in ``gluon_w4a16_mm``. ``bias``: HAS_BIAS.
+    Check the result with ``wgmma_sass_hazards(sass_of(compiled))``."""
     consumer_regs, producer_regs = _regs_for(cfg.get("regs"), consumer_regs, producer_regs)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -561,10 +655,114 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
            "z_desc": mangle_type(descs[3]), "y_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K_TILES": "i32", "TILES_PER_SPLIT": "i32", "SPLIT_K": "i32",
            "stride_ym": "i32", "MAGIC2": "i32", "OFFSET": "fp32"}
-    consts = dict(BM=bm, BN=bn, STAGES=cfg["stages"], KC=cfg["kc"], HAS_BIAS=False, USE_SPLIT=split,
-                  IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+    consts = dict(BM=bm, BN=bn, STAGES=cfg["stages"], KC=cfg["kc"], HAS_BIAS=bias, USE_SPLIT=split,
+                  IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                  DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
     for k in consts:
         sig[k] = "constexpr"
     src = GluonASTSource(_w4a16_gluon_kernel, signature=sig, constexprs=consts)
     opts = {"num_warps": 4, "maxnreg": _maxnreg(consumer_regs, producer_regs)}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def sass_of(compiled) -> str:
+    """SASS text (``cuobjdump -sass``, the copy shipped with Triton) of a ``compile_offline`` result."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
+    """CPU-side check of async-wgmma register ordering in sm_90 SASS: (address, instruction, kind) for every
+    instruction that touches an in-flight HGMMA group's accumulator registers ("acc") or overwrites its register A
+    operand ("A"). Model: a group is the HGMMAs up to one carrying ``gsb0``; ``WARPGROUP.DEPBAR.LE gsb0, n``
+    retires all but the n most recent groups. The code is walked in address order (fall-through: a DEPBAR skipped
+    by a forward predicated branch counts as executed, right for the DRAIN_IN_LOOP wait, whose skip branch tests
+    the back edge's condition, i != n_iter - 1), and each innermost loop (backward branch over HGMMAs) again, from
+    the groups in flight at its back edge, with such conditional DEPBARs counted as NOT executed (the iterations
+    that loop back). Not modelled: other control flow, shared-memory (ring) ordering."""
+    import re
+
+    hg = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32(?:\.\w+)? R(\d+), (?:R(\d+)|gdesc)")
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
+
+    def regs(text):
+        return [int(r) for r in re.findall(r"\bR(\d+)\b", text)]
+
+    index = {a: i for i, (a, _) in enumerate(ins)}
+
+    def local(lo, hi):  # no HGMMA or EXIT in ins[lo:hi] (not a partition dispatch, not an out-of-line retry stub)
+        return not any(("HGMMA" in x or "EXIT" in x) for _, x in ins[lo:hi])
+
+    conditional = set()  # instructions a short forward predicated branch may skip
+    for i, (addr, op) in enumerate(ins):
+        m = re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) > addr and int(m.group(1), 16) in index:
+            if local(i + 1, index[int(m.group(1), 16)]):
+                conditional.update(range(i + 1, index[int(m.group(1), 16)]))
+
+    def walk(lo, hi, pending, out, skip_conditional=False):
+        acc_now, a_now = set(), set()
+        for k in range(lo, hi):
+            addr, op = ins[k]
+            m = hg.search(op)
+            if m:
+                base = int(m.group(4))
+                acc_now |= set(range(base, base + int(m.group(2)) // 2))
+                if m.group(5):
+                    a_now |= set(range(int(m.group(5)), int(m.group(5)) + 4))
+                if "gsb0" in op:
+                    pending, acc_now, a_now = pending + [(acc_now, a_now)], set(), set()
+                continue
+            m = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", op)
+            if m and skip_conditional and k in conditional:
+                continue
+            if m:
+                keep = int(m.group(1))
+                pending = pending[len(pending) - keep:] if keep else []
+                continue
+            if not pending:
+                continue
+            body = op.split(None, 1)[1] if op.startswith("@") else op
+            rs = regs(body)
+            stores = body.startswith(("ST", "SYNCS", "RED", "BAR", "BRA", "WARPGROUP"))
+            dst = set() if stores or not rs else {rs[0]}
+            if dst and re.match(r"\S*\.64\b", body):
+                dst.add(rs[0] + 1)
+            if dst and re.match(r"\S*\.128\b", body):
+                dst |= {rs[0] + 1, rs[0] + 2, rs[0] + 3}
+            acc = set().union(*(p[0] for p in pending))
+            a_ops = set().union(*(p[1] for p in pending))
+            if set(rs) & acc:
+                out.append((hex(addr), op, "acc"))
+            elif dst & a_ops:
+                out.append((hex(addr), op, "A"))
+        return pending
+
+    out: list = []
+    walk(0, len(ins), [], out)
+    loops = []  # (first, back edge) of backward branches over HGMMAs, without EXIT (not a retry stub)
+    for i, (addr, op) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            t = index[int(m.group(1), 16)]
+            if not local(t, i + 1) and not any("EXIT" in x for _, x in ins[t:i + 1]):
+                loops.append((t, i))
+    for t, i in loops:  # innermost only (the warp-specialize dispatch loop encloses whole partitions)
+        if not any(t <= t2 and i2 < i for t2, i2 in loops if (t2, i2) != (t, i)):
+            walk(t, i + 1, walk(t, i + 1, [], [], True), out, True)
+    seen, uniq = set(), []
+    for h in out:
+        if h[0] not in seen:
+            seen.add(h[0])
+            uniq.append(h)
+    return uniq
