@@ -691,7 +691,8 @@ def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
     that loop back). Not modelled: other control flow, shared-memory (ring) ordering."""
     import re
 
-    hg = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32(?:\.\w+)? R(\d+), (?:R(\d+)|gdesc)")
+    # HGMMA (16-bit) and QGMMA (8-bit): both have 4 A-operand registers per thread and N / 2 accumulators
+    hg = re.compile(r"[HQ]GMMA\.(\d+)x(\d+)x(\d+)\.F32(?:\.\w+)* R(\d+), (?:R(\d+)|gdesc)")
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
 
@@ -701,7 +702,7 @@ def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
     index = {a: i for i, (a, _) in enumerate(ins)}
 
     def local(lo, hi):  # no HGMMA or EXIT in ins[lo:hi] (not a partition dispatch, not an out-of-line retry stub)
-        return not any(("HGMMA" in x or "EXIT" in x) for _, x in ins[lo:hi])
+        return not any(("GMMA" in x or "EXIT" in x) for _, x in ins[lo:hi])
 
     conditional = set()  # instructions a short forward predicated branch may skip
     for i, (addr, op) in enumerate(ins):
