@@ -20,6 +20,9 @@ and exits the process; the script ends with ``os._exit``.
 
     python benchmarks/gluon_attention_bwd_check.py --quick --out $OUT      # about 1-2 minutes
     python benchmarks/gluon_attention_bwd_check.py --out $OUT              # more cases, more timing reps
+    python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT
+        # also checks (case tags ``...@v1``) and times (``gluon_v1_bwd_tflops``) the opt-in variants of
+        # ``gluon_attention_bwd(variant=...)`` next to the default kernel (variants are d = 128 only)
 """
 from __future__ import annotations
 
@@ -51,6 +54,13 @@ def _extra(p):
     p.add_argument("--triton-ref", type=int, default=None,
                    help="1: also report the Triton backward's error per case (default: on, off with --quick: "
                         "its autotuning per shape bucket costs minutes)")
+    p.add_argument("--variant", default="",
+                   help="comma list of extra gluon_attention_bwd variants (1, 2) to check and time next to the "
+                        "default kernel (default: none, i.e. the default kernel only)")
+
+
+def _variants(args):
+    return [int(x) for x in str(getattr(args, "variant", "") or "").split(",") if x.strip() and int(x) != 0]
 
 
 def _arm(seconds: float) -> None:
@@ -118,7 +128,8 @@ def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, layout="bhsd", seed=0):
     return mk(Hq, Sq), mk(Hkv, Sk), mk(Hkv, Sk), mk(Hq, Sq)
 
 
-def check_case(GB, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None, layout="bhsd", triton_ref=True):
+def check_case(GB, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None, layout="bhsd", triton_ref=True,
+               variant=0):
     row = dict(case=tag, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, d=D, dtype=str(dtype).replace("torch.", ""),
                causal=causal, layout=layout)
     t0 = time.time()
@@ -130,7 +141,11 @@ def check_case(GB, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None, layout
         if layout == "bshd":  # same strides as q (a view), to exercise non-contiguous out / dout
             out = torch.empty_like(q).copy_(out)
         lse = rl.float().contiguous()
-        dq, dk, dv = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        if variant:
+            dq, dk, dv = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                                variant=variant)
+        else:
+            dq, dk, dv = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale)
         torch.cuda.synchronize()
         nan = any(bool(torch.isnan(t).any()) for t in (dq, dk, dv))
         ok = not nan
@@ -215,6 +230,12 @@ def run_checks(GB, args):
         _arm(args.case_timeout)
         STATE["correctness"].append(check_case(GB, tag, triton_ref=_triton_ref(args), **kw))
         _save(args.out)
+        for var in _variants(args):
+            if kw["D"] not in GB._VARIANT_DIMS:
+                continue  # the variant would run the default kernel
+            _arm(args.case_timeout)
+            STATE["correctness"].append(check_case(GB, f"{tag}@v{var}", triton_ref=False, variant=var, **kw))
+            _save(args.out)
 
     def noncontig():
         x = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
@@ -283,6 +304,14 @@ def run_bench(GB, args):
         row["gluon_bwd_ms"] = _bench(lambda: GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal),
                                      args.quick)
         _save(args.out)
+        for var in _variants(args):
+            if D in GB._VARIANT_DIMS:
+                row[f"gluon_v{var}_bwd_ms"] = _bench(
+                    lambda: GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=var),
+                    args.quick)
+                ms = row[f"gluon_v{var}_bwd_ms"]
+                row[f"gluon_v{var}_bwd_tflops"] = flops_bwd / (ms * 1e-3) / 1e12 if ms else None
+                _save(args.out)
         row["triton_bwd_ms"] = _bench(lambda: flash_attention_triton_bwd(dout, q, k, v, out, lse,
                                                                          is_causal=causal), args.quick)
         _save(args.out)
@@ -317,6 +346,9 @@ def run_bench(GB, args):
             row["cudnn_fwdbwd_tflops"] = (flops_fwd + flops_bwd) / (fb_ms * 1e-3) / 1e12
             row["fwdbwd gluon/cudnn"] = row["gluon_fwdbwd_tflops"] / row["cudnn_fwdbwd_tflops"]
         STATE["bench"].append(row)
+        for var in _variants(args):
+            if row.get(f"gluon_v{var}_bwd_tflops"):
+                tf[f"gluon_v{var}"] = row[f"gluon_v{var}_bwd_tflops"]
         print(f"[bench] d={D} S={S} causal={causal}: bwd " + "  ".join(
             f"{n} {tf[n]:.0f}" if tf[n] else f"{n} -" for n in tf) + " TFLOP/s", flush=True)
         _save(args.out)
@@ -352,8 +384,8 @@ def main():
     print("\n## Correctness\n" + markdown_table(
         [{k: r.get(k) for k in ("case", "status", "err_dq", "err_dk", "err_dv", "lim_dq", "err_triton",
                                 "empty_rows", "error")} for r in STATE["correctness"]]))
-    cols = ("d", "S", "causal", "gluon_bwd_tflops", "triton_bwd_tflops", "cudnn_bwd_tflops", "gluon/cudnn",
-            "triton/cudnn", "fwdbwd gluon/cudnn")
+    cols = ("d", "S", "causal", "gluon_bwd_tflops") + tuple(f"gluon_v{v}_bwd_tflops" for v in _variants(args)) + (
+        "triton_bwd_tflops", "cudnn_bwd_tflops", "gluon/cudnn", "triton/cudnn", "fwdbwd gluon/cudnn")
     print("## Backward TFLOP/s (bf16, 16k tokens per batch)\n" + markdown_table(
         [{k: r.get(k) for k in cols} for r in STATE["bench"]]))
     print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)")

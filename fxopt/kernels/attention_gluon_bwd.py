@@ -1,8 +1,9 @@
 """FA3-style FlashAttention BACKWARD for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
-Status: compiled offline for sm_90 only (``python -m fxopt.kernels.attention_gluon_bwd`` prints the resource usage
-of every config); NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks it against a float64
-autograd reference and times it against the Triton backward and cuDNN.
+Status: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow (283-335 TFLOP/s
+at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Opt-in variants 1 / 2 (below,
+"split dQ") are compiled offline only: NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks
+it against a float64 autograd reference and times it against the Triton backward and cuDNN.
 
 Why
 ---
@@ -107,6 +108,57 @@ Tiles and resources (ptxas 12.8, sm_90, offline; ``python -m fxopt.kernels.atten
   FA3's layout), keep dQ / dK in flight across the next step's S^T / dP^T, STAGES = 3 at d = 128 (smem allows
   it: 182 KB), a deterministic dQ mode, persistent grid.
 
+Opt-in variants 1 / 2 ("split dQ", ``gluon_attention_bwd(..., variant=1 | 2)``, d = 128 only) -- NOT yet run on a GPU
+-------------------------------------------------------------------------------------------------------------------
+The default kernel above (variant 0) is unchanged (same PTX / SASS, only debug line numbers moved). Variant 1 is a
+second kernel, ``_fa3_bwd_kernel_v1`` (same producer, same preprocess / convert; new consumers):
+
+* dQ split by COLUMNS between the warpgroups: warpgroup w computes dQ[:, 64 w : 64 w + 64] over all 128 keys of the
+  CTA, ``dS (64 x 128) K[:, half]`` as two wgmma (A = the two warpgroups' dS^T tiles, transposed smem views;
+  B = column slice of K_0 / K_1: at d = 128 the NVMMA 128-byte-swizzle tile is two [64, 64] blocks, so the slice
+  is a whole block). One set of reductions per CTA and query block (FA3's traffic, half of variant 0's), dQ is
+  32 fp32 registers instead of 64.
+* vectorised reductions: ``red.global.add.v2.f32`` by inline PTX (``_red_add_v2``; Gluon 3.6 has no TMA
+  reduce for Hopper and its ``atomic_add`` emits scalar REDG): 16 ``REDG.E.ADD.F32x2`` per thread and step,
+  was 64 scalar ``REDG.E.ADD.F32``. (v4 would need a layout conversion through smem: each thread holds column
+  pairs in the wgmma layout.)
+* dS^T double-buffered in smem, ``ds_smem[2 p + w]`` with p = it % 2 (4 x 8 KB), and one mbarrier per buffer,
+  ``ds_bar[p]`` (count 2). Per step each warpgroup: store dS^T_w -> ``fence_async_shared`` -> ``thread_barrier``
+  (its 128 threads' stores done) -> one arrive on ds_bar[p]; later wait ds_bar[p] with parity (it // 2) & 1,
+  then the dQ wgmma reads both tiles. Why 2 buffers and no "free" barrier: warpgroup w rewrites buffer (p, w)
+  at step it + 2 only after its ds_bar wait of step it + 1, which needs the other warpgroup's arrive of step
+  it + 1, which that warpgroup issues after ``wait(0)`` of its step-it dQ wgmma (program order). The same
+  argument shows no phase of ds_bar[p] is skipped (use u + 1 needs an arrive that follows the wait of use u),
+  so the parity wait is unambiguous. Both arrives of a step come before either wait: no deadlock.
+* ``end_bar`` (count 2, parity 0): the other warpgroup's dQ wgmma reads K_w until its last step, so both meet
+  after the loop before K_w / V_w are overwritten with dK / dV for the TMA store.
+* spills: the per-k-step wgmma descriptors of the loop-invariant K_w / V_w views were hoisted out of the loop
+  by LLVM and kept live (8 x 64-bit per operand) -> the LDL.64 before each HGMMA group in the causal build.
+  Variant 1 indexes K / V with ``it >> 30`` (always 0, opaque), so they are recomputed per step.
+* variant 2 = variant 1 with dK kept in flight over the ds_bar wait and the dQ wgmma (wait(<=1) retires dV
+  only, wait(0) at the end; q_empty is released after it).
+* d = 64: ``variant`` is ignored (default kernel); the 32-column slice would start inside a 128-byte swizzle row.
+
+Offline build (ptxas 12.8, sm_90a, bf16; kernel maxnreg 168, setmaxnreg 240 / 24; ``compile_offline(...,
+variant=v)``); counts for both consumer copies; hazards = ``w4a16_gluon.wgmma_sass_hazards``:
+
+      config              STACK  smem (B)  HGMMA  DEPBAR LE0/LE1  REDG.F32x2  REDG.F32  hazards  C7512
+      v0 d128 full          72   148,880     56       4 / 4            0         128       -       no
+      v0 d128 causal       200   148,896    112       8 / 8            0         256       -       no
+      v1 d128 full           8   165,328     64       4 / 4           32           0       0       no
+      v1 d128 causal        56   165,344    128       8 / 8           64           0       0       no
+      v2 d128 full           8   165,328     64       2 / 6           32           0       0       no
+      v2 d128 causal        56   165,344    128       4 / 12          64           0       0       no
+
+  HGMMA per step and warpgroup: 8 S^T + 8 dP^T + 4 dV + 4 dK + 8 dQ (64x64x16; was 4 of 64x128x16: same
+  FLOPs). Inner-loop local memory: v1 / v2 full: 0 LDL in warpgroup 0's step loop; causal: 0 in warpgroup 0,
+  3 LDL per step in warpgroup 1 (v0: ~4 per step and 7 LDL.64 descriptor reloads in the causal loops).
+  Extra per step: 2 partition barriers + 1 mbarrier arrive / wait pair (the warpgroups now run in lockstep per
+  query block, like FA3). Doubts: the lockstep removes some of variant 0's free overlap between the two
+  warpgroups; the inline-asm reduction relies on pack=2 pairing register elements (2j, 2j+1) = columns
+  (c, c+1) (true for the wgmma accumulator; visible in SASS as ``REDG.E.ADD.F32x2 [R.64+0x20 j], R(152+4 j)``).
+  Check and time: ``python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT``.
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -165,6 +217,8 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
+VARIANTS = (0, 1, 2)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight
+_VARIANT_DIMS = (128,)  # head dims with a split-dQ kernel (d = 64 runs the default kernel)
 
 
 
@@ -474,6 +528,253 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Variant 1 ("splitdq", opt-in: gluon_attention_bwd(..., variant=1)), d = 128 only. See the module docstring.
+# The default kernel above is untouched; this one reuses the producer and changes only the consumers' dQ part.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _red_add_v2(ptrs, vals):
+    # Vectorised fp32 reduction: one ``red.global.add.v2.f32`` (sm_90, PTX >= 8.1; SASS REDG.E.ADD.F32x2) per
+    # pair of adjacent elements of this thread. pack=2 hands the asm two consecutive register elements of ``vals``
+    # (and of ``ptrs``); in the wgmma accumulator layout those are the columns (c, c + 1) of one row (register
+    # base 0 of the layout is [0, 1]; SASS: REDG.E.ADD.F32x2 [R.64 + 32 j], R(4 j)), so ``ptrs[0] + 4 == ptrs[1]`` and
+    # only the first address is used ($2). 8-byte alignment: the workspace is 256-byte aligned and c is even.
+    # The two int32 outputs are dummies (inline_asm_elementwise must return something); is_pure=False keeps it.
+    gl.inline_asm_elementwise(
+        "red.global.add.v2.f32 [$2], {$4, $5};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;",
+        "=r,=r,l,l,f,f", [ptrs.to(gl.int64), vals], dtype=gl.int32, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
+                 q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                 s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
+                 dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr):
+    """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA."""
+    dtype: gl.constexpr = q_smem.dtype
+    HALF: gl.constexpr = HEAD_DIM // 2
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s = it % STAGES
+    ready_phase = (it // STAGES) & 1
+    p = it % 2                  # dS double buffer of this step
+    ds_phase = (it // 2) & 1    # use number of ds_bar[p] = it // 2
+    q_buf = q_smem.index(s)
+    do_buf = do_smem.index(s)
+    # ``zero`` is 0 (it < 2^30) but opaque to the compiler: the K / V buffer views below depend on it, so their
+    # per-k-step wgmma descriptors (eight 64-bit values per operand) are recomputed each step instead of being
+    # hoisted out of the loop and kept live across it (they were the d = 128 spills: LDL.64 before every HGMMA
+    # group in the causal build).
+    zero = it >> 30
+    k_mine = k_smem.index(WG + zero)
+    v_mine = v_smem.index(WG + zero)
+
+    # ---- S^T, dP^T, P^T, dV, dS^T: as the default step
+    mbarrier.wait(q_ready.index(s), ready_phase)
+    st = warpgroup_mma(k_mine, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(s), ready_phase)
+    dpt = warpgroup_mma(v_mine, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                        use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
+    if MASKED:
+        qpos = mb * 64 + gl.arange(0, 64, layout=col_layout)
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
+        st = gl.where(keep, st, float("-inf"))
+    lse2 = lse_smem.index(s).load(col_layout)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    p16 = gl.convert_layout(pt.to(dtype), op_layout)
+    dv = warpgroup_mma(p16, do_buf, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+    delta = delta_smem.index(s).load(col_layout)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    ds16 = dst.to(dtype)
+
+    # ---- publish dS^T_w to the other warpgroup: ds_smem[2 p + WG] is free (see the docstring: the ds_bar wait
+    # of the previous step implies the other warpgroup finished reading it two steps ago, and this warpgroup
+    # waited for its own dQ wgmma). store -> proxy fence (each thread) -> barrier of this warpgroup's 128 threads
+    # (all stores done) -> one arrive (release) on ds_bar[p] (count 2: one per warpgroup).
+    ds_smem.index(2 * p + WG).store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ds_bar.index(p), count=1)
+
+    d16 = gl.convert_layout(ds16, op_layout)
+    dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
+    if DK_IN_FLIGHT:
+        # groups in flight: dV, dK; <= 1 outstanding -> dV done (dO free). dK (64 fp32 + its 16-bit A operand)
+        # keeps running through the ds_bar wait and the dQ wgmma: dK 64 + dV 64 + dQ 32 + d16 16 registers.
+        dv, p16 = warpgroup_mma_wait(num_outstanding=1, deps=[dv, p16])
+        mbarrier.arrive(do_empty.index(s), count=1)
+    else:
+        # Retire dV / dK before dQ (as the default step).
+        dv, dk, p16, d16 = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p16, d16])
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(do_empty.index(s), count=1)
+
+    # ---- dQ[:, WG half] = dS (all 128 keys) K[:, WG half]: both warpgroups' dS^T tiles must be in smem
+    mbarrier.wait(ds_bar.index(p), ds_phase)
+    dq = warpgroup_mma(ds_smem.index(2 * p).permute((1, 0)), k_smem.index(zero).slice(WG * HALF, HALF, dim=1),
+                       gl.zeros([64, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(2 * p + 1).permute((1, 0)),
+                       k_smem.index(1 + zero).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+    if DK_IN_FLIGHT:
+        dk, d16, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, d16, dq])
+        mbarrier.arrive(q_empty.index(s), count=1)  # dK (last reader of Q) is done
+    else:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+
+    # ---- 64 x d/2 fp32 -> workspace, 2 floats per red (16 REDG.F32x2 per thread at d = 128)
+    rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, dq_layout))
+    cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
+    _red_add_v2(dq_row_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     DK_IN_FLIGHT: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    v_buf = v_smem.index(WG)
+    keys = n0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    diag_off = SEQ_K - SEQ_Q
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * HEAD_DIM
+        for mb in range(m_lo, m_full):
+            dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                  q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
+                                  qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
+                                  dq_layout, DK_IN_FLIGHT)
+            it += 1
+        for mb in range(m_full, n_m):
+            dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                  q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
+                                  qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
+                                  dq_layout, DK_IN_FLIGHT)
+            it += 1
+
+    # ---- epilogue. The OTHER warpgroup's dQ wgmma reads this warpgroup's K_w until its last step: before K_w is
+    # overwritten with dK, both warpgroups meet on end_bar (count 2, used once: parity 0). Every wgmma of this
+    # warpgroup was waited for, so one arrive after the loop says "done reading K_0 and K_1".
+    mbarrier.arrive(end_bar, count=1)
+    mbarrier.wait(end_bar, 0)
+    k_buf = k_smem.index(WG)
+    dk = dk * (qk_scale * 0.6931471805599453)
+    k_buf.store(dk.to(dtype))
+    v_buf.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(k_buf, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(v_buf, dv_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                         ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     DK_IN_FLIGHT: gl.constexpr):
+    _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)
+
+
+@gluon.jit
+def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                         ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     DK_IN_FLIGHT: gl.constexpr):
+    _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)
+
+
+@gluon.jit
+def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
+                       qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n = gl.program_id(0)
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    n0 = pid_n * 128
+    n_m = gl.cdiv(SEQ_Q, 64)
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:  # same query-block range as the default kernel
+        diag_off = SEQ_K - SEQ_Q
+        m_lo = gl.minimum(gl.maximum(n0 - diag_off, 0) // 64, n_m)
+        m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + 127 - diag_off, 0), 64), m_lo), n_m)
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64], gl.float32)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)  # [2 p + WG]: 2 buffers x 2 warpgroups
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)  # one arrive per consumer warpgroup and use
+    mbarrier.init(end_bar, count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                                b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)),
+        (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
+                                b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         kv_bar, q_ready, q_empty, do_ready, do_empty,
+                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -569,9 +870,15 @@ def _vec_desc(t: torch.Tensor):
 
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                        checked: bool = False):
+                        checked: bool = False, variant: int = 0):
     """FA3-style backward -> (dq, dk, dv), contiguous, dtypes of q / k / v. Raises ValueError when unsupported
-    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check)."""
+    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check).
+
+    ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
+    columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
+    dQ wgmma. Variants 1 / 2 exist for d = 128 only; at d = 64 they run the default kernel. NOT yet run on a GPU."""
+    if variant not in VARIANTS:
+        raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd: {reason}")
@@ -592,6 +899,16 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                    lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=_PRE_BLOCK)
     cfg = config_for(D)
     grid = ((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)
+    if variant != 0 and D in _VARIANT_DIMS:
+        _fa3_bwd_kernel_v1[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
+                                 _desc(dk, WG_KEYS), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta), dq_acc,
+                                 sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
+                                 HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+                                 CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                                 DK_IN_FLIGHT=(variant == 2), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
+                                       HEAD_DIM=D, BLOCK=_PRE_BLOCK)
+        return dq, dk, dv
     _fa3_bwd_kernel[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
                           _desc(dk, WG_KEYS), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta), dq_acc,
                           sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
@@ -624,15 +941,21 @@ def _signature(dtype_str: str, D: int):
             "PRODUCER_REGS": "constexpr"}
 
 
-def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90):
-    """Compile the main kernel for sm_<arch> without a GPU; returns triton's CompiledKernel."""
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0):
+    """Compile the main kernel (``variant`` 0: default, 1: split-dQ) for sm_<arch> without a GPU; returns
+    triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config_for(D)
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
-    src = GluonASTSource(_fa3_bwd_kernel, signature=_signature(dtype_str, D), constexprs=constexprs)
+    sig = _signature(dtype_str, D)
+    if variant != 0:
+        sig["DK_IN_FLIGHT"] = "constexpr"
+        constexprs["DK_IN_FLIGHT"] = variant == 2
+    src = GluonASTSource(_fa3_bwd_kernel if variant == 0 else _fa3_bwd_kernel_v1, signature=sig,
+                         constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
