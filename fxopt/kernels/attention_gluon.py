@@ -1,7 +1,9 @@
 """FA3-style FlashAttention forward for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
-Status: compiled offline for sm_90 only (``python -m fxopt.kernels.attention_gluon`` prints the resource usage of
-every config); NOT yet run on a GPU. ``benchmarks/gluon_attention_check.py`` checks it against a float64 / fp32
+Status: the default path is measured on the H200 (``benchmarks/results/gluon/gluon_attention_check.md``: 27/27
+correct, 0.93-1.13x cuDNN at d = 128; the attention op routes to it). ``variant="overlap"`` (opt-in, see below) is
+compiled offline only, NOT yet run on a GPU. ``python -m fxopt.kernels.attention_gluon`` prints the resource usage of
+every config and variant; ``benchmarks/gluon_attention_check.py`` checks the default against a float64 / fp32
 reference and times it against the Triton kernel and SDPA (FA2 / cuDNN).
 
 Why
@@ -41,6 +43,23 @@ the PV issue as intended, no wgmma serialisation warning (C7512), no spills. But
 still reads. So within one warpgroup only the row max overlaps PV_{j-1}; the exp2 / row-sum work overlaps the
 *other* warpgroup's wgmma. Moving the wait to the top of the next step made ptxas serialise every wgmma (C7512),
 and forcing P_{j-1} live past the softmax did not move the wait either (both tried and dropped).
+
+Opt-in ``variant="overlap"`` (``gluon_attention_fwd(..., variant="overlap")``, constexpr ``OVERLAP``,
+``_fa_step_overlap``; NOT yet run on a GPU). Offline SASS shows why the wait moves up: ptxas's scheduler treats
+``WARPGROUP.DEPBAR`` as a free instruction and drops it into the SHFL latency of the row max, ahead of the
+critical-path O rescale and P packing (with the O rescale deferred and P_even / P_odd in distinct registers by a
+2x key-loop unroll, it still sat right behind the row max at STAGES 3 or BLOCK_N 64; at STAGES 2 the unroll
+spilled). The variant (i) uses FA3's order, O *= alpha_{j-1} between the S_j issue and the PV_{j-1} issue (alpha
+carried to the next step / the tail), and (ii) stores the new row sum l_j (2 STS per thread into a 512 B shared
+slot that nothing reads) just before the PV wait: ptxas 12.8 does not hoist the DEPBAR above a shared store, and
+l_j depends on every exp2 of the step (a scheduling behaviour, not a guarantee: recheck ``ex2_under_pv`` after a
+ptxas upgrade). sm_90 SASS, every d / causal / dtype: all exp2 of a step issue while PV_{j-1} is in flight
+(``ex2_under_pv`` 66 of 66 per step at d = 64 / 128, 34 of 34 at d = 256; default 0-3 of 66, 0-16 of 34), in the
+unmasked and the masked loop; after the wait ~15 instructions remain before the back edge (default ~350); no
+spills (STACK 0, LOCAL 0), no C7512, ``wgmma_sass_hazards`` 0; highest consumer register 168 / 199 / 210
+(d 64 / 128 / 256); +528 B shared memory. The default path's SASS is unchanged instruction for instruction. Same
+tiles, barriers and masking loops as the default. Whether it is faster on the GPU is open: the other warpgroup
+already covered this softmax, and the pin costs 2 STS per step.
 
 Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
 ----------------------------------------------------------------------------
@@ -239,9 +258,45 @@ def _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
 
 
 @gluon.jit
+def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
+                     pin_buf, rows, SEQ_K, diag_off, qk_scale,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                     s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr):
+    """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
+    owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
+    new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
+
+    The store is what keeps PV_{i-1} in flight across the exp2s: ptxas's scheduler otherwise hoists
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` right behind the row max (it treats it as a free instruction and fills the
+    SHFL latency with it; every later write to P_{i-1}'s registers then has to follow it). It does not hoist the
+    DEPBAR above a shared-memory store, and the store depends on l_i = l * alpha + rowsum(exp2(...)), i.e. on every
+    exp2 of the step. Returns alpha_i instead of applying it (the next step or the tail does)."""
+    dtype: gl.constexpr = q_buf.dtype
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    jv = i - 1
+    vs = jv % STAGES
+    mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+    o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        s = _fa_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
+    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+    pin_buf.store(l_i)
+    o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+    mbarrier.arrive(v_empty.index(vs), count=1)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    return s, o, p16, alpha, m_i, l_i
+
+
+@gluon.jit
 def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 OVERLAP: gl.constexpr = False, pin=None):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     # wgmma accumulator layouts of one warpgroup (4 warps along M, m64nNk16 instructions).
@@ -281,23 +336,43 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
     p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
-    # ---- steady state: unmasked blocks 1 .. n_full-1, then masked blocks up to n_blocks-1
-    for i in range(1, n_full):
-        s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
-                                       m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False,
-                                       s_layout, p_layout, orow_layout)
-    for i in range(gl.maximum(n_full, 1), n_blocks):
-        s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
-                                       m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True,
-                                       s_layout, p_layout, orow_layout)
+    if OVERLAP:
+        # variant="overlap": same loops, _fa_step_overlap (O rescale deferred to the next issue, pinned PV wait)
+        pin_buf = pin.index(WG)
+        for i in range(1, n_full):
+            s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
+                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout)
+        for i in range(gl.maximum(n_full, 1), n_blocks):
+            s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
+                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout)
+        # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1} (alpha_0 = 0 multiplies the zero O when n = 1)
+        jv = n_blocks - 1
+        vs = jv % STAGES
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+        mbarrier.arrive(v_empty.index(vs), count=1)
+    else:
+        # ---- steady state: unmasked blocks 1 .. n_full-1, then masked blocks up to n_blocks-1
+        for i in range(1, n_full):
+            s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
+                                           m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False,
+                                           s_layout, p_layout, orow_layout)
+        for i in range(gl.maximum(n_full, 1), n_blocks):
+            s, o, p16, m_i, l_i = _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16,
+                                           m_i, l_i, rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True,
+                                           s_layout, p_layout, orow_layout)
 
-    # ---- tail: O += P_{n-1} V_{n-1}
-    jv = n_blocks - 1
-    vs = jv % STAGES
-    mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
-    o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
-    o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
-    mbarrier.arrive(v_empty.index(vs), count=1)
+        # ---- tail: O += P_{n-1} V_{n-1}
+        jv = n_blocks - 1
+        vs = jv % STAGES
+        mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+        mbarrier.arrive(v_empty.index(vs), count=1)
 
     # ---- epilogue: O / l (0 for empty rows), natural-log lse (+inf for empty rows)
     empty = l_i == 0.0
@@ -315,23 +390,27 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 @gluon.jit
 def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     OVERLAP: gl.constexpr = False, pin=None):
     _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                 OVERLAP, pin)
 
 
 @gluon.jit
 def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     OVERLAP: gl.constexpr = False, pin=None):
     _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                 OVERLAP, pin)
 
 
 @gluon.jit
 def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     pid_m = gl.program_id(0)
@@ -371,14 +450,30 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
 
     # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
     # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
-    gl.warp_specialize([
-        (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty, lse_ptr, bh,
-                            b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty, lse_ptr, bh,
-                            b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                        b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if OVERLAP:
+        # variant="overlap": a [ROWS] fp32 slot per consumer warpgroup for the row-sum store that pins the PV wait
+        pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gl.warp_specialize([
+            (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin)),
+            (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL)),
+            (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,11 +489,21 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-def config_for(head_dim: int) -> dict:
-    """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check)."""
+VARIANTS = ("default", "overlap")
+
+
+def config_for(head_dim: int, variant: str = "default") -> dict:
+    """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check).
+
+    ``variant="overlap"``: same tiles, ``OVERLAP=True`` (see the module docstring); not run on a GPU yet."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
     block_n, stages = _CONFIGS[head_dim]
-    return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
-                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+    cfg = dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
+               CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+    if variant == "overlap":
+        cfg["OVERLAP"] = True
+    return cfg
 
 
 def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
@@ -464,13 +569,16 @@ def _desc(t: torch.Tensor, rows: int):
 
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                        lse: Optional[torch.Tensor] = None, checked: bool = False):
+                        lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default"):
     """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
     natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
 
     out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
-    ``gluon_supported`` (the caller ran it)."""
+    ``gluon_supported`` (the caller ran it). ``variant``: "default" (measured, what the op routes to) or
+    "overlap" (opt-in, offline-checked only; see the module docstring)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
     reason = None if checked else gluon_supported(q, k, v, causal, scale)
     if reason is None and out is not None:
         reason = _tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
@@ -488,7 +596,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         return out, lse
     if Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    cfg = config_for(D)
+    cfg = config_for(D, variant)
     rows_per_cta = NUM_CONSUMERS * WG_ROWS
     num_m = (Sq + rows_per_cta - 1) // rows_per_cta  # not triton.cdiv: a ConstexprFunction, slow on the host
     q_desc = _desc(q, WG_ROWS)
@@ -499,7 +607,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
                           HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                           CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+                          **({"OVERLAP": True} if cfg.get("OVERLAP") else {}))
     return out, lse
 
 
@@ -521,15 +630,19 @@ def _signature(dtype_str: str, D: int, block_n: int):
     return sig
 
 
-def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90):
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: str = "default"):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(D)
+    cfg = config_for(D, variant)
     constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
-    src = GluonASTSource(_fa3_fwd_kernel, signature=_signature(dtype_str, D, cfg["BLOCK_N"]), constexprs=constexprs)
+    sig = _signature(dtype_str, D, cfg["BLOCK_N"])
+    if cfg.get("OVERLAP"):
+        constexprs["OVERLAP"] = True
+        sig["OVERLAP"] = "constexpr"
+    src = GluonASTSource(_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
@@ -562,7 +675,28 @@ def sass_summary(c) -> dict:
             "depbar_le1": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)),
             "setmaxnreg": sorted(set(re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))),
             "max_reg_index": max(regs) if regs else None,
-            "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
+            "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas,
+            "ex2_under_pv": ex2_under_pv(sass)}
+
+
+def ex2_under_pv(sass: str) -> list:
+    """For each PV wgmma group in the SASS (HGMMAs with a register A operand, up to the one carrying gsb0):
+    the number of MUFU.EX2 between its issue and the next ``WARPGROUP.DEPBAR.LE gsb0, 0x0``, i.e. the exp2s that
+    run while that PV is in flight. Per step of the loop there are BLOCK_N / 2 + 2 exp2 (scores + alpha)."""
+    import re
+
+    out, in_pv, n = [], False, 0
+    for m in re.finditer(r"(HGMMA\S* R\d+, R\d+[^;]*|WARPGROUP\.DEPBAR\.LE gsb0, 0x0|MUFU\.EX2)", sass):
+        t = m.group(1)
+        if t.startswith("HGMMA"):
+            if "gsb0" in t:
+                in_pv, n = True, 0
+        elif t.startswith("MUFU"):
+            n += in_pv
+        elif in_pv:
+            out.append(n)
+            in_pv = False
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover - tooling
@@ -573,24 +707,31 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon attention config")
     ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin of each config")
     ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
-    for D in [int(x) for x in args.dims.split(",")]:
-        for causal in (False, True):
-            for dt in ("bf16", "fp16"):
-                tag = f"d{D}_{'causal' if causal else 'full'}_{dt}"
-                try:
-                    c = compile_offline(D, causal, dt)
-                except Exception as e:  # report and go on
-                    print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
-                    continue
-                use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
-                m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
-                print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
-                      f"warps={c.metadata.num_warps}  {sass_summary(c)}")
-                if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    for ext in ("ttgir", "ptx"):
-                        with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
-                            f.write(c.asm[ext])
-                    with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
-                        f.write(c.asm["cubin"])
+    try:  # register-hazard check of the async wgmma (CPU-only, parses cuobjdump -sass)
+        from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
+    except Exception:  # pragma: no cover
+        sass_of = wgmma_sass_hazards = None
+    for variant in args.variants.split(","):
+        for D in [int(x) for x in args.dims.split(",")]:
+            for causal in (False, True):
+                for dt in ("bf16", "fp16"):
+                    tag = f"{variant}_d{D}_{'causal' if causal else 'full'}_{dt}"
+                    try:
+                        c = compile_offline(D, causal, dt, variant=variant)
+                    except Exception as e:  # report and go on
+                        print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+                        continue
+                    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                    hz = "n/a" if sass_of is None else len(wgmma_sass_hazards(sass_of(c)))
+                    print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                          f"warps={c.metadata.num_warps}  {sass_summary(c)}  wgmma_hazards={hz}")
+                    if args.dump:
+                        os.makedirs(args.dump, exist_ok=True)
+                        for ext in ("ttgir", "ptx"):
+                            with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                                f.write(c.asm[ext])
+                        with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
+                            f.write(c.asm["cubin"])

@@ -1,0 +1,54 @@
+"""GPU check of the Gluon attention forward's opt-in ``variant="overlap"`` (softmax exp2s under the in-flight PV
+wgmma; offline sm_90 SASS only so far) against the default variant and a float64 reference, then timing of both.
+If it passes and is faster at d = 128, ``flash_attention_triton`` can route to it.
+
+``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
+device_session.sh; the output is printed)
+"""
+import faulthandler
+import os
+
+faulthandler.dump_traceback_later(170, exit=True)  # a wrong mbarrier phase would hang
+import math, sys, torch, triton
+sys.path.insert(0, "benchmarks")
+import fxopt.kernels.attention_gluon as G
+from gluon_attention_check import reference, _inputs
+torch.backends.cuda.matmul.allow_tf32 = False
+cases = [(2, 2, 2, 128, 128, 64, torch.bfloat16, True), (2, 2, 2, 1024, 1024, 64, torch.bfloat16, False),
+         (2, 2, 2, 200, 200, 128, torch.bfloat16, False), (2, 2, 2, 1024, 1024, 128, torch.bfloat16, True),
+         (2, 2, 2, 1024, 1024, 128, torch.float16, False), (1, 2, 2, 100, 300, 128, torch.bfloat16, True),
+         (1, 2, 2, 300, 100, 128, torch.bfloat16, True), (2, 4, 2, 256, 256, 64, torch.bfloat16, True),
+         (1, 2, 2, 77, 333, 64, torch.bfloat16, False), (2, 2, 2, 1, 50, 128, torch.bfloat16, False),
+         (1, 2, 2, 512, 512, 256, torch.bfloat16, True)]
+ok = True
+for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dt)
+    o0, l0 = G.gluon_attention_fwd(q, k, v, causal=causal)
+    o1, l1 = G.gluon_attention_fwd(q, k, v, causal=causal, variant="overlap")
+    torch.cuda.synchronize()
+    ro, rl, empty = reference(q, k, v, causal, 1.0 / math.sqrt(D), torch.float64)
+    fin = ~empty
+    e_ref = (o1.double() - ro).abs().max().item()
+    e_def = (o0.double() - ro).abs().max().item()
+    e_vd = (o1.float() - o0.float()).abs().max().item()
+    e_lse = (l1.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    good = (not torch.isnan(o1).any() and e_ref <= 2 * e_def + 2e-3 and e_lse < 1e-3
+            and bool(torch.isposinf(l1[empty]).all()) and bool((o1[empty.unsqueeze(-1).expand_as(o1)] == 0).all()))
+    ok &= good
+    print(f"B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} Sk{Sk} d{D} {dt} causal={causal}: |ovl-ref|={e_ref:.3g} "
+          f"|def-ref|={e_def:.3g} |ovl-def|={e_vd:.3g} lse_err={e_lse:.3g} {'PASS' if good else 'FAIL'}")
+print("correctness", "PASS" if ok else "FAIL")
+for D in (128, 64):
+    for causal in (False, True):
+        B, H, S = (4, 16, 4096) if D == 128 else (4, 32, 4096)
+        q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
+        flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+        t = {vr: min(triton.testing.do_bench(lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr),
+                                             warmup=50, rep=300) for _ in range(2)) for vr in ("default", "overlap")}
+        print(f"d{D} B{B} H{H} S{S} causal={causal}: " + "  ".join(
+            f"{vr} {ms:.3f} ms {flops / ms * 1e-9:.0f} TFLOP/s" for vr, ms in t.items()),
+            f" overlap/default speedup {t['default'] / t['overlap']:.3f}x")
+
+import sys as _s
+_s.stdout.flush()
+os._exit(0)
