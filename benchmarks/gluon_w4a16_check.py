@@ -20,6 +20,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parse_args, write_results  # noqa: E402
+from w4a16 import rotations, streamed_us as _streamed_us  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -83,29 +84,8 @@ def check(args, deadline):
     return rows
 
 
-def streamed_us(fn, items, calls=48, reps=10):
-    for it in items:
-        fn(it)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(items[i % len(items)])
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def rotations(nbytes):
-    return max(1, min(8, -(-3 * 60 * 2**20 // nbytes)))
+def streamed_us(fn, items):
+    return _streamed_us(fn, items, reps=10)  # benchmarks/w4a16.py's method, fewer replays
 
 
 def bench(args, deadline):

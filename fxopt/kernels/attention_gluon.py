@@ -485,7 +485,8 @@ _TORCH_TO_GL = {}
 
 def _gl_dtype(dt):
     if not _TORCH_TO_GL:
-        _TORCH_TO_GL.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16})
+        _TORCH_TO_GL.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                             torch.float8_e4m3fn: gl.float8e4nv})
     return _TORCH_TO_GL[dt]
 
 
@@ -535,8 +536,9 @@ def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None
         return f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
     if not (q.device == k.device == v.device):
         return "q, k, v on different devices"
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
-        return f"needs sm_90+ (TMA / wgmma), device is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap[0] < 9:
+        return f"needs sm_90+ (TMA / wgmma), device is sm_{cap[0]}{cap[1]}"
     B, Hq, Sq, D = q.shape
     if k.shape != v.shape:
         return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"

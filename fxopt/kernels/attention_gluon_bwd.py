@@ -206,6 +206,8 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = None
     tl = None
 
+from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason  # noqa: E402 (shared with the forward)
+
 LOG2E = 1.4426950408889634
 
 BLOCK_M = 64          # query rows per step (ring slot)
@@ -276,12 +278,6 @@ def _bwd_dq_convert(DQ_ACC, DQ, stride_dqz, stride_dqh, stride_dqm, H, SEQ_Q, SQ
 # ----------------------------------------------------------------------------------------------------------------
 # Gluon main kernel
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _as_tma_box(buf, desc):
-    # [rows, d] slot -> the [1, 1, rows, d] box of the 4-D descriptor (same bytes, leading dims of size 1).
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -778,31 +774,10 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
-_TORCH_TO_GL = {}
-
-
-def _gl_dtype(dt):
-    if not _TORCH_TO_GL:
-        _TORCH_TO_GL.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16})
-    return _TORCH_TO_GL[dt]
-
-
 def config_for(head_dim: int) -> dict:
     """Kernel meta-parameters for a head dim (also used by the offline compile check)."""
     return dict(STAGES=_STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
                 CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-
-
-def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
-    if t.stride(-1) != 1:
-        return f"{name}: last dim must be contiguous for TMA (stride {t.stride(-1)})"
-    esz = t.element_size()
-    for i, st in enumerate(t.stride()[:-1]):
-        if (st * esz) % 16:
-            return f"{name}: stride {st} of dim {i} is not 16-byte aligned (TMA)"
-    if t.data_ptr() % 16:
-        return f"{name}: base pointer not 16-byte aligned (TMA)"
-    return None
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:

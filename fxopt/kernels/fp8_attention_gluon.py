@@ -123,6 +123,8 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gluon = _Stub()
     gl = None
 
+from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason  # noqa: E402 (shared with the bf16 forward)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 P_SHIFT = _fp8.P_SHIFT  # P stored as p * 2^8 in e4m3 (fp8_attention.py's convention)
@@ -147,12 +149,6 @@ PERMUTE_K_DEFAULT = False
 
 
 @gluon.jit
-def _as_box(buf, desc):
-    # 2-D slot -> the 4-D descriptor's [1, 1, r, c] box (same bytes)
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-
-
-@gluon.jit
 def _f8_producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  b, h, hk, bhk, m0, n_blocks, SK_PAD, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  PERMUTE_K: gl.constexpr):
@@ -160,7 +156,7 @@ def _f8_producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_read
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_bars.index(w),
-                                        _as_box(q_smem.index(w), q_desc))
+                                        _as_tma_box(q_smem.index(w), q_desc))
     for j in range(n_blocks):
         s = j % STAGES
         empty_phase = ((j // STAGES) & 1) ^ 1
@@ -168,15 +164,15 @@ def _f8_producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_read
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         if PERMUTE_K:  # 5-D view [rows / 16, jl, q, e, d] of the flat K: smem row 8 jl + 2 q + e = key 4 q + 2 jl + e
             tma.async_copy_global_to_shared(k_desc, [(bhk * SK_PAD + j * BLOCK_N) // 16, 0, 0, 0, 0],
-                                            k_ready.index(s), _as_box(k_smem.index(s), k_desc))
+                                            k_ready.index(s), _as_tma_box(k_smem.index(s), k_desc))
         else:
             tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(s),
-                                            _as_box(k_smem.index(s), k_desc))
+                                            _as_tma_box(k_smem.index(s), k_desc))
         mbarrier.wait(v_empty.index(s), empty_phase)
         mbarrier.expect(v_ready.index(s), vt_desc.block_type.nbytes)
         # V^T [d, Sk_pad]: the box is all d rows x BLOCK_N key columns
         tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(s),
-                                        _as_box(v_smem.index(s), vt_desc))
+                                        _as_tma_box(v_smem.index(s), vt_desc))
 
 
 @gluon.jit
@@ -342,7 +338,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     o_buf = o_smem.index(WG)
     o_buf.store(o.to(out_dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_box(o_buf, o_desc))
+    tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_tma_box(o_buf, o_desc))
     tma.store_wait(0)
 
 
@@ -429,26 +425,10 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _gl_dtype(dt):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dt]
-
-
 def config_for(head_dim: int) -> dict:
     block_n, stages = _CONFIGS[head_dim]
     return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
                 CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-
-
-def _tma_reason(name: str, t: torch.Tensor) -> Optional[str]:
-    if t.stride(-1) != 1:
-        return f"{name}: last dim must be contiguous for TMA (stride {t.stride(-1)})"
-    esz = t.element_size()
-    for i, st in enumerate(t.stride()[:-1]):
-        if (st * esz) % 16:
-            return f"{name}: stride {st} of dim {i} is not 16-byte aligned (TMA)"
-    if t.data_ptr() % 16:
-        return f"{name}: base pointer not 16-byte aligned (TMA)"
-    return None
 
 
 def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None,
@@ -504,7 +484,7 @@ def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -
             return f"{name}: dtype {t.dtype}, expected torch.float8_e4m3fn (int8 / fp16 emulation not supported)"
         if not t.is_cuda:
             return f"{name} is not a CUDA tensor"
-        r = _tma_reason(name, t)
+        r = _tma_stride_reason(name, t)
         if r:
             return r
     sq_pad, sk_pad = qq.shape[2], kq.shape[2]
@@ -523,7 +503,7 @@ def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -
         if t.dtype != torch.float32 or not t.is_contiguous():
             return f"{name} must be contiguous fp32"
     if out is not None:
-        r = _tma_reason("out", out)
+        r = _tma_stride_reason("out", out)
         if r:
             return r
     return None

@@ -349,7 +349,9 @@ class _GraphedStage(nn.Module):
     def capture(self) -> None:
         try:
             self.main_grads = [torch.zeros_like(p) for p in self.params]
-            self.slots = [self._capture_one() for _ in range(self.n_slots)]
+            stream = torch.cuda.Stream()  # one capture stream, warmed up once, for every slot
+            self._warm_up(stream)
+            self.slots = [self._capture_one(stream) for _ in range(self.n_slots)]
         except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, say why
             self.slots, self.main_grads = [], []
             self.failure = f"{type(e).__name__}: {e}"
@@ -375,11 +377,9 @@ class _GraphedStage(nn.Module):
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def _capture_one(self) -> "_GraphSlot":
+    def _capture_one(self, stream) -> "_GraphSlot":
         slot = _GraphSlot()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        self._warm_up(stream)
         slot.inputs = self._inputs()
         with torch.cuda.graph(slot.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
             out = self.fn(*slot.inputs)
