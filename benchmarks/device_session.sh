@@ -60,11 +60,11 @@ phase_gluon() {
   # the Gluon (sm_90) kernels' own checks: correctness against float64 references, then timing against the Triton
   # kernels and the anchors; each script has a watchdog (a wrong mbarrier phase hangs the GPU)
   mkdir -p "$RES/gluon"
-  for s in gluon_attention_check gluon_attention_variant_check gluon_attention_bwd_check gluon_w4a16_check gluon_w4a16_async_check fp8_gluon_check; do
+  for s in ${GLUON_CHECKS:-gluon_attention_check gluon_attention_variant_check gluon_attention_bwd_check gluon_w4a16_check gluon_w4a16_async_check fp8_gluon_check}; do
     [ -f "benchmarks/$s.py" ] || continue
     echo "== $s (at $SECONDS s)"
     extra=""; [ "$s" = gluon_attention_bwd_check ] && extra="--variant 1,2"
-    timeout 200 python3 "benchmarks/$s.py" --quick $extra --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
+    timeout ${GLUON_TIMEOUT:-200} python3 "benchmarks/$s.py" --quick $extra --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
     echo "rc=$?"; grep -E "PASS$|FAIL|ERROR|\[check\] [0-9]+ / |correctness:|correctness (PASS|FAIL)|speedup|async check:|\[bench\]" "$OUT/$s.txt" | tail -12
   done
 }

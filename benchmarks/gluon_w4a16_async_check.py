@@ -17,10 +17,36 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_w4a16_check import G, make_packed  # noqa: E402
+from gluon_w4a16_check import G, make_packed, rotations, streamed_us  # noqa: E402
 
 from fxopt.kernels import w4a16_gluon as KG  # noqa: E402
 from fxopt.quant.format import dequantize  # noqa: E402
+
+
+def timing():
+    """Best default-register config against each async config, 8192 x 8192 (streamed, rotated weights), so the
+    speed gain is known in the same call as the correctness result."""
+    K = N = 8192
+    sets = [(torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda"),
+             (torch.rand(K // G, N, device="cuda") * 0.02 + 0.005).bfloat16(),
+             torch.randint(4, 12, (K // G, N), device="cuda").bfloat16()) for _ in range(rotations(K * N // 2))]
+    out = []
+    for M in (64, 128, 256):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for kind, cfgs in (("default", KG.gluon_w4a16_configs(M, K, N)), ("async", KG.gluon_w4a16_async_configs(M, K, N))):
+            best, best_t = None, float("inf")
+            for cfg in cfgs:
+                try:
+                    t = streamed_us(lambda it: KG.gluon_w4a16_mm(x, *it, G, check_zeros=False, **cfg), sets)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                print(f"  M={M} {kind} {cfg}: {t:.1f} us", flush=True)
+                if t < best_t:
+                    best, best_t = cfg, t
+            out.append(dict(timing=True, M=M, K=K, N=N, kind=kind, us=best_t, cfg=best))
+            print(f"[bench] M={M} best {kind}: {best_t:.1f} us {best}", flush=True)
+    return out
 
 
 def main():
@@ -53,6 +79,7 @@ def main():
                     print(f"K={K} N={N} M={M} bias={b is not None} {cfg}: {'PASS' if ok else 'FAIL'} {err}",
                           flush=True)
     print("async check:", "ALL PASS" if bad == 0 else f"{bad} FAIL", flush=True)
+    rows += timing()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gluon_w4a16_async_check.json"), "w") as f:
