@@ -83,6 +83,17 @@ def _triton_only(fn):
     return run
 
 
+def _triton_bwd_only(fn):
+    """fn with the Gluon backward routing switched off (the forward routing unchanged)."""
+    def run():
+        saved, A._GLUON_BWD_HEAD_DIMS = A._GLUON_BWD_HEAD_DIMS, ()
+        try:
+            return fn()
+        finally:
+            A._GLUON_BWD_HEAD_DIMS = saved
+    return run
+
+
 def attention_rows(d, S, causal, bwd=True):
     B, H = 16384 // S, 2048 // d
     flops = 4 * B * H * S * S * d / (2 if causal else 1)
@@ -109,6 +120,8 @@ def attention_rows(d, S, causal, bwd=True):
     if bwd:
         tb = {}
         tb["fxopt"] = _try(_fwd_bwd(ours, q, k, v, do))
+        if d in A._GLUON_BWD_HEAD_DIMS:  # the same with the Triton backward kernels
+            tb["fxopt_tritonbwd"] = _try(_triton_bwd_only(_fwd_bwd(ours, q, k, v, do)))
         tb["fa2"] = _try(_fwd_bwd(fa2, q, k, v, do))
         tb["cudnn"] = _try(_fwd_bwd(cud, q, k, v, do))
         for name, ms in tb.items():

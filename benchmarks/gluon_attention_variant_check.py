@@ -10,7 +10,7 @@ import os
 
 faulthandler.dump_traceback_later(170, exit=True)  # a wrong mbarrier phase would hang
 import math, sys, torch, triton
-sys.path.insert(0, "benchmarks")
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import fxopt.kernels.attention_gluon as G
 from gluon_attention_check import reference, _inputs
 torch.backends.cuda.matmul.allow_tf32 = False

@@ -524,3 +524,43 @@ def test_gpu_gluon_forward(name, dtype, monkeypatch):
     A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, is_causal=causal).backward(do.double())
     for got, want in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
         _assert_close(got, want, dtype, scale=2)
+
+
+def test_gluon_bwd_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):
+    q, k, v = _inputs(1, 2, 2, 8, 8, 128, torch.float16, "cpu")
+    out, lse, do = torch.randn_like(q), torch.randn(1, 2, 8), torch.randn_like(q)
+    assert not A._gluon_bwd_route(do, q, k, v, out, lse, None, None, 0.0, -1, 0.0, False, None)  # CPU
+    for kw in (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), dict(dropout_p=0.1), dict(window=4),
+               dict(softcap=1.0)):
+        args = dict(attn_mask=None, key_padding_mask=None, dropout_p=0.0, window=-1, softcap=0.0) | kw
+        assert not A._gluon_bwd_route(do, q, k, v, out, lse, args["attn_mask"], args["key_padding_mask"],
+                                      args["dropout_p"], args["window"], args["softcap"], False, None)
+    # a transposed [B, S, H, D] view: the Gluon kernel's contiguous gradients would not match the fake impl
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not A._gluon_bwd_route(do, qt, k, v, out, lse, None, None, 0.0, -1, 0.0, False, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", [n for n in GLUON_CASES if not GLUON_CASES[n][2]])
+def test_gpu_gluon_backward_route(name, dtype, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is routed on sm_90 only")
+    (B, Hq, Hkv, Sq, Sk), causal, _ = GLUON_CASES[name]
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, 128, dtype, "cuda")
+    out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+    do = torch.randn_like(out)
+    assert A._gluon_bwd_route(do, q, k, v, out, lse, None, None, 0.0, -1, 0.0, causal, None)
+    grads = A.flash_attention_triton_bwd(do, q, k, v, out, lse, is_causal=causal)
+    assert not A._GLUON_BWD_FAILED
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, is_causal=causal).backward(do.double())
+    for got, want, t in zip(grads, (q64.grad, k64.grad, v64.grad), (q, k, v)):
+        assert got.stride() == torch.empty_like(t).stride()
+        _assert_close(got, want, dtype, scale=2)
+    # the Triton backward on the same inputs agrees with the same reference
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD", "0")
+    assert not A._gluon_bwd_route(do, q, k, v, out, lse, None, None, 0.0, -1, 0.0, causal, None)
+    for got, want in zip(A.flash_attention_triton_bwd(do, q, k, v, out, lse, is_causal=causal),
+                         (q64.grad, k64.grad, v64.grad)):
+        _assert_close(got, want, dtype, scale=2)

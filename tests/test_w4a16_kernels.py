@@ -295,7 +295,10 @@ def test_candidate_configs_gluon_rules(monkeypatch):
         assert cs[:len(cs) - len(g)] == K4.candidate_configs(M, 2048, 1024, 128)
         for c in g:
             assert c.block_k == 128 and c.kc in (32, 64) and c.split_k == 0
-            assert c.label() == f"gluon bm{c.block_m} bn{c.block_n} s{c.num_stages} kc{c.kc}"
+            assert c.regs in ("", "async")
+            assert c.label() == (f"gluon bm{c.block_m} bn{c.block_n} s{c.num_stages} kc{c.kc}"
+                                 + (" async" if c.regs else ""))
+        assert any(c.regs == "async" for c in g) and any(not c.regs for c in g), M
     for M in (1, 16, 257, 1024):
         assert not any(c.method == "gluon" for c in cands(M)), M
     for kw in (dict(dtype=torch.float16), dict(integer_zeros=False), dict(G=64), dict(G=1024), dict(N=2048 + 64)):

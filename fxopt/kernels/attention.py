@@ -976,6 +976,31 @@ def _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window, softca
     return gluon_supported(q, k, v, bool(is_causal), scale) is None
 
 
+_GLUON_BWD_FAILED: set = set()
+# Head dims whose backward goes to the Gluon kernel, and its variant: variant 1 (dQ columns split between the two
+# consumer warpgroups, vector atomics) was correct on 59 / 59 GPU cases and ran 427 TFLOP/s against the Triton
+# backward's 410 at d = 128, S = 4096 (benchmarks/results/gluon/gluon_attention_bwd_check.md, session 7).
+_GLUON_BWD_HEAD_DIMS = (128,)
+_GLUON_BWD_VARIANT = 1
+
+
+def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
+                     scale) -> bool:
+    """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus contiguous q, k, v (the
+    Gluon kernel returns contiguous gradients, the Triton one gradients laid out like q, k, v, which the op's fake
+    implementation promises). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
+    D = q.shape[-1]
+    if (D not in _GLUON_BWD_HEAD_DIMS or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
+            or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
+            or os.environ.get("FXOPT_ATTN_GLUON_BWD", "1") == "0" or q.device.type != "cuda"
+            or not _is_sm90(q.device) or not all(t.is_contiguous() for t in (q, k, v))
+            or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_BWD_FAILED):
+        return False
+    from fxopt.kernels.attention_gluon_bwd import gluon_bwd_supported
+
+    return gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None
+
+
 _DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import
 
 
@@ -1067,10 +1092,25 @@ def _decode_locks(device, n: int) -> torch.Tensor:
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
                                dq_config=None):
-    """Launch the Triton backward; returns (dq, dk, dv) allocated like q, k, v."""
+    """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. On sm_90 at the head dims of
+    ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap, contiguous tensors) it runs the Gluon FA3-style
+    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT``) instead of the Triton kernels."""
     _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v, out, dout = (_last_contig(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
+    if dkdv_config is None and dq_config is None and _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask,
+                                                                      key_padding_mask, dropout_p, window,
+                                                                      softcap, is_causal, scale):
+        from fxopt.kernels.attention_gluon_bwd import gluon_attention_bwd
+
+        try:
+            return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
+                                       variant=_GLUON_BWD_VARIANT)
+        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
+            _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
+            log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
+                        (q.dtype, q.shape[-1], is_causal))
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv

@@ -486,13 +486,15 @@ class W4A16Config:
     method: str = "fused"
     pdl: bool = False
     kc: int = 0  # "gluon" only: K columns per dequantized wgmma chunk
+    regs: str = ""  # "gluon" only: "async" = the register split that keeps wgmma asynchronous (w4a16_gluon.py)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
         if self.method == "dequant_matmul":
             return self.method
         if self.method == "gluon":
-            return f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
+            return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
+                    + (f" {self.regs}" if self.regs else ""))
         return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
                 f"{'code' if self.code_dot else 'deq'} w{self.num_warps} s{self.num_stages}")
 
@@ -567,7 +569,7 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     if kg is None:
         return []
     return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",
-                        kc=c["kc"]) for c in kg.gluon_w4a16_configs(bucket, K, N)]
+                        kc=c["kc"], regs=c.get("regs") or "") for c in kg.gluon_w4a16_configs(bucket, K, N)]
 
 
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
@@ -803,7 +805,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         if kg is None:
             raise ValueError("w4a16: the gluon method needs triton.experimental.gluon")
         return kg.gluon_w4a16_mm(x2d, qweight, scales, zeros, group_size, bias, block_m=cfg.block_m,
-                                 block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None)
+                                 block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None,
+                                 **({"regs": cfg.regs} if cfg.regs else {}))
     spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
     if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
