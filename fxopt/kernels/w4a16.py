@@ -42,8 +42,9 @@ K with no per-tile correction and the wgmma stays asynchronous (integer zeros on
 It is the tuner's main candidate from M = 17 to 256 (12-35% faster than swapx at M = 64-256 on the H200).
 "gluon" (``fxopt/kernels/w4a16_gluon.py``, sm_90 only) is a warp-specialized Gluon kernel with the swapd
 arithmetic: a TMA producer warp and two consumer warpgroups, one dequantizing while the other's wgmma runs. It is
-listed from M = 17 to 256 (bucket 32..256) for bf16, integer zeros, group 128, K and N multiples of 128, when Gluon
-imports; ``FXOPT_W4A16_GLUON=0`` removes it. 1.10-1.29x swapd's speed at M = 64-256 on the H200, 0.92x at M = 16.
+listed up to M = 256 for bf16, integer zeros, group 128, K and N multiples of 128, when Gluon imports;
+``FXOPT_W4A16_GLUON=0`` removes it. With its async-wgmma builds (session 7) it is the tuner's pick at M = 64-256 and
+ties or beats swapx at M = 1-16 (``benchmarks/results/w4a16.md``).
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
 
@@ -555,13 +556,15 @@ def _gluon_module():
 
 def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4A16Config]:
     """The Gluon kernel's candidates, or [] where it does not apply or was not measured faster. It runs only on
-    sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros); it beat swapd at
-    M = 64-256 and lost at M = 16 (benchmarks/results/gluon/gluon_w4a16_bench.md), so buckets 32..256 only. Gated
-    on the bucket, not M: the tuner caches one pick per bucket. bf16 only: fp16 was never run on a GPU."""
+    sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros). It beat swapd at
+    M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
+    8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
+    bucket up to 256 lists it and the tuner decides. Gated on the bucket, not M: the tuner caches one pick per
+    bucket. bf16 only: fp16 was never run on a GPU."""
     bucket = _m_bucket(M)
     if (os.environ.get("FXOPT_W4A16_GLUON") == "0" or dtype != torch.bfloat16 or device is None
             or torch.device(device).type != "cuda" or not integer_zeros or group_size != 128
-            or K % 128 or N % 128 or not 32 <= bucket <= 256):
+            or K % 128 or N % 128 or bucket > 256):
         return []
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != (9, 0):
         return []
