@@ -38,9 +38,10 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
     print(f"B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} Sk{Sk} d{D} {dt} causal={causal}: |ovl-ref|={e_ref:.3g} "
           f"|def-ref|={e_def:.3g} |ovl-def|={e_vd:.3g} lse_err={e_lse:.3g} {'PASS' if good else 'FAIL'}")
 print("correctness", "PASS" if ok else "FAIL")
-for D in (128, 64):
+# S = 512 at d = 128: the full attention table's first row (session 7) had the op (overlap) at 228 TFLOP/s against
+# 421 for the default build alone; this row tells a real short-sequence slowdown from a first-row artifact
+for D, B, H, S in ((128, 4, 16, 4096), (128, 32, 16, 512), (64, 4, 32, 4096)):
     for causal in (False, True):
-        B, H, S = (4, 16, 4096) if D == 128 else (4, 32, 4096)
         q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         t = {vr: min(triton.testing.do_bench(lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr),

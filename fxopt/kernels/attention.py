@@ -984,17 +984,24 @@ _GLUON_BWD_FAILED: set = set()
 # Head dims whose backward goes to the Gluon kernel, and its variant: variant 1 (dQ columns split between the two
 # consumer warpgroups, vector atomics) was correct on 59 / 59 GPU cases and ran 427 TFLOP/s against the Triton
 # backward's 410 at d = 128, S = 4096 (benchmarks/results/gluon/gluon_attention_bwd_check.md, session 7).
+# The full table (benchmarks/results/attention.md, fwd+bwd through the op, same run): with it 1-6% faster than with
+# the Triton backward at S = 4096-16384, mixed at 2048 (-2% / +2%), slower below (S = 1024 causal: 170 against 218
+# TFLOP/s; at short S a CTA's key block meets few query blocks and the warp-specialized prologue does not pay off),
+# hence the length floor.
 _GLUON_BWD_HEAD_DIMS = (128,)
 _GLUON_BWD_VARIANT = 1
+_GLUON_BWD_MIN_SEQ = 2048
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
                      scale) -> bool:
-    """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus contiguous q, k, v (the
+    """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus Sq and Sk at least
+    ``_GLUON_BWD_MIN_SEQ`` and contiguous q, k, v (the
     Gluon kernel returns contiguous gradients, the Triton one gradients laid out like q, k, v, which the op's fake
     implementation promises). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
     D = q.shape[-1]
-    if (D not in _GLUON_BWD_HEAD_DIMS or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
+    if (D not in _GLUON_BWD_HEAD_DIMS or min(q.shape[2], k.shape[2]) < _GLUON_BWD_MIN_SEQ
+            or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
             or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
             or os.environ.get("FXOPT_ATTN_GLUON_BWD", "1") == "0" or q.device.type != "cuda"
             or not _is_sm90(q.device) or not all(t.is_contiguous() for t in (q, k, v))
