@@ -16,6 +16,7 @@ Afterwards each fp8 config of the d = 128 table is timed at S = 4096 (non-causal
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -103,6 +104,19 @@ def main():
                     emu8 = F.int8_attention_reference(q[sl], k[sl], v[sl], is_causal=causal, seed=0)
                     row["int8_check"] = ((o8.float() - emu8.float()).norm() / emu8.float().norm()).item()
                 row["quant_ms"] = ms["fp8_op"] - ms["fp8_kernel"]
+                if not causal:  # the three quantization launches alone, tensor-core transform vs butterflies
+                    def quant():
+                        F.quantize_blocks(q, hadamard=True, seed=0)
+                        F.quantize_blocks(k, hadamard=True, seed=0)
+                        F.quantize_blocks(v, hadamard=False, transpose=True)
+                    nbytes = 3 * q.numel() * (q.element_size() + 1)  # read 16-bit, write e4m3
+                    for tag, env in (("quant_tc", "1"), ("quant_butterfly", "0")):
+                        os.environ["FXOPT_FP8_HAD_DOT"] = env
+                        quant()
+                        t = bench_ms(quant)
+                        row[f"{tag}_us"] = t * 1e3
+                        row[f"{tag}_TBps"] = nbytes / (t * 1e-3) / 1e12
+                    os.environ.pop("FXOPT_FP8_HAD_DOT")
                 rows.append(row)
                 print(row, f"[{time.time() - t0:.0f}s]", flush=True)
                 write_results("fp8_attention", rows, title="FP8 attention forward (H200), TFLOP/s", notes=notes,

@@ -241,6 +241,32 @@ def test_int8_quantize_blocks_codes_scales_and_column_sums(interpret_device):
     assert torch.equal(sums, want)
 
 
+@pytest.mark.parametrize("D", [32, 64])
+def test_quantize_tensor_core_transform_matches_butterflies(interpret_device, monkeypatch, D):
+    """The quantization kernel's tensor-core Hadamard (16-bit x times the +-1 matrix H diag(signs), fp32
+    accumulation) against its butterfly transform: same scales, same codes up to fp32 rounding order (fp16 codes,
+    e4m3 codes, int8 codes with column sums; row-major and transposed outputs)."""
+    x = _rand(2, 3, 70, D, dtype=torch.float16, seed=40 + D, device=interpret_device)
+    m = F.hadamard_dot_matrix(D, 5, torch.float16, interpret_device)
+    assert torch.equal(m.double().cpu() / math.sqrt(D), F.hadamard_matrix(D, 5))
+    assert F._had_dot_ok(x, D, 32) and not F._had_dot_ok(x.float(), D, 32)
+    runs = []
+    for dot in ("1", "0"):
+        monkeypatch.setenv("FXOPT_FP8_HAD_DOT", dot)
+        runs.append([F.quantize_blocks(x, hadamard=True, seed=5, qblock=32, qdtype=torch.float16),
+                     F.quantize_blocks(x, hadamard=True, seed=5, qblock=32, transpose=True),
+                     F.quantize_blocks(x, hadamard=True, seed=5, qblock=32, transpose=True, qdtype=torch.int8,
+                                       sum_chunk=16)])
+    (h16, hs), (h8, h8s), (hi, his, hsum) = runs[0]
+    (b16, bs), (b8, b8s), (bi, bis, bsum) = runs[1]
+    for a, b in ((hs, bs), (h8s, b8s), (his, bis)):
+        assert torch.allclose(a, b, rtol=1e-6)
+    assert (h16.float() - b16.float()).abs().max() <= 0.5  # |codes| <= 448: fp16 ulp at most 0.25
+    assert (h8.float() == b8.float()).float().mean() > 0.99
+    assert (hi.int() - bi.int()).abs().max() <= 1
+    assert torch.equal(hsum, hi.transpose(-1, -2).to(torch.int32).reshape(6, -1, 16, D).sum(2))
+
+
 def test_int8_op_cpu_path_and_fake():
     q = _rand(1, 4, 20, 64, dtype=torch.bfloat16, seed=30)
     k = _rand(1, 2, 20, 64, dtype=torch.bfloat16, seed=31)

@@ -19,6 +19,11 @@ Design
   quantization. x M is computed by a fast Walsh-Hadamard transform: log2(D) butterfly stages in fp32 (``_fwht``:
   reshape a [rows, D] tile to [rows, D / 2h, 2, h], split the size-2 axis, join (a + b, a - b)), then the signs and
   1 / sqrt(D). ``hadamard_transform`` runs that alone (``_hadamard_kernel``); the quantization kernel fuses it.
+  For 16-bit inputs with D <= 128 the quantization kernel instead multiplies the 16-bit tile by the +-1 matrix
+  H_D diag(signs) on the tensor cores (``HAD_DOT``; exact products, fp32 accumulation: the same sums in another
+  order) and applies 1 / sqrt(D) after. The butterflies cost about 70 SASS instructions per element (each stage
+  is a layout change through shared memory), which made the three quantization launches issue-bound at ~3x
+  the time of reading q, k and v (session 7, ``docs/notes_fp8.md``). ``FXOPT_FP8_HAD_DOT=0`` keeps the butterflies.
 * Block quantization (``_quant_kernel``, one program per block of QBLOCK = 128 rows of one head): load the rows,
   optionally transform them, take amax over the [QBLOCK, D] tile, store x * (448 / amax) cast to e4m3 and the
   dequantization scale amax / 448 (fp32, [B * H, S_pad / QBLOCK]). Q is quantized per 128 query rows, K per 128 key
@@ -126,28 +131,39 @@ def _hadamard_kernel(X, Y, SIGNS, stride_xr, stride_yr, N_ROWS, norm,
 def _quant_kernel(X, XQ, SCALE, SIGNS, XSUM, stride_xz, stride_xh, stride_xs, stride_qz, stride_qh, stride_qs,
                   stride_qd, H, SEQ, N_BLOCKS, norm,
                   HEAD_DIM: tl.constexpr, LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr,
-                  INT8: tl.constexpr = False, SUM_CHUNK: tl.constexpr = 0):
+                  INT8: tl.constexpr = False, SUM_CHUNK: tl.constexpr = 0, HAD_DOT: tl.constexpr = False):
     """Quantize rows [pid * QBLOCK, +QBLOCK) of head (z, h): XQ = x / s with s = amax / 448, one s per block.
 
     XQ's strides are free, so the same kernel writes Q / K row-major and V transposed ([D, S_pad]).
     ``INT8``: symmetric int8 codes, s = amax / 127, rounded half away from zero; with ``SUM_CHUNK`` > 0 also the
-    column sums of the codes per SUM_CHUNK rows (XSUM [B * H, S_pad / SUM_CHUNK, D] int32, for the P offset)."""
+    column sums of the codes per SUM_CHUNK rows (XSUM [B * H, S_pad / SUM_CHUNK, D] int32, for the P offset).
+    ``HAD_DOT``: SIGNS is then the [D, D] matrix H_D diag(signs) in x's 16-bit dtype (entries +-1, exact) and the
+    transform is one tensor-core product with fp32 accumulation instead of the butterflies."""
     pid = tl.program_id(0)
     off_zh = tl.program_id(1)
     off_z = off_zh // H
     off_h = off_zh % H
-    offs_s = pid * QBLOCK + tl.arange(0, QBLOCK)
+    offs_r = tl.arange(0, QBLOCK)
+    offs_s = pid * QBLOCK + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-    x_ptrs = X + off_z.to(tl.int64) * stride_xz + off_h.to(tl.int64) * stride_xh \
-        + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :]
-    x = tl.load(x_ptrs, mask=offs_s[:, None] < SEQ, other=0.0).to(tl.float32)
-    if HADAMARD:
-        x = _fwht(x, QBLOCK, HEAD_DIM, LOG2_D)
+    # 64-bit math once for the block's base, 32-bit offsets inside it (QBLOCK rows x any row stride, and D rows of
+    # the transposed output x S_pad, stay below 2**31)
+    row0 = (pid * QBLOCK).to(tl.int64)
+    x_base = X + off_z.to(tl.int64) * stride_xz + off_h.to(tl.int64) * stride_xh + row0 * stride_xs
+    x = tl.load(x_base + offs_r[:, None] * stride_xs + offs_d[None, :], mask=offs_s[:, None] < SEQ, other=0.0)
+    if HADAMARD and HAD_DOT:
+        hmat = tl.load(SIGNS + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+        x = tl.dot(x, hmat, out_dtype=tl.float32) * norm
+    elif HADAMARD:
+        x = _fwht(x.to(tl.float32), QBLOCK, HEAD_DIM, LOG2_D)
         signs = tl.load(SIGNS + offs_d)
         x = x * (signs * norm)[None, :]
-    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30)
-    q_ptrs = XQ + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh \
-        + offs_s[:, None].to(tl.int64) * stride_qs + offs_d[None, :].to(tl.int64) * stride_qd
+    else:
+        x = x.to(tl.float32)
+    # one flat reduction (per-thread, then shuffles, then across warps) instead of rows then columns
+    amax = tl.maximum(tl.max(tl.reshape(tl.abs(x), [QBLOCK * HEAD_DIM], can_reorder=True), 0), 1e-30)
+    q_base = XQ + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh + row0 * stride_qs
+    q_ptrs = q_base + offs_r[:, None] * stride_qs + offs_d[None, :] * stride_qd
     if INT8:
         xs = x * (127.0 / amax)
         codes = tl.where(xs >= 0, xs + 0.5, xs - 0.5).to(tl.int32)  # the cast truncates toward zero
@@ -522,7 +538,11 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     scales = torch.empty((B * H, n_blocks), device=x.device, dtype=torch.float32)
     sqz, sqh = xq.stride(0), xq.stride(1)
     sqs, sqd = (xq.stride(3), xq.stride(2)) if transpose else (xq.stride(2), xq.stride(3))
-    signs = hadamard_signs(D, seed, x.device) if hadamard else scales
+    had_dot = hadamard and _had_dot_ok(x, D, qblock)
+    if had_dot:
+        signs = hadamard_dot_matrix(D, seed, x.dtype, x.device)
+    else:
+        signs = hadamard_signs(D, seed, x.device) if hadamard else scales
     sums = (torch.empty((B * H, s_pad // sum_chunk, D), device=x.device, dtype=torch.int32) if sum_chunk
             else scales)
     if B * H:
@@ -530,13 +550,52 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
                                          sqz, sqh, sqs, sqd, H, S, n_blocks, 1.0 / math.sqrt(D),
                                          HEAD_DIM=D, LOG2_D=D.bit_length() - 1, QBLOCK=qblock,
                                          HADAMARD=bool(hadamard), INT8=int8, SUM_CHUNK=sum_chunk,
-                                         num_warps=4 if _INTERPRET else _QUANT_WARPS.get(D, 4))
+                                         HAD_DOT=had_dot, num_warps=_quant_warps(D, hadamard and not had_dot))
     return (xq, scales, sums) if sum_chunk else (xq, scales)
 
 
 # warps for a [128, D] tile: the butterflies' layout changes need ~2 registers per element (sm_90 builds: no spills
 # at D <= 128; a small spill at D = 256)
 _QUANT_WARPS = {64: 8, 128: 16, 256: 32}
+
+
+def _quant_warps(D: int, butterflies: bool) -> int:
+    """Warps of one quantization program: the butterfly transform needs many (``_QUANT_WARPS``); the plain and
+    tensor-core paths hold 16-32 fp32 values of the tile per thread with 8 warps at D <= 128 (16 at D = 256)."""
+    if _INTERPRET:
+        return 4
+    if butterflies:
+        return _QUANT_WARPS.get(D, 4)
+    return 8 if D <= 128 else 16
+
+
+def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
+    """Whether the quantization kernel can take the tensor-core transform: 16-bit x (exact operands; fp32 x would
+    go through tf32), 16 <= D <= 128 (the [D, D] operand stays small in shared memory), a dot-sized block; not for
+    bf16 in the Triton interpreter (it computes bf16 wrongly)."""
+    if os.environ.get("FXOPT_FP8_HAD_DOT", "1") == "0":
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or not 16 <= D <= 128 or qblock < 16:
+        return False
+    return not (_INTERPRET and x.dtype == torch.bfloat16)
+
+
+_HMAT_CACHE: dict = {}
+
+
+def hadamard_dot_matrix(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """H_d diag(signs) as a contiguous [d, d] matrix in ``dtype`` (entries +-1, exact in 16 bits); x M = (x @ this)
+    / sqrt(d). Cached per (d, seed, dtype, device)."""
+    device = torch.device(device)
+    key = (d, int(seed), dtype, str(device))
+    m = _HMAT_CACHE.get(key)
+    if m is None:
+        h = torch.ones(1, 1, dtype=torch.float32)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        m = (h * _signs_cpu(d, int(seed))[None, :]).to(dtype).contiguous().to(device)
+        _HMAT_CACHE[key] = m
+    return m
 
 
 def _use_tma(device) -> bool:
