@@ -249,6 +249,7 @@ def test_quantize_tensor_core_transform_matches_butterflies(interpret_device, mo
     x = _rand(2, 3, 70, D, dtype=torch.float16, seed=40 + D, device=interpret_device)
     m = F.hadamard_dot_matrix(D, 5, torch.float16, interpret_device)
     assert torch.equal(m.double().cpu() / math.sqrt(D), F.hadamard_matrix(D, 5))
+    monkeypatch.setenv("FXOPT_FP8_HAD_DOT", "1")
     assert F._had_dot_ok(x, D, 32) and not F._had_dot_ok(x.float(), D, 32)
     runs = []
     for dot in ("1", "0"):
@@ -321,6 +322,26 @@ def test_fp8_kernel_gpu_odd_shapes_and_fp16():
     qs = _rand(1, 4, 200, 128, dtype=torch.float16, seed=25, device="cuda")  # Sq > Sk causal: empty rows are 0
     out = torch.ops.fxopt.fp8_attention(qs, k, v, True, None, True, 0)
     assert (out[:, :, :70] == 0).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_quantize_tensor_core_transform(monkeypatch, D):
+    """The tensor-core transform in bf16 on the GPU against the butterflies and the float64 reference."""
+    x = _rand(2, 6, 300, D, dtype=torch.bfloat16, seed=50 + D, device="cuda")
+    res = {}
+    for dot in ("1", "0"):
+        monkeypatch.setenv("FXOPT_FP8_HAD_DOT", dot)
+        res[dot] = (F.quantize_blocks(x, hadamard=True, seed=3),
+                    F.quantize_blocks(x, hadamard=True, seed=3, transpose=True, qdtype=torch.int8, sum_chunk=16))
+    (a, sa), (ai, sai, _) = res["1"]
+    (b, sb), (bi, sbi, _) = res["0"]
+    assert torch.allclose(sa, sb, rtol=1e-5) and torch.allclose(sai, sbi, rtol=1e-5)
+    assert (a.float() == b.float()).float().mean() > 0.99
+    assert (ai.int() - bi.int()).abs().max() <= 1
+    rq, rs = F.quantize_reference(F.hadamard_reference(x.float(), 3), "block")
+    assert torch.allclose(sa, rs.reshape(12, 300)[:, ::128], rtol=1e-5)
+    assert (a[:, :, :300].float() == rq).float().mean() > 0.98
 
 
 @pytest.mark.gpu
