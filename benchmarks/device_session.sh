@@ -2,7 +2,7 @@
 # One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,6 +67,19 @@ phase_gluon() {
     timeout ${GLUON_TIMEOUT:-200} python3 "benchmarks/$s.py" --quick $extra --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
     echo "rc=$?"; grep -E "PASS$|FAIL|ERROR|\[check\] [0-9]+ / |correctness:|correctness (PASS|FAIL)|speedup|async check:|\[bench\]" "$OUT/$s.txt" | tail -12
   done
+}
+
+phase_verify() {
+  # GPU checks of what session 7 prepared or routed without a full GPU test run (about 4 minutes):
+  # the d = 256 Gluon forward (then add 256 to _GLUON_HEAD_DIMS), the rest of the Gluon W4A16 tests, the
+  # tensor-core Hadamard quantization (then set _HAD_DOT_DEFAULT = "1" if the quant_tc columns win), the
+  # overlap forward at S = 512
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon_forward" \
+    tests/test_attention_kernels.py 2>&1 | tail -4
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k "(test_gpu_gluon and (128 or 256)) or tensor_core or hadamard" \
+    tests/test_w4a16_kernels.py tests/test_fp8_attention.py 2>&1 | tail -4
+  timeout 100 python3 benchmarks/gluon_attention_variant_check.py 2>&1 | tail -7
+  timeout 200 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -12
 }
 
 phase_calib() {
