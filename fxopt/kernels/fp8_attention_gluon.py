@@ -1,8 +1,11 @@
 """FP8 (e4m3) FA3-style attention forward for Hopper (sm_90), written in Gluon.
 
-Status: compiled offline for sm_90 only (``python -m fxopt.kernels.fp8_attention_gluon`` prints registers, spills,
-shared memory and the QGMMA / wait counts of every config); NOT yet run on a GPU. ``benchmarks/fp8_gluon_check.py``
-is the GPU check (correctness against the Triton fp8 kernel and float64, then TFLOP/s).
+Status: run on the H200 in session 7 (correct; 565-717 TFLOP/s at d = 128, below the Triton fp8 kernel's
+675-779, benchmarks/results/gluon/fp8_gluon_check.md). ``python -m fxopt.kernels.fp8_attention_gluon`` compiles
+every config offline for sm_90 and prints registers, spills, shared memory, the QGMMA / wait counts, the
+``wgmma_sass_hazards`` count and the main-loop instruction counts (``main_loops``; ``--loops`` for the per-class
+counts, ``--cast-late 0`` / ``1`` to pick builds). ``benchmarks/fp8_gluon_check.py`` is the GPU check
+(correctness against the Triton fp8 kernel and float64, then TFLOP/s), for all four builds (permute_k x cast_late).
 
 Why
 ---
@@ -83,11 +86,21 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   work overlaps the other warpgroup's QGMMAs, not the own PV.
 * Main-loop body (d 128, unmasked, one consumer): 719 instructions with the plain K load (64 MUFU.EX2, 32 F2FP,
   150 PRMT, 64 LOP3, 24 SHFL of which 16 are the P exchange); 674 with ``permute_k`` (the P exchange shuffles are
-  gone: 8 SHFL left, all row max / sum). The remaining ~200 PRMT / LOP3 / SHF are Triton's lowering of the
-  fp32 -> e4m3 cast (bytes unpacked and repacked for the wgmma); an inline-asm cvt.e4m3x2 pack made it worse.
+  gone: 8 SHFL left, all row max / sum). The remaining ~180 PRMT / LOP3 / SHF are NOT the cast itself (32 F2FP +
+  16 PRMT): P8 is loop-carried, and Triton 3.6 carries an 8-bit register tensor as one byte per 32-bit register,
+  so every step unpacks the packed operand (PRMT 0x7770..0x7773, 0x7610) and repacks it at the top of the next
+  step (LOP3 & 0xffff, PRMT 0x3340 / 0x5410). Session 7 diagnosis; the plain-Triton fp8 kernel casts and uses P
+  in the same iteration and has none of it (566 instructions per step, 64x128 tile, 4 warps).
+* ``cast_late=True`` (opt-in, ``CAST_LATE_DEFAULT`` False; the default build's SASS is unchanged): the loop
+  carries the fp32 P (64 registers, as many as the byte-per-register P8) and casts it between the QK_i issue and
+  the PV_{i-1} issue. Main loop (d 128, unmasked, one consumer): 719 -> 538 (plain K), 674 -> 489 (permute_k);
+  d 64: 676 -> 497, 631 -> 448. All 64 builds (the 32 above x cast_late): no spills, no C7512, zero
+  ``wgmma_sass_hazards``, highest register 193-228. Same arithmetic, so the output should be bit-identical to the
+  build without it; NOT yet run on a GPU (docs/notes_fp8_gluon_session7.md).
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
-  against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the kernel is likely issue-bound below 1000
-  TFLOP/s unless the cast / bookkeeping shrinks. NOT yet run on a GPU.
+  against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
+  below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
+  step at 16 / clock / SM: ~1056 cycles for the two warpgroups' steps).
 """
 from __future__ import annotations
 
@@ -140,6 +153,11 @@ _PRODUCER_REGS = 24
 # K rows loaded permuted within every 16 keys so that P needs no cross-lane exchange before the PV wgmma (see
 # _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles); both are in the GPU check.
 PERMUTE_K_DEFAULT = False
+# Opt-in (session 7, offline only): carry P_{i-1} across the loop back edge in fp32 and cast it to e4m3 right before
+# the PV wgmma that reads it, instead of carrying the e4m3 operand. Triton 3.6 lowers a loop-carried 8-bit register
+# tensor as one byte per 32-bit register, so the default build unpacks P8 at the end of every step (PRMT 0x777x /
+# 0x7610) and repacks it at the top of the next (LOP3 & 0xffff, PRMT 0x3340 / 0x5410): ~180 instructions per step.
+CAST_LATE_DEFAULT = False
 
 
 
@@ -231,9 +249,12 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
              ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
              QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-             PERMUTE_K: gl.constexpr):
+             PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
     """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
-    branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step)."""
+    branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
+
+    CAST_LATE: ``p8`` is the fp32 P_{i-1} (accumulator layout); it is cast to the e4m3 A operand between the QK_i
+    issue and the PV_{i-1} issue (while QK_i runs), and the fp32 P_i is returned in its place."""
     fp8: gl.constexpr = q_buf.dtype
     # block scales of key block i (issued before the waits so their latency hides behind them)
     c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
@@ -241,10 +262,14 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
     s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    if CAST_LATE:
+        a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
+    else:
+        a8 = p8
     jv = i - 1
     vslot = jv % STAGES
     mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
-    o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
@@ -256,7 +281,10 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     mbarrier.arrive(v_empty.index(vslot), count=1)
     # O was in units of vs_{i-1}; after this it is in units of vs_i (the PV_i about to be added)
     o = o * gl.expand_dims(gl.convert_layout(alpha * (vs_prev / vs_i), orow_layout), 1)
-    p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
+    if CAST_LATE:
+        p8 = p
+    else:
+        p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
     return s, o, p8, m_i, l_i, vs_i
 
 
@@ -264,7 +292,8 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
 def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready,
                  v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                  sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+                 CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
+                 CAST_LATE: gl.constexpr):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     out_dtype: gl.constexpr = o_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -306,22 +335,27 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     if n_full == 0:
         s = _f8_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
     p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c0)
-    p8 = _f8_p_operand(p, q_buf.dtype, p_layout, PERMUTE_K)
+    if CAST_LATE:
+        p8 = p
+    else:
+        p8 = _f8_p_operand(p, q_buf.dtype, p_layout, PERMUTE_K)
 
     for i in range(1, n_full):
         s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
                                                p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
-                                               orow_layout, PERMUTE_K)
+                                               orow_layout, PERMUTE_K, CAST_LATE)
     for i in range(gl.maximum(n_full, 1), n_blocks):
         s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
                                                p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
-                                               orow_layout, PERMUTE_K)
+                                               orow_layout, PERMUTE_K, CAST_LATE)
 
     # ---- tail: O += P8_{n-1} V_{n-1}
     jv = n_blocks - 1
     vslot = jv % STAGES
+    if CAST_LATE:
+        p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
     mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
     o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
@@ -346,20 +380,20 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
 def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE)
 
 
 @gluon.jit
 def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr):
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE)
 
 
 @gluon.jit
@@ -367,7 +401,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         H, GROUP, H_KV, SEQ_Q, SEQ_K, NQB, NKB, NUM_M_BLOCKS,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -411,10 +445,12 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
     gl.warp_specialize([
         (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                             qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)),
+                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                            CAST_LATE)),
         (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                             qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K)),
+                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                            CAST_LATE)),
         (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                         b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -532,9 +568,10 @@ def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
 
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
-                                  permute_k: Optional[bool] = None):
+                                  permute_k: Optional[bool] = None, cast_late: Optional[bool] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
-    ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``)."""
+    ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
+    ``cast_late``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` (see the module docstring)."""
     B, Hq, Sq, D = shape_q
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
     if reason is None and scale is not None and not (float(scale) > 0.0):
@@ -561,6 +598,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     num_m = (Sq + rows_per_cta - 1) // rows_per_cta
     q_desc = _desc(qq, [1, 1, WG_ROWS, D])
     pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
+    cl = CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)
     k_desc = _k_desc(kq, bn, pk)
     vt_desc = _desc(vt, [1, 1, D, bn])
     o_desc = _desc(out, [1, 1, WG_ROWS, D])
@@ -570,7 +608,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
         HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return res
 
 
@@ -584,7 +622,8 @@ def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
 
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
-                        seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None):
+                        seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None,
+                        cast_late: Optional[bool] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
@@ -595,7 +634,8 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
-                                         scale=scale, out=out, return_lse=return_lse, permute_k=permute_k)
+                                         scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
+                                         cast_late=cast_late)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -619,11 +659,12 @@ def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
             "NUM_M_BLOCKS": "i32", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
             "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "QB": "constexpr", "PERMUTE_K": "constexpr",
             "CONSUMER_REGS": "constexpr",
-            "PRODUCER_REGS": "constexpr"}
+            "PRODUCER_REGS": "constexpr", "CAST_LATE": "constexpr"}
 
 
 def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
-                    stages: Optional[int] = None, permute_k: Optional[bool] = None):
+                    stages: Optional[int] = None, permute_k: Optional[bool] = None,
+                    cast_late: Optional[bool] = None):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -632,7 +673,8 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
     constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": stages or cfg["STAGES"],
                   "CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "QB": QBLOCK, "PERMUTE_K": pk,
-                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
+                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"],
+                  "CAST_LATE": CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)}
     src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=_signature(D, out_str, cfg["BLOCK_N"], pk),
                          constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -658,35 +700,95 @@ def sass_summary(c) -> dict:
             "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
 
 
+_SASS_CLASSES = (("QGMMA", r"QGMMA"), ("MUFU.EX2", r"MUFU\.EX2"), ("MUFU", r"MUFU"), ("F2FP", r"F2FP"),
+                 ("PRMT", r"PRMT"), ("LOP3", r"LOP3"), ("SHF", r"SHF\."), ("SHFL", r"SHFL"), ("SEL", r"SEL"),
+                 ("FMUL", r"FMUL"), ("FFMA", r"FFMA"), ("FADD", r"FADD"), ("FMNMX", r"FMNMX"),
+                 ("WARPGROUP", r"WARPGROUP"), ("SYNCS", r"SYNCS"), ("BAR", r"BAR\."))
+
+
+def main_loops(sass: str) -> list[dict]:
+    """Innermost loops of the sm_90 SASS (nvdisasm text) that issue wgmma: one dict per loop, in address order,
+    with the instruction count ``n`` and counts by opcode class (``_SASS_CLASSES``, first match; the rest under
+    "other"). For this kernel: consumer 0's unmasked and masked loops, then consumer 1's. A loop is the address
+    range from a predicated backward branch's target to the branch (ptxas places the mbarrier try-wait retries out
+    of line, with an unconditional branch back into the loop: not counted)."""
+    import re
+
+    i = sass.find("\n.text.")
+    j = sass.find("\t.section", i)
+    text = sass[i:j if j > 0 else None]
+    ins, labels, pending = [], {}, []
+    for line in text.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                labels[lab] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip()))
+    found = []
+    for addr, op in ins:
+        m = re.match(r"@!?P\d+ BRA `\((\.L_x_\d+)\)", op)  # predicated: a loop's back edge
+        if m and labels.get(m.group(1), addr + 1) < addr:
+            body = [o for a, o in ins if labels[m.group(1)] <= a <= addr]
+            if any("GMMA" in o for o in body):
+                found.append((labels[m.group(1)], addr, body))
+    inner = [f for f in found if not any(g[0] >= f[0] and g[1] <= f[1] and g[:2] != f[:2] for g in found)]
+    out = []
+    for lo, hi, body in sorted(inner, key=lambda f: f[0]):
+        counts = {"n": len(body), "start": hex(lo), "end": hex(hi)}
+        for op in body:
+            op = re.sub(r"^@!?U?P[T\d]\s+", "", op)
+            key = next((k for k, pat in _SASS_CLASSES if re.search(pat, op.split(" ")[0])), "other")
+            counts[key] = counts.get(key, 0) + 1
+        out.append(counts)
+    return out
+
+
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
     import os
     import re
 
     from .attention_gluon import _tool
+    from .w4a16_gluon import wgmma_sass_hazards
 
     ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon fp8 attention config")
     ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin / sass of each config")
     ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--cast-late", default="0,1", help="CAST_LATE values to build (0 = the default build)")
+    ap.add_argument("--loops", action="store_true", help="also print the per-class counts of each main loop")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         for causal in (False, True):
             for ot in ("bf16", "fp16"):
                 for wl, pk in ((False, False), (True, False), (False, True), (True, True)):
-                    tag = f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}{'_permk' if pk else ''}"
-                    try:
-                        c = compile_offline(D, causal, ot, wl, permute_k=pk)
-                    except Exception as e:
-                        print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
-                        continue
-                    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
-                    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
-                    print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
-                          f"{sass_summary(c)}", flush=True)
-                    if args.dump:
-                        os.makedirs(args.dump, exist_ok=True)
-                        for ext in ("ttgir", "ptx"):
-                            with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
-                                f.write(c.asm[ext])
-                        with open(os.path.join(args.dump, f"{tag}.sass"), "w") as f:
-                            f.write(_tool("nvdisasm", c.asm["cubin"], ".cubin"))
+                    for cl in [bool(int(x)) for x in args.cast_late.split(",")]:
+                        tag = (f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}"
+                               f"{'_permk' if pk else ''}{'_castlate' if cl else ''}")
+                        try:
+                            c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl)
+                        except Exception as e:
+                            print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
+                            continue
+                        use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                        sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+                        loops = main_loops(sass)
+                        print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                              f"{sass_summary(c)}  wgmma_hazards={len(wgmma_sass_hazards(sass))}  "
+                              f"main_loop_instr={[lp['n'] for lp in loops]}", flush=True)
+                        if args.loops:
+                            for lp in loops:
+                                print("    ", lp)
+                        if args.dump:
+                            os.makedirs(args.dump, exist_ok=True)
+                            for ext in ("ttgir", "ptx"):
+                                with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                                    f.write(c.asm[ext])
+                            with open(os.path.join(args.dump, f"{tag}.sass"), "w") as f:
+                                f.write(sass)
