@@ -64,6 +64,7 @@ phase_gluon() {
     [ -f "benchmarks/$s.py" ] || continue
     echo "== $s (at $SECONDS s)"
     extra=""; [ "$s" = gluon_attention_bwd_check ] && extra="--variant 1,2"
+    [ "$s" = fp8_gluon_check ] && extra="--bench-first --case-timeout 90"
     timeout ${GLUON_TIMEOUT:-200} python3 "benchmarks/$s.py" --quick $extra --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
     echo "rc=$?"; grep -E "PASS$|FAIL|ERROR|\[check\] [0-9]+ / |correctness:|correctness (PASS|FAIL)|speedup|async check:|\[bench\]" "$OUT/$s.txt" | tail -12
   done
