@@ -117,6 +117,33 @@ accumulator or overwriting its A registers, including across the loop's back edg
 every non-split "async" build before the fix and nothing in the fixed or default builds. Ring ordering is argued
 above, not simulated. Not yet confirmed on a GPU.
 
+Small-M variant (opt-in, session 7; compiled offline only, NOT run on a GPU; ``gluon_w4a16_small_configs``,
+``benchmarks/gluon_w4a16_small_check.py``, ``docs/notes_w4a16_gluon_session7.md``). At BM = 16 the consumers are
+issue-bound (offline sm_90 SASS, BN 256: 357-360 instructions per K tile and consumer thread = 2.8 per weight, of
+which 1.0 is the per-weight ``sub`` + ``mul``), and the fp32 accumulator is tiny (16 per thread), so
+``_w4a16_gluon_small_kernel`` (a separate kernel: the builds above are unchanged) applies the group's scale once
+per K tile (= group) to a per-tile fp32 partial ``P`` (wgmma accumulator, ``use_acc=False`` on chunk 0):
+
+* ``deq="group"``: A = ``q - z`` (one ``sub.rn`` per two weights, exact: integers in [-15, 15]);
+  ``acc += s * P`` (2.41 instructions per weight).
+* ``deq="xsum"``: A = ``OFFSET + q`` (the pair words as they are: no floating-point instruction per weight);
+  ``acc += s * (P - (OFFSET + z) * xsum)``, xsum = the fp32 sums of x over the group that ``_prep_x`` computes
+  anyway (loaded once per tile, 4 LDG per thread at BM 16) (2.16-2.33 instructions per weight).
+
+Arithmetic: the products (OFFSET + q) x are exact in fp32 and the partial is an fp32 sum, so the result differs
+from the reference (W = (q - z) s rounded to bf16 first) by that rounding, at most 2^-9 relative per weight; a CPU
+emulation of both modes (K 4096 / 8192, M 16) gives 2.0e-3 / 3.0e-3 of max |y|, the same as the bf16 output
+rounding alone (tolerance 1.6e-2). ``pdl=True``: programmatic dependent launch after ``_prep_x`` (which triggers
+its dependents at entry); the producer issues the first ring slots' weight copies, then ``griddepcontrol.wait``,
+then their x copies; the consumers wait too before reading xsum / bias / split-K workspace and counters.
+ptxas constraints found offline: the fold reads the wgmma accumulator, and ptxas serializes every wgmma (C7514)
+if any accumulator is read while any wgmma is in flight (tried: chunk 0 in a second accumulator), so the fold
+follows a ``warpgroup_mma_wait(0)``, which ptxas hoists above chunk 0's dequantization: per K tile one wgmma
+group (the previous tile's last chunk) overlaps only the ready wait and the shared loads. The last tile is
+drained and folded inside the loop (as DRAIN_IN_LOOP). ``wgmma_sass_hazards`` learned that such a conditional
+straight-line region is skipped on looping iterations. Offline (bf16 / fp16, split-K on / off, bias on / off,
+BN 128 / 256): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 (one C7517 wait injected before EXIT), 0 hazards.
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -145,7 +172,8 @@ try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or w
 except Exception:  # pragma: no cover - old Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "gluon_w4a16_async_configs", "HAS_GLUON"]
+__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "gluon_w4a16_async_configs", "gluon_w4a16_small_configs",
+           "HAS_GLUON"]
 
 GROUP = 128  # K per ring stage = the (only supported) group size
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -188,6 +216,13 @@ if HAS_GLUON:
         d1 = _deq_pairs(words, 1, zz, ss, MAGIC2, IS_BF16)
         d2 = _deq_pairs(words, 2, zz, ss, MAGIC2, IS_BF16)
         d3 = _deq_pairs(words, 3, zz, ss, MAGIC2, IS_BF16)
+        return _pairs_to_a_operand(d0, d1, d2, d3, BN_C, KC, R, IS_BF16, a_layout)
+
+    @gluon.jit
+    def _pairs_to_a_operand(d0, d1, d2, d3, BN_C: gl.constexpr, KC: gl.constexpr, R: gl.constexpr,
+                            IS_BF16: gl.constexpr, a_layout: gl.constexpr):
+        """Four [KC/8, BN_C] pair-word tensors (nibble pairs 0..3 of each packed word) -> [BN_C, KC] 16-bit weights
+        in the wgmma A-operand layout, by register relabeling only (no data movement)."""
         # pair index j = 2 kb + hk: [KC/8, BN_C] x (hk, kb), then the two 16-bit halves (e) as the last dim
         p = gl.join(gl.join(d0, d1), gl.join(d2, d3))  # [KC/8, BN_C, 2 (hk), 2 (kb)]
         h16 = gl.join(p.to(gl.int16), (p >> 16).to(gl.int16))  # [KC/8, BN_C, hk, kb, e]
@@ -277,6 +312,16 @@ if HAS_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
+        _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id, pid_k,
+                  SPLIT_K, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT)
+
+    @gluon.jit
+    def _epilogue(acc, acc_layout: gl.constexpr, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
+                  tile_id, pid_k, SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, R: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr):
+        """Store a consumer's finished [BN_C, BM] accumulator: tile row r -> weight column n (see
+        ``_dequant_chunk``), column m -> activation row; with split-K through the fp32 workspace and the per-tile
+        counter (the last program to arrive sums, adds the bias, writes y and resets the counter)."""
         r = gl.arange(0, BN_C, layout=gl.SliceLayout(1, acc_layout))
         m_loc = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
         n_loc = 2 * R * (8 * ((r // 16) % 4) + r % 8) + 2 * (r // 64) + (r // 8) % 2
@@ -369,6 +414,249 @@ if HAS_GLUON:
                          1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP)),
             (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
                          off_m, off_n, k_tile0, n_iter)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); session 7, offline only).
+    # A separate kernel so that the builds of the measured configs above stay byte-identical.
+    # ------------------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _gdc_wait():
+        """``griddepcontrol.wait``: block until the preceding grid (the x-prep kernel) has completed and its writes
+        are visible (programmatic dependent launch; returns at once when the kernel was not launched with PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _rows_for_acc(v, BN_C: gl.constexpr, R: gl.constexpr, acc_layout: gl.constexpr):
+        """[1, BN_C] in the packed-word layout (column n = 2R (8 warp + g) + 2 rep + h of the consumer's slice) ->
+        [BN_C, 1] in the accumulator layout, row r = 64 rep + 16 warp + 8 h + g (the weight-column relabeling of
+        ``_dequant_chunk``): the same registers, renamed (``assert_trivial``)."""
+        v = gl.reshape(v, [4, 8, R, 2])  # warp g rep h
+        v = gl.permute(v, [2, 0, 3, 1])  # rep warp h g
+        v = gl.reshape(v, [BN_C])
+        v = gl.convert_layout(v, gl.SliceLayout(1, acc_layout), assert_trivial=True)
+        return gl.expand_dims(v, 1)
+
+    @gluon.jit
+    def _code_pairs(words, j: gl.constexpr, zz, MAGIC2, IS_BF16: gl.constexpr, DEQ: gl.constexpr):
+        """Pair words of nibbles j and j + 4: ``OFFSET + q`` (DEQ 2) or ``q - z`` (DEQ 1, one packed sub)."""
+        t = ((words >> (4 * j)) & 0x000F000F) | MAGIC2
+        if DEQ == 1:
+            if IS_BF16:
+                t = gl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [t, zz], dtype=gl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                t = gl.inline_asm_elementwise("sub.rn.f16x2 $0, $1, $2;", "=r,r,r", [t, zz], dtype=gl.int32,
+                                              is_pure=True, pack=1)
+        return t
+
+    @gluon.jit
+    def _codes_chunk(words, zz, MAGIC2, BN_C: gl.constexpr, KC: gl.constexpr, R: gl.constexpr,
+                     IS_BF16: gl.constexpr, DEQ: gl.constexpr, a_layout: gl.constexpr):
+        """Like ``_dequant_chunk`` (same register relabeling), but without the scale: DEQ 1 ("group") gives the
+        integers ``q - z`` (one ``sub.rn`` per two weights, exact: both terms are OFFSET + a 4-bit integer),
+        DEQ 2 ("xsum") gives ``OFFSET + q`` (the pair words as they are, no floating-point instruction)."""
+        if DEQ == 1:
+            zz, _ = gl.broadcast(zz, words)
+        d0 = _code_pairs(words, 0, zz, MAGIC2, IS_BF16, DEQ)
+        d1 = _code_pairs(words, 1, zz, MAGIC2, IS_BF16, DEQ)
+        d2 = _code_pairs(words, 2, zz, MAGIC2, IS_BF16, DEQ)
+        d3 = _code_pairs(words, 3, zz, MAGIC2, IS_BF16, DEQ)
+        return _pairs_to_a_operand(d0, d1, d2, d3, BN_C, KC, R, IS_BF16, a_layout)
+
+    @gluon.jit
+    def _fold(acc, part, s_rows, z_rows, xs_cols, DEQ: gl.constexpr):
+        """acc += the finished K tile's partial product, scaled (and zero-corrected for "xsum") per weight column."""
+        if DEQ == 1:
+            return acc + part * s_rows
+        else:
+            return acc + (part - z_rows * xs_cols) * s_rows
+
+    @gluon.jit
+    def _consumer_g(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                    M, N, K_TILES, stride_ym, MAGIC2, OFFSET, off_m, off_n, k_tile0, n_iter, tile_id, pid_k,
+                    SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr, DEQ: gl.constexpr,
+                    PDL: gl.constexpr):
+        """``_consumer`` with the scale (and for DEQ 2 the zero) applied per K tile (= group) to a per-tile fp32
+        partial product instead of per weight (module docstring, "Small-M variant"). The last wgmma of tile i
+        stays in flight while chunk 0 of tile i + 1 is dequantized; then ``warpgroup_mma_wait(0)``, the fold of
+        tile i's partial into ``acc``, the release of tile i's slot, and chunk 0's wgmma with ``use_acc=False``."""
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        R: gl.constexpr = BN_C // 64
+        NCHUNK: gl.constexpr = BK // KC
+        if IS_BF16:
+            DT: gl.constexpr = gl.bfloat16
+        else:
+            DT: gl.constexpr = gl.float16
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * R], threads_per_warp=[4, 8],
+                                                  warps_per_cta=[1, 4], order=[0, 1])
+        if PDL:
+            _gdc_wait()  # xs, bias, the split-K workspace and counters: only after the preceding grid
+        acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
+        part = gl.zeros([BN_C, BM], gl.float32, acc_layout)  # the K tile's partial product (wgmma accumulator)
+        s_prev = gl.zeros([BN_C, 1], gl.float32, acc_layout)  # zeros: the fold at i = 0 adds 0 * 0
+        z_prev = gl.zeros([BN_C, 1], gl.float32, acc_layout)
+        xs_prev = gl.zeros([1, BM], gl.float32, acc_layout)
+        m_idx = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+        xs_row = xs_ptr + m_idx * K_TILES + k_tile0
+        gl.assume(n_iter > 0)
+        for i in range(n_iter):
+            s = i % STAGES
+            if DEQ == 2:
+                # sums of x over this K tile (from _prep_x), one fp32 per activation row: issued before the wait
+                xs_cur = gl.expand_dims(gl.load(xs_row + i, mask=m_idx < M, other=0.0), 0)
+            else:
+                xs_cur = xs_prev
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)  # [1, BN_C]
+            zr = z_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
+            s_cur = _rows_for_acc(sc.to(gl.float32), BN_C, R, acc_layout)
+            if DEQ == 1:
+                zz = _pair_bits((zr.to(gl.float32) + OFFSET).to(DT))  # OFFSET + zero, exact for integer zeros
+                z_cur = z_prev
+            else:
+                zz = MAGIC2  # unused
+                z_cur = _rows_for_acc(zr.to(gl.float32) + OFFSET, BN_C, R, acc_layout)
+            q_tile = q_bufs.index(s).slice(C * BN_C, BN_C, dim=1)
+            xt = x_bufs.index(s).permute((1, 0))
+            words_all = q_tile.load(w_layout)
+            if NCHUNK == 4:
+                wr = gl.permute(gl.reshape(words_all, [2, 2, 4, BN_C]), [2, 3, 0, 1])
+                w_e, w_o = gl.split(wr)
+                w0, w2 = gl.split(w_e)
+                w1, w3 = gl.split(w_o)
+            else:
+                wr = gl.permute(gl.reshape(words_all, [2, 8, BN_C]), [1, 2, 0])
+                w0, w1 = gl.split(wr)
+                w2 = w0
+                w3 = w1
+            for cq in gl.static_range(NCHUNK):
+                if cq == 0:
+                    words = w0
+                elif cq == 1:
+                    words = w1
+                elif cq == 2:
+                    words = w2
+                else:
+                    words = w3
+                words = gl.convert_layout(words, w_layout, assert_trivial=True)
+                a = _codes_chunk(words, zz, MAGIC2, BN_C, KC, R, IS_BF16, DEQ, a_layout)
+                if cq == 0:
+                    # tile i - 1's last wgmma group ran during the loop back edge, the ready wait and the loads;
+                    # retire it, fold its partial, release its slot, start tile i's partial (use_acc=False).
+                    # ptxas hoists this wait above chunk 0's dequantization (no dependency); a second wgmma
+                    # accumulator kept in flight across the fold makes ptxas serialize every wgmma (C7514: an
+                    # accumulator read while any wgmma is in flight), so one group per tile is not overlapped
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                    acc = _fold(acc, part, s_prev, z_prev, xs_prev, DEQ)
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+                    part = warpgroup_mma(a, xt.slice(0, KC, dim=0), part, use_acc=False, is_async=True)
+                else:
+                    part = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), part, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
+            s_prev = s_cur
+            z_prev = z_cur
+            xs_prev = xs_cur
+            if i == n_iter - 1:
+                # the last tile: retire and fold INSIDE the loop, so the epilogue never reads a wgmma register
+                # (module docstring, "Epilogue hazard")
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                acc = _fold(acc, part, s_cur, z_cur, xs_cur, DEQ)
+
+        # ---- epilogue: as in _consumer
+        _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id, pid_k,
+                  SPLIT_K, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT)
+
+    @gluon.jit
+    def _producer_g(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                    off_m, off_n, k_tile0, n_iter, PDL: gl.constexpr):
+        """``_producer``; with PDL the weight copies (packed codes, scales, zeros) of the first ring slots are issued
+        BEFORE ``griddepcontrol.wait`` (they do not depend on the prep kernel), x's after it."""
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        NBYTES: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + z_desc.block_type.nbytes)
+        i0 = 0
+        if PDL:
+            n_pre = gl.minimum(n_iter, STAGES)
+            for i in range(n_pre):  # fresh slots: no empty wait needed
+                bar = ready.index(i)
+                mbarrier.expect(bar, NBYTES)
+                kt = k_tile0 + i
+                tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(i))
+                tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(i))
+                tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(i))
+            _gdc_wait()
+            for i in range(n_pre):
+                tma.async_copy_global_to_shared(x_desc, [off_m, (k_tile0 + i) * BK], ready.index(i), x_bufs.index(i))
+            i0 = n_pre
+        for i in range(i0, n_iter):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, NBYTES)
+            kt = k_tile0 + i
+            tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+            tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+            tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+
+    # integer arguments not specialized (M == 1, divisibility of M / K tiles / splits): one build per config, bias,
+    # split and dtype (the offline builds of compile_offline carry no specialization either)
+    @gluon.jit(do_not_specialize=["M", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K"])
+    def _w4a16_gluon_small_kernel(x_desc, q_desc, s_desc, z_desc, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                                  M, N, K_TILES, TILES_PER_SPLIT, SPLIT_K, stride_ym, MAGIC2, OFFSET,
+                                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
+                                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEQ: gl.constexpr,
+                                  PDL: gl.constexpr):
+        """``_w4a16_gluon_kernel`` with ``_consumer_g`` / ``_producer_g`` (DEQ 0: per-weight sub + mul as
+        ``_consumer`` is NOT offered here; use the main kernel)."""
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN_C: gl.constexpr = BN // 2
+        gl.static_assert(BK == 128, "one ring stage = one group of 128")
+        gl.static_assert(BN_C % 64 == 0, "each consumer warpgroup needs a multiple of 64 weight columns")
+        gl.static_assert(BK % KC == 0 and KC % 32 == 0, "KC: a multiple of 32 dividing 128")
+        gl.static_assert(DEQ == 1 or DEQ == 2, "DEQ: 1 (group) or 2 (xsum)")
+
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        num_pid_m = gl.cdiv(M, BM)
+        pid_m = pid % num_pid_m
+        pid_n = pid // num_pid_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        k_tile0 = pid_k * TILES_PER_SPLIT
+        n_iter = gl.minimum(TILES_PER_SPLIT, K_TILES - k_tile0)
+
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        z_bufs = gl.allocate_shared_memory(z_desc.dtype, [STAGES] + z_desc.block_type.shape, z_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=2)
+
+        tile_id = pid
+        gl.warp_specialize([
+            (_consumer_g, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                           M, N, K_TILES, stride_ym, MAGIC2, OFFSET, off_m, off_n, k_tile0, n_iter, tile_id, pid_k,
+                           SPLIT_K, 0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DEQ, PDL)),
+            (_consumer_g, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                           M, N, K_TILES, stride_ym, MAGIC2, OFFSET, off_m, off_n, k_tile0, n_iter, tile_id, pid_k,
+                           SPLIT_K, 1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DEQ, PDL)),
+            (_producer_g, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                           off_m, off_n, k_tile0, n_iter, PDL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -487,6 +775,24 @@ def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
     return out
 
 
+def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
+    """Opt-in small-M candidates (M <= 16; module docstring, "Small-M variant") for the GPU check
+    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (compiled offline only). BM 16, the
+    ``regs="async"`` split, KC 32, the ring of ``_max_stages``, split-K as ``_split_for``; per tile: BN 256 (M = 1's
+    best existing tile) and BN 128 (M = 16's), each with ``deq="xsum"`` and ``deq="group"``, PDL on; plus BN 256 xsum
+    without PDL, to separate the two effects. Keys as ``gluon_w4a16_configs`` plus ``deq`` and ``pdl``."""
+    if M > 16:
+        return []
+    out: list[dict] = []
+    for block_n, deq, pdl in ((256, "xsum", True), (256, "group", True), (128, "xsum", True),
+                              (128, "group", True), (256, "xsum", False)):
+        stages = _max_stages(16, block_n)
+        cfg = dict(block_m=16, block_n=block_n, stages=stages, kc=32, split_k=None, regs="async", deq=deq, pdl=pdl)
+        if _config_ok(M, K, N, 16, block_n, stages, 32) and _async_regs_ok(16, block_n, 32, True):
+            out.append(cfg)
+    return out
+
+
 _COUNTERS: dict = {}
 
 
@@ -555,13 +861,22 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
                    block_n: int = 256, stages: int = 4, kc: int = 32, split_k: Optional[int] = None,
                    xp: Optional[torch.Tensor] = None, consumer_regs: int = 232, producer_regs: int = 40,
                    check_zeros: bool = True, num_sms: Optional[int] = None,
-                   regs: Optional[str] = None) -> torch.Tensor:
+                   regs: Optional[str] = None, deq: Optional[str] = None, pdl: bool = False,
+                   xs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
     ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
     in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
     ``split_k`` None: enough K splits to give the grid about one CTA per SM. ``regs``: None / "default" = the
     ``consumer_regs`` / ``producer_regs`` arguments, "async" = the register split of ``_REGS["async"]`` (wgmma not
-    serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported."""
+    serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported.
+
+    Opt-in small-M variant (module docstring, "Small-M variant"; compiled offline only, NOT run on a GPU yet):
+    ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
+    once per K tile to an fp32 partial instead of per weight); ``pdl=True`` (needs ``deq``) launches it with
+    programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
+    assumes the weights are not written by the kernel just before). ``xs``: fp32 [M, K/128] sums of x per group
+    (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch)."""
+    small = _small_variant(deq, pdl)
     consumer_regs, producer_regs = _regs_for(regs, consumer_regs, producer_regs)
     K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
     lead = x.shape[:-1]
@@ -569,6 +884,18 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     M = x2d.shape[0]
     if M == 0:
         return x.new_empty(*lead, N)
+    if small:
+        pdl = bool(pdl)
+        if xp is None:
+            from fxopt.kernels.w4a16 import _prep_x
+
+            xp, xs_p = _prep_x(x2d.contiguous(), GROUP, True, pdl)
+            xs = xs_p if xs is None else xs
+        elif deq == "xsum" and xs is None:
+            xs = x2d.float().reshape(M, K // GROUP, GROUP).sum(-1)
+        if deq == "xsum" and (xs.dtype != torch.float32 or tuple(xs.shape) != (M, K // GROUP)):
+            raise ValueError(f"gluon_w4a16: xs must be float32 [{M}, {K // GROUP}], got {xs.dtype} "
+                             f"{tuple(xs.shape)}")
     if xp is None:
         from fxopt.kernels.w4a16 import _prep_x
 
@@ -595,6 +922,16 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     magic, offset = _MAGIC[x.dtype]
     x_desc, q_desc, s_desc, z_desc = make_descriptors(xp, qweight, scales, zeros, block_m, block_n)
     maxnreg = _maxnreg(consumer_regs, producer_regs)
+    if small:
+        _w4a16_gluon_small_kernel[(n_tiles, split_k)](
+            x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
+            xs.contiguous() if deq == "xsum" else ws,
+            M, N, k_tiles, tiles_per_split, split_k, y.stride(0), magic * 0x10001, offset,
+            BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1,
+            IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+            DEQ=_DEQ[deq], PDL=pdl, num_warps=4, maxnreg=maxnreg, **({"launch_pdl": True} if pdl else {}),
+        )
+        return y.reshape(*lead, N)
     _w4a16_gluon_kernel[(n_tiles, split_k)](
         x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
         M, N, k_tiles, tiles_per_split, split_k, y.stride(0), magic * 0x10001, offset,
@@ -614,6 +951,18 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 # (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``. Such builds need the in-loop
 # final wait (``_drain_in_loop``, module docstring "Epilogue hazard").
 _REGS = {"default": (232, 40), "async": (200, 112)}
+
+# Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the module docstring "Small-M variant".
+_DEQ = {"group": 1, "xsum": 2}
+
+
+def _small_variant(deq: Optional[str], pdl: bool) -> bool:
+    """Whether ``deq`` / ``pdl`` select ``_w4a16_gluon_small_kernel`` (raises ValueError on a bad combination)."""
+    if deq is not None and deq not in _DEQ:
+        raise ValueError(f"gluon_w4a16: deq must be one of {sorted(_DEQ)} or None, got {deq!r}")
+    if pdl and deq is None:
+        raise ValueError("gluon_w4a16: pdl=True needs deq='group' or 'xsum' (the small-M kernel)")
+    return deq is not None
 
 
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
@@ -667,10 +1016,18 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
     consts = dict(BM=bm, BN=bn, STAGES=cfg["stages"], KC=cfg["kc"], HAS_BIAS=bias, USE_SPLIT=split,
                   IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                   DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
+    kernel = _w4a16_gluon_kernel
+    if _small_variant(cfg.get("deq"), cfg.get("pdl", False)):
+        kernel = _w4a16_gluon_small_kernel
+        sig = dict(list(sig.items())[:8] + [("xs_ptr", "*fp32")] + list(sig.items())[8:])
+        del consts["DRAIN_IN_LOOP"]  # always drained in the loop there
+        consts.update(DEQ=_DEQ[cfg.get("deq") or "group"], PDL=bool(cfg.get("pdl", False)))
     for k in consts:
         sig[k] = "constexpr"
-    src = GluonASTSource(_w4a16_gluon_kernel, signature=sig, constexprs=consts)
+    src = GluonASTSource(kernel, signature=sig, constexprs=consts)
     opts = {"num_warps": 4, "maxnreg": _maxnreg(consumer_regs, producer_regs)}
+    if cfg.get("pdl"):
+        opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -697,7 +1054,9 @@ def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
     by a forward predicated branch counts as executed, right for the DRAIN_IN_LOOP wait, whose skip branch tests
     the back edge's condition, i != n_iter - 1), and each innermost loop (backward branch over HGMMAs) again, from
     the groups in flight at its back edge, with such conditional DEPBARs counted as NOT executed (the iterations
-    that loop back). Not modelled: other control flow, shared-memory (ring) ordering."""
+    that loop back); a conditional region without a branch inside is there checked as executed from its start
+    (its DEPBARs retire groups for the instructions after them in the region) and then skipped. Not modelled:
+    other control flow, shared-memory (ring) ordering."""
     import re
 
     # HGMMA (16-bit) and QGMMA (8-bit): both have 4 A-operand registers per thread and N / 2 accumulators
@@ -714,16 +1073,28 @@ def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
         return not any(("GMMA" in x or "EXIT" in x) for _, x in ins[lo:hi])
 
     conditional = set()  # instructions a short forward predicated branch may skip
+    region = {}  # straight-line such regions (no branch inside): instruction -> first instruction of its region
     for i, (addr, op) in enumerate(ins):
         m = re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", op)
         if m and int(m.group(1), 16) > addr and int(m.group(1), 16) in index:
-            if local(i + 1, index[int(m.group(1), 16)]):
-                conditional.update(range(i + 1, index[int(m.group(1), 16)]))
+            end = index[int(m.group(1), 16)]
+            if local(i + 1, end):
+                conditional.update(range(i + 1, end))
+                if not any("BRA" in x for _, x in ins[i + 1:end]):
+                    region.update((k, i + 1) for k in range(i + 1, end) if k not in region)
 
     def walk(lo, hi, pending, out, skip_conditional=False):
         acc_now, a_now = set(), set()
         for k in range(lo, hi):
             addr, op = ins[k]
+            if skip_conditional and k in region:
+                # a straight-line region the looping iterations skip (e.g. the last tile's drain + fold of the
+                # small-M consumer): checked as executed from its start, its DEPBARs included, on a copy of the
+                # state; the state after it is the skipped path's (regions hold no HGMMA)
+                if region[k] == k:
+                    r_pending = list(pending)
+                r_pending = walk(k, k + 1, r_pending, out)
+                continue
             m = hg.search(op)
             if m:
                 base = int(m.group(4))
@@ -776,3 +1147,102 @@ def wgmma_sass_hazards(sass: str) -> list[tuple[str, str, str]]:
             seen.add(h[0])
             uniq.append(h)
     return uniq
+
+
+def loop_profile(sass: str) -> list[dict]:
+    """Per innermost loop over HGMMAs in sm_90 SASS (the consumers' K loops): instructions per iteration by opcode,
+    ``static`` (all of the body) and ``dynamic`` (without the straight-line regions a forward predicated branch
+    skips on the looping iterations, e.g. the last tile's drain; what one non-final K tile executes)."""
+    import collections
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, op) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            t = index[int(m.group(1), 16)]
+            if any("GMMA" in x for _, x in ins[t:i + 1]) and not any("EXIT" in x for _, x in ins[t:i + 1]):
+                loops.append((t, i))
+    out = []
+    for t, i in loops:
+        if any(t <= t2 and i2 < i and (t2, i2) != (t, i) for t2, i2 in loops):
+            continue
+        skipped = set()
+        for k in range(t, i):
+            m = re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", ins[k][1])
+            if m and int(m.group(1), 16) in index and k < index[int(m.group(1), 16)] <= i:
+                body = ins[k + 1:index[int(m.group(1), 16)]]
+                if not any(("GMMA" in x or "BRA" in x) for _, x in body):
+                    skipped.update(range(k + 1, index[int(m.group(1), 16)]))
+        ops = [ins[k][1] for k in range(t, i + 1) if k not in skipped]
+        cnt = collections.Counter((op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
+                                  for op in ops)
+        out.append(dict(static=i - t + 1, dynamic=len(ops), ops=dict(cnt.most_common())))
+    return out
+
+
+def offline_report(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", split: bool = True,
+                   bias: bool = False) -> dict:
+    """Compile one config for sm_90 (``compile_offline``) and summarize: resource usage (REG / STACK / LOCAL),
+    ptxas wgmma-serialization remarks (C7512 / C7514 ...), ``wgmma_sass_hazards`` count, DEPBAR counts and the
+    consumer loops' instruction counts per iteration (``loop_profile``) and per weight (one iteration = one K
+    tile of 128 x BN/2 weights per consumer warpgroup, 128 threads)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    c = compile_offline(M, K, N, cfg, dtype, split=split, bias=bias)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cub, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
+        with open(cub, "wb") as f:
+            f.write(c.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(c.asm["ptx"])
+        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cub],
+                             capture_output=True, text=True).stdout
+        pt = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", "-o", os.devnull, ptx],
+                            capture_output=True, text=True)
+    sass = sass_of(c)
+    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+    loops = loop_profile(sass)
+    w_per_iter = GROUP * (cfg["block_n"] // 2) // 128
+    return dict(reg=int(res.group(1)), stack=int(res.group(2)), local=int(res.group(4)),
+                serialized=sorted(set(re.findall(r"\((C75\d\d)\)", pt.stdout + pt.stderr))),
+                hazards=len(wgmma_sass_hazards(sass)),
+                depbar_le0=sass.count("DEPBAR.LE gsb0, 0x0"), depbar_le1=sass.count("DEPBAR.LE gsb0, 0x1"),
+                loops=[dict(lp, per_weight=round(lp["dynamic"] / w_per_iter, 3)) for lp in loops])
+
+
+if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="offline sm_90 builds of the Gluon W4A16 small-M variant")
+    ap.add_argument("--shape", default="16x8192x8192", help="MxKxN for the descriptors")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    M_, K_, N_ = (int(v) for v in args.shape.split("x"))
+    base = [dict(block_m=16, block_n=bn, stages=_max_stages(16, bn), kc=32, split_k=None, regs="async")
+            for bn in (256, 128)]
+    rows = []
+    for cfg in base + gluon_w4a16_small_configs(1, K_, N_):
+        for dt in ("bf16", "fp16"):
+            for split in (True, False):
+                for bias in (False, True):
+                    r = offline_report(M_, K_, N_, cfg, dt, split, bias)
+                    rows.append(dict(cfg=cfg, dtype=dt, split=split, bias=bias, **r))
+                    lp = "; ".join(f"{x['dynamic']} instr/iter, {x['per_weight']}/weight" for x in r["loops"])
+                    print(f"{cfg.get('deq') or 'per-weight'} pdl={cfg.get('pdl', False)} bn{cfg['block_n']} {dt} "
+                          f"split={split} bias={bias}: REG {r['reg']} STACK {r['stack']} LOCAL {r['local']} "
+                          f"ptxas {r['serialized'] or '-'} hazards {r['hazards']} DEPBAR0/1 {r['depbar_le0']}/"
+                          f"{r['depbar_le1']} | {lp}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
