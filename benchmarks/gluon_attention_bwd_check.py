@@ -8,8 +8,8 @@
     max(1, max |ref|). The Triton backward's error on the same inputs is reported next to it (``err_triton``).
     Extra cases: ragged S, causal Sq < Sk (bottom-right) and Sq > Sk (rows with no visible key: lse = +inf, their
     dq must be exactly 0), GQA 4:2 and 8:1, a [B, S, H, D] view, a custom scale, fp16, and refusals.
-(b) Backward TFLOP/s at 16k tokens per batch (B * S = 16384), H = 16, d = 128, S in {4096, 16384}, causal and
-    not: gluon backward vs Triton backward (``flash_attention_triton_bwd``) vs cuDNN SDPA backward (time of
+(b) Backward TFLOP/s at 16k tokens per batch (B * S = 16384), H = 16, d = 128, S in {1024, 4096, 16384}, causal
+    and not: gluon backward vs Triton backward (``flash_attention_triton_bwd``) vs cuDNN SDPA backward (time of
     forward + ``torch.autograd.grad`` minus time of the forward, cuDNN backend via ``sdpa_kernel``).
     FLOPs = 10 B H S^2 d (2.5x the forward), halved for causal. Also fwd + bwd totals (gluon fwd + gluon bwd
     vs cuDNN fwd + bwd).
@@ -23,6 +23,13 @@ and exits the process; the script ends with ``os._exit``.
     python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT
         # also checks (case tags ``...@v1``) and times (``gluon_v1_bwd_tflops``) the opt-in variants of
         # ``gluon_attention_bwd(variant=...)`` next to the default kernel (variants are d = 128 only)
+    python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,3 --out $OUT
+        # session 8: variant 3 (dK issued before the dS^T publication) beside variant 1 (what the op routes),
+        # with ``v3/v1`` speed ratios and fwd + bwd totals per variant (``gluon_v3_fwdbwd_tflops``)
+
+With ``--quick`` the Triton backward is timed WITHOUT autotuning (``FXOPT_ATTN_AUTOTUNE=0``: first config of its
+class, set by this script unless ``--triton-autotune 1``), so its column may be slower than the tuned kernel's; the
+run's notes say which mode was used.
 """
 from __future__ import annotations
 
@@ -55,8 +62,11 @@ def _extra(p):
                    help="1: also report the Triton backward's error per case (default: on, off with --quick: "
                         "its autotuning per shape bucket costs minutes)")
     p.add_argument("--variant", default="",
-                   help="comma list of extra gluon_attention_bwd variants (1, 2) to check and time next to the "
+                   help="comma list of extra gluon_attention_bwd variants (1, 2, 3) to check and time next to the "
                         "default kernel (default: none, i.e. the default kernel only)")
+    p.add_argument("--triton-autotune", type=int, default=None,
+                   help="1: let the Triton backward autotune (default: on, off with --quick: FXOPT_ATTN_AUTOTUNE=0, "
+                        "first config only, to stay within the quick run's time)")
 
 
 def _variants(args):
@@ -284,9 +294,10 @@ def run_bench(GB, args):
         from fxopt.kernels.attention_gluon import gluon_attention_fwd
     except Exception:  # pragma: no cover
         gluon_attention_fwd = None
-    rows = [(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True)]
+    rows = [(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True), (128, 16384, False),
+            (128, 16384, True)]
     if not args.quick:
-        rows += [(128, 1024, False), (128, 1024, True), (64, 4096, False), (64, 4096, True)]
+        rows += [(64, 4096, False), (64, 4096, True)]
     for D, S, causal in rows:
         _arm(args.case_timeout + 120)  # the Triton backward autotunes on its first call
         B, H = 16384 // S, 16
@@ -345,6 +356,14 @@ def run_bench(GB, args):
             row["gluon_fwdbwd_tflops"] = (flops_fwd + flops_bwd) / (tot * 1e-3) / 1e12
             row["cudnn_fwdbwd_tflops"] = (flops_fwd + flops_bwd) / (fb_ms * 1e-3) / 1e12
             row["fwdbwd gluon/cudnn"] = row["gluon_fwdbwd_tflops"] / row["cudnn_fwdbwd_tflops"]
+        for var in _variants(args):  # per variant: fwd + bwd with the Gluon forward, and speed relative to variant 1
+            vms = row.get(f"gluon_v{var}_bwd_ms")
+            if vms and row.get("gluon_fwd_ms") and fb_ms:
+                row[f"gluon_v{var}_fwdbwd_tflops"] = (flops_fwd + flops_bwd) / ((row["gluon_fwd_ms"] + vms) * 1e-3) / 1e12
+                row[f"fwdbwd v{var}/cudnn"] = row[f"gluon_v{var}_fwdbwd_tflops"] / ((flops_fwd + flops_bwd)
+                                                                                    / (fb_ms * 1e-3) / 1e12)
+            if vms and var != 1 and row.get("gluon_v1_bwd_ms"):
+                row[f"v{var}/v1"] = row["gluon_v1_bwd_ms"] / vms  # > 1: faster than variant 1
         STATE["bench"].append(row)
         for var in _variants(args):
             if row.get(f"gluon_v{var}_bwd_tflops"):
@@ -374,6 +393,17 @@ def main():
         return 1
     STATE["notes"].append(f"configs: { {d: GB.config_for(d) for d in (64, 128)} }, BLOCK_N {GB.BLOCK_N}, "
                           f"BLOCK_M {GB.BLOCK_M}")
+    bad = [v for v in _variants(args) if v not in GB.VARIANTS]
+    if bad:
+        print(f"unknown --variant {bad}: this module has {GB.VARIANTS}")
+        return 2
+    tune = args.triton_autotune if args.triton_autotune is not None else (0 if args.quick else 1)
+    if not tune:
+        os.environ["FXOPT_ATTN_AUTOTUNE"] = "0"
+    STATE["notes"].append("Triton backward timed " + ("WITH autotuning" if tune else
+                          "WITHOUT autotuning (FXOPT_ATTN_AUTOTUNE=0: first config of its class; the tuned kernel "
+                          "may be faster)") + f"; FXOPT_ATTN_AUTOTUNE={os.environ.get('FXOPT_ATTN_AUTOTUNE', 'unset')}")
+    print(STATE["notes"][-1], flush=True)
     if not args.skip_check:
         run_checks(GB, args)
     if not args.skip_bench:
@@ -385,7 +415,9 @@ def main():
         [{k: r.get(k) for k in ("case", "status", "err_dq", "err_dk", "err_dv", "lim_dq", "err_triton",
                                 "empty_rows", "error")} for r in STATE["correctness"]]))
     cols = ("d", "S", "causal", "gluon_bwd_tflops") + tuple(f"gluon_v{v}_bwd_tflops" for v in _variants(args)) + (
-        "triton_bwd_tflops", "cudnn_bwd_tflops", "gluon/cudnn", "triton/cudnn", "fwdbwd gluon/cudnn")
+        "triton_bwd_tflops", "cudnn_bwd_tflops", "gluon/cudnn", "triton/cudnn", "fwdbwd gluon/cudnn") + tuple(
+        f"v{v}/v1" for v in _variants(args) if v != 1 and 1 in _variants(args)) + tuple(
+        f"fwdbwd v{v}/cudnn" for v in _variants(args))
     print("## Backward TFLOP/s (bf16, 16k tokens per batch)\n" + markdown_table(
         [{k: r.get(k) for k in cols} for r in STATE["bench"]]))
     print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)")

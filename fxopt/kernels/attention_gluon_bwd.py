@@ -159,6 +159,16 @@ variant=v)``); counts for both consumer copies; hazards = ``w4a16_gluon.wgmma_sa
   (c, c+1) (true for the wgmma accumulator; visible in SASS as ``REDG.E.ADD.F32x2 [R.64+0x20 j], R(152+4 j)``).
   Check and time: ``python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT``.
 
+Opt-in variant 3 (session 7, ``variant=3``, d = 128 only) -- NOT yet run on a GPU
+-----------------------------------------------------------------------------------
+``_fa3_bwd_kernel_v1`` with the constexpr ``EARLY_DK``: dK += dS^T Q is issued as soon as dS^T is in registers,
+BEFORE the dS^T publication (partition barrier, STSM, proxy fence, thread barrier, ds_bar arrive), which then runs
+while dV and dK are on the tensor cores; variant 1 issues dK after it. Offline (ptxas 12.8, bf16 = fp16): same
+registers / spills / smem as variant 1 (STACK 8 / 56 B full / causal, 165,328 B), 0 wgmma hazards, no C7512 /
+C7514, 5 instead of 6 BAR.SYNC per step. Issuing the next block's S^T before the dQ wait was tried too: ptxas
+serialises every wgmma of that build (C7514), so it was dropped. Analysis and GPU plan:
+docs/notes_attention_bwd_session7.md; check: ``gluon_attention_bwd_check.py --quick --variant 1,3``.
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -188,6 +198,7 @@ try:  # keep the module importable without Gluon (CPU-only installs, old Triton)
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -219,7 +230,8 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
-VARIANTS = (0, 1, 2)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight
+VARIANTS = (0, 1, 2, 3)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
+                         # 3 split-dQ + dK issued before the dS^T publication (session 7, not GPU-run yet)
 _VARIANT_DIMS = (128,)  # head dims with a split-dQ kernel (d = 64 runs the default kernel)
 
 
@@ -547,8 +559,9 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
                  q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                  s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
-                 dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr):
-    """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA."""
+                 dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False):
+    """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
+    ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK."""
     dtype: gl.constexpr = q_smem.dtype
     HALF: gl.constexpr = HEAD_DIM // 2
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -586,6 +599,9 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     delta = delta_smem.index(s).load(col_layout)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     ds16 = dst.to(dtype)
+    if EARLY_DK:
+        d16 = gl.convert_layout(ds16, op_layout)
+        dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
 
     # ---- publish dS^T_w to the other warpgroup: ds_smem[2 p + WG] is free (see the docstring: the ds_bar wait
     # of the previous step implies the other warpgroup finished reading it two steps ago, and this warpgroup
@@ -596,8 +612,9 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     gl.thread_barrier()
     mbarrier.arrive(ds_bar.index(p), count=1)
 
-    d16 = gl.convert_layout(ds16, op_layout)
-    dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
+    if not EARLY_DK:
+        d16 = gl.convert_layout(ds16, op_layout)
+        dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
     if DK_IN_FLIGHT:
         # groups in flight: dV, dK; <= 1 outstanding -> dV done (dO free). dK (64 fp32 + its 16-bit A operand)
         # keeps running through the ds_bar wait and the dQ wgmma: dK 64 + dV 64 + dQ 32 + d16 16 registers.
@@ -633,7 +650,7 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -657,13 +674,13 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK)
             it += 1
 
     # ---- epilogue. The OTHER warpgroup's dQ wgmma reads this warpgroup's K_w until its last step: before K_w is
@@ -686,11 +703,11 @@ def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
     _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)
 
 
 @gluon.jit
@@ -698,18 +715,19 @@ def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
     _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)
 
 
 @gluon.jit
 def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
                        qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr,
+                       EARLY_DK: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -757,11 +775,11 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
         (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)),
         (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -770,6 +788,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
 
 
+# ----------------------------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -851,7 +870,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
-    dQ wgmma. Variants 1 / 2 exist for d = 128 only; at d = 64 they run the default kernel. All three passed the
+    dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``; offline only, NOT yet run on a
+    GPU). Variants 1-3 exist for d = 128 only; at d = 64 they run the default kernel. Variants 0-2 passed the
     59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py`` (session 7); ``flash_attention_triton_bwd`` routes
     d = 128 to variant 1."""
     if variant not in VARIANTS:
@@ -882,7 +902,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                  sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                                 DK_IN_FLIGHT=(variant == 2), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant == 3), num_warps=cfg["num_warps"],
+                                 maxnreg=cfg["maxnreg"])
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK)
         return dq, dk, dv
@@ -919,8 +940,8 @@ def _signature(dtype_str: str, D: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0):
-    """Compile the main kernel (``variant`` 0: default, 1: split-dQ) for sm_<arch> without a GPU; returns
-    triton's CompiledKernel."""
+    """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first) for sm_<arch>
+    without a GPU; returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -930,9 +951,13 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     sig = _signature(dtype_str, D)
     if variant != 0:
         sig["DK_IN_FLIGHT"] = "constexpr"
+        sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
-    src = GluonASTSource(_fa3_bwd_kernel if variant == 0 else _fa3_bwd_kernel_v1, signature=sig,
-                         constexprs=constexprs)
+        constexprs["EARLY_DK"] = variant == 3
+        kern = _fa3_bwd_kernel_v1
+    else:
+        kern = _fa3_bwd_kernel
+    src = GluonASTSource(kern, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
