@@ -2,6 +2,7 @@
 # One-GPU device calls that check a session's work on the H200 (run from the repo root; writes under $OUT).
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
+#   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
 # Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
@@ -63,7 +64,7 @@ phase_gluon() {
   for s in ${GLUON_CHECKS:-gluon_attention_check gluon_attention_variant_check gluon_attention_bwd_check gluon_w4a16_check gluon_w4a16_async_check fp8_gluon_check}; do
     [ -f "benchmarks/$s.py" ] || continue
     echo "== $s (at $SECONDS s)"
-    extra=""; [ "$s" = gluon_attention_bwd_check ] && extra="--variant 1,2"
+    extra=""; [ "$s" = gluon_attention_bwd_check ] && extra="--variant 1,3"
     [ "$s" = fp8_gluon_check ] && extra="--bench-first --case-timeout 90"
     timeout ${GLUON_TIMEOUT:-200} python3 "benchmarks/$s.py" --quick $extra --out "$RES/gluon" > "$OUT/$s.txt" 2>&1
     echo "rc=$?"; grep -E "PASS$|FAIL|ERROR|\[check\] [0-9]+ / |correctness:|correctness (PASS|FAIL)|speedup|async check:|\[bench\]" "$OUT/$s.txt" | tail -12
