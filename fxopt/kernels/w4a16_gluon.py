@@ -144,6 +144,27 @@ drained and folded inside the loop (as DRAIN_IN_LOOP). ``wgmma_sass_hazards`` le
 straight-line region is skipped on looping iterations. Offline (bf16 / fp16, split-K on / off, bias on / off,
 BN 128 / 256): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 (one C7517 wait injected before EXIT), 0 hazards.
 
+Stream-K schedule (opt-in, session 7; compiled offline only, NOT run on a GPU; ``schedule="streamk"``,
+``gluon_w4a16_streamk_configs``, ``docs/notes_w4a16_streamk_session7.md``). ``_w4a16_gluon_sk_kernel`` (separate:
+every build above is byte-identical) runs exactly P = min(num_sms, U) CTAs over the U = output tiles x K tiles work
+units (tile-major, K tile fastest; tiles ordered as the split-K grid, M tiles fastest). CTA p owns the contiguous
+units [floor(p U / P), floor((p + 1) U / P)) (lengths L or L + 1, L = floor(U / P)), which may cross output-tile
+boundaries: one segment per tile it touches. The producer walks the whole range with one running ring index, so
+the next tile's copies are in flight while the consumers finish the previous tile (the ring is never drained or
+restarted). Each consumer (``_consumer_sk``: the per-weight dequantization of ``_consumer``, any register split;
+``_consumer_g_sk``: the small-M ``deq`` consumer, PDL allowed) runs the K loop per segment (ring slot and parity
+from the running index; the slot of a segment's previous K tile is released after chunk 0's wait as before, the
+segment's last slot right after its final ``warpgroup_mma_wait(0)``), then the segment epilogue: a tile owned
+whole by the CTA goes to y directly (only with <= 16 fp32 accumulators per thread, else ptxas spills; larger tiles
+use the workspace path with one contributor); otherwise the fp32 partial goes to workspace slice
+``p - owner(first unit of the tile)`` ([C, M, N], C = the most CTAs sharing a tile, ``_streamk_plan``), and the
+per-(tile, consumer) counter of the split-K scheme counts to the tile's number of owners, known from the schedule
+(owner(u) = floor(((u + 1) P - 1) / U)); whichever CTA arrives last sums the slices, adds the bias, converts,
+writes y and resets the counter. No CTA ever waits for another (no co-residency assumption). Offline (sm_90,
+bf16 / fp16, bias on / off): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 with ``regs="async"`` (the default
+split has its usual C7512), 0 ``wgmma_sass_hazards``, main loop 0-7 instructions per K tile above the split-K
+builds.
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -173,7 +194,7 @@ except Exception:  # pragma: no cover - old Triton
     HAS_GLUON = False
 
 __all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "gluon_w4a16_async_configs", "gluon_w4a16_small_configs",
-           "HAS_GLUON"]
+           "gluon_w4a16_streamk_configs", "HAS_GLUON"]
 
 GROUP = 128  # K per ring stage = the (only supported) group size
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -237,6 +258,23 @@ if HAS_GLUON:
         return gl.convert_layout(w, a_layout, assert_trivial=True)
 
     @gluon.jit
+    def _tile_words(q_tile, BN_C: gl.constexpr, NCHUNK: gl.constexpr, w_layout: gl.constexpr):
+        """A K tile's packed words [16, BN_C] from shared memory, split into NCHUNK (2 or 4) per-chunk tensors of
+        KC / 8 word rows each (w2 / w3 repeat w0 / w1 when NCHUNK == 2)."""
+        words_all = q_tile.load(w_layout)
+        if NCHUNK == 4:
+            wr = gl.permute(gl.reshape(words_all, [2, 2, 4, BN_C]), [2, 3, 0, 1])  # t n q1 q0 (q = 2 q1 + q0)
+            w_e, w_o = gl.split(wr)  # q0 = 0 / 1: [4, BN_C, 2 (q1)]
+            w0, w2 = gl.split(w_e)
+            w1, w3 = gl.split(w_o)
+        else:
+            wr = gl.permute(gl.reshape(words_all, [2, 8, BN_C]), [1, 2, 0])  # rows-in-chunk n chunk
+            w0, w1 = gl.split(wr)
+            w2 = w0
+            w3 = w1
+        return w0, w1, w2, w3
+
+    @gluon.jit
     def _consumer(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                   M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                   C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
@@ -274,17 +312,7 @@ if HAS_GLUON:
             xt = x_bufs.index(s).permute((1, 0))  # x^T [BK, BM] (K-major B operand)
             # all BK/8 word rows at once (a slice of 4 rows would cut the 8-row swizzle pattern), then split into
             # chunks in registers (word row 4 q + t: q is a register index, so the split moves no data)
-            words_all = q_tile.load(w_layout)
-            if NCHUNK == 4:
-                wr = gl.permute(gl.reshape(words_all, [2, 2, 4, BN_C]), [2, 3, 0, 1])  # t n q1 q0 (q = 2 q1 + q0)
-                w_e, w_o = gl.split(wr)  # q0 = 0 / 1: [4, BN_C, 2 (q1)]
-                w0, w2 = gl.split(w_e)
-                w1, w3 = gl.split(w_o)
-            else:
-                wr = gl.permute(gl.reshape(words_all, [2, 8, BN_C]), [1, 2, 0])  # rows-in-chunk n chunk
-                w0, w1 = gl.split(wr)
-                w2 = w0
-                w3 = w1
+            w0, w1, w2, w3 = _tile_words(q_tile, BN_C, NCHUNK, w_layout)
             for cq in gl.static_range(NCHUNK):
                 if cq == 0:
                     words = w0
@@ -475,6 +503,68 @@ if HAS_GLUON:
             return acc + (part - z_rows * xs_cols) * s_rows
 
     @gluon.jit
+    def _small_tile(i, j, n_iter, acc, part, s_prev, z_prev, xs_prev, xs_row, m_idx, M, x_bufs, q_bufs, s_bufs,
+                    z_bufs, ready, empty, MAGIC2, OFFSET, C: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
+                    R: gl.constexpr, NCHUNK: gl.constexpr, STAGES: gl.constexpr, IS_BF16: gl.constexpr,
+                    DT: gl.constexpr, DEQ: gl.constexpr, acc_layout: gl.constexpr, a_layout: gl.constexpr,
+                    w_layout: gl.constexpr):
+        """One K tile of the small-M consumers: ring slot of use ``i``, the ``j``-th of ``n_iter`` tiles of this
+        output tile (split-K: i = j; stream-K: i runs on across the CTA's tiles). Returns the carried state."""
+        s = i % STAGES
+        if DEQ == 2:
+            # sums of x over this K tile (from _prep_x), one fp32 per activation row: issued before the wait
+            xs_cur = gl.expand_dims(gl.load(xs_row + j, mask=m_idx < M, other=0.0), 0)
+        else:
+            xs_cur = xs_prev
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)  # [1, BN_C]
+        zr = z_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
+        s_cur = _rows_for_acc(sc.to(gl.float32), BN_C, R, acc_layout)
+        if DEQ == 1:
+            zz = _pair_bits((zr.to(gl.float32) + OFFSET).to(DT))  # OFFSET + zero, exact for integer zeros
+            z_cur = z_prev
+        else:
+            zz = MAGIC2  # unused
+            z_cur = _rows_for_acc(zr.to(gl.float32) + OFFSET, BN_C, R, acc_layout)
+        q_tile = q_bufs.index(s).slice(C * BN_C, BN_C, dim=1)
+        xt = x_bufs.index(s).permute((1, 0))
+        w0, w1, w2, w3 = _tile_words(q_tile, BN_C, NCHUNK, w_layout)
+        for cq in gl.static_range(NCHUNK):
+            if cq == 0:
+                words = w0
+            elif cq == 1:
+                words = w1
+            elif cq == 2:
+                words = w2
+            else:
+                words = w3
+            words = gl.convert_layout(words, w_layout, assert_trivial=True)
+            a = _codes_chunk(words, zz, MAGIC2, BN_C, KC, R, IS_BF16, DEQ, a_layout)
+            if cq == 0:
+                # tile i - 1's last wgmma group ran during the loop back edge, the ready wait and the loads;
+                # retire it, fold its partial, release its slot, start tile i's partial (use_acc=False).
+                # ptxas hoists this wait above chunk 0's dequantization (no dependency); a second wgmma
+                # accumulator kept in flight across the fold makes ptxas serialize every wgmma (C7514: an
+                # accumulator read while any wgmma is in flight), so one group per tile is not overlapped
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                acc = _fold(acc, part, s_prev, z_prev, xs_prev, DEQ)
+                fence_async_shared()
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=j > 0)
+                part = warpgroup_mma(a, xt.slice(0, KC, dim=0), part, use_acc=False, is_async=True)
+            else:
+                part = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), part, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
+        s_prev = s_cur
+        z_prev = z_cur
+        xs_prev = xs_cur
+        if j == n_iter - 1:
+            # the last tile: retire and fold INSIDE the loop, so the epilogue never reads a wgmma register
+            # (module docstring, "Epilogue hazard")
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+            acc = _fold(acc, part, s_cur, z_cur, xs_cur, DEQ)
+        return acc, part, s_prev, z_prev, xs_prev
+
+    @gluon.jit
     def _consumer_g(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
                     M, N, K_TILES, stride_ym, MAGIC2, OFFSET, off_m, off_n, k_tile0, n_iter, tile_id, pid_k,
                     SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
@@ -508,68 +598,10 @@ if HAS_GLUON:
         xs_row = xs_ptr + m_idx * K_TILES + k_tile0
         gl.assume(n_iter > 0)
         for i in range(n_iter):
-            s = i % STAGES
-            if DEQ == 2:
-                # sums of x over this K tile (from _prep_x), one fp32 per activation row: issued before the wait
-                xs_cur = gl.expand_dims(gl.load(xs_row + i, mask=m_idx < M, other=0.0), 0)
-            else:
-                xs_cur = xs_prev
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)  # [1, BN_C]
-            zr = z_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
-            s_cur = _rows_for_acc(sc.to(gl.float32), BN_C, R, acc_layout)
-            if DEQ == 1:
-                zz = _pair_bits((zr.to(gl.float32) + OFFSET).to(DT))  # OFFSET + zero, exact for integer zeros
-                z_cur = z_prev
-            else:
-                zz = MAGIC2  # unused
-                z_cur = _rows_for_acc(zr.to(gl.float32) + OFFSET, BN_C, R, acc_layout)
-            q_tile = q_bufs.index(s).slice(C * BN_C, BN_C, dim=1)
-            xt = x_bufs.index(s).permute((1, 0))
-            words_all = q_tile.load(w_layout)
-            if NCHUNK == 4:
-                wr = gl.permute(gl.reshape(words_all, [2, 2, 4, BN_C]), [2, 3, 0, 1])
-                w_e, w_o = gl.split(wr)
-                w0, w2 = gl.split(w_e)
-                w1, w3 = gl.split(w_o)
-            else:
-                wr = gl.permute(gl.reshape(words_all, [2, 8, BN_C]), [1, 2, 0])
-                w0, w1 = gl.split(wr)
-                w2 = w0
-                w3 = w1
-            for cq in gl.static_range(NCHUNK):
-                if cq == 0:
-                    words = w0
-                elif cq == 1:
-                    words = w1
-                elif cq == 2:
-                    words = w2
-                else:
-                    words = w3
-                words = gl.convert_layout(words, w_layout, assert_trivial=True)
-                a = _codes_chunk(words, zz, MAGIC2, BN_C, KC, R, IS_BF16, DEQ, a_layout)
-                if cq == 0:
-                    # tile i - 1's last wgmma group ran during the loop back edge, the ready wait and the loads;
-                    # retire it, fold its partial, release its slot, start tile i's partial (use_acc=False).
-                    # ptxas hoists this wait above chunk 0's dequantization (no dependency); a second wgmma
-                    # accumulator kept in flight across the fold makes ptxas serialize every wgmma (C7514: an
-                    # accumulator read while any wgmma is in flight), so one group per tile is not overlapped
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-                    acc = _fold(acc, part, s_prev, z_prev, xs_prev, DEQ)
-                    fence_async_shared()
-                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-                    part = warpgroup_mma(a, xt.slice(0, KC, dim=0), part, use_acc=False, is_async=True)
-                else:
-                    part = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), part, is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
-            s_prev = s_cur
-            z_prev = z_cur
-            xs_prev = xs_cur
-            if i == n_iter - 1:
-                # the last tile: retire and fold INSIDE the loop, so the epilogue never reads a wgmma register
-                # (module docstring, "Epilogue hazard")
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-                acc = _fold(acc, part, s_cur, z_cur, xs_cur, DEQ)
+            acc, part, s_prev, z_prev, xs_prev = _small_tile(
+                i, i, n_iter, acc, part, s_prev, z_prev, xs_prev, xs_row, m_idx, M, x_bufs, q_bufs, s_bufs, z_bufs,
+                ready, empty, MAGIC2, OFFSET, C, BN_C, KC, R, NCHUNK, STAGES, IS_BF16, DT, DEQ, acc_layout, a_layout,
+                w_layout)
 
         # ---- epilogue: as in _consumer
         _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id, pid_k,
@@ -658,6 +690,262 @@ if HAS_GLUON:
             (_producer_g, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
                            off_m, off_n, k_tile0, n_iter, PDL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); session 7, offline only). A separate
+    # kernel again: every build above stays byte-identical. Module docstring, "Stream-K schedule".
+    # ------------------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _sk_start(p, TOTAL, NUM_CTAS):
+        """First work unit (output tile x K tile, K tile fastest) of CTA p: floor(p TOTAL / NUM_CTAS), so the
+        ranges differ in length by at most one unit (host: TOTAL x NUM_CTAS < 2^31)."""
+        return (p * TOTAL) // NUM_CTAS
+
+    @gluon.jit
+    def _sk_owner(u, TOTAL, NUM_CTAS):
+        """The CTA whose range holds work unit u: the largest p with floor(p TOTAL / NUM_CTAS) <= u."""
+        return ((u + 1) * NUM_CTAS - 1) // TOTAL
+
+    @gluon.jit
+    def _sk_segment_epilogue(acc, acc_layout: gl.constexpr, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym,
+                             off_m, off_n, t, pid, K_TILES, TOTAL, NUM_CTAS, C: gl.constexpr, BM: gl.constexpr,
+                             BN_C: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """A finished segment (the K tiles of output tile t that this CTA owns): the whole tile -> y directly;
+        else the partial goes to workspace slice ``pid - owner(first unit of t)`` and the per-(tile, consumer)
+        counter counts up to the number of CTAs that own a part of t (known from the schedule); the last one to
+        arrive sums the slices, adds the bias, writes y and resets the counter (``_epilogue``'s split path)."""
+        first = _sk_owner(t * K_TILES, TOTAL, NUM_CTAS)
+        n_contrib = _sk_owner((t + 1) * K_TILES - 1, TOTAL, NUM_CTAS) - first + 1
+        # the direct path is a second inlined epilogue: with more than 16 fp32 accumulators per thread ptxas then
+        # spills (offline sm_90: BM 32 x BN 256 24 bytes, BM 64 x BN 128 16-24, BM 64 x BN 256 about 700), so there
+        # a whole tile also goes through the workspace (one contributor: its counter bump reads 0 = SPLIT_K - 1)
+        DIRECT: gl.constexpr = BN_C * BM // 128 <= 16
+        if DIRECT and n_contrib == 1:
+            _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, t, 0,
+                      1, C, BM, BN_C, R, HAS_BIAS, False)
+        else:
+            _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, t,
+                      pid - first, n_contrib, C, BM, BN_C, R, HAS_BIAS, True)
+
+    @gluon.jit
+    def _consumer_sk(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                     M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                     C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, IS_BF16: gl.constexpr, DRAIN_IN_LOOP: gl.constexpr):
+        """``_consumer`` over the CTA's unit range [u0, u1): one segment per output tile it touches; the ring
+        position runs on across segments (no restart), each segment ends with the drained accumulator going to
+        ``_sk_segment_epilogue``."""
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        R: gl.constexpr = BN_C // 64
+        NCHUNK: gl.constexpr = BK // KC
+        if IS_BF16:
+            DT: gl.constexpr = gl.bfloat16
+        else:
+            DT: gl.constexpr = gl.float16
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * R], threads_per_warp=[4, 8],
+                                                  warps_per_cta=[1, 4], order=[0, 1])
+        num_pid_m = gl.cdiv(M, BM)
+        i0 = 0  # ring position of the segment's first K tile
+        for t in range(u0 // K_TILES, (u1 - 1) // K_TILES + 1):
+            n_iter = gl.minimum(u1, (t + 1) * K_TILES) - gl.maximum(u0, t * K_TILES)
+            off_m = (t % num_pid_m) * BM
+            off_n = (t // num_pid_m) * (2 * BN_C)
+            acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
+            gl.assume(n_iter > 0)  # as in _consumer (C7515 otherwise)
+            for j in range(n_iter):
+                i = i0 + j
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
+                zr = z_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)
+                ss = _pair_bits(sc)
+                zz = _pair_bits((zr.to(gl.float32) + OFFSET).to(DT))
+                q_tile = q_bufs.index(s).slice(C * BN_C, BN_C, dim=1)
+                xt = x_bufs.index(s).permute((1, 0))
+                w0, w1, w2, w3 = _tile_words(q_tile, BN_C, NCHUNK, w_layout)
+                for cq in gl.static_range(NCHUNK):
+                    if cq == 0:
+                        words = w0
+                    elif cq == 1:
+                        words = w1
+                    elif cq == 2:
+                        words = w2
+                    else:
+                        words = w3
+                    words = gl.convert_layout(words, w_layout, assert_trivial=True)
+                    a = _dequant_chunk(words, zz, ss, MAGIC2, BN_C, KC, R, IS_BF16, a_layout)
+                    acc = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    if cq == 0:
+                        # every wgmma of the segment's previous K tile is done: release its slot (the
+                        # previous segment's last slot was released at that segment's end)
+                        fence_async_shared()
+                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=j > 0)
+                if DRAIN_IN_LOOP:
+                    if j == n_iter - 1:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # "Epilogue hazard"
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            # the segment's last slot: all its wgmmas are done; release it now (the producer is already filling
+            # the next segment's K tiles into the other slots: the ring is not drained between tiles)
+            fence_async_shared()
+            mbarrier.arrive(empty.index((i0 + n_iter - 1) % STAGES))
+            i0 += n_iter
+            _sk_segment_epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
+                                 t, pid, K_TILES, TOTAL, NUM_CTAS, C, BM, BN_C, R, HAS_BIAS)
+
+    @gluon.jit
+    def _consumer_g_sk(x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                       M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                       C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, IS_BF16: gl.constexpr, DEQ: gl.constexpr, PDL: gl.constexpr):
+        """``_consumer_g`` (scale / zero applied per K tile to an fp32 partial) over the CTA's unit range, one
+        segment per output tile as ``_consumer_sk``."""
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        R: gl.constexpr = BN_C // 64
+        NCHUNK: gl.constexpr = BK // KC
+        if IS_BF16:
+            DT: gl.constexpr = gl.bfloat16
+        else:
+            DT: gl.constexpr = gl.float16
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * R], threads_per_warp=[4, 8],
+                                                  warps_per_cta=[1, 4], order=[0, 1])
+        if PDL:
+            _gdc_wait()
+        num_pid_m = gl.cdiv(M, BM)
+        i0 = 0
+        for t in range(u0 // K_TILES, (u1 - 1) // K_TILES + 1):
+            seg_lo = gl.maximum(u0, t * K_TILES)
+            n_iter = gl.minimum(u1, (t + 1) * K_TILES) - seg_lo
+            off_m = (t % num_pid_m) * BM
+            off_n = (t // num_pid_m) * (2 * BN_C)
+            acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
+            part = gl.zeros([BN_C, BM], gl.float32, acc_layout)
+            s_prev = gl.zeros([BN_C, 1], gl.float32, acc_layout)
+            z_prev = gl.zeros([BN_C, 1], gl.float32, acc_layout)
+            xs_prev = gl.zeros([1, BM], gl.float32, acc_layout)
+            m_idx = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+            xs_row = xs_ptr + m_idx * K_TILES + (seg_lo - t * K_TILES)
+            gl.assume(n_iter > 0)
+            for j in range(n_iter):
+                acc, part, s_prev, z_prev, xs_prev = _small_tile(
+                    i0 + j, j, n_iter, acc, part, s_prev, z_prev, xs_prev, xs_row, m_idx, M, x_bufs, q_bufs, s_bufs,
+                    z_bufs, ready, empty, MAGIC2, OFFSET, C, BN_C, KC, R, NCHUNK, STAGES, IS_BF16, DT, DEQ,
+                    acc_layout, a_layout, w_layout)
+            # the segment's last slot (its wgmmas were retired in the loop's last iteration)
+            fence_async_shared()
+            mbarrier.arrive(empty.index((i0 + n_iter - 1) % STAGES))
+            i0 += n_iter
+            _sk_segment_epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
+                                 t, pid, K_TILES, TOTAL, NUM_CTAS, C, BM, BN_C, R, HAS_BIAS)
+
+    @gluon.jit
+    def _sk_unit(u, K_TILES, num_pid_m, BM: gl.constexpr, BN: gl.constexpr):
+        """Work unit u -> (off_m, off_n, K tile): tile t = u // K_TILES (M tiles fastest, as the split-K grid)."""
+        t = u // K_TILES
+        return (t % num_pid_m) * BM, (t // num_pid_m) * BN, u - t * K_TILES
+
+    @gluon.jit
+    def _producer_sk(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                     u0, u1, K_TILES, M, PDL: gl.constexpr):
+        """``_producer_g`` over the CTA's unit range [u0, u1): one ring, one running slot index across output-tile
+        boundaries (the next tile's copies are issued while the consumers finish the previous one)."""
+        STAGES: gl.constexpr = x_bufs.shape[0]
+        BK: gl.constexpr = x_bufs.shape[2]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = q_desc.block_type.shape[1]
+        NBYTES: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + z_desc.block_type.nbytes)
+        num_pid_m = gl.cdiv(M, BM)
+        n_units = u1 - u0
+        i0 = 0
+        if PDL:
+            n_pre = gl.minimum(n_units, STAGES)
+            for i in range(n_pre):  # fresh slots: no empty wait needed
+                off_m, off_n, kt = _sk_unit(u0 + i, K_TILES, num_pid_m, BM, BN)
+                bar = ready.index(i)
+                mbarrier.expect(bar, NBYTES)
+                tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(i))
+                tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(i))
+                tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(i))
+            _gdc_wait()
+            for i in range(n_pre):
+                off_m, off_n, kt = _sk_unit(u0 + i, K_TILES, num_pid_m, BM, BN)
+                tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], ready.index(i), x_bufs.index(i))
+            i0 = n_pre
+        for i in range(i0, n_units):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            off_m, off_n, kt = _sk_unit(u0 + i, K_TILES, num_pid_m, BM, BN)
+            bar = ready.index(s)
+            mbarrier.expect(bar, NBYTES)
+            tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+            tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+            tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+
+    @gluon.jit(do_not_specialize=["M", "K_TILES", "TOTAL", "NUM_CTAS"])
+    def _w4a16_gluon_sk_kernel(x_desc, q_desc, s_desc, z_desc, y_ptr, bias_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                               M, N, K_TILES, TOTAL, NUM_CTAS, stride_ym, MAGIC2, OFFSET,
+                               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
+                               HAS_BIAS: gl.constexpr, IS_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, DRAIN_IN_LOOP: gl.constexpr, DEQ: gl.constexpr,
+                               PDL: gl.constexpr):
+        """Stream-K: grid = NUM_CTAS (<= TOTAL = output tiles x K tiles); CTA p owns units
+        [floor(p TOTAL / NUM_CTAS), floor((p + 1) TOTAL / NUM_CTAS)). DEQ 0: ``_consumer``'s per-weight
+        dequantization (``_consumer_sk``); DEQ 1 / 2: the small-M consumer (``_consumer_g_sk``)."""
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN_C: gl.constexpr = BN // 2
+        gl.static_assert(BK == 128, "one ring stage = one group of 128")
+        gl.static_assert(BN_C % 64 == 0, "each consumer warpgroup needs a multiple of 64 weight columns")
+        gl.static_assert(BK % KC == 0 and KC % 32 == 0, "KC: a multiple of 32 dividing 128")
+        gl.static_assert(DEQ == 0 or DEQ == 1 or DEQ == 2, "DEQ: 0 (per weight), 1 (group) or 2 (xsum)")
+        gl.static_assert(DEQ > 0 or not PDL, "PDL: small-M consumer only")
+
+        pid = gl.program_id(0)
+        u0 = _sk_start(pid, TOTAL, NUM_CTAS)
+        u1 = _sk_start(pid + 1, TOTAL, NUM_CTAS)
+
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        z_bufs = gl.allocate_shared_memory(z_desc.dtype, [STAGES] + z_desc.block_type.shape, z_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=2)
+
+        if DEQ == 0:
+            gl.warp_specialize([
+                (_consumer_sk, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                                M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                                0, BM, BN_C, KC, HAS_BIAS, IS_BF16, DRAIN_IN_LOOP)),
+                (_consumer_sk, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                                M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                                1, BM, BN_C, KC, HAS_BIAS, IS_BF16, DRAIN_IN_LOOP)),
+                (_producer_sk, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                                u0, u1, K_TILES, M, False)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer_g_sk, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                                  xs_ptr, M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                                  0, BM, BN_C, KC, HAS_BIAS, IS_BF16, DEQ, PDL)),
+                (_consumer_g_sk, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                                  xs_ptr, M, N, stride_ym, MAGIC2, OFFSET, u0, u1, K_TILES, TOTAL, NUM_CTAS, pid,
+                                  1, BM, BN_C, KC, HAS_BIAS, IS_BF16, DEQ, PDL)),
+                (_producer_sk, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                                u0, u1, K_TILES, M, PDL)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -793,6 +1081,42 @@ def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     return out
 
 
+def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
+    """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
+    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (compiled offline only). M <= 64 (BM <= 64, the
+    grids that leave SMs idle or need split-K), ``regs="async"``, KC 32, the ring of ``_max_stages``: BN 256 and
+    BN 128 with the per-weight consumer, and for M <= 16 BN 256 with ``deq="xsum"`` + PDL (the small-M consumer).
+    Keys as ``gluon_w4a16_small_configs`` plus ``schedule="streamk"`` (``split_k`` stays None)."""
+    bm = _block_m_for(M)
+    if bm > 64:
+        return []
+    out: list[dict] = []
+    cands = [(256, None, False), (128, None, False)] + ([(256, "xsum", True)] if M <= 16 else [])
+    for block_n, deq, pdl in cands:
+        stages = _max_stages(bm, block_n)
+        cfg = dict(block_m=bm, block_n=block_n, stages=stages, kc=32, split_k=None, regs="async",
+                   schedule="streamk")
+        if deq is not None:
+            cfg.update(deq=deq, pdl=pdl)
+        if _config_ok(M, K, N, bm, block_n, stages, 32) and _async_regs_ok(bm, block_n, 32, True):
+            out.append(cfg)
+    return out
+
+
+def _streamk_plan(n_tiles: int, k_tiles: int, num_sms: int) -> tuple[int, int]:
+    """(CTAs, most CTAs sharing one output tile) of the stream-K schedule: min(num_sms, units) CTAs, CTA p owning
+    units [floor(p U / P), floor((p + 1) U / P)) of the U = n_tiles x k_tiles (tile-major) units. Every range has
+    L = floor(U / P) or L + 1 units, so a tile (k_tiles consecutive units) meets at most floor((k_tiles - 2) / L)
+    + 2 ranges (two partial ones at its ends and whole ones between), and at most P."""
+    total = n_tiles * k_tiles
+    ctas = max(1, min(num_sms, total))
+    if total * ctas >= 2 ** 31:
+        raise ValueError(f"gluon_w4a16: stream-K unit indices overflow int32 ({total} units x {ctas} CTAs)")
+    if k_tiles == 1:
+        return ctas, 1
+    return ctas, min(ctas, (k_tiles - 2) // (total // ctas) + 2)
+
+
 _COUNTERS: dict = {}
 
 
@@ -862,7 +1186,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
                    xp: Optional[torch.Tensor] = None, consumer_regs: int = 232, producer_regs: int = 40,
                    check_zeros: bool = True, num_sms: Optional[int] = None,
                    regs: Optional[str] = None, deq: Optional[str] = None, pdl: bool = False,
-                   xs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   xs: Optional[torch.Tensor] = None, schedule: Optional[str] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
     ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
     in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
@@ -875,8 +1199,14 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     once per K tile to an fp32 partial instead of per weight); ``pdl=True`` (needs ``deq``) launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
     assumes the weights are not written by the kernel just before). ``xs``: fp32 [M, K/128] sums of x per group
-    (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch)."""
+    (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
+
+    Opt-in stream-K schedule (module docstring, "Stream-K schedule"; compiled offline only, NOT run on a GPU yet):
+    ``schedule="streamk"`` launches ``_w4a16_gluon_sk_kernel`` on ``num_sms`` CTAs (None: the device's SM count),
+    each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
+    (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides)."""
     small = _small_variant(deq, pdl)
+    streamk = _streamk_variant(schedule, split_k)
     consumer_regs, producer_regs = _regs_for(regs, consumer_regs, producer_regs)
     K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
     lead = x.shape[:-1]
@@ -904,6 +1234,25 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_tiles = K // GROUP
     n_tiles = cdiv(M, block_m) * (N // block_n)
+    if streamk:
+        _streamk_config_ok(block_m, block_n, consumer_regs, producer_regs)
+        sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
+        ctas, contrib = _streamk_plan(n_tiles, k_tiles, sms)
+        # always a real fp32 workspace: tiles with > 16 accumulators per thread use it even with one owner
+        ws = torch.empty((contrib, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, 2 * n_tiles)
+        magic, offset = _MAGIC[x.dtype]
+        x_desc, q_desc, s_desc, z_desc = make_descriptors(xp, qweight, scales, zeros, block_m, block_n)
+        _w4a16_gluon_sk_kernel[(ctas, )](
+            x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
+            xs.contiguous() if deq == "xsum" else ws,
+            M, N, k_tiles, n_tiles * k_tiles, ctas, y.stride(0), magic * 0x10001, offset,
+            BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None,
+            IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+            DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs), DEQ=_DEQ[deq] if small else 0, PDL=pdl,
+            num_warps=4, maxnreg=_maxnreg(consumer_regs, producer_regs), **({"launch_pdl": True} if pdl else {}),
+        )
+        return y.reshape(*lead, N)
     if split_k is None:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
         split_k = _split_for(n_tiles, k_tiles, sms)
@@ -965,6 +1314,26 @@ def _small_variant(deq: Optional[str], pdl: bool) -> bool:
     return deq is not None
 
 
+_SCHEDULES = ("streamk", )
+
+
+def _streamk_variant(schedule: Optional[str], split_k: Optional[int]) -> bool:
+    """Whether ``schedule`` selects ``_w4a16_gluon_sk_kernel`` (raises ValueError on a bad combination)."""
+    if schedule is not None and schedule not in _SCHEDULES:
+        raise ValueError(f"gluon_w4a16: schedule must be one of {list(_SCHEDULES)} or None, got {schedule!r}")
+    if schedule is not None and split_k is not None:
+        raise ValueError("gluon_w4a16: schedule='streamk' decides the K split itself; split_k must be None")
+    return schedule is not None
+
+
+def _streamk_config_ok(block_m: int, block_n: int, consumer_regs: int, producer_regs: int) -> None:
+    """Stream-K always carries the split epilogue (partial tiles): the tiles whose split-K epilogue spills are
+    refused rather than silently rescheduled (128 fp32 accumulators per thread; BM > 64 with ``regs="async"``)."""
+    if (block_n // 2) * block_m // 128 >= 128 or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64):
+        raise ValueError(f"gluon_w4a16: schedule='streamk' does not support block_m={block_m} block_n={block_n} "
+                         f"with these registers (the split epilogue spills)")
+
+
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
     """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; module docstring, "Epilogue
     hazard"): every register split except the measured default (232 / 40), whose SASS waits after every HGMMA
@@ -1017,7 +1386,17 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
                   IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                   DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
     kernel = _w4a16_gluon_kernel
-    if _small_variant(cfg.get("deq"), cfg.get("pdl", False)):
+    if _streamk_variant(cfg.get("schedule"), cfg.get("split_k")):
+        # ``split`` is ignored: the stream-K kernel always has both epilogue paths
+        _streamk_config_ok(bm, bn, consumer_regs, producer_regs)
+        kernel = _w4a16_gluon_sk_kernel
+        sig = dict(list(sig.items())[:8] + [("xs_ptr", "*fp32")] + list(sig.items())[8:])
+        del sig["TILES_PER_SPLIT"], sig["SPLIT_K"]
+        sig = dict(list(sig.items())[:12] + [("TOTAL", "i32"), ("NUM_CTAS", "i32")] + list(sig.items())[12:])
+        del consts["USE_SPLIT"]
+        small = _small_variant(cfg.get("deq"), cfg.get("pdl", False))
+        consts.update(DEQ=_DEQ[cfg["deq"]] if small else 0, PDL=bool(cfg.get("pdl", False)))
+    elif _small_variant(cfg.get("deq"), cfg.get("pdl", False)):
         kernel = _w4a16_gluon_small_kernel
         sig = dict(list(sig.items())[:8] + [("xs_ptr", "*fp32")] + list(sig.items())[8:])
         del consts["DRAIN_IN_LOOP"]  # always drained in the loop there
@@ -1227,19 +1606,24 @@ if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)
     ap = argparse.ArgumentParser(description="offline sm_90 builds of the Gluon W4A16 small-M variant")
     ap.add_argument("--shape", default="16x8192x8192", help="MxKxN for the descriptors")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--streamk", action="store_true", help="the stream-K candidates (gluon_w4a16_streamk_configs)")
     args = ap.parse_args()
     M_, K_, N_ = (int(v) for v in args.shape.split("x"))
     base = [dict(block_m=16, block_n=bn, stages=_max_stages(16, bn), kc=32, split_k=None, regs="async")
             for bn in (256, 128)]
     rows = []
-    for cfg in base + gluon_w4a16_small_configs(1, K_, N_):
+    todo = base + gluon_w4a16_small_configs(1, K_, N_)
+    if args.streamk:  # split on / off is the same build there
+        todo = gluon_w4a16_streamk_configs(1, K_, N_) + gluon_w4a16_streamk_configs(64, K_, N_)
+    for cfg in todo:
         for dt in ("bf16", "fp16"):
-            for split in (True, False):
+            for split in ((True, ) if cfg.get("schedule") else (True, False)):
                 for bias in (False, True):
                     r = offline_report(M_, K_, N_, cfg, dt, split, bias)
                     rows.append(dict(cfg=cfg, dtype=dt, split=split, bias=bias, **r))
                     lp = "; ".join(f"{x['dynamic']} instr/iter, {x['per_weight']}/weight" for x in r["loops"])
-                    print(f"{cfg.get('deq') or 'per-weight'} pdl={cfg.get('pdl', False)} bn{cfg['block_n']} {dt} "
+                    print(f"{cfg.get('schedule') or ''} bm{cfg['block_m']} {cfg.get('deq') or 'per-weight'} "
+                          f"pdl={cfg.get('pdl', False)} bn{cfg['block_n']} {dt} "
                           f"split={split} bias={bias}: REG {r['reg']} STACK {r['stack']} LOCAL {r['local']} "
                           f"ptxas {r['serialized'] or '-'} hazards {r['hazards']} DEPBAR0/1 {r['depbar_le0']}/"
                           f"{r['depbar_le1']} | {lp}", flush=True)
