@@ -218,26 +218,32 @@ BWD_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(BWD_CASES))
-def test_backward_matches_float64(name):
-    case = dict(BWD_CASES[name])
+def _bwd_vs_float64(case, dtype, dkdv_config, seed=4321, check_out=False):
+    case = dict(case)
     B, Hq, Hkv, Sq, Sk, D = case.pop("shape")
-    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D)
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype)
     kw = _make_masks(case, B, Hq, Sq, Sk, q.device)
     kw.update({k_: v_ for k_, v_ in case.items() if k_ not in ("mask", "kpm")})
-    seed = 1234
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q.device)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q.device, dtype)
     out, lse = A.flash_attention_triton(q, k, v, seed=seed, return_lse=True, **kw)
-    dq, dk, dv = A.flash_attention_triton_bwd(do, q, k, v, out, lse, seed=seed, **kw)
+    grads = A.flash_attention_triton_bwd(do, q, k, v, out, lse, seed=seed, dkdv_config=dkdv_config, **kw)
     keep = None
     if kw.get("dropout_p", 0) > 0:
         keep = A.dropout_keep_mask_triton(seed, (B, Hq, Sq, Sk), kw["dropout_p"], q.device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, dropout_keep=keep, **kw)
     ref.backward(do.double())
-    _assert_close(out, ref.detach(), torch.float32)
-    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
-        _assert_close(got, want, torch.float32, scale=4)
+    if check_out:
+        _assert_close(out, ref.detach(), dtype)
+    for got, want in zip(grads, (q64.grad, k64.grad, v64.grad)):
+        assert got.dtype == dtype
+        _assert_close(got, want, dtype, scale=4)
+    return grads
+
+
+@pytest.mark.parametrize("name", list(BWD_CASES))
+def test_backward_matches_float64(name):
+    _bwd_vs_float64(BWD_CASES[name], torch.float32, None, seed=1234, check_out=True)
 
 
 def test_dropout_mask_statistics_and_reuse():
@@ -252,6 +258,48 @@ def test_dropout_mask_statistics_and_reuse():
     assert torch.equal(o1, o2)
     _assert_close(o1, _ref64(q, k, v, dropout_p=p, dropout_keep=keep), torch.float32)
 
+
+# d = 256 (BLOCK_D > 128): dK/dV in two head-dim halves (``_attn_bwd_dkdv_split``, two programs per key block).
+# Shapes cover key blocks cut by the sequence end, causal with Sq != Sk, GQA (the group loop) and D < BLOCK_D.
+SPLIT_D_CASES = {
+    "d256_plain": dict(shape=(1, 2, 2, 64, 80, 256)),
+    "d256_causal_gqa": dict(shape=(1, 4, 2, 72, 96, 256), is_causal=True),
+    "d192_causal_sq>sk_mqa": dict(shape=(1, 2, 1, 100, 70, 192), is_causal=True),
+    "d256_window_softcap_kpm": dict(shape=(2, 2, 1, 40, 56, 256), is_causal=True, window=20, softcap=5.0, kpm=True),
+    "d256_dropout": dict(shape=(1, 2, 2, 48, 48, 256), dropout_p=0.25),
+}
+
+
+
+@pytest.mark.parametrize("name", list(SPLIT_D_CASES))
+def test_backward_split_d_matches_float64(name):
+    """fp32 through the split kernel (explicit config; the default fp32 route keeps the single-program kernel)."""
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, SPLIT_D=True)
+    _bwd_vs_float64(SPLIT_D_CASES[name], torch.float32, cfg)
+
+
+def test_backward_split_d_route_fp16(monkeypatch):
+    """fp16 at d = 256 takes the split kernel when FXOPT_ATTN_BWD_SPLIT_D=1 (off by default until measured;
+    autotuned wrapper, one config in the interpreter)."""
+    monkeypatch.delenv("FXOPT_ATTN_BWD_SPLIT_D", raising=False)
+    assert not A._use_split_d(torch.empty(1, dtype=torch.float16), 256)
+    monkeypatch.setenv("FXOPT_ATTN_BWD_SPLIT_D", "1")
+    assert A._use_split_d(torch.empty(1, dtype=torch.float16), 256)
+    assert not A._use_split_d(torch.empty(1, dtype=torch.float16), 128)
+    assert not A._use_split_d(torch.empty(1, dtype=torch.float32), 256)
+    _bwd_vs_float64(SPLIT_D_CASES["d256_causal_gqa"], torch.float16, None)
+
+
+def test_backward_split_d_equals_single_program_kernel():
+    """The split and the single-program dK/dV kernels agree to fp32 rounding (same tiles, same math; the score
+    dot products only sum their two D halves in another order)."""
+    case = dict(shape=(1, 4, 2, 40, 56, 256), is_causal=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    a = _bwd_vs_float64(case, torch.float32, {**cfg, "SPLIT_D": True})
+    b = _bwd_vs_float64(case, torch.float32, {**cfg, "SPLIT_D": False})
+    assert torch.equal(a[0], b[0])  # dQ: the same kernel
+    for x, y in zip(a[1:], b[1:]):
+        assert (x - y).abs().max().item() <= 1e-5 * max(1.0, y.abs().max().item())
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ops: CPU reference path, fake tensors, opcheck, autograd, torch.compile, errors

@@ -33,7 +33,9 @@ Design
   arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``).
 * Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
   KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
-  ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp.
+  ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp. At
+  BLOCK_D = 256 (bf16 / fp16) dK/dV run in ``_attn_bwd_dkdv_split``: two programs per key block, each holding one
+  head-dim half of dK and dV (the scores still take full-D dots), so the accumulators fit in registers.
 * Dropout RNG: Philox (``tl.rand``) keyed by a per-call 31-bit seed (drawn from torch's default CPU generator, so
   ``torch.manual_seed`` reproduces it) and the counter ((b * Hq + h) * Sq + i) * Sk + j; an element is kept when
   its uniform >= dropout_p and scaled by 1 / (1 - dropout_p). The backward regenerates the same mask from the same
@@ -491,6 +493,148 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
 
 
 @triton.jit
+def _load_cols(base, offs_r, offs_d, stride_r, n_rows, HEAD_DIM: tl.constexpr, MASK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Load a [rows, len(offs_d)] column slice (last dim contiguous); zero outside rows < n_rows and, with MASK_D,
+    outside d < HEAD_DIM."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if CHECK_ROWS:
+        if MASK_D:
+            x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+    else:
+        if MASK_D:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _bwd_kv_loop_split(dk, dv, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, mask_base, stride_qm,
+                       stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base, offs_n, offs_da, offs_db,
+                       lo, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed,
+                       HEAD_DIM: tl.constexpr, MASK_D: tl.constexpr, BLOCK_M: tl.constexpr, CHECK: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                       PREC: tl.constexpr):
+    """``_bwd_kv_loop`` with the head dim cut in two column halves: a = the half whose dK / dV this program
+    accumulates, b = the other one. The scores and dP^T still take the full-D dot products (a, then b), but
+    only [BLOCK_N, BLOCK_D / 2] of dK and dV live in registers."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_mb
+        q_a = _load_cols(q_base, offs_m, offs_da, stride_qm, SEQ_Q, HEAD_DIM, MASK_D, CHECK)
+        q_b = _load_cols(q_base, offs_m, offs_db, stride_qm, SEQ_Q, HEAD_DIM, MASK_D, CHECK)
+        do_a = _load_cols(do_base, offs_m, offs_da, stride_dom, SEQ_Q, HEAD_DIM, MASK_D, CHECK)
+        do_b = _load_cols(do_base, offs_m, offs_db, stride_dom, SEQ_Q, HEAD_DIM, MASK_D, CHECK)
+        if CHECK:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < SEQ_Q, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        qkT = tl.dot(k_a, tl.trans(q_a), input_precision=PREC)
+        qkT = tl.dot(k_b, tl.trans(q_b), qkT, input_precision=PREC)
+        qpos = offs_m[None, :]
+        if CHECK or HAS_SOFTCAP or MASK_KIND != 0 or HAS_KPM:
+            sT, tT = _scores(qkT, qpos, offs_n[:, None], qpos < SEQ_Q, mask_base + qpos * stride_mm, stride_mn,
+                             kpm_base, stride_kpn, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, CHECK)
+            pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)
+        else:  # unmasked block: scale and subtraction in one FMA per score
+            pT = tl.exp2(qkT * (sm_scale * 1.4426950408889634) - (lse * 1.4426950408889634)[None, :])
+        dpT = tl.dot(v_a, tl.trans(do_a), input_precision=PREC)
+        dpT = tl.dot(v_b, tl.trans(do_b), dpT, input_precision=PREC)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rng_base + qpos.to(tl.int64) * SEQ_K + offs_n[:, None]) >= dropout_p
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pdT = tl.where(keep, pT * inv_keep, 0.0)
+            dpT = tl.where(keep, dpT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv = tl.dot(pdT.to(do_a.dtype), do_a, dv, input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q_a.dtype), q_a, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_split(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM,
+                         stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                         stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                         stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                         stride_mz, stride_mh, stride_mm, stride_mn, stride_kpz, stride_kpn,
+                         H_Q, GROUP, SEQ_Q, SEQ_K, sm_scale, softcap, window, dropout_p, seed, TUNE_SEQ,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                         HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK / dV for one key block and one half of the head dim (program 2i: columns [0, BLOCK_D/2) of key block i,
+    program 2i + 1: the upper half; neighbours share K, V, Q, dO in L2). Used at BLOCK_D = 256, where the full
+    [BLOCK_N, 256] fp32 dK and dV accumulators spill (``DKDV_SPLIT_CONFIGS``)."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    pid = tl.program_id(0)
+    pid_n = pid // 2
+    d0 = (pid % 2) * HALF
+    off_zk = tl.program_id(1)
+    H_KV = H_Q // GROUP
+    off_z = off_zk // H_KV
+    off_hk = off_zk % H_KV
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_da = tl.multiple_of(d0, HALF) + tl.arange(0, HALF)
+    offs_db = tl.multiple_of(HALF - d0, HALF) + tl.arange(0, HALF)
+    k_base = K + off_z.to(tl.int64) * stride_kz + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_z.to(tl.int64) * stride_vz + off_hk.to(tl.int64) * stride_vh
+    MASK_D: tl.constexpr = HEAD_DIM < BLOCK_D
+    k_a = _load_cols(k_base, offs_n, offs_da, stride_kn, SEQ_K, HEAD_DIM, MASK_D, True)
+    k_b = _load_cols(k_base, offs_n, offs_db, stride_kn, SEQ_K, HEAD_DIM, MASK_D, True)
+    v_a = _load_cols(v_base, offs_n, offs_da, stride_vn, SEQ_K, HEAD_DIM, MASK_D, True)
+    v_b = _load_cols(v_base, offs_n, offs_db, stride_vn, SEQ_K, HEAD_DIM, MASK_D, True)
+    dk = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _q_range(start_n, SEQ_Q, SEQ_K, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    kpm_base = KPM + off_z.to(tl.int64) * stride_kpz
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        off_hz = off_z * H_Q + off_h
+        q_base = Q + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_z.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
+        lse_base = LSE + off_hz.to(tl.int64) * SEQ_Q
+        delta_base = DELTA + off_hz.to(tl.int64) * SEQ_Q
+        mask_base = MASK + off_z.to(tl.int64) * stride_mz + off_h.to(tl.int64) * stride_mh
+        rng_base = off_hz.to(tl.int64) * SEQ_Q * SEQ_K
+        dk, dv = _bwd_kv_loop_split(dk, dv, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, mask_base,
+                                    stride_qm, stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base,
+                                    offs_n, offs_da, offs_db, lo, full_lo, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                                    dropout_p, seed, HEAD_DIM, MASK_D, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW,
+                                    HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+        dk, dv = _bwd_kv_loop_split(dk, dv, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, mask_base,
+                                    stride_qm, stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base,
+                                    offs_n, offs_da, offs_db, full_lo, full_hi, SEQ_Q, SEQ_K, sm_scale, softcap,
+                                    window, dropout_p, seed, HEAD_DIM, MASK_D, BLOCK_M, False, IS_CAUSAL,
+                                    HAS_WINDOW, HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+        dk, dv = _bwd_kv_loop_split(dk, dv, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, mask_base,
+                                    stride_qm, stride_dom, stride_mm, stride_mn, kpm_base, stride_kpn, rng_base,
+                                    offs_n, offs_da, offs_db, full_hi, hi, SEQ_Q, SEQ_K, sm_scale, softcap, window,
+                                    dropout_p, seed, HEAD_DIM, MASK_D, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW,
+                                    HAS_SOFTCAP, MASK_KIND, HAS_KPM, HAS_DROPOUT, PREC)
+    dk = dk * sm_scale
+    nmask = (offs_n[:, None] < SEQ_K) & (offs_da[None, :] < HEAD_DIM)
+    dk_ptrs = (DK + off_z.to(tl.int64) * stride_dkz + off_hk.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dkn + offs_da[None, :])
+    dv_ptrs = (DV + off_z.to(tl.int64) * stride_dvz + off_hk.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvn + offs_da[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM,
                    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
@@ -685,6 +829,12 @@ DQ_CONFIGS = {
     256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2)],
     "f32": [(32, 32, 4, 2), (32, 16, 4, 2)],
 }
+# dK/dV with the head dim split in two programs (``_attn_bwd_dkdv_split``), bf16 / fp16 at BLOCK_D = 256 only: every
+# DKDV_CONFIGS[256] entry spills in the sm_90 build (88-916 B, up to 64 LDL + 32 STL in the loop), these do not
+# (0 B spilled, causal and not; offline, docs/notes_attention_bwd256_session7.md). Not yet measured on a GPU.
+DKDV_SPLIT_CONFIGS = {
+    256: [(32, 64, 8, 2), (16, 128, 8, 2), (16, 128, 8, 3), (32, 64, 8, 3)],
+}
 INTERPRET_CONFIG = (16, 16, 4, 1)
 
 
@@ -716,6 +866,24 @@ def _pruner(table):
     return prune
 
 
+def _split_pruner(configs, named_args, **kwargs):
+    if not _INTERPRET and os.environ.get("FXOPT_ATTN_AUTOTUNE", "1") == "0":
+        return configs[:1]
+    return configs
+
+
+def _use_split_d(q, BLOCK_D) -> bool:
+    """dK/dV in two head-dim halves (``_attn_bwd_dkdv_split``): bf16 / fp16 with BLOCK_D > 128 when
+    ``FXOPT_ATTN_BWD_SPLIT_D=1``. Off by default: it removes the d = 256 spills but recomputes S and dP in both
+    halves (1.5x the dK/dV kernel's matrix work); an offline cost model (docs/notes_attention_bwd256_session7.md)
+    does not predict a win, so it waits for an H200 A/B against the single-program kernel."""
+    return (BLOCK_D > 128 and q.dtype != torch.float32
+            and os.environ.get("FXOPT_ATTN_BWD_SPLIT_D", _SPLIT_D_DEFAULT) == "1")
+
+
+_SPLIT_D_DEFAULT = "0"
+
+
 def _quick_bench(fn, quantiles=None):
     import triton.testing
 
@@ -738,6 +906,10 @@ _attn_fwd_tuned = triton.autotune(_configs(FWD_CONFIGS, ws_ok=True), key=_TUNE_K
 _attn_bwd_dkdv_tuned = triton.autotune(_configs(DKDV_CONFIGS), key=_TUNE_KEY + ["GROUP"],
                                        prune_configs_by={"early_config_prune": _pruner(DKDV_CONFIGS)},
                                        do_bench=_quick_bench)(_attn_bwd_dkdv)
+_attn_bwd_dkdv_split_tuned = triton.autotune(_configs(DKDV_SPLIT_CONFIGS), key=_TUNE_KEY + ["GROUP"],
+                                             do_bench=_quick_bench,
+                                             prune_configs_by={"early_config_prune": _split_pruner})(
+                                                 _attn_bwd_dkdv_split)
 _attn_bwd_dq_tuned = triton.autotune(_configs(DQ_CONFIGS), key=_TUNE_KEY,
                                      prune_configs_by={"early_config_prune": _pruner(DQ_CONFIGS)},
                                      do_bench=_quick_bench)(_attn_bwd_dq)
@@ -1105,7 +1277,9 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                                dq_config=None):
     """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. On sm_90 at the head dims of
     ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap, contiguous tensors) it runs the Gluon FA3-style
-    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT``) instead of the Triton kernels."""
+    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT``) instead of the Triton kernels.
+    ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) bypass the autotuner;
+    ``dkdv_config["SPLIT_D"]`` forces the head-dim-split dK/dV kernel on or off (default: ``_use_split_d``)."""
     _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v, out, dout = (_last_contig(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -1145,8 +1319,16 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                  *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *mstr, *kstr, *common)
     dq_args = (q, k, v, dout, lse, delta, dq, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                *dout.stride()[:3], *dq.stride()[:3], *mstr, *kstr, *common)
-    if dkdv_config is not None:
-        c = dict(dkdv_config)
+    c = dict(dkdv_config) if dkdv_config is not None else {}
+    split = c.pop("SPLIT_D", None)
+    split = _use_split_d(q, BLOCK_D) if split is None else bool(split)
+    if split:  # two programs per key block, one per head-dim half (BLOCK_D > 128; see DKDV_SPLIT_CONFIGS)
+        if dkdv_config is not None:
+            bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
+            _attn_bwd_dkdv_split[(2 * cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
+        else:
+            _attn_bwd_dkdv_split_tuned[lambda META: (2 * cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
+    elif dkdv_config is not None:
         bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
         _attn_bwd_dkdv[(cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
     else:
