@@ -5,11 +5,14 @@
     kernel (``fp8_gluon_attention_quantized``) run on those tensors. The math is the same (same scales, P * 2^8 in
     e4m3, same online-softmax blocks of 128 keys), so the outputs should agree to a few bf16 ulps; P rounding can
     flip where the fp32 scores differ in the last bit, hence a loose limit (max abs diff <= 2e-2 * max(1, max|o|)
-    and RMS diff <= 2e-3). Four builds of the Gluon kernel are checked (``VARIANTS``): plain K load or
-    ``permute_k``, each with and without ``cast_late`` (session 7: P carried in fp32 and cast right before the PV
-    wgmma; the arithmetic is the same, so ``same_as_default_*`` reports whether its output is bit-identical to the
-    build without it). Cases: ragged S, causal (Sq = Sk, Sq < Sk, Sq > Sk with rows that see no key), GQA, d = 64,
-    fp16, a custom scale, lse.
+    and RMS diff <= 2e-3). Six builds of the Gluon kernel (``VARIANTS``): plain K load or ``permute_k``, each
+    with and without ``cast_late`` (session 7: P carried in fp32 and cast right before the PV wgmma; the arithmetic
+    is the same, so ``same_as_default_*`` reports whether its output is bit-identical to the build without it), and
+    ``cast_late`` (+ ``permute_k``) with ``overlap`` (session 7: FA3's order, O rescaled before the next PV issue,
+    PV wait pinned below the exp2s; same arithmetic, ``same_as_no_overlap_*`` reports bit-identity with the build
+    without it). ``--quick`` runs only ``QUICK_VARIANTS`` (default, permute_k + cast_late with and without overlap)
+    unless ``--all-builds`` is given, in the checks and in the timing (to stay near 200 s on an H200). Cases:
+    ragged S, causal (Sq = Sk, Sq < Sk, Sq > Sk with rows that see no key), GQA, d = 64, fp16, a custom scale, lse.
     lse check: the kernel's lse is compared (max abs error < ``LSE_TOL``) with the float64 logsumexp of the
     DEQUANTIZED scores, (qq * qs)(kq * ks)^T * scale (Hadamard-transformed Q and K: M M^T = I), i.e. the scores the
     kernel actually sees. The error against the unquantized float64 scores (``lse_f64_err*``, reported only) is
@@ -21,12 +24,13 @@
 (c) TFLOP/s, 16k tokens per batch (B * S = 16384), H = 16, d = 128, S in {4096, 16384} (quick) or
     {1024, 4096, 8192, 16384}, causal and not: Gluon fp8 kernel alone (quantization excluded), Gluon fp8 with
     quantization (``fp8_gluon_attention``), the Triton fp8 kernel alone and the op ``torch.ops.fxopt.fp8_attention``
-    (quantization included), the Gluon bf16 forward and cuDNN bf16 SDPA. FLOPs = 4 B H S^2 d, halved for causal.
+    (quantization included), the Gluon bf16 forward and cuDNN bf16 SDPA (``--quick``: only the ``QUICK_VARIANTS``
+    Gluon fp8 builds, the Triton fp8 kernel and cuDNN). FLOPs = 4 B H S^2 d, halved for causal.
 
 Writes ``fp8_gluon_check.json`` / ``.md`` into ``--out`` after every case; each case re-arms a ``faulthandler``
 watchdog (a wrong mbarrier phase or a bad TMA descriptor hangs the GPU) that dumps the stacks and exits.
 
-    python benchmarks/fp8_gluon_check.py --quick --out $OUT      # about 1-2 minutes
+    python benchmarks/fp8_gluon_check.py --quick --bench-first --case-timeout 90 --out $OUT   # ~3 minutes
     python benchmarks/fp8_gluon_check.py --out $OUT              # full grid
 """
 from __future__ import annotations
@@ -47,8 +51,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 NAME = "fp8_gluon_check"
-# (column suffix, permute_k, cast_late): the four Gluon builds checked and timed
-VARIANTS = (("", False, False), ("_permk", True, False), ("_castlate", False, True), ("_permk_castlate", True, True))
+# (column suffix, permute_k, cast_late, overlap): the Gluon builds checked and timed
+VARIANTS = (("", False, False, False), ("_permk", True, False, False), ("_castlate", False, True, False),
+            ("_permk_castlate", True, True, False), ("_castlate_overlap", False, True, True),
+            ("_permk_castlate_overlap", True, True, True))
+# --quick (without --all-builds): the default build and the most promising pair (permute_k + cast_late, +- overlap)
+QUICK_VARIANTS = ("", "_permk_castlate", "_permk_castlate_overlap")
 LSE_TOL = 1e-2  # vs the float64 lse of the dequantized scores (fp8 products are exact; fp32 / wgmma accumulation)
 STATE = {"env": None, "args": None, "agreement": [], "accuracy": [], "bench": [], "notes": []}
 
@@ -60,6 +68,14 @@ def _extra(p):
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--bench-first", action="store_true",
                    help="time before checking (the checks' last cases once outran a device call's limit)")
+    p.add_argument("--all-builds", action="store_true",
+                   help="with --quick: check and time all VARIANTS, not only QUICK_VARIANTS")
+
+
+def _variants(args):
+    if args.quick and not getattr(args, "all_builds", False):
+        return tuple(v for v in VARIANTS if v[0] in QUICK_VARIANTS)
+    return VARIANTS
 
 
 def _arm(seconds: float) -> None:
@@ -92,7 +108,7 @@ def _rms(a, b):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None, lse=False):
+def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None, lse=False, variants=VARIANTS):
     row = dict(case=tag, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, d=D, dtype=str(dtype).replace("torch.", ""),
                causal=causal)
     t0 = time.time()
@@ -111,14 +127,23 @@ def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None,
         if lse:
             lref, lref_f64 = _lse_refs(q, k, qq, qs, kq, ks, Hq, Hkv, Sq, Sk, D, causal, scale)
         outs = {}
-        for sfx, pk, cl in VARIANTS:
+        lses = {}
+        for sfx, pk, cl, ov in variants:
             res = G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, return_lse=lse, permute_k=pk,
-                                                  cast_late=cl, **kw)
+                                                  cast_late=cl, overlap=ov, **kw)
             torch.cuda.synchronize()
             out = res[0] if lse else res
             outs[sfx] = out.clone()
-            if cl:  # same arithmetic as the build without cast_late: expect bit-identical outputs (reported)
-                row[f"same_as_default{sfx}"] = bool(torch.equal(outs[sfx], outs[sfx.replace("_castlate", "")]))
+            if lse:
+                lses[sfx] = res[1].clone()
+            # same arithmetic as the build without cast_late / overlap: expect bit-identical outputs (reported)
+            base = sfx.replace("_castlate", "") if cl and not ov else sfx.replace("_overlap", "")
+            if (cl or ov) and base in outs:
+                key = f"same_as_no_overlap{sfx.replace('_overlap', '')}" if ov else f"same_as_default{sfx}"
+                same = bool(torch.equal(outs[sfx], outs[base]))
+                if lse:
+                    same = same and bool(torch.equal(lses[sfx], lses[base]))
+                row[key] = same
             nan = bool(torch.isnan(out).any())
             d_max = (out.float() - ref.float()).abs().max().item()
             d_rms = _rms(out, ref)
@@ -199,18 +224,19 @@ def run_agreement(G, FA, args):
                   ("S2048_d64_nc", 1, 4, 4, 2048, 2048, 64, bf, False)]
     for c in cases:
         _arm(args.case_timeout)
-        r = agreement_case(G, FA, *c)
+        r = agreement_case(G, FA, *c, variants=_variants(args))
         STATE["agreement"].append(r)
         print(f"[agree] {r['case']}: {r['status']} maxdiff " + " / ".join(
-            f"{sfx or 'plain'} {r.get('maxdiff' + sfx)}" for sfx, _, _ in VARIANTS) + f" {r.get('error', '')}",
+            f"{sfx or 'plain'} {r.get('maxdiff' + sfx)}" for sfx, *_ in _variants(args)) + f" {r.get('error', '')}",
             flush=True)
         _save(args.out)
     for tag, kw in (("scale0.3_lse", dict(scale=0.3, lse=True)), ("lse_causal", dict(lse=True))):
         _arm(args.case_timeout)
-        r = agreement_case(G, FA, tag, 1, 2, 2, 300, 300, 128, bf, tag == "lse_causal", **kw)
+        r = agreement_case(G, FA, tag, 1, 2, 2, 300, 300, 128, bf, tag == "lse_causal", variants=_variants(args),
+                           **kw)
         STATE["agreement"].append(r)
         print(f"[agree] {tag}: {r['status']} lse_err " + " / ".join(
-            f"{sfx or 'plain'} {r.get('lse_err' + sfx)}" for sfx, _, _ in VARIANTS) + f" {r.get('error', '')}",
+            f"{sfx or 'plain'} {r.get('lse_err' + sfx)}" for sfx, *_ in _variants(args)) + f" {r.get('error', '')}",
             flush=True)
         _save(args.out)
     mk = lambda *s, **kw: torch.randn(*s, device="cuda", dtype=kw.get("dtype", torch.bfloat16))  # noqa: E731
@@ -250,12 +276,9 @@ def run_accuracy(G, FA, args):
                 row["bf16 sdpa"] = _rms(F.scaled_dot_product_attention(q, k, v, is_causal=causal), ref)
                 row["triton fp8 op (block+Had)"] = _rms(torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0),
                                                         ref)
-                row["gluon fp8 (block+Had)"] = _rms(G.fp8_gluon_attention(q, k, v, causal), ref)
-                row["gluon fp8 permk (block+Had)"] = _rms(G.fp8_gluon_attention(q, k, v, causal, permute_k=True), ref)
-                row["gluon fp8 castlate (block+Had)"] = _rms(G.fp8_gluon_attention(q, k, v, causal, cast_late=True),
-                                                             ref)
-                row["gluon fp8 permk castlate (block+Had)"] = _rms(
-                    G.fp8_gluon_attention(q, k, v, causal, permute_k=True, cast_late=True), ref)
+                for sfx, pk, cl, ov in _variants(args):
+                    row[f"gluon fp8{sfx.replace('_', ' ')} (block+Had)"] = _rms(
+                        G.fp8_gluon_attention(q, k, v, causal, permute_k=pk, cast_late=cl, overlap=ov), ref)
                 row["gluon fp8 (block, no Had)"] = _rms(G.fp8_gluon_attention(q, k, v, causal, hadamard=False), ref)
                 row["cpu emulation (block+Had)"] = _rms(
                     FA.fp8_attention_reference(q.cpu(), k.cpu(), v.cpu(), causal), ref.cpu())
@@ -307,19 +330,20 @@ def run_bench(G, FA, args):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            def gluon(pk, cl):
+            def gluon(pk, cl, ov):
                 return lambda: G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, out=out, permute_k=pk,
-                                                               cast_late=cl, **kw)
+                                                               cast_late=cl, overlap=ov, **kw)
 
-            gluon_names = [f"gluon_fp8{sfx}_kernel" for sfx, _, _ in VARIANTS]
-            impls = {
-                **{name: gluon(pk, cl) for name, (_, pk, cl) in zip(gluon_names, VARIANTS)},
-                "gluon_fp8_with_quant": lambda: G.fp8_gluon_attention(q, k, v, causal, out=out),
-                "triton_fp8_kernel": lambda: FA.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, out=out, **kw),
-                "triton_fp8_op": lambda: torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0),
-                "gluon_bf16": lambda: GB.gluon_attention_fwd(q, k, v, causal=causal),
-                "cudnn_bf16": cudnn,
-            }
+            variants = _variants(args)
+            gluon_names = [f"gluon_fp8{sfx}_kernel" for sfx, *_ in variants]
+            impls = {name: gluon(pk, cl, ov) for name, (_, pk, cl, ov) in zip(gluon_names, variants)}
+            if variants == VARIANTS:  # quick mode (QUICK_VARIANTS) times only the Triton fp8 kernel and cuDNN besides
+                impls["gluon_fp8_with_quant"] = lambda: G.fp8_gluon_attention(q, k, v, causal, out=out)
+            impls["triton_fp8_kernel"] = lambda: FA.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, out=out, **kw)
+            if variants == VARIANTS:
+                impls["triton_fp8_op"] = lambda: torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0)
+                impls["gluon_bf16"] = lambda: GB.gluon_attention_fwd(q, k, v, causal=causal)
+            impls["cudnn_bf16"] = cudnn
             row = dict(d=D, S=S, B=B, H=H, causal=causal)
             for name, fn in impls.items():
                 ms = _bench(fn, args.quick)
@@ -328,6 +352,8 @@ def run_bench(G, FA, args):
             tf = {n: row[f"{n}_tflops"] for n in impls}
             best = max([tf[n] for n in gluon_names if tf[n]] or [0.0])
             row["gluon_fp8_best"] = max(gluon_names, key=lambda n: tf[n] or 0.0) if best else None
+            pc, pco = tf.get("gluon_fp8_permk_castlate_kernel"), tf.get("gluon_fp8_permk_castlate_overlap_kernel")
+            row["overlap_gain_permk_castlate"] = pco / pc if pc and pco else None
             row["gluon_fp8_best/cudnn"] = best / tf["cudnn_bf16"] if best and tf["cudnn_bf16"] else None
             row["triton_fp8/cudnn"] = (tf["triton_fp8_kernel"] / tf["cudnn_bf16"]
                                        if tf["triton_fp8_kernel"] and tf["cudnn_bf16"] else None)
@@ -358,7 +384,12 @@ def main():
         return 1
     STATE["notes"].append(f"configs: { {d: G.config_for(d) for d in (64, 128)} }, "
                           f"PERMUTE_K_DEFAULT={G.PERMUTE_K_DEFAULT}, CAST_LATE_DEFAULT={G.CAST_LATE_DEFAULT}, "
+                          f"OVERLAP_DEFAULT={G.OVERLAP_DEFAULT}, "
                           f"lse tolerance {LSE_TOL} vs the dequantized-score float64 lse")
+    STATE["notes"].append("Gluon fp8 builds checked and timed: " + ", ".join(
+        f"{sfx or 'default'}" for sfx, *_ in _variants(args)) + (
+        " (quick mode: QUICK_VARIANTS only; timing also only the Triton fp8 kernel and cuDNN; --all-builds for all)"
+        if _variants(args) != VARIANTS else ""))
     if args.bench_first and not args.skip_bench:
         run_bench(G, FA, args)
     if not args.skip_check:
@@ -371,16 +402,23 @@ def main():
     _save(args.out)
     print("\n" + markdown_table([{k: r.get(k) for k in ("case", "status", "maxdiff", "maxdiff_permk",
                                                         "maxdiff_castlate", "maxdiff_permk_castlate",
+                                                        "maxdiff_permk_castlate_overlap",
                                                         "same_as_default_castlate", "same_as_default_permk_castlate",
-                                                        "lse_err", "lse_err_permk_castlate", "rmse64", "rmse64_triton",
+                                                        "same_as_no_overlap_castlate",
+                                                        "same_as_no_overlap_permk_castlate",
+                                                        "lse_err", "lse_err_permk_castlate",
+                                                        "lse_err_permk_castlate_overlap", "rmse64", "rmse64_triton",
                                                         "error")} for r in STATE["agreement"]]))
     print(markdown_table(STATE["accuracy"]))
     print(markdown_table([{k: r.get(k) for k in ("S", "causal", "gluon_fp8_kernel_tflops",
                                                  "gluon_fp8_permk_kernel_tflops", "gluon_fp8_castlate_kernel_tflops",
                                                  "gluon_fp8_permk_castlate_kernel_tflops",
+                                                 "gluon_fp8_castlate_overlap_kernel_tflops",
+                                                 "gluon_fp8_permk_castlate_overlap_kernel_tflops",
                                                  "gluon_fp8_with_quant_tflops", "triton_fp8_kernel_tflops",
                                                  "triton_fp8_op_tflops", "gluon_bf16_tflops", "cudnn_bf16_tflops",
-                                                 "gluon_fp8_best", "gluon_fp8_best/cudnn")}
+                                                 "gluon_fp8_best", "gluon_fp8_best/cudnn",
+                                                 "overlap_gain_permk_castlate")}
                           for r in STATE["bench"]]))
     print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)")
     return 0 if all(r.get("status") == "PASS" for r in STATE["agreement"]) else 1

@@ -4,8 +4,9 @@ Status: run on the H200 in session 7 (correct; 565-717 TFLOP/s at d = 128, below
 675-779, benchmarks/results/gluon/fp8_gluon_check.md). ``python -m fxopt.kernels.fp8_attention_gluon`` compiles
 every config offline for sm_90 and prints registers, spills, shared memory, the QGMMA / wait counts, the
 ``wgmma_sass_hazards`` count and the main-loop instruction counts (``main_loops``; ``--loops`` for the per-class
-counts, ``--cast-late 0`` / ``1`` to pick builds). ``benchmarks/fp8_gluon_check.py`` is the GPU check
-(correctness against the Triton fp8 kernel and float64, then TFLOP/s), for all four builds (permute_k x cast_late).
+counts, ``--cast-late 0`` / ``1`` and ``--overlap 0`` / ``1`` to pick builds; ``ex2_under_pv`` per loop).
+``benchmarks/fp8_gluon_check.py`` is the GPU check (correctness against the Triton fp8 kernel and float64, then
+TFLOP/s), for six builds (permute_k x cast_late, plus cast_late (+ permute_k) with overlap; ``--quick``: three).
 
 Why
 ---
@@ -97,6 +98,16 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   d 64: 676 -> 497, 631 -> 448. All 64 builds (the 32 above x cast_late): no spills, no C7512, zero
   ``wgmma_sass_hazards``, highest register 193-228. Same arithmetic, so the output should be bit-identical to the
   build without it; NOT yet run on a GPU (docs/notes_fp8_gluon_session7.md).
+* ``overlap=True`` (opt-in, ``OVERLAP_DEFAULT`` False, meant with ``cast_late`` + ``permute_k``; constexpr
+  ``OVERLAP``, ``_f8_step_overlap``): attention_gluon.py's variant="overlap" ported. FA3's order (issue S_i; after
+  the V_{i-1} ready wait, O *= f_{i-1} = alpha_{i-1} vs_{i-2} / vs_{i-1} and the e4m3 cast of P_{i-1}; issue PV_{i-1};
+  softmax_i; 2 STS of l_i into an unread 512 B slot; wait PV_{i-1}). Same operations on O in the same order, so the
+  output should be bit-identical to the same build without it. sm_90 SASS, all 32 builds (d 64 / 128, causal or
+  not, bf16 / fp16, lse on / off, permute_k on / off; cast_late on): all 66 MUFU.EX2 of a step issue while the own
+  PV is in flight (``ex2_under_pv``; 0-8 of 66 without overlap), 5-9 instructions from the PV wait to the back edge
+  (234-373 without), main loop +2..+5 instructions (d 128 unmasked: 492 permute_k, 541 plain), no spills, no
+  C7512 / C7514, zero ``wgmma_sass_hazards``, highest register 196-232, +528 B shared memory. The builds without it
+  are byte-identical (.text) to before. NOT run on a GPU (docs/notes_fp8_gluon_session7.md).
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -158,7 +169,10 @@ PERMUTE_K_DEFAULT = False
 # tensor as one byte per 32-bit register, so the default build unpacks P8 at the end of every step (PRMT 0x777x /
 # 0x7610) and repacks it at the top of the next (LOP3 & 0xffff, PRMT 0x3340 / 0x5410): ~180 instructions per step.
 CAST_LATE_DEFAULT = False
-
+# Opt-in (session 7, offline only): FA3's intra-warpgroup order (attention_gluon.py's variant="overlap"): issue S_i,
+# rescale O by the factor owed by the previous softmax while S_i runs, issue PV_{i-1}, softmax_i, store l_i to an
+# unread shared slot (pins ptxas's PV wait below every exp2 of the step), wait for PV_{i-1}. See _f8_step_overlap.
+OVERLAP_DEFAULT = False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,11 +303,59 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
 
 
 @gluon.jit
+def _f8_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, f, m_i, l_i, vs_prev,
+                     pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                     QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
+                     PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
+    """OVERLAP step (key block i >= 1), FA3's order as in attention_gluon.py's ``_fa_step_overlap``: issue
+    S_i = Q K_i^T; O *= f_{i-1} (the factor alpha_{i-1} * vs_{i-2} / vs_{i-1} owed by the previous softmax, while
+    S_i runs; with CAST_LATE the e4m3 cast of P_{i-1} is in the same window); issue O += P8_{i-1} V_{i-1}; wait for
+    S_i; softmax_i; store l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}. Returns f_i instead of
+    applying it.
+
+    Same arithmetic as ``_f8_step``: the operations on O are the same sequence (+PV_0, *f_1, +PV_1, *f_2, ...,
+    *f_{n-1}, +PV_{n-1}); only the point where each multiply is issued moves (after the wait -> before the next PV
+    issue, with nothing in between that touches O), and f_i = alpha_i * (vs_{i-1} / vs_i) is the same fp32
+    expression. The pin store depends on l_i = l * alpha + rowsum(exp2(...)), i.e. on every exp2 of the step, and
+    ptxas 12.8 does not hoist ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above a shared-memory store."""
+    fp8: gl.constexpr = q_buf.dtype
+    c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
+    vs_i = gl.load(vs_base + (i * BLOCK_N) // QB)
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    jv = i - 1
+    vslot = jv % STAGES
+    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+    o = o * gl.expand_dims(gl.convert_layout(f, orow_layout), 1)
+    if CAST_LATE:
+        a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
+    else:
+        a8 = p8
+    o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c)
+    f = alpha * (vs_prev / vs_i)
+    pin_buf.store(l_i)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+    if CAST_LATE:
+        p8 = p
+    else:
+        p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
+    return s, o, p8, f, m_i, l_i, vs_i
+
+
+@gluon.jit
 def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready,
                  v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                  sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
-                 CAST_LATE: gl.constexpr):
+                 CAST_LATE: gl.constexpr, OVERLAP: gl.constexpr = False, pin=None):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     out_dtype: gl.constexpr = o_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -340,26 +402,52 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     else:
         p8 = _f8_p_operand(p, q_buf.dtype, p_layout, PERMUTE_K)
 
-    for i in range(1, n_full):
-        s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
-                                               p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
-                                               diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
-                                               orow_layout, PERMUTE_K, CAST_LATE)
-    for i in range(gl.maximum(n_full, 1), n_blocks):
-        s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
-                                               p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
-                                               diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
-                                               orow_layout, PERMUTE_K, CAST_LATE)
+    if OVERLAP:
+        # FA3 order (_f8_step_overlap): the O rescale f is applied before the next PV issue. Block 0 owes
+        # f_0 = alpha_0 = 0 (m was -inf), which multiplies the zero O.
+        pin_buf = pin.index(WG)
+        f = alpha
+        for i in range(1, n_full):
+            s, o, p8, f, m_i, l_i, vs_prev = _f8_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, f, m_i, l_i, vs_prev,
+                pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES, CAUSAL, False, QB,
+                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE)
+        for i in range(gl.maximum(n_full, 1), n_blocks):
+            s, o, p8, f, m_i, l_i, vs_prev = _f8_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, f, m_i, l_i, vs_prev,
+                pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES, CAUSAL, True, QB,
+                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE)
+        # ---- tail: O = O * f_{n-1} + P8_{n-1} V_{n-1}
+        jv = n_blocks - 1
+        vslot = jv % STAGES
+        o = o * gl.expand_dims(gl.convert_layout(f, orow_layout), 1)
+        if CAST_LATE:
+            p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
+        mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+        o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        mbarrier.arrive(v_empty.index(vslot), count=1)
+    else:
+        for i in range(1, n_full):
+            s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
+                                                   o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
+                                                   diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
+                                                   orow_layout, PERMUTE_K, CAST_LATE)
+        for i in range(gl.maximum(n_full, 1), n_blocks):
+            s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
+                                                   o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
+                                                   diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
+                                                   orow_layout, PERMUTE_K, CAST_LATE)
 
-    # ---- tail: O += P8_{n-1} V_{n-1}
-    jv = n_blocks - 1
-    vslot = jv % STAGES
-    if CAST_LATE:
-        p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
-    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
-    o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
-    mbarrier.arrive(v_empty.index(vslot), count=1)
+        # ---- tail: O += P8_{n-1} V_{n-1}
+        jv = n_blocks - 1
+        vslot = jv % STAGES
+        if CAST_LATE:
+            p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
+        mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+        o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        mbarrier.arrive(v_empty.index(vslot), count=1)
 
     # ---- epilogue: O * vs_{n-1} / l (0 for rows without a visible key)
     empty = l_i == 0.0
@@ -380,20 +468,22 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
 def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
+                     OVERLAP: gl.constexpr = False, pin=None):
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin)
 
 
 @gluon.jit
 def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
+                     WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
+                     OVERLAP: gl.constexpr = False, pin=None):
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin)
 
 
 @gluon.jit
@@ -401,7 +491,8 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         H, GROUP, H_KV, SEQ_Q, SEQ_K, NQB, NKB, NUM_M_BLOCKS,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr,
+                        OVERLAP: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -442,18 +533,34 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                            CAST_LATE)),
-        (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                            CAST_LATE)),
-        (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                        b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if OVERLAP:
+        # a [ROWS] fp32 slot per consumer warpgroup for the row-sum store that pins the PV wait (never read)
+        pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gl.warp_specialize([
+            (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, True, pin)),
+            (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, True, pin)),
+            (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE)),
+            (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE)),
+            (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -568,10 +675,12 @@ def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
 
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
-                                  permute_k: Optional[bool] = None, cast_late: Optional[bool] = None):
+                                  permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
+                                  overlap: Optional[bool] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
-    ``cast_late``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` (see the module docstring)."""
+    ``cast_late`` / ``overlap``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` / ``OVERLAP_DEFAULT`` (see the
+    module docstring)."""
     B, Hq, Sq, D = shape_q
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
     if reason is None and scale is not None and not (float(scale) > 0.0):
@@ -599,6 +708,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     q_desc = _desc(qq, [1, 1, WG_ROWS, D])
     pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
     cl = CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)
+    ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     k_desc = _k_desc(kq, bn, pk)
     vt_desc = _desc(vt, [1, 1, D, bn])
     o_desc = _desc(out, [1, 1, WG_ROWS, D])
@@ -608,7 +718,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
         HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}))
     return res
 
 
@@ -623,7 +733,7 @@ def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
                         seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None,
-                        cast_late: Optional[bool] = None):
+                        cast_late: Optional[bool] = None, overlap: Optional[bool] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
@@ -635,7 +745,7 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
-                                         cast_late=cast_late)
+                                         cast_late=cast_late, overlap=overlap)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -664,8 +774,9 @@ def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
 
 def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
                     stages: Optional[int] = None, permute_k: Optional[bool] = None,
-                    cast_late: Optional[bool] = None):
-    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel."""
+                    cast_late: Optional[bool] = None, overlap: Optional[bool] = None):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP constexpr is
+    passed only when set (as the launch does), so the builds without it are compiled exactly as before."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -675,8 +786,11 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
                   "CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "QB": QBLOCK, "PERMUTE_K": pk,
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"],
                   "CAST_LATE": CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)}
-    src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=_signature(D, out_str, cfg["BLOCK_N"], pk),
-                         constexprs=constexprs)
+    sig = _signature(D, out_str, cfg["BLOCK_N"], pk)
+    if OVERLAP_DEFAULT if overlap is None else bool(overlap):
+        constexprs["OVERLAP"] = True
+        sig["OVERLAP"] = "constexpr"
+    src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
@@ -749,6 +863,36 @@ def main_loops(sass: str) -> list[dict]:
     return out
 
 
+def ex2_under_pv(sass: str) -> list[dict]:
+    """Where the PV wait sits, per main loop (``main_loops`` order): for each innermost wgmma loop, ``ex2`` = the
+    MUFU.EX2 of one step, ``under_pv`` = how many of them issue between the PV QGMMA group (register A operand, up
+    to the one carrying gsb0) and the next ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (i.e. while the warpgroup's own
+    PV_{i-1} is in flight), ``after_wait`` = instructions from that wait to the back edge. attention_gluon.py's
+    ``ex2_under_pv`` for the bf16 kernel, per loop."""
+    import re
+
+    i = sass.find("\n.text.")
+    j = sass.find("\t.section", i)
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass[i:j if j > 0 else None])]
+    out = []
+    for lp in main_loops(sass):
+        lo, hi = int(lp["start"], 16), int(lp["end"], 16)
+        body = [op for a, op in ins if lo <= a <= hi]
+        in_pv, under, wait_at = False, 0, None
+        for k, op in enumerate(body):
+            if re.search(r"[HQ]GMMA\S* R\d+, R\d+", op) and "gsb0" in op:
+                in_pv = True
+            elif in_pv and "MUFU.EX2" in op:
+                under += 1
+            elif in_pv and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in op:
+                wait_at = k
+                break
+        out.append({"ex2": sum("MUFU.EX2" in op for op in body), "under_pv": under,
+                    "after_wait": None if wait_at is None else len(body) - wait_at - 1})
+    return out
+
+
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
     import os
@@ -761,17 +905,20 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin / sass of each config")
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--cast-late", default="0,1", help="CAST_LATE values to build (0 = the default build)")
+    ap.add_argument("--overlap", default="0,1",
+                    help="OVERLAP values to build (1 only together with cast_late, the combination in the GPU check)")
     ap.add_argument("--loops", action="store_true", help="also print the per-class counts of each main loop")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         for causal in (False, True):
             for ot in ("bf16", "fp16"):
                 for wl, pk in ((False, False), (True, False), (False, True), (True, True)):
-                    for cl in [bool(int(x)) for x in args.cast_late.split(",")]:
+                    for cl, ov in [(bool(int(x)), bool(int(y))) for x in args.cast_late.split(",")
+                                   for y in args.overlap.split(",") if int(x) or not int(y)]:
                         tag = (f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}"
-                               f"{'_permk' if pk else ''}{'_castlate' if cl else ''}")
+                               f"{'_permk' if pk else ''}{'_castlate' if cl else ''}{'_overlap' if ov else ''}")
                         try:
-                            c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl)
+                            c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl, overlap=ov)
                         except Exception as e:
                             print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
                             continue
@@ -781,7 +928,8 @@ if __name__ == "__main__":  # pragma: no cover - tooling
                         loops = main_loops(sass)
                         print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
                               f"{sass_summary(c)}  wgmma_hazards={len(wgmma_sass_hazards(sass))}  "
-                              f"main_loop_instr={[lp['n'] for lp in loops]}", flush=True)
+                              f"main_loop_instr={[lp['n'] for lp in loops]}  "
+                              f"ex2_under_pv={[(e['under_pv'], e['ex2']) for e in ex2_under_pv(sass)]}", flush=True)
                         if args.loops:
                             for lp in loops:
                                 print("    ", lp)
