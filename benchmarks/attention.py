@@ -3,7 +3,8 @@
 Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
 H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
 forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
-``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--explore``: time fixed
+``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--decode-sweep``:
+decode rows for several split plans. ``--explore``: time fixed
 kernel configs (tuning aid, writes attention_explore.*).
 """
 from __future__ import annotations
@@ -283,8 +284,30 @@ def main():
                        help="decode rows only, combine modes auto / fused / kernel, MHA and GQA "
                             "(writes attention_decode.*)")
 
+        p.add_argument("--decode-sweep", action="store_true",
+                       help="decode rows for split plans of 1-8 CTAs per SM (writes attention_decode_sweep.*)")
+
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
+    if args.decode_sweep:
+        # the split plan assumes _DECODE_CTAS_PER_SM resident programs per SM (default 4); the sm_90 build of the
+        # split kernel uses 255 registers at d = 128 (offline, session 7), so 2 fit: 3 splits x 256 heads at 4k
+        # are 768 programs = 2.9 waves of 264. Which plan fills the machine best is measured here.
+        rows = []
+        saved = A._DECODE_CTAS_PER_SM
+        for S in (4096, 32768):
+            for ctas in (1, 2, 3, 4, 6, 8):
+                A._DECODE_CTAS_PER_SM = ctas
+                splits, split_len = A._split_plan(8, 32, S, torch.device("cuda"), 128)
+                rows.append({"ctas_per_sm": ctas, "num_splits": splits, "split_len": split_len,
+                             **decode_rows(S)})
+        A._DECODE_CTAS_PER_SM = saved
+        write_results("attention_decode_sweep", rows, out_dir=args.out,
+                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): split plans",
+                      notes="ctas_per_sm: the resident programs per SM the split plan assumes (_split_plan); "
+                            "num_splits x 256 (batch, head) programs. TB/s = K+V bytes / time; graph_* replayed "
+                            "from a CUDA graph. cuDNN measured in each row.")
+        return
     if args.decode_only:
         rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)
                 for c in ("auto", "fused", "kernel")]
