@@ -62,6 +62,18 @@ spills (STACK 0, LOCAL 0), no C7512, ``wgmma_sass_hazards`` 0; highest consumer 
 tiles, barriers and masking loops as the default. Whether it is faster on the GPU is open: the other warpgroup
 already covered this softmax, and the pin costs 2 STS per step.
 
+``variant="overlap2"`` (opt-in, constexpr ``CAST_LATE`` on top of ``OVERLAP``, ``_fa_step_overlap`` /
+``_fa_p16``; session 7, offline only, NOT yet run on a GPU): the overlap variant with P cast to 16 bits by packed
+inline-PTX ``cvt.rn.{bf16x2,f16x2}.f32`` instead of ``p.to(dtype)``. In the overlap build LLVM folds the loop phi
+of the 16-bit P into a phi of the fp32 exp2 results, so the casts are scalar and ptxas emits 32 F2FP with swapped
+halves plus 32 ``PRMT 0x5432`` per step (64 PRMT + LOP3 / SEL / SHF in the masked loop). overlap2, sm_90 SASS,
+consumer main loop per 128-key step (unmasked / masked): d 128 496 / 728 -> 482 / 624 (causal masked 792 -> 749),
+d 64 460 / 690 -> 451 / 588, d 256 444 / 541 -> 435 / 485; what is left of the P hand-over is ~20 MOVs of packed
+P into the A operand registers, which PV_{i-1} still reads when the cast is done. All 12 builds: no spills, no
+C75xx, ``wgmma_hazards`` 0, every exp2 under the own PV, highest register 169-210. Same rounding, so it should
+be bit-identical to "overlap" (``benchmarks/gluon_attention_variant_check.py`` checks this). See
+docs/notes_attention_fwd_session7.md.
+
 Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
 ----------------------------------------------------------------------------
 * ``q_bar[w]`` (count 1): producer ``expect(nbytes)`` + TMA; consumer ``w`` waits parity 0 once (the kernel is not
@@ -262,7 +274,8 @@ def _fa_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
 def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
                      pin_buf, rows, SEQ_K, diag_off, qk_scale,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                     s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr):
+                     s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
+                     CAST_LATE: gl.constexpr = False):
     """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
     owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
     new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
@@ -289,15 +302,43 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     pin_buf.store(l_i)
     o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
     mbarrier.arrive(v_empty.index(vs), count=1)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    if CAST_LATE:  # variant="overlap2": one packed cvt per element pair (see _fa_p16)
+        p16 = _fa_p16(p, dtype, p_layout)
+    else:
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
     return s, o, p16, alpha, m_i, l_i
+
+
+@gluon.jit
+def _fa_p16(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """fp32 P -> 16-bit wgmma A operand with one packed ``cvt.rn.{bf16x2,f16x2}.f32`` per element pair (inline PTX,
+    so LLVM cannot split it into scalar casts: see below). Round-to-nearest-even per element, the
+    same rounding as ``p.to(dtype)``; the pair is (element 2k, element 2k+1) of a thread, low half first, which is
+    how the 16-bit tensor is packed into 32-bit registers anyway.
+
+    Why (offline sm_90 SASS, session 7): in the overlap build the TTGIR loop carries the 16-bit P operand, but
+    LLVM folds the loop phi of ``truncf`` into a phi of the fp32 exp2 results. The 64 scalar ``cvt.rn.bf16.f32``
+    then sit in the loop header block and the ``mov.b32 {lo, hi}`` packing into the wgmma operand in the body
+    block (after the loop-exit branch), so the NVPTX backend cannot pair them; ptxas emits 32 F2FP.PACK_AB with the
+    halves the wrong way round plus 32 ``PRMT 0x5432`` half-swaps per step (64 PRMT in the masked loop, plus
+    LOP3 / SEL / SHF byte work), and the loop carries 64 fp32 registers instead of 32 packed ones. The inline asm
+    result cannot be split: 32 F2FP, no PRMT. Same rounding, so the output is bit-identical to "overlap".
+    (Carrying fp32 P and casting next to the PV issue gives the same loop but spilled 60 B at the loop
+    transitions of the d = 128 causal build.)"""
+    if dtype == gl.bfloat16:
+        p16 = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                        is_pure=True, pack=2)
+    else:
+        p16 = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                        is_pure=True, pack=2)
+    return gl.convert_layout(p16, p_layout)
 
 
 @gluon.jit
 def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 OVERLAP: gl.constexpr = False, pin=None):
+                 OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     # wgmma accumulator layouts of one warpgroup (4 warps along M, m64nNk16 instructions).
@@ -335,19 +376,25 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
     if n_full == 0:
         s = _fa_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
     p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    if CAST_LATE:
+        p16 = _fa_p16(p, dtype, p_layout)
+    else:
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     if OVERLAP:
-        # variant="overlap": same loops, _fa_step_overlap (O rescale deferred to the next issue, pinned PV wait)
+        # variant="overlap" / "overlap2" (CAST_LATE): same loops, _fa_step_overlap (O rescale deferred to the next
+        # issue, pinned PV wait)
         pin_buf = pin.index(WG)
         for i in range(1, n_full):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
-                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout)
+                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
+                CAST_LATE)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
-                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout)
+                rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
+                CAST_LATE)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1} (alpha_0 = 0 multiplies the zero O when n = 1)
         jv = n_blocks - 1
         vs = jv % STAGES
@@ -392,26 +439,27 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None):
+                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
     _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                 OVERLAP, pin)
+                 OVERLAP, pin, CAST_LATE)
 
 
 @gluon.jit
 def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None):
+                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
     _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                 OVERLAP, pin)
+                 OVERLAP, pin, CAST_LATE)
 
 
 @gluon.jit
 def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr = False):
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr = False,
+                    CAST_LATE: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     pid_m = gl.program_id(0)
@@ -451,7 +499,20 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
 
     # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
     # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
-    if OVERLAP:
+    if CAST_LATE:
+        # variant="overlap2": the overlap variant's pin slot; P cast by _fa_p16
+        pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gl.warp_specialize([
+            (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin, True)),
+            (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin, True)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif OVERLAP:
         # variant="overlap": a [ROWS] fp32 slot per consumer warpgroup for the row-sum store that pins the PV wait
         pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
@@ -491,20 +552,23 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-VARIANTS = ("default", "overlap")
+VARIANTS = ("default", "overlap", "overlap2")
 
 
 def config_for(head_dim: int, variant: str = "default") -> dict:
     """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check).
 
-    ``variant="overlap"``: same tiles, ``OVERLAP=True`` (see the module docstring)."""
+    ``variant="overlap"``: same tiles, ``OVERLAP=True``; ``variant="overlap2"``: also ``CAST_LATE=True`` (see the
+    module docstring)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
     block_n, stages = _CONFIGS[head_dim]
     cfg = dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-    if variant == "overlap":
+    if variant in ("overlap", "overlap2"):
         cfg["OVERLAP"] = True
+    if variant == "overlap2":
+        cfg["CAST_LATE"] = True
     return cfg
 
 
@@ -611,7 +675,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                           HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                           CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
                           num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-                          **({"OVERLAP": True} if cfg.get("OVERLAP") else {}))
+                          **({"OVERLAP": True} if cfg.get("OVERLAP") else {}),
+                          **({"CAST_LATE": True} if cfg.get("CAST_LATE") else {}))
     return out, lse
 
 
@@ -645,6 +710,9 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     if cfg.get("OVERLAP"):
         constexprs["OVERLAP"] = True
         sig["OVERLAP"] = "constexpr"
+    if cfg.get("CAST_LATE"):
+        constexprs["CAST_LATE"] = True
+        sig["CAST_LATE"] = "constexpr"
     src = GluonASTSource(_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
