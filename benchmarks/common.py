@@ -138,3 +138,45 @@ def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", o
     if echo:
         print(markdown_table(rows))
         print(f"wrote {out_dir}/{name}.json and .md")
+
+
+# ---- helpers of the Gluon check scripts (a wrong mbarrier phase hangs the GPU instead of failing)
+
+
+def arm_watchdog(seconds: float) -> None:
+    """(Re)arm a watchdog: after ``seconds`` every thread's stack is printed and the process hard-exits."""
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def try_bench_ms(fn, quick: bool, width: int = 160):
+    """Median ms of ``fn`` (short do_bench with ``quick``), or None, with the error's first line printed, when the
+    backend does not take the inputs."""
+    import triton.testing
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                             return_mode="median"))
+    except Exception as e:  # a backend that does not support the shape
+        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''})", flush=True)
+        return None
+
+
+def save_state(out_dir: str, name: str, state: dict, title: str, sections: list) -> None:
+    """Write a check script's ``state`` as ``<name>.json`` and a markdown page: the title, the environment, the
+    command, then one table per (heading, state key) of ``sections``, then ``state["notes"]``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(state, f, indent=1, default=str)
+    md = [f"# {title}\n", ", ".join(f"{k} {v}" for k, v in (state["env"] or {}).items()) + "\n",
+          f"Command: `python {' '.join(sys.argv)}`\n"]
+    for i, (heading, key) in enumerate(sections):
+        md += [("\n" if i else "") + f"## {heading}\n", markdown_table(state[key])]
+    if state["notes"]:
+        md += ["\n## Notes\n"] + [f"- {n}\n" for n in state["notes"]]
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write("\n".join(md))

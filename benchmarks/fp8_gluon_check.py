@@ -36,7 +36,6 @@ watchdog (a wrong mbarrier phase or a bad TMA descriptor hangs the GPU) that dum
 from __future__ import annotations
 
 import faulthandler
-import json
 import math
 import os
 import sys
@@ -45,7 +44,8 @@ import traceback
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_info, markdown_table, parse_args  # noqa: E402
+from common import (arm_watchdog, env_info, markdown_table, parse_args, save_state,  # noqa: E402
+                    try_bench_ms)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -79,24 +79,14 @@ def _variants(args):
 
 
 def _arm(seconds: float) -> None:
-    faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    arm_watchdog(seconds)
 
 
 def _save(out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
-        json.dump(STATE, f, indent=1, default=str)
-    md = ["# Gluon FP8 attention forward: agreement, accuracy, speed\n",
-          ", ".join(f"{k} {v}" for k, v in (STATE["env"] or {}).items()) + "\n",
-          f"Command: `python {' '.join(sys.argv)}`\n",
-          "## (a) Gluon fp8 vs Triton fp8 kernel on the same quantized inputs\n", markdown_table(STATE["agreement"]),
-          "\n## (b) RMSE vs float64 (B=1, H=4, S=2048, d=128)\n", markdown_table(STATE["accuracy"]),
-          "\n## (c) Forward TFLOP/s (16k tokens per batch, H=16, d=128)\n", markdown_table(STATE["bench"])]
-    if STATE["notes"]:
-        md += ["\n## Notes\n"] + [f"- {n}\n" for n in STATE["notes"]]
-    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write("\n".join(md))
+    save_state(out_dir, NAME, STATE, "Gluon FP8 attention forward: agreement, accuracy, speed",
+               [("(a) Gluon fp8 vs Triton fp8 kernel on the same quantized inputs", "agreement"),
+                ("(b) RMSE vs float64 (B=1, H=4, S=2048, d=128)", "accuracy"),
+                ("(c) Forward TFLOP/s (16k tokens per batch, H=16, d=128)", "bench")])
 
 
 def _rms(a, b):
@@ -296,16 +286,7 @@ def run_accuracy(G, FA, args):
 
 
 def _bench(fn, quick):
-    import triton.testing
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                             return_mode="median"))
-    except Exception as e:
-        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})", flush=True)
-        return None
+    return try_bench_ms(fn, quick, width=200)
 
 
 def run_bench(G, FA, args):

@@ -20,7 +20,6 @@ crash or a hang keeps what was measured. A wrong mbarrier phase deadlocks the GP
 from __future__ import annotations
 
 import faulthandler
-import json
 import math
 import os
 import sys
@@ -28,7 +27,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_info, markdown_table, parse_args  # noqa: E402
+from common import (arm_watchdog, env_info, markdown_table, parse_args, save_state,  # noqa: E402
+                    try_bench_ms)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -51,23 +51,13 @@ def _extra(p):
 
 
 def _arm(seconds: float) -> None:
-    faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(seconds, exit=True)  # prints all stacks, then os._exit(1)
+    arm_watchdog(seconds)
 
 
 def _save(out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
-        json.dump(STATE, f, indent=1)
-    md = [f"# Gluon FA3-style forward: correctness and speed\n",
-          ", ".join(f"{k} {v}" for k, v in (STATE["env"] or {}).items()) + "\n",
-          f"Command: `python {' '.join(sys.argv)}`\n", "## Correctness\n", markdown_table(STATE["correctness"]),
-          "\n## Forward TFLOP/s (ratios: gluon / cuDNN, gluon / FA2, triton / cuDNN)\n",
-          markdown_table(STATE["bench"])]
-    if STATE["notes"]:
-        md += ["\n## Notes\n"] + [f"- {n}\n" for n in STATE["notes"]]
-    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write("\n".join(md))
+    save_state(out_dir, NAME, STATE, "Gluon FA3-style forward: correctness and speed",
+               [("Correctness", "correctness"),
+                ("Forward TFLOP/s (ratios: gluon / cuDNN, gluon / FA2, triton / cuDNN)", "bench")])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,17 +205,7 @@ def run_checks(G, args):
 
 
 def _bench(fn, quick):
-    import triton.testing
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                     return_mode="median")
-        return float(ms)
-    except Exception as e:  # a backend that does not support the shape
-        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
-        return None
+    return try_bench_ms(fn, quick)
 
 
 def _sdpa(backend, causal):

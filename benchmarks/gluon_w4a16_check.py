@@ -19,7 +19,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parse_args, write_results  # noqa: E402
+from common import arm_watchdog, parse_args, write_results  # noqa: E402
 from w4a16 import rotations, streamed_us as _streamed_us  # noqa: E402
 
 import torch  # noqa: E402
@@ -35,11 +35,6 @@ CHECK_MS = [16, 64, 128, 256]
 TIME_SHAPES = [(8192, 8192), (4096, 11008), (11008, 4096), (8192, 28672)]
 TIME_MS = [16, 32, 64, 128, 256]
 QUICK_TIME = [((8192, 8192), [16, 64, 256]), ((8192, 28672), [64])]
-
-
-def arm_watchdog(seconds: float):
-    """Dump every thread's stack and hard-exit after ``seconds`` (a deadlocked kernel never returns)."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def make_packed(K, N, device="cuda", seed=0):

@@ -125,6 +125,7 @@ Semantics
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -584,6 +585,12 @@ def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def device_capability(device) -> tuple:
+    """``torch.cuda.get_device_capability``, queried once per device: the support checks run on every call."""
+    return torch.cuda.get_device_capability(device)
+
+
 def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
     """None if ``gluon_attention_fwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
     if _GLUON_IMPORT_ERROR is not None:
@@ -601,7 +608,7 @@ def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None
         return f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
     if not (q.device == k.device == v.device):
         return "q, k, v on different devices"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = device_capability(q.device)
     if cap[0] < 9:
         return f"needs sm_90+ (TMA / wgmma), device is sm_{cap[0]}{cap[1]}"
     B, Hq, Sq, D = q.shape

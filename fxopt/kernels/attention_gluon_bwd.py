@@ -217,7 +217,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = None
     tl = None
 
-from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason  # noqa: E402 (shared with the forward)
+from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -818,7 +818,7 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
         return "dtype mismatch between dout, q, k, v, out"
     if len({t.device for _, t in named + (("lse", lse),)}) != 1:
         return "inputs on different devices"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = device_capability(q.device)
     if cap[0] != 9:
         return f"needs sm_90 (TMA / wgmma, Hopper only), device is sm_{cap[0]}{cap[1]}"
     B, Hq, Sq, D = q.shape

@@ -147,7 +147,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gluon = _Stub()
     gl = None
 
-from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason  # noqa: E402 (shared with the bf16 forward)
+from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -594,7 +594,7 @@ def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = 
         return f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
     if not (q.device == k.device == v.device):
         return "q, k, v on different devices"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = device_capability(q.device)
     if cap[0] != 9:
         return f"needs sm_90 (fp8 wgmma + TMA), device is sm_{cap[0]}{cap[1]}"
     B, Hq, Sq, D = q.shape
