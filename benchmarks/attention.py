@@ -328,7 +328,8 @@ def main():
                       out_dir=args.out)
         return
     if args.quick:
-        shapes = [(128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 16384, True)]
+        shapes = [(128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 16384, True), (256, 4096, False),
+                  (256, 8192, True)]
     else:  # d = 128 first, so that a time-out still leaves the headline rows
         BENCH.update(warmup=10, rep=50)
         shapes = [(d, S, c) for d in (128, 64, 256) for S in (512, 1024, 2048, 4096, 8192, 16384)

@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -53,6 +53,12 @@ phase_attn() {
   timeout 300 python3 benchmarks/attention.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -60
 }
 
+phase_quick() {
+  # the quick attention table (d = 256 included) and the W4A16 subset
+  timeout 200 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
+  timeout 200 python3 benchmarks/w4a16.py --ms 1,16,64,256 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -24
+}
+
 phase_profile() {
   OUT="$RES" bash benchmarks/profile_kernels.sh
 }
@@ -82,6 +88,20 @@ phase_verify() {
     tests/test_w4a16_kernels.py tests/test_fp8_attention.py 2>&1 | tail -4
   timeout 100 python3 benchmarks/gluon_attention_variant_check.py 2>&1 | tail -7
   timeout 200 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -12
+}
+
+phase_route() {
+  # GPU tests of what session 8 routed: the fp8 op on the Gluon kernel (and the tensor-core Hadamard default), the
+  # d = 128 backward on Gluon variant 3 and the d = 256 Gluon forward, the small-M W4A16 candidate (M <= 16); then
+  # the fp8 table (fp8_op now = Gluon kernel + tensor-core quantization) and the forward variants' timing
+  timeout 200 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_attention.py \
+    "tests/test_attention_kernels.py::test_gpu_gluon_backward_route" 2>&1 | tail -6
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider "tests/test_w4a16_kernels.py::test_gpu_gluon[1-False]" \
+    "tests/test_w4a16_kernels.py::test_gpu_gluon[5-True]" "tests/test_w4a16_kernels.py::test_gpu_gluon[16-False]" \
+    "tests/test_w4a16_kernels.py::test_gpu_gluon[16-True]" 2>&1 | tail -4
+  timeout 120 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -14
+  timeout 175 python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check.txt" 2>&1
+  grep -v "PASS$" "$OUT/variant_check.txt" | grep -v "^\s*$" | tail -30
 }
 
 phase_calib() {

@@ -311,6 +311,36 @@ def test_8bit_kernels_gpu(mode, tol_emu, tol, d, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_op_gluon_route_gpu(d, causal, monkeypatch):
+    """On sm_90 the op runs the Gluon fp8 kernel (same output as calling it directly), the Triton kernel with
+    FXOPT_FP8_GLUON=0 and for a non-contiguous output; all three agree with float64 as the Triton kernel does."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon fp8 kernel is routed on sm_90 only")
+    from fxopt.kernels import fp8_attention_gluon as G
+
+    q = _rand(2, 4, 260, d, dtype=torch.bfloat16, seed=31, device="cuda")
+    k = _rand(2, 2, 300, d, dtype=torch.bfloat16, seed=32, device="cuda")
+    v = _rand(*k.shape, dtype=torch.bfloat16, seed=33, device="cuda")
+    exact = F.attention_float64(q, k, v, is_causal=causal)
+    out = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 3)
+    assert not F._GLUON_FP8_FAILED
+    assert torch.equal(out, G.fp8_gluon_attention(q, k, v, causal, None, True, 3))
+    monkeypatch.setenv("FXOPT_FP8_GLUON", "0")
+    tri = torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 3)
+    assert torch.equal(tri, F.fp8_attention_triton(q, k, v, causal, None, True, 3))
+    monkeypatch.delenv("FXOPT_FP8_GLUON")
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] storage: empty_like keeps it, Triton path
+    strided = torch.ops.fxopt.fp8_attention(qt, k, v, causal, None, True, 3)
+    assert strided.stride() == torch.empty_like(qt).stride()
+    rel = {n: ((o.double() - exact).norm() / exact.norm()).item() for n, o in
+           (("gluon", out), ("triton", tri), ("strided", strided))}
+    assert max(rel.values()) < 0.08, rel
+    assert rel["gluon"] < 1.1 * rel["triton"] + 1e-4, rel
+
+
+@pytest.mark.gpu
 def test_fp8_kernel_gpu_odd_shapes_and_fp16():
     q = _rand(1, 4, 77, 128, dtype=torch.float16, seed=22, device="cuda")
     k = _rand(1, 4, 130, 128, dtype=torch.float16, seed=23, device="cuda")

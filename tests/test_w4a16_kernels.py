@@ -296,9 +296,14 @@ def test_candidate_configs_gluon_rules(monkeypatch):
         for c in g:
             assert c.block_k == 128 and c.kc in (32, 64) and c.split_k == 0
             assert c.regs in ("", "async")
+            assert c.deq in ("", "xsum")
             assert c.label() == (f"gluon bm{c.block_m} bn{c.block_n} s{c.num_stages} kc{c.kc}"
-                                 + (" async" if c.regs else ""))
+                                 + (" async" if c.regs else "") + (" deq=xsum" if c.deq else ""))
         assert any(c.regs == "async" for c in g) and any(not c.regs for c in g), M
+        # the small-M consumer (BN 256, deq="xsum", no PDL) only in the buckets up to 16
+        small = [c for c in g if c.deq]
+        assert (len(small) == 1) == (M <= 16), (M, small)
+        assert all(c.block_n == 256 and c.block_m == 16 and c.regs == "async" for c in small)
     for M in (257, 1024):
         assert not any(c.method == "gluon" for c in cands(M)), M
     for kw in (dict(dtype=torch.float16), dict(integer_zeros=False), dict(G=64), dict(G=1024), dict(N=2048 + 64)):

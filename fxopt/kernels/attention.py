@@ -1089,7 +1089,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
         try:
             gluon_attention_fwd(q, k, v, causal=bool(is_causal), scale=sm_scale, out=o, lse=lse, checked=True,
-                                variant=_GLUON_FWD_VARIANT)
+                                variant=_GLUON_FWD_VARIANT.get(D, "default"))
             return (o, lse) if return_lse else o
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernel runs
             _GLUON_FAILED.add((q.device, q.dtype, D, bool(is_causal)))
@@ -1126,12 +1126,14 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 _TMA_FAILED: set = set()
 _GLUON_FAILED: set = set()
-# Head dims routed to the Gluon (FA3-style) forward: measured faster than this file's kernel at d = 128
-# (benchmarks/results/gluon/); at d = 64 it was slower, d = 256 is not measured yet.
-_GLUON_HEAD_DIMS = (128,)
-# Its build: "overlap" (softmax exp2s under the in-flight PV wgmma) gave bit-identical outputs to "default" on the
-# 11 cases of benchmarks/gluon_attention_variant_check.py and ran 1.0-1.5% faster at d = 128 (session 7).
-_GLUON_FWD_VARIANT = "overlap"
+# Head dims routed to the Gluon (FA3-style) forward: measured faster than this file's kernel at d = 128 and
+# d = 256 (benchmarks/results/gluon/; d = 256: 686 / 752 against 521 / 531 TFLOP/s at S = 4k / 8k, session 7; its
+# GPU tests passed in session 8); at d = 64 it was slower.
+_GLUON_HEAD_DIMS = (128, 256)
+# The build per head dim: "overlap" (softmax exp2s under the in-flight PV wgmma) gave bit-identical outputs to
+# "default" on the cases of benchmarks/gluon_attention_variant_check.py (d = 256 included) and ran 1.0-1.5% faster
+# at d = 128 (session 7); d = 256 was timed with "default" only.
+_GLUON_FWD_VARIANT = {128: "overlap", 256: "default"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -1160,8 +1162,10 @@ _GLUON_BWD_FAILED: set = set()
 # the Triton backward at S = 4096-16384, mixed at 2048 (-2% / +2%), slower below (S = 1024 causal: 170 against 218
 # TFLOP/s; at short S a CTA's key block meets few query blocks and the warp-specialized prologue does not pay off),
 # hence the length floor.
+# Variant 3 (variant 1 with dK's wgmma issued before dQ's; EARLY_DK) was correct on 59 / 59 cases and 1-3% faster
+# than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096; session 8).
 _GLUON_BWD_HEAD_DIMS = (128,)
-_GLUON_BWD_VARIANT = 1
+_GLUON_BWD_VARIANT = 3
 _GLUON_BWD_MIN_SEQ = 2048
 
 

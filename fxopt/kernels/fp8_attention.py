@@ -23,8 +23,9 @@ Design
   H_D diag(signs) on the tensor cores (``HAD_DOT``; exact products, fp32 accumulation: the same sums in another
   order) and applies 1 / sqrt(D) after. The butterflies cost about 70 SASS instructions per element (each stage
   is a layout change through shared memory), which made the three quantization launches issue-bound at ~3x
-  the time of reading q, k and v (session 7, ``docs/notes_fp8.md``). Off by default until checked on the GPU
-  (``_HAD_DOT_DEFAULT``); ``FXOPT_FP8_HAD_DOT=1`` turns it on, ``=0`` keeps the butterflies.
+  the time of reading q, k and v (session 7, ``docs/notes_fp8.md``). On by default since its GPU check (session 8:
+  141-159 us against 199-203 us for quantizing q, k and v at d = 128, 16k tokens; ``_HAD_DOT_DEFAULT``);
+  ``FXOPT_FP8_HAD_DOT=0`` keeps the butterflies.
 * Block quantization (``_quant_kernel``, one program per block of QBLOCK = 128 rows of one head): load the rows,
   optionally transform them, take amax over the [QBLOCK, D] tile, store x * (448 / amax) cast to e4m3 and the
   dequantization scale amax / 448 (fp32, [B * H, S_pad / QBLOCK]). Q is quantized per 128 query rows, K per 128 key
@@ -582,9 +583,9 @@ def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
 
 
 _HMAT_CACHE: dict = {}
-# Off by default until the GPU run (test_gpu_quantize_tensor_core_transform, benchmarks/fp8_attention.py's quant_*
-# columns) confirms it; FXOPT_FP8_HAD_DOT=1 turns it on. The interpreter tests force it on.
-_HAD_DOT_DEFAULT = "0"
+# On since session 8: test_gpu_quantize_tensor_core_transform passed on the H200 and benchmarks/fp8_attention.py's
+# quant_tc column (141-159 us) beat quant_butterfly (199-203 us). FXOPT_FP8_HAD_DOT=0 keeps the butterflies.
+_HAD_DOT_DEFAULT = "1"
 
 
 def hadamard_dot_matrix(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -873,6 +874,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     """FP8 e4m3 attention forward (block-quantized Q/K/V, optional Hadamard incoherent processing)."""
     _check_attn_inputs(q, k, v, scale)
     out = torch.empty_like(q)  # same strides as the fake impl
+    if q.device.type == "cuda" and _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out):
+        return out
     if q.device.type == "cuda" and out.stride(-1) == 1:
         return fp8_attention_triton(q, k, v, is_causal, scale, hadamard, seed, out=out)
     if q.device.type == "cuda":
@@ -880,6 +883,34 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     else:
         out.copy_(fp8_attention_reference(q, k, v, is_causal, scale, hadamard, seed))
     return out
+
+
+_GLUON_FP8_FAILED: set = set()
+
+
+def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
+    """Run the op on the Gluon (FA3-style, warp-specialized) fp8 kernel of ``fp8_attention_gluon`` when it takes
+    these inputs; False leaves the call to the Triton kernel. Same quantization kernels, so the two differ only in
+    accumulation order: on the H200 (session 8, ``benchmarks/fp8_gluon_check.py``) its RMSE against float64 matched
+    the Triton kernel's to 3 digits and it ran 705-873 TFLOP/s against 665-790 at d = 128, S = 4k / 16k.
+    ``FXOPT_FP8_GLUON=0`` turns it off; a build or launch that fails is remembered and not retried."""
+    key = (q.device, q.dtype, q.shape[-1], bool(is_causal))
+    if os.environ.get("FXOPT_FP8_GLUON", "1") == "0" or key in _GLUON_FP8_FAILED or not out.is_contiguous():
+        return False
+    from fxopt.kernels import fp8_attention_gluon as G
+
+    reason = G.fp8_gluon_supported(q, k, v, is_causal, scale)
+    if reason is not None:
+        log.debug("fp8_attention: Triton kernel (%s)", reason)
+        return False
+    try:
+        G.fp8_gluon_attention(q, k, v, is_causal, scale, hadamard, seed, out=out)
+        return True
+    except Exception as e:  # noqa: BLE001 -- a build or launch this machine rejects: the Triton kernel runs
+        _GLUON_FP8_FAILED.add(key)
+        log.warning("fp8_attention: Gluon kernel failed (%s: %s); using the Triton kernel for %s",
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", key)
+        return False
 
 
 @fp8_attention.register_fake

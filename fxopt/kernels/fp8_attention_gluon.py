@@ -55,7 +55,7 @@ FP8 specifics
   4q + 2jl + e of every 16 into shared-memory row 8jl + 2q + e, so lane q's accumulator columns ARE keys
   4q .. 4q+3; P's columns are relabelled in registers (reshape / permute, no data movement) and the causal /
   length mask uses the permuted key index. The TMA view has non-monotonic strides: allowed by the host
-  TensorDescriptor, unverified on hardware, hence both variants in the GPU check (``PERMUTE_K_DEFAULT`` False).
+  TensorDescriptor; it works on the H200 (session 8), and ``PERMUTE_K_DEFAULT`` is True.
 * Instruction shape: accumulator layouts use ``instr_shape=[16, N, 32]`` (k = 32 for 8-bit wgmma).
 * Scales, folded exactly as fp8_attention.py's kernel does (so the two agree to fp32 rounding):
   - scores in log2 units: t = S_raw * c_j with c_j = qs * ks_j * scale * log2(e) (qs: one per CTA, the 128 query
@@ -97,7 +97,8 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   the PV_{i-1} issue. Main loop (d 128, unmasked, one consumer): 719 -> 538 (plain K), 674 -> 489 (permute_k);
   d 64: 676 -> 497, 631 -> 448. All 64 builds (the 32 above x cast_late): no spills, no C7512, zero
   ``wgmma_sass_hazards``, highest register 193-228. Same arithmetic, so the output should be bit-identical to the
-  build without it; NOT yet run on a GPU (docs/notes_fp8_gluon_session7.md).
+  build without it. On by default since session 8 (``CAST_LATE_DEFAULT``; docs/notes_fp8_gluon_session7.md): with
+  permute_k 705-873 TFLOP/s at d = 128, S = 4k / 16k, against 561-651 for the plain build.
 * ``overlap=True`` (opt-in, ``OVERLAP_DEFAULT`` False, meant with ``cast_late`` + ``permute_k``; constexpr
   ``OVERLAP``, ``_f8_step_overlap``): attention_gluon.py's variant="overlap" ported. FA3's order (issue S_i; after
   the V_{i-1} ready wait, O *= f_{i-1} = alpha_{i-1} vs_{i-2} / vs_{i-1} and the e4m3 cast of P_{i-1}; issue PV_{i-1};
@@ -107,7 +108,8 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   PV is in flight (``ex2_under_pv``; 0-8 of 66 without overlap), 5-9 instructions from the PV wait to the back edge
   (234-373 without), main loop +2..+5 instructions (d 128 unmasked: 492 permute_k, 541 plain), no spills, no
   C7512 / C7514, zero ``wgmma_sass_hazards``, highest register 196-232, +528 B shared memory. The builds without it
-  are byte-identical (.text) to before. NOT run on a GPU (docs/notes_fp8_gluon_session7.md).
+  are byte-identical (.text) to before. On the H200 (session 8) bit-identical to the build without it but 5-10%
+  slower (753-801 against 812-873 TFLOP/s), so it stays off.
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -162,14 +164,17 @@ _MAXNREG = 168
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 # K rows loaded permuted within every 16 keys so that P needs no cross-lane exchange before the PV wgmma (see
-# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles); both are in the GPU check.
-PERMUTE_K_DEFAULT = False
-# Opt-in (session 7, offline only): carry P_{i-1} across the loop back edge in fp32 and cast it to e4m3 right before
+# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles). On by default since session 8:
+# the 5-D TMA view works on the H200 (agreement with the Triton fp8 kernel as close as the plain load's on 12 cases).
+PERMUTE_K_DEFAULT = True
+# On by default since session 8 (with permute_k: 705-873 against 561-651 TFLOP/s for the plain build and 665-790 for
+# the Triton fp8 kernel, d = 128, benchmarks/results/gluon/fp8_gluon_check.md): carry P_{i-1} across the loop back edge in fp32 and cast it to e4m3 right before
 # the PV wgmma that reads it, instead of carrying the e4m3 operand. Triton 3.6 lowers a loop-carried 8-bit register
 # tensor as one byte per 32-bit register, so the default build unpacks P8 at the end of every step (PRMT 0x777x /
 # 0x7610) and repacks it at the top of the next (LOP3 & 0xffff, PRMT 0x3340 / 0x5410): ~180 instructions per step.
-CAST_LATE_DEFAULT = False
-# Opt-in (session 7, offline only): FA3's intra-warpgroup order (attention_gluon.py's variant="overlap"): issue S_i,
+CAST_LATE_DEFAULT = True
+# Opt-in (session 7; on the H200 in session 8 bit-identical but 5-10% SLOWER than cast_late + permute_k alone:
+# 753-801 against 812-873 TFLOP/s): FA3's intra-warpgroup order (attention_gluon.py's variant="overlap"): issue S_i,
 # rescale O by the factor owed by the previous softmax while S_i runs, issue PV_{i-1}, softmax_i, store l_i to an
 # unread shared slot (pins ptxas's PV wait below every exp2 of the step), wait for PV_{i-1}. See _f8_step_overlap.
 OVERLAP_DEFAULT = False

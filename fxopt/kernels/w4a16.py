@@ -488,6 +488,7 @@ class W4A16Config:
     pdl: bool = False
     kc: int = 0  # "gluon" only: K columns per dequantized wgmma chunk
     regs: str = ""  # "gluon" only: "async" = the register split that keeps wgmma asynchronous (w4a16_gluon.py)
+    deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
@@ -495,7 +496,7 @@ class W4A16Config:
             return self.method
         if self.method == "gluon":
             return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
-                    + (f" {self.regs}" if self.regs else ""))
+                    + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else ""))
         return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
                 f"{'code' if self.code_dot else 'deq'} w{self.num_warps} s{self.num_stages}")
 
@@ -560,7 +561,12 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
     8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
     bucket up to 256 lists it and the tuner decides. Gated on the bucket, not M: the tuner caches one pick per
-    bucket. bf16 only: fp16 was never run on a GPU."""
+    bucket. bf16 only: fp16 was never timed on a GPU.
+
+    Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (session 8,
+    benchmarks/gluon_w4a16_small_check.py: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
+    best per-weight build at 8192 x 28672, M = 1 / 16, but 18.7 against 17.6 us at 8192 x 8192, M = 1; PDL and
+    stream-K were slower)."""
     bucket = _m_bucket(M)
     if (os.environ.get("FXOPT_W4A16_GLUON") == "0" or dtype != torch.bfloat16 or device is None
             or torch.device(device).type != "cuda" or not integer_zeros or group_size != 128
@@ -571,8 +577,11 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     kg = _gluon_module()
     if kg is None:
         return []
+    cands = kg.gluon_w4a16_configs(bucket, K, N)
+    cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
+              if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
     return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",
-                        kc=c["kc"], regs=c.get("regs") or "") for c in kg.gluon_w4a16_configs(bucket, K, N)]
+                        kc=c["kc"], regs=c.get("regs") or "", deq=c.get("deq") or "") for c in cands]
 
 
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
@@ -809,7 +818,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             raise ValueError("w4a16: the gluon method needs triton.experimental.gluon")
         return kg.gluon_w4a16_mm(x2d, qweight, scales, zeros, group_size, bias, block_m=cfg.block_m,
                                  block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None,
-                                 **({"regs": cfg.regs} if cfg.regs else {}))
+                                 **({"regs": cfg.regs} if cfg.regs else {}), **({"deq": cfg.deq} if cfg.deq else {}))
     spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
     if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")

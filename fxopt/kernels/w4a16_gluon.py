@@ -1,6 +1,6 @@
 """W4A16 GEMM for Hopper (sm_90) written in Gluon: warp-specialized, producer ring + two consumer warpgroups.
 
-Status: compiled offline for sm_90 only; NOT yet run on a GPU (see ``benchmarks/gluon_w4a16_check.py``).
+Status: sm_90 only; GPU-checked (``benchmarks/gluon_w4a16_check.py`` and the other ``gluon_w4a16_*_check.py``).
 
 Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` from fxopt's packed format (``fxopt/kernels/w4a16.py``):
 ``qweight`` int32 [K/8, N] (nibble j of row i = code of W[n, 8i + j]), ``scales`` / ``zeros`` [K/128, N] in the
@@ -117,8 +117,9 @@ accumulator or overwriting its A registers, including across the loop's back edg
 every non-split "async" build before the fix and nothing in the fixed or default builds. Ring ordering is argued
 above, not simulated. Not yet confirmed on a GPU.
 
-Small-M variant (opt-in, session 7; compiled offline only, NOT run on a GPU; ``gluon_w4a16_small_configs``,
-``benchmarks/gluon_w4a16_small_check.py``, ``docs/notes_w4a16_gluon_session7.md``). At BM = 16 the consumers are
+Small-M variant (session 7; ``gluon_w4a16_small_configs``, ``benchmarks/gluon_w4a16_small_check.py``,
+``docs/notes_w4a16_gluon_session7.md``). GPU-checked in session 8: correct on every case; BN 256 ``deq="xsum"``
+without PDL is a tuner candidate for M <= 16 (``w4a16._gluon_configs``); PDL and stream-K were slower. At BM = 16 the consumers are
 issue-bound (offline sm_90 SASS, BN 256: 357-360 instructions per K tile and consumer thread = 2.8 per weight, of
 which 1.0 is the per-weight ``sub`` + ``mul``), and the fp32 accumulator is tiny (16 per thread), so
 ``_w4a16_gluon_small_kernel`` (a separate kernel: the builds above are unchanged) applies the group's scale once
@@ -144,7 +145,8 @@ drained and folded inside the loop (as DRAIN_IN_LOOP). ``wgmma_sass_hazards`` le
 straight-line region is skipped on looping iterations. Offline (bf16 / fp16, split-K on / off, bias on / off,
 BN 128 / 256): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 (one C7517 wait injected before EXIT), 0 hazards.
 
-Stream-K schedule (opt-in, session 7; compiled offline only, NOT run on a GPU; ``schedule="streamk"``,
+Stream-K schedule (opt-in, session 7; correct on the GPU but slower in session 8: 49-58 us against 48-49 at
+8192 x 28672 M = 1 / 16; ``schedule="streamk"``,
 ``gluon_w4a16_streamk_configs``, ``docs/notes_w4a16_streamk_session7.md``). ``_w4a16_gluon_sk_kernel`` (separate:
 every build above is byte-identical) runs exactly P = min(num_sms, U) CTAs over the U = output tiles x K tiles work
 units (tile-major, K tile fastest; tiles ordered as the split-K grid, M tiles fastest). CTA p owns the contiguous
@@ -446,7 +448,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); session 7, offline only).
+    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); session 7; GPU-checked in session 8).
     # A separate kernel so that the builds of the measured configs above stay byte-identical.
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -693,7 +695,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); session 7, offline only). A separate
+    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); session 7; GPU-checked in session 8). A separate
     # kernel again: every build above stays byte-identical. Module docstring, "Stream-K schedule".
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -1065,7 +1067,7 @@ def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
 
 def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     """Opt-in small-M candidates (M <= 16; module docstring, "Small-M variant") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (compiled offline only). BM 16, the
+    ``benchmarks/gluon_w4a16_small_check.py``; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
     ``regs="async"`` split, KC 32, the ring of ``_max_stages``, split-K as ``_split_for``; per tile: BN 256 (M = 1's
     best existing tile) and BN 128 (M = 16's), each with ``deq="xsum"`` and ``deq="group"``, PDL on; plus BN 256 xsum
     without PDL, to separate the two effects. Keys as ``gluon_w4a16_configs`` plus ``deq`` and ``pdl``."""
@@ -1083,7 +1085,7 @@ def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
 
 def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
     """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (compiled offline only). M <= 64 (BM <= 64, the
+    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (slower on the GPU, session 8). M <= 64 (BM <= 64, the
     grids that leave SMs idle or need split-K), ``regs="async"``, KC 32, the ring of ``_max_stages``: BN 256 and
     BN 128 with the per-weight consumer, and for M <= 16 BN 256 with ``deq="xsum"`` + PDL (the small-M consumer).
     Keys as ``gluon_w4a16_small_configs`` plus ``schedule="streamk"`` (``split_k`` stays None)."""
@@ -1194,14 +1196,14 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     ``consumer_regs`` / ``producer_regs`` arguments, "async" = the register split of ``_REGS["async"]`` (wgmma not
     serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported.
 
-    Opt-in small-M variant (module docstring, "Small-M variant"; compiled offline only, NOT run on a GPU yet):
+    Small-M variant (module docstring, "Small-M variant"; GPU-checked):
     ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
     once per K tile to an fp32 partial instead of per weight); ``pdl=True`` (needs ``deq``) launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
     assumes the weights are not written by the kernel just before). ``xs``: fp32 [M, K/128] sums of x per group
     (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
 
-    Opt-in stream-K schedule (module docstring, "Stream-K schedule"; compiled offline only, NOT run on a GPU yet):
+    Opt-in stream-K schedule (module docstring, "Stream-K schedule"; GPU-checked, slower):
     ``schedule="streamk"`` launches ``_w4a16_gluon_sk_kernel`` on ``num_sms`` CTAs (None: the device's SM count),
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides)."""
