@@ -3,8 +3,11 @@
 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / d), d in {128, 64}, S = 1k ... 16k, causal and not.
 TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal). Columns:
 
-* ``fp8_kernel``: the attention kernel alone on pre-quantized inputs (Q, K block-quantized after the Hadamard
+* ``fp8_kernel``: the Triton attention kernel alone on pre-quantized inputs (Q, K block-quantized after the Hadamard
   transform, V transposed) - what FA3 reports for its FP8 kernel.
+* ``gluon_fp8_kernel``: the Gluon (warp-specialized, FA3-style) fp8 kernel on the same inputs; where it takes the
+  shape (sm_90, d 64 / 128) the op runs it (``fp8_attention._gluon_fp8``), so ``op_kernel`` = the better-suited
+  of the two that the op actually uses and ``quant_ms`` = op - op_kernel.
 * ``fp8_op``: ``torch.ops.fxopt.fp8_attention`` end to end (Hadamard + quantization of Q, K, V + attention).
 * ``cudnn_bf16`` / ``fa2_bf16``: ``F.scaled_dot_product_attention`` forced to cuDNN / flash via ``sdpa_kernel``.
 * ``check``: relative L2 error of the fp8 op vs the emulating reference at that shape's first 512 queries (S = 1k
@@ -25,6 +28,7 @@ import torch.nn.functional as Fn
 from common import bench_ms, parse_args, write_results  # noqa: I001
 
 from fxopt.kernels import fp8_attention as F
+from fxopt.kernels import fp8_attention_gluon as G
 
 
 def tflops(b, h, s, d, causal, ms):
@@ -51,8 +55,9 @@ def main():
     t0 = time.time()
     seqs = [1024, 4096] if args.quick else [4096, 16384, 8192, 1024, 2048]
     rows = []
-    notes = ("TFLOP/s (higher is better); fp8_kernel excludes quantization (FA3's convention), fp8_op includes the "
-             "Hadamard transform and block quantization of Q, K, V. int8_kernel: the INT8 mode of the same kernel "
+    notes = ("TFLOP/s (higher is better); fp8_kernel (Triton) and gluon_fp8_kernel exclude quantization (FA3's "
+             "convention), fp8_op includes the Hadamard transform and block quantization of Q, K, V and runs "
+             "op_kernel; quant_ms = op time - op_kernel time. int8_kernel: the INT8 mode of the same kernel "
              "(Q, K, V transformed, P at 255 levels; fxopt::int8_attention), quantization excluded. Anchors measured "
              "in the same process.")
     for d in [int(x) for x in args.dims.split(",")]:
@@ -74,6 +79,13 @@ def main():
                 def op():
                     return torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0)
 
+                gluon_ok = (os.environ.get("FXOPT_FP8_GLUON", "1") != "0"
+                            and G.fp8_gluon_supported(q, k, v, causal) is None)
+
+                def gluon_kernel():
+                    return G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=q.shape, seq_k=s,
+                                                           n_kv_heads=h, out_dtype=q.dtype, is_causal=causal, out=out)
+
                 iq, iqs = F.quantize_blocks(q, hadamard=True, seed=0, qdtype=torch.int8)
                 ik, iks = F.quantize_blocks(k, hadamard=True, seed=0, qdtype=torch.int8)
                 ivt, ivs, ivsum = F.quantize_blocks(v, hadamard=True, seed=0, transpose=True, qdtype=torch.int8,
@@ -88,11 +100,16 @@ def main():
                 kernel()
                 op()
                 int8_kernel()
-                ms = {"fp8_kernel": bench_ms(kernel), "fp8_op": bench_ms(op), "int8_kernel": bench_ms(int8_kernel),
+                if gluon_ok:
+                    gluon_kernel()
+                ms = {"fp8_kernel": bench_ms(kernel),
+                      "gluon_fp8_kernel": bench_ms(gluon_kernel) if gluon_ok else float("nan"),
+                      "fp8_op": bench_ms(op), "int8_kernel": bench_ms(int8_kernel),
                       "cudnn_bf16": sdpa_ms(q, k, v, causal, "cudnn"), "fa2_bf16": sdpa_ms(q, k, v, causal, "flash")}
                 for name, t in ms.items():
                     row[name] = tflops(b, h, s, d, causal, t)
                 row["fp8_kernel/cudnn"] = row["fp8_kernel"] / row["cudnn_bf16"]
+                row["gluon_fp8_kernel/cudnn"] = row["gluon_fp8_kernel"] / row["cudnn_bf16"]
                 row["fp8_op/cudnn"] = row["fp8_op"] / row["cudnn_bf16"]
                 row["int8_kernel/cudnn"] = row["int8_kernel"] / row["cudnn_bf16"]
                 if s == 1024:
@@ -103,7 +120,8 @@ def main():
                     o8 = torch.ops.fxopt.int8_attention(q[sl], k[sl], v[sl], causal, None, 0)
                     emu8 = F.int8_attention_reference(q[sl], k[sl], v[sl], is_causal=causal, seed=0)
                     row["int8_check"] = ((o8.float() - emu8.float()).norm() / emu8.float().norm()).item()
-                row["quant_ms"] = ms["fp8_op"] - ms["fp8_kernel"]
+                row["op_kernel"] = "gluon" if gluon_ok else "triton"
+                row["quant_ms"] = ms["fp8_op"] - ms["gluon_fp8_kernel" if gluon_ok else "fp8_kernel"]
                 if not causal:  # the three quantization launches alone, tensor-core transform vs butterflies
                     def quant():
                         F.quantize_blocks(q, hadamard=True, seed=0)
