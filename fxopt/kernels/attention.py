@@ -1166,7 +1166,10 @@ _GLUON_BWD_FAILED: set = set()
 # than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096; session 8).
 _GLUON_BWD_HEAD_DIMS = (128,)
 _GLUON_BWD_VARIANT = 3
-_GLUON_BWD_MIN_SEQ = 2048
+# FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
+# (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
+# against 348 / 246 TFLOP/s), unlike the op-level table of session 7.
+_GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
