@@ -13,9 +13,18 @@ TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal). Columns:
 * ``check``: relative L2 error of the fp8 op vs the emulating reference at that shape's first 512 queries (S = 1k
   rows only), so every autotuned choice is also checked.
 
-Afterwards each fp8 config of the d = 128 table is timed at S = 4096 (non-causal and causal).
+* ``quant_*`` (non-causal rows): Q, K, V quantization alone, us and TB/s counting 16-bit reads + e4m3 writes.
+  ``quant_fused``: ``quantize_qkv``, one launch of the persistent ``_quant_qkv_kernel`` (opt-in,
+  ``FXOPT_FP8_QUANT_FUSED=1``, until this column confirms it); ``quant_new3``: three ``quantize_blocks`` calls, each
+  one persistent launch; ``quant_tc`` / ``quant_butterfly``: the per-tensor ``_quant_kernel`` (the default,
+  ``FXOPT_FP8_QUANT_FUSED=0``), tensor-core / butterfly transform. The op's Gluon route calls ``quantize_qkv``.
+
+Afterwards each fp8 config of the d = 128 table is timed at S = 4096 (non-causal and causal), and the fused
+quantization kernel's configurations (``FXOPT_FP8_QUANT_CFG``) are swept at 16k tokens (``fp8_quant_sweep``, with a
+bit-identity check against the per-tensor kernels). ``--quant-only`` runs just that sweep and the quant columns.
 
     python benchmarks/fp8_attention.py --out $OUT     # about 2 minutes on an H200, compiles included
+    python benchmarks/fp8_attention.py --quant-only --out $OUT   # the quantization part alone, well under a minute
 """
 from __future__ import annotations
 
@@ -49,18 +58,119 @@ def sdpa_ms(q, k, v, causal, backend):
         return float("nan")
 
 
+def _quant_env(fused: str, had_dot: str = "1", cfg: str = ""):
+    """Set the quantization switches for one timing (read per call by fp8_attention)."""
+    os.environ["FXOPT_FP8_QUANT_FUSED"] = fused
+    os.environ["FXOPT_FP8_HAD_DOT"] = had_dot
+    if cfg:
+        os.environ["FXOPT_FP8_QUANT_CFG"] = cfg
+    else:
+        os.environ.pop("FXOPT_FP8_QUANT_CFG", None)
+
+
+def _quant_env_clear():
+    for name in ("FXOPT_FP8_QUANT_FUSED", "FXOPT_FP8_HAD_DOT", "FXOPT_FP8_QUANT_CFG"):
+        os.environ.pop(name, None)
+
+
+def quant_columns(q, k, v) -> dict:
+    """Q, K, V quantization alone: the fused launch, three new per-tensor launches, the old tensor-core and
+    butterfly kernels (us, TB/s counting 16-bit reads + e4m3 writes)."""
+    nbytes = (q.numel() + k.numel() + v.numel()) * (q.element_size() + 1)
+
+    def three():
+        F.quantize_blocks(q, hadamard=True, seed=0)
+        F.quantize_blocks(k, hadamard=True, seed=0)
+        F.quantize_blocks(v, hadamard=False, transpose=True)
+
+    def fused():
+        F.quantize_qkv(q, k, v, hadamard=True, seed=0)
+
+    out = {}
+    for tag, fn, env in (("quant_fused", fused, ("1", "1")), ("quant_new3", three, ("1", "1")),
+                         ("quant_tc", three, ("0", "1")), ("quant_butterfly", three, ("0", "0"))):
+        _quant_env(*env)
+        fn()
+        t = bench_ms(fn)
+        out[f"{tag}_us"] = t * 1e3
+        out[f"{tag}_TBps"] = nbytes / (t * 1e-3) / 1e12
+    _quant_env_clear()
+    return out
+
+
+QUANT_SWEEP = {  # FXOPT_FP8_QUANT_CFG = "num_warps,num_stages,programs_per_sm[,v_dot]"; "" = the default
+    128: ["", "8,4,1", "16,3,1", "16,4,1", "8,3,1,1", "16,3,1,1", "8,2,2,1"],
+    64: ["", "8,3,3", "4,3,3", "8,4,2", "16,3,1", "8,3,2,1"],
+}
+
+
+def _bytes_equal(a, b) -> bool:
+    if a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def quant_sweep(dims) -> list[dict]:
+    """Every fused-kernel configuration at 16k tokens x 2048 hidden (S = 4096), bf16, GQA-free; ``identical``:
+    all six outputs bit-equal to the per-tensor kernels'."""
+    rows = []
+    for d in dims:
+        s, b, h = 4096, 4, 2048 // d
+        g = torch.Generator(device="cuda").manual_seed(d)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        nbytes = 3 * q.numel() * (q.element_size() + 1)
+        _quant_env("0")
+        ref = F.quantize_qkv(q, k, v, hadamard=True, seed=0)
+        for cfg in QUANT_SWEEP.get(d, [""]):
+            _quant_env("1", "1", cfg)
+            row = {"d": d, "S": s, "B": b, "H": h, "cfg": cfg or "default " + ",".join(
+                str(int(x)) for x in F._quant_cfg(d))}
+            try:
+                got = F.quantize_qkv(q, k, v, hadamard=True, seed=0)
+                row["identical"] = all(_bytes_equal(x, y) for x, y in zip(got, ref))
+                t = bench_ms(lambda: F.quantize_qkv(q, k, v, hadamard=True, seed=0))
+                row["us"] = t * 1e3
+                row["TBps"] = nbytes / (t * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001  (out of shared memory etc.: report, keep going)
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            print(row, flush=True)
+        _quant_env_clear()
+        del q, k, v, ref
+    return rows
+
+
 def main():
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--dims", default="128,64"))
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: (p.add_argument("--dims", default="128,64"),
+                                                                 p.add_argument("--quant-only", action="store_true")))
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     t0 = time.time()
+    dims = [int(x) for x in args.dims.split(",")]
+    sweep = quant_sweep(dims)
+    write_results("fp8_quant_sweep", sweep, title="Fused Q/K/V quantization configs (H200), 16k tokens",
+                  notes="us / TB/s of quantize_qkv (one launch) per FXOPT_FP8_QUANT_CFG; identical = bit-equal "
+                        "codes and scales to the per-tensor kernels (FXOPT_FP8_QUANT_FUSED=0).", out_dir=args.out)
+    if args.quant_only:
+        rows = []
+        for d in dims:
+            for s in ([4096] if args.quick else [4096, 1024, 16384]):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                rows.append({"d": d, "S": s, "B": b, "H": h, **quant_columns(q, k, v)})
+                print(rows[-1], flush=True)
+        write_results("fp8_quant", rows, title="Q/K/V quantization alone (H200), 16k tokens, us and TB/s",
+                      out_dir=args.out)
+        print(f"total {time.time() - t0:.0f}s")
+        return
     seqs = [1024, 4096] if args.quick else [4096, 16384, 8192, 1024, 2048]
     rows = []
     notes = ("TFLOP/s (higher is better); fp8_kernel (Triton) and gluon_fp8_kernel exclude quantization (FA3's "
              "convention), fp8_op includes the Hadamard transform and block quantization of Q, K, V and runs "
              "op_kernel; quant_ms = op time - op_kernel time. int8_kernel: the INT8 mode of the same kernel "
-             "(Q, K, V transformed, P at 255 levels; fxopt::int8_attention), quantization excluded. Anchors measured "
-             "in the same process.")
-    for d in [int(x) for x in args.dims.split(",")]:
+             "(Q, K, V transformed, P at 255 levels; fxopt::int8_attention), quantization excluded. quant_*: Q, K, V "
+             "quantization alone (fused = one launch, new3 = three new launches, tc / butterfly = the old "
+             "per-tensor kernels). Anchors measured in the same process.")
+    for d in dims:
         for s in seqs:
             b, h = 16384 // s, 2048 // d
             g = torch.Generator(device="cuda").manual_seed(s + d)
@@ -122,19 +232,8 @@ def main():
                     row["int8_check"] = ((o8.float() - emu8.float()).norm() / emu8.float().norm()).item()
                 row["op_kernel"] = "gluon" if gluon_ok else "triton"
                 row["quant_ms"] = ms["fp8_op"] - ms["gluon_fp8_kernel" if gluon_ok else "fp8_kernel"]
-                if not causal:  # the three quantization launches alone, tensor-core transform vs butterflies
-                    def quant():
-                        F.quantize_blocks(q, hadamard=True, seed=0)
-                        F.quantize_blocks(k, hadamard=True, seed=0)
-                        F.quantize_blocks(v, hadamard=False, transpose=True)
-                    nbytes = 3 * q.numel() * (q.element_size() + 1)  # read 16-bit, write e4m3
-                    for tag, env in (("quant_tc", "1"), ("quant_butterfly", "0")):
-                        os.environ["FXOPT_FP8_HAD_DOT"] = env
-                        quant()
-                        t = bench_ms(quant)
-                        row[f"{tag}_us"] = t * 1e3
-                        row[f"{tag}_TBps"] = nbytes / (t * 1e-3) / 1e12
-                    os.environ.pop("FXOPT_FP8_HAD_DOT")
+                if not causal:
+                    row.update(quant_columns(q, k, v))
                 rows.append(row)
                 print(row, f"[{time.time() - t0:.0f}s]", flush=True)
                 write_results("fp8_attention", rows, title="FP8 attention forward (H200), TFLOP/s", notes=notes,

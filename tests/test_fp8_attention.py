@@ -268,6 +268,124 @@ def test_quantize_tensor_core_transform_matches_butterflies(interpret_device, mo
     assert torch.equal(hsum, hi.transpose(-1, -2).to(torch.int32).reshape(6, -1, 16, D).sum(2))
 
 
+
+# ---------------------------------------------------------------- fused q / k / v quantization (one launch)
+
+
+def _per_tensor(monkeypatch, q, k, v, **kw):
+    """The per-tensor ``_quant_kernel`` launches (the path before the fused kernel): FXOPT_FP8_QUANT_FUSED=0."""
+    monkeypatch.setenv("FXOPT_FP8_QUANT_FUSED", "0")
+    try:
+        return F.quantize_qkv(q, k, v, **kw)
+    finally:
+        monkeypatch.setenv("FXOPT_FP8_QUANT_FUSED", "1")
+
+
+@pytest.fixture
+def fused_on(monkeypatch):
+    """The fused quantization kernel is off by default until its GPU check; these tests switch it on."""
+    monkeypatch.setenv("FXOPT_FP8_QUANT_FUSED", "1")
+    return monkeypatch
+
+
+def _assert_fused_ran(monkeypatch, q, k, v, **kw):
+    """A malformed FXOPT_FP8_QUANT_CFG is only parsed by the fused launch: proves that path was taken."""
+    monkeypatch.setenv("FXOPT_FP8_QUANT_CFG", "not,a,config")
+    with pytest.raises(ValueError):
+        F.quantize_qkv(q, k, v, **kw)
+    monkeypatch.delenv("FXOPT_FP8_QUANT_CFG")
+
+
+@pytest.mark.parametrize("D,hadamard,cfg", [(32, True, None), (64, True, None), (64, False, None),
+                                             (64, True, "8,3,1,1"), (16, True, "4,2,2")])
+def test_fused_quantize_qkv_bit_identical_to_per_tensor(interpret_device, fused_on, monkeypatch, D, hadamard, cfg):
+    """One launch for q, k, v (persistent, several blocks per program, Q and K in one loop, V transposed) gives the
+    same codes and scales as the per-tensor kernel and matches the float64 reference: GQA (4 query heads, 2 kv
+    heads), lengths not multiples of the block, Sq != Sk, fp16 (the interpreter's 16-bit type)."""
+    q = _rand(2, 4, 70, D, dtype=torch.float16, seed=60 + D, device=interpret_device)
+    k = _rand(2, 2, 45, D, dtype=torch.float16, seed=61 + D, device=interpret_device) * 3
+    v = _rand(2, 2, 45, D, dtype=torch.float16, seed=62 + D, device=interpret_device)
+    kw = dict(hadamard=hadamard, seed=4, qdtype=torch.float16)
+    if cfg:
+        monkeypatch.setenv("FXOPT_FP8_QUANT_CFG", cfg)
+    fused = F.quantize_qkv(q, k, v, **kw)
+    old = _per_tensor(monkeypatch, q, k, v, **kw)
+    qb = F._qblock()  # 32 in the interpreter, 128 on a GPU
+    nq, nk = -(-70 // qb), -(-45 // qb)
+    shapes = [(2, 4, nq * qb, D), (8, nq), (2, 2, nk * qb, D), (4, nk), (2, 2, D, nk * qb), (4, nk)]
+    for a, b, shape in zip(fused, old, shapes):
+        assert a.shape == shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+    # against float64: transform, one scale per block, fp16 codes; padding rows / columns are 0
+    for x, xq, s, had, transposed in ((q, fused[0], fused[1], hadamard, False), (k, fused[2], fused[3], hadamard,
+                                      False), (v, fused[4], fused[5], False, True)):
+        src = x.double().cpu() @ F.hadamard_matrix(D, 4) if had else x.double().cpu()
+        S = x.shape[2]
+        codes = (xq.transpose(-1, -2) if transposed else xq).double().cpu()
+        rq, rs = F.quantize_reference(src, "block", qblock=qb, qdtype=torch.float16)  # fp32 math on the f64 transform
+        assert torch.allclose(s.cpu().double(), rs.double().reshape(-1, S)[:, ::qb], rtol=1e-5)
+        assert torch.allclose(codes[:, :, :S], rq.double(), atol=0.25, rtol=2e-3)  # fp16 codes: 1 ulp <= 0.25
+        assert (codes[:, :, S:] == 0).all()
+    if cfg is None:
+        _assert_fused_ran(monkeypatch, q, k, v, **kw)
+
+
+def test_fused_quantize_strided_inputs_and_single_tensors(interpret_device, fused_on, monkeypatch):
+    """[B, S, H, D] storage seen as [B, H, S, D] (what the model's transpose(1, 2) hands the op), and
+    ``quantize_blocks`` on one tensor (the route of the Gluon kernel's host code) through the fused kernel."""
+    D = 32
+    q = _rand(2, 50, 4, D, dtype=torch.float16, seed=70, device=interpret_device).transpose(1, 2)
+    k = _rand(2, 33, 2, D, dtype=torch.float16, seed=71, device=interpret_device).transpose(1, 2)
+    v = _rand(2, 33, 2, D, dtype=torch.float16, seed=72, device=interpret_device).transpose(1, 2)
+    assert not q.is_contiguous()
+    kw = dict(hadamard=True, seed=6, qdtype=torch.float16)
+    fused = F.quantize_qkv(q, k, v, **kw)
+    old = _per_tensor(monkeypatch, q, k, v, **kw)
+    contig = F.quantize_qkv(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
+    for a, b, c in zip(fused, old, contig):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    singles = (F.quantize_blocks(q, **kw), F.quantize_blocks(k, **kw),
+               F.quantize_blocks(v, hadamard=False, transpose=True, qdtype=torch.float16))
+    for a, b in zip([t for pair in singles for t in pair], fused):
+        assert torch.equal(a, b)
+    _assert_fused_ran(monkeypatch, q, k, v, **kw)
+    monkeypatch.setenv("FXOPT_FP8_QUANT_CFG", "not,a,config")  # the single-tensor route is the fused one too
+    with pytest.raises(ValueError):
+        F.quantize_blocks(q, **kw)
+
+
+def test_fused_quantize_edge_cases_and_fallbacks(interpret_device, fused_on, monkeypatch):
+    """Empty sequences (one all-zero block, as before), inputs the fused kernel does not take (fp32, D = 256,
+    int8, a transposed Hadamard output) still go through the per-tensor kernel."""
+    D = 32
+    q = _rand(1, 2, 0, D, dtype=torch.float16, device=interpret_device)
+    k = _rand(1, 2, 5, D, dtype=torch.float16, seed=80, device=interpret_device)
+    kw = dict(hadamard=True, seed=1, qdtype=torch.float16)
+    fused = F.quantize_qkv(q, k, k, **kw)
+    old = _per_tensor(monkeypatch, q, k, k, **kw)
+    assert fused[0].shape == (1, 2, F._qblock(), D) and (fused[0] == 0).all()
+    for a, b in zip(fused, old):
+        assert torch.equal(a, b)
+    x = _rand(1, 2, 40, D, dtype=torch.float16, seed=81, device=interpret_device)
+    assert F._fused_quant_ok(x, D, 32, torch.float16, True)
+    assert not F._fused_quant_ok(x.float(), D, 32, torch.float16, True)
+    assert not F._fused_quant_ok(x, D, 32, torch.int8, True)
+    assert not F._fused_quant_ok(x, 256, 32, torch.float16, True)
+    monkeypatch.setenv("FXOPT_FP8_HAD_DOT", "0")  # butterflies: the per-tensor kernel
+    assert not F._fused_quant_ok(x, D, 32, torch.float16, True) and F._fused_quant_ok(x, D, 32, torch.float16, False)
+    monkeypatch.delenv("FXOPT_FP8_HAD_DOT")
+    monkeypatch.setenv("FXOPT_FP8_QUANT_FUSED", "0")
+    assert not F._fused_quant_ok(x, D, 32, torch.float16, False)
+    monkeypatch.delenv("FXOPT_FP8_QUANT_FUSED")
+    assert F._fused_quant_ok(x, D, 32, torch.float16, False) == (F._QUANT_FUSED_DEFAULT == "1")
+    monkeypatch.setenv("FXOPT_FP8_QUANT_FUSED", "1")
+    monkeypatch.setenv("FXOPT_FP8_QUANT_CFG", "not,a,config")  # none of these reach the fused kernel
+    F.quantize_blocks(x, hadamard=True, seed=1, transpose=True, qblock=32, qdtype=torch.float16)
+    F.quantize_blocks(x, hadamard=True, seed=1, transpose=True, qdtype=torch.int8, sum_chunk=16)
+    F.quantize_qkv(x.float(), x.float(), x.float(), hadamard=False, qdtype=torch.float16)
+    with pytest.raises(ValueError, match="FXOPT_FP8_QUANT_CFG"):
+        F.quantize_qkv(x, x, x, hadamard=False, qdtype=torch.float16)
+
 def test_int8_op_cpu_path_and_fake():
     q = _rand(1, 4, 20, 64, dtype=torch.bfloat16, seed=30)
     k = _rand(1, 2, 20, 64, dtype=torch.bfloat16, seed=31)
@@ -373,6 +491,30 @@ def test_gpu_quantize_tensor_core_transform(monkeypatch, D):
     assert torch.allclose(sa, rs.reshape(12, 300)[:, ::128], rtol=1e-5)
     assert (a[:, :, :300].float() == rq).float().mean() > 0.98
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("cfg", [None, "8,3,1,1", "16,3,1", "8,4,1"])
+def test_gpu_fused_quantize_bit_identical(fused_on, monkeypatch, dtype, D, cfg):
+    """On the GPU, in e4m3: the fused launch against the per-tensor kernels (bit-identical codes and scales) for
+    the default configuration and the A/B ones of the benchmark sweep; GQA, odd lengths, [B, S, H, D] storage."""
+    if cfg:
+        monkeypatch.setenv("FXOPT_FP8_QUANT_CFG", cfg)
+    q = _rand(2, 300, 8, D, dtype=dtype, seed=90, device="cuda").transpose(1, 2)
+    k = _rand(2, 2, 333, D, dtype=dtype, seed=91, device="cuda") * 4
+    v = _rand(2, 2, 333, D, dtype=dtype, seed=92, device="cuda")
+    fused = F.quantize_qkv(q, k, v, hadamard=True, seed=5)
+    old = _per_tensor(monkeypatch, q, k, v, hadamard=True, seed=5)
+    for a, b in zip(fused, old):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+    singles = F.quantize_blocks(q, hadamard=True, seed=5), F.quantize_blocks(v, hadamard=False, transpose=True)
+    assert torch.equal(singles[0][0].view(torch.uint8), old[0].view(torch.uint8))
+    assert torch.equal(singles[1][0].view(torch.uint8), old[4].view(torch.uint8))
+    assert torch.equal(singles[0][1], old[1]) and torch.equal(singles[1][1], old[5])
 
 @pytest.mark.gpu
 def test_hadamard_and_quant_gpu():

@@ -34,6 +34,18 @@ Design
   B operand from shared memory K-major only, and for P @ V the contraction runs over the keys, so each V^T tile
   [D, BLOCK_N] is loaded as is and used as ``vt.T`` (contiguous along the keys). K [S, D] is already K-major for
   q @ k^T (contraction over D).
+* One quantization launch for q, k and v (``quantize_qkv`` -> ``_quant_qkv_kernel``, session 8; opt-in with
+  ``FXOPT_FP8_QUANT_FUSED=1`` until its GPU check; ``quantize_blocks`` on one tensor then takes the same kernel). Offline sm_90 SASS of the per-tensor kernel showed why it reached only
+  ~2 TB/s (142-159 us for 16k tokens x 2048 x 3): each program loads its whole 32 KB tile, waits, transforms,
+  reduces and stores with nothing else in flight (two programs per SM for q / k, whose every block also re-read the
+  32 KB transform matrix from L2: as many L2->SM bytes as the data itself). The fused kernel is persistent (one or
+  two programs per SM) and walks the blocks of v, then of q and k in one loop: q / k tiles come through a 3-stage
+  cp.async pipeline (two blocks in flight while one is on the tensor cores), the matrix is loaded once per
+  program, and v uses a register double buffer (the next block's 16-byte loads are issued before this block's
+  transpose through shared memory, ldmatrix.trans, and 16-byte stores along S). Per-block arithmetic is the
+  per-tensor kernel's (same wgmma shape at the default 8 warps, same amax / scale expressions): bit-identical
+  codes and scales (tests). ``FXOPT_FP8_QUANT_FUSED=0`` returns to the per-tensor kernel; ``FXOPT_FP8_QUANT_CFG``
+  sets warps / stages / programs per SM / V through the tensor cores for the GPU sweep (``_quant_cfg``).
 * Attention (``_fp8_attn_fwd``, FA2 online softmax in base 2, grid (query blocks, B * Hq), causal grids heaviest
   block first). Scores = dot_fp8(q, k^T) * (q_scale * k_scale * sm_scale * log2 e): both block scales are scalars for
   a (query block, key block) pair, so dequantizing costs nothing beyond the softmax scale. P = exp2(s - m + 8) lies in
@@ -66,8 +78,8 @@ Design
   Accuracy: ``int8_attention_reference`` (exact integer emulation), ``benchmarks/fp8_accuracy.py``.
 * Scope: forward only (inference; no autograd is registered, ``fp8_attention_supported`` refuses training), no
   attention mask / dropout / window, D in {64, 128, 256}, q/k/v float16 or bfloat16. ``fp8_attention`` = quantize
-  (3 small memory-bound launches) + attention; ``fp8_attention_quantized`` is the attention kernel alone (the
-  figure FA3 reports, K/V quantization being amortised in a KV cache).
+  (memory-bound: one launch via ``quantize_qkv``) + attention; ``fp8_attention_quantized`` is the attention kernel
+  alone (the figure FA3 reports, K/V quantization being amortised in a KV cache).
 """
 from __future__ import annotations
 
@@ -181,6 +193,100 @@ def _quant_kernel(X, XQ, SCALE, SIGNS, XSUM, stride_xz, stride_xh, stride_xs, st
         xq = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
         tl.store(q_ptrs, xq.to(XQ.dtype.element_ty))
         tl.store(SCALE + off_zh * N_BLOCKS + pid, amax / 448.0)
+
+
+@triton.jit
+def _qkv_load_block(X, t, stride_xz, stride_xh, stride_xs, H, SEQ, N_BLOCKS, valid,
+                    HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr):
+    """The [QBLOCK, D] tile of quantization block t (= (z * H + h) * N_BLOCKS + row block) of x [B, H, S, D]; rows
+    past SEQ (and the whole tile when not ``valid``) read as 0 without touching memory."""
+    offs_r = tl.arange(0, QBLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    zh = t // N_BLOCKS
+    row0 = (t - zh * N_BLOCKS) * QBLOCK
+    z = zh // H
+    h = zh - z * H
+    x_base = X + z.to(tl.int64) * stride_xz + h.to(tl.int64) * stride_xh + row0.to(tl.int64) * stride_xs
+    rows_ok = ((row0 + offs_r) < SEQ) & valid
+    return tl.load(x_base + offs_r[:, None] * stride_xs + offs_d[None, :], mask=rows_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _qkv_store_block(y, XQ, SCALE, t, N_BLOCKS, HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr,
+                     TRANSPOSED: tl.constexpr):
+    """Quantize block t's fp32 tile y with one scale, exactly as ``_quant_kernel`` does, and store codes + scale.
+    y is [QBLOCK, D] (row-major output [B * H * S_pad, D]) or, ``TRANSPOSED``, [D, QBLOCK] (output [B * H, D,
+    S_pad]: row d of the tile goes to columns [blk * QBLOCK, +QBLOCK) of row d, 16-byte stores along S)."""
+    offs_r = tl.arange(0, QBLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    amax = tl.maximum(tl.max(tl.reshape(tl.abs(y), [QBLOCK * HEAD_DIM], can_reorder=True), 0), 1e-30)
+    yq = tl.clamp(y * (448.0 / amax), -448.0, 448.0).to(XQ.dtype.element_ty)
+    if TRANSPOSED:
+        zh = t // N_BLOCKS
+        col0 = (t - zh * N_BLOCKS) * QBLOCK
+        q_ptrs = (XQ + zh.to(tl.int64) * (HEAD_DIM * QBLOCK * N_BLOCKS) + col0
+                  + offs_d[:, None] * (QBLOCK * N_BLOCKS) + offs_r[None, :])
+        tl.store(q_ptrs, yq)
+    else:
+        tl.store(XQ + t.to(tl.int64) * (QBLOCK * HEAD_DIM) + offs_r[:, None] * HEAD_DIM + offs_d[None, :], yq)
+    tl.store(SCALE + t, amax / 448.0)
+
+
+@triton.jit
+def _quant_qkv_kernel(Q, K, V, QQ, KQ, VT, QS, KS, VS, HMAT,
+                      stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks, stride_vz, stride_vh,
+                      stride_vs, HQ, HKV, SEQ_Q, SEQ_K, NB_Q, NB_K, TOTAL_Q, TOTAL_K, TOTAL_V, norm,
+                      HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, V_DOT: tl.constexpr):
+    """Block-quantize q, k (row-major, optionally Hadamard-transformed) and v (transposed) in ONE persistent launch.
+
+    Program p walks the blocks u = p, p + P, ... of the sequence [V blocks (TOTAL_V), Q blocks (TOTAL_Q), K blocks
+    (TOTAL_K)], so every program gets the same number of blocks +-1 and neighbouring programs read neighbouring
+    blocks. Per-block arithmetic is ``_quant_kernel``'s (same dot shape, same amax, same scale expression).
+
+    * V loop: plain loads into registers; the next block's load is issued before this block is quantized (a
+      register double buffer: the amax, the transpose through shared memory and the stores of block i run while
+      block i + 1 is in flight). ``V_DOT``: instead, V^T = x^T @ I on the tensor cores from a cp.async pipeline
+      (exact for finite x up to the sign of zero; an A/B option, see ``_quant_cfg``).
+    * Q / K loop: one loop over both tensors (pointers and shapes selected per block), loads pipelined through
+      shared memory by ``tl.range(num_stages=NUM_STAGES)`` (cp.async, NUM_STAGES - 1 blocks in flight while one is
+      transformed); the [D, D] matrix H_D diag(signs) is loaded into shared memory once per program instead of
+      once per block."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # ---- V -> V^T [B, HKV, D, S_pad]
+    if V_DOT:
+        offs_i = tl.arange(0, QBLOCK)
+        ident = (offs_i[:, None] == offs_i[None, :]).to(V.dtype.element_ty)
+        for t in tl.range(pid, TOTAL_V, nprog, num_stages=NUM_STAGES, disable_licm=True):
+            x = _qkv_load_block(V, t, stride_vz, stride_vh, stride_vs, HKV, SEQ_K, NB_K, True, HEAD_DIM, QBLOCK)
+            _qkv_store_block(tl.dot(tl.trans(x), ident, out_dtype=tl.float32), VT, VS, t, NB_K, HEAD_DIM, QBLOCK,
+                             True)
+    else:
+        x = _qkv_load_block(V, pid, stride_vz, stride_vh, stride_vs, HKV, SEQ_K, NB_K, pid < TOTAL_V, HEAD_DIM,
+                            QBLOCK)
+        for t in tl.range(pid, TOTAL_V, nprog, num_stages=1, disable_licm=True):
+            x_next = _qkv_load_block(V, t + nprog, stride_vz, stride_vh, stride_vs, HKV, SEQ_K, NB_K,
+                                     t + nprog < TOTAL_V, HEAD_DIM, QBLOCK)
+            _qkv_store_block(tl.trans(x.to(tl.float32)), VT, VS, t, NB_K, HEAD_DIM, QBLOCK, True)
+            x = x_next
+    # ---- Q and K, row-major [B, H, S_pad, D]
+    if HADAMARD:
+        offs_d = tl.arange(0, HEAD_DIM)
+        hmat = tl.load(HMAT + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+    start = (pid + nprog - TOTAL_V % nprog) % nprog  # continue the block sequence where the V loop left off
+    for g in tl.range(start, TOTAL_Q + TOTAL_K, nprog, num_stages=NUM_STAGES, disable_licm=True):
+        is_k = g >= TOTAL_Q
+        t = tl.where(is_k, g - TOTAL_Q, g)
+        n_blocks = tl.where(is_k, NB_K, NB_Q)
+        x = _qkv_load_block(tl.where(is_k, K, Q), t, tl.where(is_k, stride_kz, stride_qz),
+                            tl.where(is_k, stride_kh, stride_qh), tl.where(is_k, stride_ks, stride_qs),
+                            tl.where(is_k, HKV, HQ), tl.where(is_k, SEQ_K, SEQ_Q), n_blocks, True, HEAD_DIM, QBLOCK)
+        if HADAMARD:
+            y = tl.dot(x, hmat, out_dtype=tl.float32) * norm
+        else:
+            y = x.to(tl.float32)
+        _qkv_store_block(y, tl.where(is_k, KQ, QQ), tl.where(is_k, KS, QS), t, n_blocks, HEAD_DIM, QBLOCK, False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -531,6 +637,10 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     if sum_chunk and (not int8 or qblock % sum_chunk):
         raise ValueError(f"quantize_blocks: sum_chunk={sum_chunk} needs int8 and must divide qblock={qblock}")
     B, H, S, D = x.shape
+    if not sum_chunk and not (transpose and hadamard) and _fused_quant_ok(x, D, qblock, qdtype, hadamard):
+        outs = _quantize_fused(*((None, None, x) if transpose else (x, None, None)), hadamard=hadamard, seed=seed,
+                               qblock=qblock, qdtype=qdtype)
+        return outs[2] if transpose else outs[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     n_blocks = max(1, cdiv(S, qblock))
@@ -554,6 +664,143 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
                                          HADAMARD=bool(hadamard), INT8=int8, SUM_CHUNK=sum_chunk,
                                          HAD_DOT=had_dot, num_warps=_quant_warps(D, hadamard and not had_dot))
     return (xq, scales, sums) if sum_chunk else (xq, scales)
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool, seed: int = 0,
+                 qblock: Optional[int] = None, qdtype=None):
+    """Block-quantize the attention inputs: q and k row-major (Hadamard-transformed when ``hadamard``), v transposed
+    without transform, exactly as ``quantize_blocks`` on each. Returns (qq, qs, kq, ks, vt, vs).
+
+    One launch of ``_quant_qkv_kernel`` when the fused path takes the inputs (``_fused_quant_ok``: 16-bit inputs,
+    D a power of two in 16..128, e4m3 / fp16 codes, ``FXOPT_FP8_QUANT_FUSED`` not "0"); otherwise three
+    ``quantize_blocks`` calls."""
+    qblock = qblock or _qblock()
+    qdtype = qdtype or _fp8_dtype()
+    D = q.shape[-1]
+    if (q.dim() == 4 and tuple(k.shape) == tuple(v.shape) and k.dim() == 4 and k.shape[-1] == D
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and _fused_quant_ok(q, D, qblock, qdtype, hadamard)):
+        (qq, qs), (kq, ks), (vt, vs) = _quantize_fused(q, k, v, hadamard=hadamard, seed=seed, qblock=qblock,
+                                                      qdtype=qdtype)
+        return qq, qs, kq, ks, vt, vs
+    qq, qs = quantize_blocks(q, hadamard=hadamard, seed=seed, qblock=qblock, qdtype=qdtype)
+    kq, ks = quantize_blocks(k, hadamard=hadamard, seed=seed, qblock=qblock, qdtype=qdtype)
+    vt, vs = quantize_blocks(v, hadamard=False, transpose=True, qblock=qblock, qdtype=qdtype)
+    return qq, qs, kq, ks, vt, vs
+
+
+# Session 8 (offline): the fused persistent quantization kernel is bit-identical to the per-tensor ``_quant_kernel``
+# launches in the interpreter (tests/test_fp8_attention.py) but has not run on a GPU yet: off by default until
+# test_gpu_quantize_qkv_fused and benchmarks/fp8_attention.py --quant-only confirm it; FXOPT_FP8_QUANT_FUSED=1 turns
+# it on.
+_QUANT_FUSED_DEFAULT = "0"
+
+
+def _fused_quant_ok(x: torch.Tensor, D: int, qblock: int, qdtype, hadamard: bool) -> bool:
+    """Whether ``_quant_qkv_kernel`` takes x: 16-bit x, D a power of two in 16..128 (the [D, D] transform matrix
+    and three [QBLOCK, D] stages fit in shared memory), a power-of-two qblock >= 16, non-int8 codes, and for the
+    transform the tensor-core path's own conditions (``_had_dot_ok``: its env switch, no bf16 in the interpreter)."""
+    if os.environ.get("FXOPT_FP8_QUANT_FUSED", _QUANT_FUSED_DEFAULT) == "0":
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or qdtype == torch.int8:
+        return False
+    if D & (D - 1) or not 16 <= D <= 128 or qblock < 16 or qblock & (qblock - 1):
+        return False
+    if _INTERPRET and x.dtype == torch.bfloat16:  # the interpreter computes bf16 wrongly
+        return False
+    if x.device.type == "cuda" and (_capability(x.device)[0] < 9 or (x.device, D) in _FUSED_QUANT_FAILED):
+        return False  # sm_8x: ~100 KB of shared memory per SM, below the 144 KB of a D = 128 program
+    return not hadamard or _had_dot_ok(x, D, qblock)
+
+
+_FUSED_QUANT_FAILED: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
+    """(num_warps, num_stages, programs per SM, V_DOT) of ``_quant_qkv_kernel``; ``FXOPT_FP8_QUANT_CFG="w,s,p[,1]"``
+    overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6, session 8):
+    at D = 128 a program takes 144 KB of shared memory (3 x 32 KB cp.async stages, the 32 KB transform matrix, 16 KB
+    for the store's layout change) and ~220 registers x 256 threads (bf16), so one per SM; at D = 64, 64 KB / 80
+    registers: two per SM."""
+    env = os.environ.get("FXOPT_FP8_QUANT_CFG")
+    if env:
+        try:
+            parts = [int(p) for p in env.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (3, 4) or min(parts[:3]) < 1:
+            raise ValueError(f"FXOPT_FP8_QUANT_CFG={env!r}: expected 'num_warps,num_stages,programs_per_sm[,v_dot]'")
+        return parts[0], parts[1], parts[2], bool(parts[3]) if len(parts) == 4 else False
+    return 8, 3, (1 if D > 64 else 2), False
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def _quantize_fused(q, k, v, *, hadamard: bool, seed: int, qblock: int, qdtype):
+    """One ``_quant_qkv_kernel`` launch over any of q, k (row-major outputs) and v (transposed output); a None input
+    gets None back. Inputs [B, H, S, D] with any strides (last dim made contiguous); outputs as ``quantize_blocks``."""
+    ref = next(t for t in (q, k, v) if t is not None)
+    D = ref.shape[-1]
+    outs, args = [], []
+    for x, transpose in ((q, False), (k, False), (v, True)):
+        if x is None:
+            outs.append(None)
+            args.append((ref, None, None, (0, 0, 0), 1, 0, 1, 0))
+            continue
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        B, H, S, _ = x.shape
+        n_blocks = max(1, cdiv(S, qblock))
+        s_pad = n_blocks * qblock
+        xq = torch.empty((B, H, D, s_pad) if transpose else (B, H, s_pad, D), device=x.device, dtype=qdtype)
+        scales = torch.empty((B * H, n_blocks), device=x.device, dtype=torch.float32)
+        outs.append((xq, scales))
+        args.append((x, xq, scales, (x.stride(0), x.stride(1), x.stride(2)), H, S, n_blocks, B * H * n_blocks))
+    (q_, qq, qs, q_str, hq, sq, nbq, tq), (k_, kq, ks, k_str, hk, sk, nbk, tk), \
+        (v_, vt, vs, v_str, hv, sv, nbv, tv) = args
+    if v is not None and k is not None and (hk, sk, nbk) != (hv, sv, nbv):
+        raise ValueError(f"_quantize_fused: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if v is not None:
+        hk, sk, nbk = hv, sv, nbv  # k and v share the HKV / SEQ_K / NB_K arguments
+    hadamard = bool(hadamard) and tq + tk > 0
+    hmat = hadamard_dot_matrix(D, seed, ref.dtype, ref.device) if hadamard else ref
+    total = tq + tk + tv
+    if total == 0:
+        return outs
+    warps, stages, per_sm, v_dot = _quant_cfg(D)
+    nprog = min(total, 3 if _INTERPRET else _sm_count(ref.device) * per_sm)
+    dummy = outs[0] or outs[1] or outs[2]
+    qq, qs = outs[0] or dummy
+    kq, ks = outs[1] or dummy
+    vt, vs = outs[2] or dummy
+    try:
+        _quant_qkv_kernel[(nprog,)](q_, k_, v_, qq, kq, vt, qs, ks, vs, hmat, *q_str, *k_str, *v_str, hq, hk, sq,
+                                    sk, nbq, nbk, tq, tk, tv, 1.0 / math.sqrt(D), HEAD_DIM=D, QBLOCK=qblock,
+                                    HADAMARD=hadamard, NUM_STAGES=stages, V_DOT=v_dot,
+                                    num_warps=4 if _INTERPRET else warps)
+    except triton.runtime.errors.OutOfResources as e:  # a GPU with less shared memory / a sweep config too big
+        if os.environ.get("FXOPT_FP8_QUANT_CFG"):
+            raise
+        _FUSED_QUANT_FAILED.add((ref.device, D))
+        log.warning("fp8 quantization: fused kernel does not fit (%s); per-tensor kernels for D=%d on %s", e, D,
+                    ref.device)
+        return [None if x is None else quantize_blocks(x, hadamard=hadamard and not t, seed=seed, transpose=t,
+                                                       qblock=qblock, qdtype=qdtype)
+                for x, t in ((q, False), (k, False), (v, True))]
+    return outs
 
 
 # warps for a [128, D] tile: the butterflies' layout changes need ~2 registers per element (sm_90 builds: no spills
@@ -664,9 +911,7 @@ def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, se
     _check_attn_inputs(q, k, v, scale)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    qq, qs = quantize_blocks(q, hadamard=hadamard, seed=seed, qdtype=qdtype)
-    kq, ks = quantize_blocks(k, hadamard=hadamard, seed=seed, qdtype=qdtype)
-    vt, vs = quantize_blocks(v, hadamard=False, transpose=True, qdtype=qdtype)
+    qq, qs, kq, ks, vt, vs = quantize_qkv(q, k, v, hadamard=hadamard, seed=seed, qdtype=qdtype)
     return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
                                    out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
                                    use_tma=use_tma)

@@ -730,10 +730,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
 def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
     """fp8_attention.py's own host steps (Hadamard + block quantization; V transposed). Returns
     (qq, qs, kq, ks, vt, vs)."""
-    qq, qs = _fp8.quantize_blocks(q, hadamard=hadamard, seed=seed)
-    kq, ks = _fp8.quantize_blocks(k, hadamard=hadamard, seed=seed)
-    vt, vs = _fp8.quantize_blocks(v, hadamard=False, transpose=True)
-    return qq, qs, kq, ks, vt, vs
+    return _fp8.quantize_qkv(q, k, v, hadamard=hadamard, seed=seed)
 
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
