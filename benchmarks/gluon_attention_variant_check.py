@@ -1,14 +1,20 @@
 """GPU check of the Gluon attention forward's variants against a float64 reference: ``variant="overlap"`` (what
-the op routes d = 128 to; checked on the H200 in session 7) and the opt-in ``variant="overlap2"`` (overlap with P
-cast to 16 bits by packed inline-PTX cvt, -14 instructions per unmasked 128-key step at d = 128, offline sm_90
-SASS only so far, docs/notes_attention_fwd_session7.md), which must also be bit-identical to "overlap"; then
-timing of default, overlap and overlap2.
+the op routes d = 128 to; checked on the H200 in session 7), the opt-in ``variant="overlap2"`` (P cast by packed
+inline-PTX cvt; docs/notes_attention_fwd_session7.md) and the opt-in persistent grid ``variant="persistent"`` /
+``"persistent_lpt"`` (one CTA per SM looping over work items, d = 64 / 128; offline sm_90 SASS only so far,
+docs/notes_attention_fwd_session8.md). overlap2 and every persistent run must be BIT-IDENTICAL to "overlap" (same
+arithmetic per tile); the persistent runs also use ``num_sms`` = 1 and 3, which put many work items (and both Q
+buffers, several mbarrier phases) on each CTA, the schedules 0 / 1 / 2, ``write_lse=False`` and a [B, S, H, D]
+layout. Then timing of overlap, overlap2, persistent (and persistent_lpt, causal), one printed line per
+measurement as soon as it is taken.
 
 ``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
-device_session.sh; the output is printed)
+device_session.sh; the output is printed). A persistent launch that does not finish within 20 s is reported as a
+HANG (a wrong mbarrier phase) and the script exits with status 3; the whole script has a 170 s watchdog.
 """
 import faulthandler
 import os
+import time
 
 faulthandler.dump_traceback_later(170, exit=True)  # a wrong mbarrier phase would hang
 import math, sys, torch, triton
@@ -16,6 +22,21 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.p
 import fxopt.kernels.attention_gluon as G
 from gluon_attention_check import reference, _inputs
 torch.backends.cuda.matmul.allow_tf32 = False
+T0 = time.time()
+
+
+def finish_or_die(label, timeout=20.0):
+    """Wait for the GPU with a deadline: a persistent kernel with a wrong phase spins forever."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t = time.time()
+    while not ev.query():
+        if time.time() - t > timeout:
+            print(f"HANG: {label} did not finish within {timeout:.0f} s (mbarrier phase bookkeeping?)", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
 cases = [(2, 2, 2, 128, 128, 64, torch.bfloat16, True), (2, 2, 2, 1024, 1024, 64, torch.bfloat16, False),
          (2, 2, 2, 200, 200, 128, torch.bfloat16, False), (2, 2, 2, 1024, 1024, 128, torch.bfloat16, True),
          (2, 2, 2, 1024, 1024, 128, torch.float16, False), (1, 2, 2, 100, 300, 128, torch.bfloat16, True),
@@ -43,24 +64,61 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
     good2 = (not torch.isnan(o2).any() and e_ref2 <= 2 * e_def + 2e-3 and e_lse2 < 1e-3 and same2
              and bool(torch.isposinf(l2[empty]).all()) and bool((o2[empty.unsqueeze(-1).expand_as(o2)] == 0).all()))
     ok &= good and good2
-    print(f"B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} Sk{Sk} d{D} {dt} causal={causal}: |ovl-ref|={e_ref:.3g} "
-          f"|def-ref|={e_def:.3g} |ovl-def|={e_vd:.3g} lse_err={e_lse:.3g} {'PASS' if good else 'FAIL'} | "
-          f"|ovl2-ref|={e_ref2:.3g} lse_err2={e_lse2:.3g} ovl2==ovl bitwise {same2} {'PASS' if good2 else 'FAIL'}")
-print("correctness", "PASS" if ok else "FAIL")
-# Timing: 6 rows x 3 variants x 2 x (50 + 250 ms) ~ 11 s plus compiles (~60-90 s in all on an H200).
-# S = 512 at d = 128: the full attention table's first row (session 7) had the op (overlap) at 228 TFLOP/s against
-# 421 for the default build alone; this row tells a real short-sequence slowdown from a first-row artifact
-for D, B, H, S in ((128, 4, 16, 4096), (128, 32, 16, 512), (64, 4, 32, 4096)):
-    for causal in (False, True):
-        q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
-        flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-        t = {vr: min(triton.testing.do_bench(lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr),
-                                             warmup=50, rep=250) for _ in range(2))
-             for vr in ("default", "overlap", "overlap2")}
-        print(f"d{D} B{B} H{H} S{S} causal={causal}: " + "  ".join(
-            f"{vr} {ms:.3f} ms {flops / ms * 1e-9:.0f} TFLOP/s" for vr, ms in t.items()),
-            f" overlap/default {t['default'] / t['overlap']:.3f}x  overlap2/overlap {t['overlap'] / t['overlap2']:.3f}x",
-            flush=True)
+    line = (f"B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} Sk{Sk} d{D} {dt} causal={causal}: |ovl-ref|={e_ref:.3g} "
+            f"|def-ref|={e_def:.3g} |ovl-def|={e_vd:.3g} lse_err={e_lse:.3g} {'PASS' if good else 'FAIL'} | "
+            f"|ovl2-ref|={e_ref2:.3g} lse_err2={e_lse2:.3g} ovl2==ovl bitwise {same2} {'PASS' if good2 else 'FAIL'}")
+    if D in G._PERSISTENT_HEAD_DIMS:
+        # persistent == overlap bit for bit (out and lse), which carries overlap's reference check over; num_sms
+        # 1 / 3 put all / a third of the items on each CTA (SCHED 1 / 2 for causal, 0 otherwise); lpt only at d 128
+        runs = [("persistent", None), ("persistent", 3), ("persistent", 1)]
+        if causal and D == 128:
+            runs += [("persistent_lpt", 3), ("persistent_lpt", 1)]
+        res = []
+        for vr, n in runs:
+            op, lp = G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr, num_sms=n)
+            finish_or_die(f"{vr} num_sms={n} B{B} Hq{Hq} Sq{Sq} Sk{Sk} d{D} causal={causal}")
+            res.append(f"{vr}/{n or 'all'} {torch.equal(op, o1) and torch.equal(lp, l1)}")
+        if D == 128 and dt == torch.bfloat16 and Sq > 1:  # lse off (WRITE_LSE=False): the same out
+            op, lp = G.gluon_attention_fwd(q, k, v, causal=causal, variant="persistent", num_sms=3, write_lse=False)
+            finish_or_die(f"persistent write_lse=False B{B} Sq{Sq} Sk{Sk} causal={causal}")
+            res.append(f"persistent/3/no-lse {torch.equal(op, o1) and lp is None}")
+        if Hq != Hkv:  # [B, S, H, D] storage (strided descriptors), GQA: against overlap on the same inputs
+            qs, ks, vs = _inputs(B, Hq, Hkv, Sq, Sk, D, dt, layout="bshd")
+            ob, lb = G.gluon_attention_fwd(qs, ks, vs, causal=causal, variant="overlap")
+            op, lp = G.gluon_attention_fwd(qs, ks, vs, causal=causal, variant="persistent", num_sms=3)
+            finish_or_die(f"persistent bshd B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} causal={causal}")
+            res.append(f"persistent/3/bshd {torch.equal(op, ob) and torch.equal(lp, lb)}")
+        good_p = all(r.endswith("True") for r in res)
+        ok &= good_p
+        line += f" | persistent==ovl bitwise: {', '.join(res)} {'PASS' if good_p else 'FAIL'}"
+    print(line, flush=True)
+print(f"correctness {'PASS' if ok else 'FAIL'} ({time.time() - T0:.0f} s)", flush=True)
+
+# Timing, most important rows first; a row is skipped once the script has run 140 s (the watchdog is at 170 s).
+# Measurements print as they are taken. The S = 512 rows of session 7 are dropped (noisy, and the time is needed
+# for the persistent builds). d = 128, S = 4096 non-causal is the row the persistent grid targets (0.96x cuDNN).
+rows = ((128, 4, 16, 4096, False), (128, 4, 16, 4096, True), (128, 1, 16, 16384, True), (128, 1, 16, 16384, False),
+        (64, 4, 32, 4096, False), (64, 4, 32, 4096, True))
+for D, B, H, S, causal in rows:
+    if time.time() - T0 > 140:
+        print(f"d{D} B{B} H{H} S{S} causal={causal}: skipped (time budget)", flush=True)
+        continue
+    q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    variants = ["overlap", "overlap2", "persistent"] + (["persistent_lpt"] if causal and D == 128 else [])
+    t = {}
+    for vr in variants:
+        G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr)  # compile + one run under the hang guard
+        finish_or_die(f"{vr} d{D} B{B} H{H} S{S} causal={causal}")
+        t[vr] = min(triton.testing.do_bench(lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr),
+                                            warmup=50, rep=250) for _ in range(2))
+        print(f"  d{D} B{B} H{H} S{S} causal={causal} {vr}: {t[vr]:.3f} ms {flops / t[vr] * 1e-9:.0f} TFLOP/s",
+              flush=True)
+    print(f"d{D} B{B} H{H} S{S} causal={causal}: overlap2/overlap {t['overlap'] / t['overlap2']:.3f}x  "
+          f"persistent/overlap {t['overlap'] / t['persistent']:.3f}x" +
+          (f"  persistent_lpt/overlap {t['overlap'] / t['persistent_lpt']:.3f}x" if "persistent_lpt" in t else ""),
+          flush=True)
+print(f"done ({time.time() - T0:.0f} s)", flush=True)
 
 import sys as _s
 _s.stdout.flush()

@@ -620,3 +620,11 @@ def test_gpu_gluon_backward_route(name, dtype, monkeypatch):
     for got, want in zip(A.flash_attention_triton_bwd(do, q, k, v, out, lse, is_causal=causal),
                          (q64.grad, k64.grad, v64.grad)):
         _assert_close(got, want, dtype, scale=2)
+
+
+def test_gluon_persistent_schedule_and_protocol():
+    """The persistent Gluon forward's work schedules cover every (head, query block) item exactly once, and a CPU
+    model of its mbarrier protocol (Q double buffer, CTA-wide K/V ring, deferred O store) runs random interleavings
+    without deadlock or buffer overwrite (the model raises on either)."""
+    G = pytest.importorskip("fxopt.kernels.attention_gluon")
+    G.check_persistent_schedules_and_protocol(trials=500)

@@ -74,6 +74,34 @@ C75xx, ``wgmma_hazards`` 0, every exp2 under the own PV, highest register 169-21
 be bit-identical to "overlap" (``benchmarks/gluon_attention_variant_check.py`` checks this). See
 docs/notes_attention_fwd_session7.md.
 
+``variant="persistent"`` / ``"persistent_lpt"`` (opt-in, d = 64 / 128, session 8, offline only, NOT yet run on a
+GPU; nothing routes to it; docs/notes_attention_fwd_session8.md). A separate kernel, ``_fa3_fwd_persistent_kernel``,
+so every other build is unchanged (all 36 default / overlap / overlap2 cubins byte-identical in .text / .nv.info /
+.nv.shared / .nv.constant). Grid (P,), P <= number of SMs; CTA ``pid`` runs the work items (batch * head, 128-row
+query block) that ``_fa_sched_item`` gives it, each exactly like one CTA of the "overlap" build (same
+``_fa_step_overlap``, softmax, masks and epilogue), aimed at the ~3 steps of fixed cost per CTA measured in session 7:
+* two Q buffers per consumer warpgroup (shared memory 4 x 64 x d, 197.5 KB at d = 128): the producer loads item
+  t + 1's Q while item t runs, and its K / V ring (one CTA-wide block counter, never drained) fills item t + 1's
+  first blocks as soon as item t releases its last slots, i.e. during item t's last step, tail PV and epilogue;
+* the O tile is staged in the item's own Q buffer and its TMA store is not waited for: item t + 1 runs block 0,
+  then ``store_wait`` (a ``cp.async.bulk.wait_group.read``), then hands the buffer back (``q_empty``) for item t + 2;
+* schedules (constexpr ``SCHED``, chosen on the host by ``persistent_schedule``): 0 = heads-major stride (every
+  non-causal launch, and causal launches with <= 1 item per SM); 1 ("persistent", causal) = zigzag pairs: the
+  query blocks of a head in the order num_m - 1, 0, num_m - 2, 1, ..., two consecutive items per CTA at a time, so
+  every unit (a long and the matching short block) has about the same work and heads stay together for L2;
+  2 ("persistent_lpt", causal) = longest first: every head's longest block, then every head's second longest, ...,
+  dealt out in snake order (near-ideal balance, but all heads stream their K / V at once).
+* mask columns are shifted by the ring position (``_fa_step_overlap`` takes the ring position as its block index; Sk
+  and the diagonal offset are shifted equally: the same integer comparisons), so the arithmetic per tile is the
+  overlap build's and the output should be bit-identical to "overlap" (the GPU check tests ``torch.equal``).
+  ``WRITE_LSE=False`` (``gluon_attention_fwd(..., write_lse=False)``) skips the lse stores.
+* Offline sm_90 (ptxas 12.8), d 64 / 128, bf16 / fp16, causal or not, every SCHED, lse on / off (48 builds): STACK 0,
+  LOCAL 0, 0 spill bytes, no C75xx warning, ``wgmma_sass_hazards`` 0, ``ex2_under_pv`` as overlap (66 of 66);
+  highest consumer register 198-206 (d 128), 172-178 (d 64); main loops 498 / 733-795 instructions per step at
+  d = 128 (overlap 496 / 728-792). ``persistent_protocol_model`` (a CPU model of the barrier protocol, random
+  interleavings) and ``persistent_items`` (the schedule's CPU mirror) back the phase bookkeeping below:
+  ``python -m fxopt.kernels.attention_gluon --protocol``.
+
 Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
 ----------------------------------------------------------------------------
 * ``q_bar[w]`` (count 1): producer ``expect(nbytes)`` + TMA; consumer ``w`` waits parity 0 once (the kernel is not
@@ -120,7 +148,14 @@ Semantics
   no visible key (causal with Sq > Sk) gives out = 0 and lse = +inf, never NaN.
 * Not supported: masks other than causal, dropout, softcap, windows, fp32 inputs, scale <= 0, d other than
   64 / 128 / 256, pre-Hopper GPUs. ``gluon_supported`` says why; ``gluon_attention_fwd`` raises ValueError.
-* Not done (next steps): persistent grid / tile scheduler, explicit ping-pong ordering of the two warpgroups,
+* Persistent variants, per item t of a CTA (everything else as above, with the ring position g = the CTA-wide key
+  block counter in place of j, so slot g % STAGES, use g // STAGES, across item boundaries):
+  ``q_ready[2 b + w]`` / ``q_empty[2 b + w]`` (count 1 each) for Q buffer b = t % 2 of warpgroup w, use u = t // 2:
+  the producer waits ``q_empty`` parity ``(u & 1) ^ 1`` (passes at once for u = 0), the consumer waits
+  ``q_ready`` parity ``u & 1``, and releases buffer (t - 1) % 2 in item t after block 0 and ``store_wait``
+  (predicated off for t = 0: an extra arrive would shift every later phase). The last item's buffers are never
+  released; the consumers ``store_wait`` before exiting.
+* Not done (next steps): dynamic (atomic) tile scheduler, explicit ping-pong ordering of the two warpgroups,
   FP8, backward.
 """
 from __future__ import annotations
@@ -539,6 +574,281 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ---- variant="persistent" / "persistent_lpt": one CTA per SM, looping over work items (see the module docstring)
+
+
+@gluon.jit
+def _fa_sched_count(pid, P, T, SCHED: gl.constexpr):
+    """Work items of CTA ``pid`` (of P) out of T = NUM_M_BLOCKS * NUM_BH under schedule SCHED (_fa_sched_item)."""
+    if SCHED == 1:  # pairs: CTA pid owns units c = pid + k P (items 2c, 2c + 1); the odd last item is unit T // 2
+        half = T // 2
+        n = 2 * ((gl.maximum(half - pid, 0) + P - 1) // P)
+        n += ((T % 2 == 1) & (half % P == pid)).to(gl.int32)
+    elif SCHED == 2:  # snake over rounds of P items: round R = T // P is the partial one
+        rnd = T // P
+        pos = pid
+        if rnd % 2 == 1:
+            pos = P - 1 - pid
+        n = rnd + (pos < T % P).to(gl.int32)
+    else:  # stride: items pid, pid + P, ...
+        n = (gl.maximum(T - pid, 0) + P - 1) // P
+    return n
+
+
+@gluon.jit
+def _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch * head, query block) of CTA pid's t-th work item. Every partition calls this with the same values.
+
+    SCHED 0: items heads-major (consecutive CTAs share a head's K / V in L2), CTA pid takes pid, pid + P, ...;
+    causal: the query blocks of a head longest first. SCHED 1 (causal): the same order, but the blocks of a head
+    in zigzag order num_m - 1, 0, num_m - 2, 1, ... and a CTA takes two consecutive items at a time, so every unit
+    (a long and the matching short block) has about the same number of key blocks (balanced by construction).
+    SCHED 2 (causal, longest processing time first): items rank-major (every head's longest block, then every
+    head's second longest, ...), dealt out in snake order (round k to CTAs 0..P-1, round k + 1 back from P-1)."""
+    if SCHED == 1:
+        x = 2 * (pid + (t // 2) * P) + t % 2
+        bh = x // NUM_M_BLOCKS
+        j = x % NUM_M_BLOCKS
+        pid_m = j // 2
+        if j % 2 == 0:
+            pid_m = NUM_M_BLOCKS - 1 - j // 2
+    elif SCHED == 2:
+        pos = pid
+        if t % 2 == 1:
+            pos = P - 1 - pid
+        x = t * P + pos
+        bh = x % NUM_BH
+        pid_m = NUM_M_BLOCKS - 1 - x // NUM_BH
+    else:
+        x = pid + t * P
+        bh = x // NUM_M_BLOCKS
+        pid_m = x % NUM_M_BLOCKS
+        if CAUSAL:
+            pid_m = NUM_M_BLOCKS - 1 - pid_m
+    return bh, pid_m
+
+
+@gluon.jit
+def _fa_tile_blocks(m0, SEQ_Q, SEQ_K, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    # key blocks of the query tile at row m0 (as in _fa3_fwd_kernel): at least one, so the pipeline never empties
+    hi = SEQ_K
+    if CAUSAL:
+        hi = gl.minimum(SEQ_K, m0 + TILE_M + (SEQ_K - SEQ_Q))
+    return gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+
+@gluon.jit
+def _fa_producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            SCHED: gl.constexpr):
+    """One warp. Item t: Q of both warpgroups into Q buffer t % 2 (use t // 2 of that buffer), then K_j / V_j of
+    the item through the ring with the CTA-wide block counter g (slot g % STAGES, use g // STAGES). It runs ahead
+    into item t + 1 as soon as buffers / slots are released, i.e. while the consumers finish item t."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    g0 = 0
+    for t in range(n_local):
+        bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        m0 = pid_m * (2 * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        qb = t % 2
+        # use u = t // 2 of Q buffer qb waits until consumer w released use u - 1 (item t - 2); parity
+        # (u & 1) ^ 1 passes at once for u = 0 on a fresh barrier
+        q_phase = ((t // 2) & 1) ^ 1
+        for w in gl.static_range(2):
+            mbarrier.wait(q_empty.index(2 * qb + w), q_phase)
+            mbarrier.expect(q_ready.index(2 * qb + w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_ready.index(2 * qb + w),
+                                            _as_tma_box(q_smem.index(2 * qb + w), q_desc))
+        for g in range(g0, g0 + n_blocks):
+            s = g % STAGES
+            empty_phase = ((g // STAGES) & 1) ^ 1
+            n0 = (g - g0) * BLOCK_N
+            mbarrier.wait(k_empty.index(s), empty_phase)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(s),
+                                            _as_tma_box(k_smem.index(s), k_desc))
+            mbarrier.wait(v_empty.index(s), empty_phase)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(s),
+                                            _as_tma_box(v_smem.index(s), v_desc))
+        g0 += n_blocks
+
+
+@gluon.jit
+def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """Consumer warpgroup WG of the persistent kernel: per item exactly the "overlap" consumer's block 0, loops
+    (``_fa_step_overlap``), tail and epilogue, with the ring position offset by the CTA-wide block counter g0.
+    Differences: Q comes from buffer t % 2; the O tile is staged in that buffer and its TMA store is NOT waited for
+    in the epilogue: item t + 1 waits for it (``store_wait``, the store had block 0 of item t + 1 to read the
+    shared memory) and then hands the buffer back to the producer (``q_empty``) for item t + 2's Q."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    diag_off = SEQ_K - SEQ_Q
+    pin_buf = pin.index(WG)
+    g0 = 0  # ring position (CTA-wide key-block counter) of the item's block 0
+    for t in range(n_local):
+        bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
+        b = bh // H
+        h = bh % H
+        m0 = pid_m * (2 * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        row_first = m0 + WG * ROWS
+        rows = row_first + gl.arange(0, ROWS, layout=row_layout)
+        n_full = SEQ_K // BLOCK_N
+        if CAUSAL:
+            n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+        n_full = gl.minimum(n_full, n_blocks)
+
+        qb = t % 2
+        q_buf = q_smem.index(2 * qb + WG)
+        mbarrier.wait(q_ready.index(2 * qb + WG), (t // 2) & 1)
+
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+        # ---- block 0 (ring position g0)
+        ks0 = g0 % STAGES
+        mbarrier.wait(k_ready.index(ks0), (g0 // STAGES) & 1)
+        s = warpgroup_mma(q_buf, k_smem.index(ks0).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        mbarrier.arrive(k_empty.index(ks0), count=1)
+        # Every mask of the item sees its key columns shifted by g0 * BLOCK_N (_fa_step_overlap takes the ring
+        # position as its block index), Sk and the diagonal offset shifted by the same amount: the same
+        # comparisons, exactly. For block 0 the shift also keeps LLVM from hoisting its item-invariant
+        # ``cols < Sk`` predicates out of the item loop (~30 registers live across it: 184 B of spills).
+        seq_k_sh = SEQ_K + g0 * BLOCK_N
+        diag_sh = diag_off + g0 * BLOCK_N
+        if n_full == 0:
+            s = _fa_mask(s, g0 * BLOCK_N, rows, seq_k_sh, diag_sh, BLOCK_N, CAUSAL, s_layout)
+        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+        # ---- item t - 1's O store (from the other Q buffer) has read its shared memory: give that buffer back to
+        # the producer (item t + 1's Q). Nothing is outstanding for t = 0 and the arrive is skipped then.
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(2 * (1 - qb) + WG), count=1, pred=t > 0)
+
+        # ---- key blocks 1 .. n_blocks - 1 at ring positions g0 + 1 .. g0 + n_blocks - 1
+        for i in range(g0 + 1, g0 + n_full):
+            s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
+                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout)
+        for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
+            s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
+                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout)
+        # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
+        jv = g0 + n_blocks - 1
+        vs = jv % STAGES
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        g0 += n_blocks
+
+        # ---- epilogue (as _fa_consumer's), the TMA store left in flight
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, orow_layout), 1)
+        if WRITE_LSE:
+            lse = gl.where(empty, float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453)
+            # row offset bh * Sq in 64 bits, zero-extended (both >= 0): a sign-extended Sq's high word is
+            # item-invariant, LLVM hoists it and ptxas spilled it (8 B)
+            lse_row = bh.to(gl.uint32).to(gl.int64) * SEQ_Q.to(gl.uint32).to(gl.int64)
+            gl.store(lse_ptr + lse_row + rows, lse, mask=rows < SEQ_Q)
+        q_buf.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_tma_box(q_buf, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+    _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)
+
+
+@gluon.jit
+def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+    _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)
+
+
+# No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
+# lse_ptr's alignment: one build per constexpr set, and it is exactly the build ``compile_offline`` checks.
+@gluon.jit(do_not_specialize=["lse_ptr", "H", "GROUP", "SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_BH"])
+def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K,
+                               NUM_M_BLOCKS, NUM_BH, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """variant="persistent" / "persistent_lpt": grid (P,), P <= number of SMs; CTA pid runs the work items
+    ``_fa_sched_item(t, pid, ...)`` for t < ``_fa_sched_count(...)``, each exactly like one CTA of the "overlap"
+    build. Shared memory: two Q buffers per consumer warpgroup (4 x 64 x d), the K / V ring, the pin slots."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    n_local = _fa_sched_count(pid, P, NUM_M_BLOCKS * NUM_BH, SCHED)
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], tile_layout)  # index 2 * buffer + warpgroup
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(q_ready.index(i), count=1)  # the producer's expect-arrive + TMA bytes
+        mbarrier.init(q_empty.index(i), count=1)  # the one consumer warpgroup that reads this buffer
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    gl.warp_specialize([
+        (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                       v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
+                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)),
+        (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                       v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
+                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)),
+        (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                   k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
+                                   SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -553,16 +863,28 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-VARIANTS = ("default", "overlap", "overlap2")
+VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt")
+# Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
+# K / V ring (d = 256 would need 2 x 2 x 64 x 256 x 2 = 128 KB of Q plus 128 KB of K / V > 227 KB).
+_PERSISTENT_HEAD_DIMS = (64, 128)
+# Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
+_PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2}
 
 
 def config_for(head_dim: int, variant: str = "default") -> dict:
     """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check).
 
-    ``variant="overlap"``: same tiles, ``OVERLAP=True``; ``variant="overlap2"``: also ``CAST_LATE=True`` (see the
-    module docstring)."""
+    ``variant="overlap"``: same tiles, ``OVERLAP=True``; ``variant="overlap2"``: also ``CAST_LATE=True``;
+    ``variant="persistent"`` / ``"persistent_lpt"``: the overlap build's tiles in ``_fa3_fwd_persistent_kernel``
+    (``PERSISTENT=True``; ``SCHED_CAUSAL`` = the causal schedule), d = 64 / 128 only (see the module
+    docstring). Raises ValueError for an unknown variant, head dim, or an unsupported combination."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
+    if head_dim not in _CONFIGS:
+        raise ValueError(f"head dim {head_dim} not supported (only {sorted(_CONFIGS)})")
+    if variant in _PERSISTENT_SCHED and head_dim not in _PERSISTENT_HEAD_DIMS:
+        raise ValueError(f"variant {variant!r} supports head dims {_PERSISTENT_HEAD_DIMS}, not {head_dim}: its two "
+                         f"Q buffers per consumer warpgroup and the K / V ring do not fit in 227 KB of shared memory")
     block_n, stages = _CONFIGS[head_dim]
     cfg = dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
@@ -570,7 +892,55 @@ def config_for(head_dim: int, variant: str = "default") -> dict:
         cfg["OVERLAP"] = True
     if variant == "overlap2":
         cfg["CAST_LATE"] = True
+    if variant in _PERSISTENT_SCHED:
+        cfg["PERSISTENT"] = True
+        cfg["SCHED_CAUSAL"] = _PERSISTENT_SCHED[variant]
     return cfg
+
+
+def persistent_schedule(num_m: int, num_bh: int, causal: bool, num_sms: int, variant: str = "persistent"):
+    """(SCHED, grid size P) of a persistent launch over num_m query tiles x num_bh heads on num_sms SMs:
+    non-causal, or causal with at most one item per SM: SCHED 0 (stride); causal otherwise the variant's schedule
+    (1 zigzag pairs: P = min(num_sms, ceil(T / 2)); 2 LPT snake: P = num_sms)."""
+    T = num_m * num_bh
+    sched = _PERSISTENT_SCHED[variant] if causal and T > num_sms else 0
+    units = (T + 1) // 2 if sched == 1 else T
+    return sched, max(1, min(num_sms, units))
+
+
+def persistent_items(pid: int, P: int, num_m: int, num_bh: int, sched: int, causal: bool) -> list:
+    """CPU mirror of ``_fa_sched_count`` / ``_fa_sched_item``: CTA pid's work items [(bh, pid_m), ...] in order
+    (same integer formulas; for the unit test that every (bh, pid_m) is covered exactly once)."""
+    T = num_m * num_bh
+    if sched == 1:
+        half = T // 2
+        n = 2 * ((max(half - pid, 0) + P - 1) // P) + int(T % 2 == 1 and half % P == pid)
+    elif sched == 2:
+        rnd = T // P
+        pos = P - 1 - pid if rnd % 2 == 1 else pid
+        n = rnd + int(pos < T % P)
+    else:
+        n = (max(T - pid, 0) + P - 1) // P
+    out = []
+    for t in range(n):
+        if sched == 1:
+            x = 2 * (pid + (t // 2) * P) + t % 2
+            bh, j = divmod(x, num_m)
+            pid_m = num_m - 1 - j // 2 if j % 2 == 0 else j // 2
+        elif sched == 2:
+            x = t * P + (P - 1 - pid if t % 2 == 1 else pid)
+            pid_m, bh = num_m - 1 - x // num_bh, x % num_bh
+        else:
+            bh, pid_m = divmod(pid + t * P, num_m)
+            if causal:
+                pid_m = num_m - 1 - pid_m
+        out.append((bh, pid_m))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
@@ -643,20 +1013,32 @@ def _desc(t: torch.Tensor, rows: int):
 
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                        lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default"):
+                        lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
+                        write_lse: bool = True, num_sms: Optional[int] = None):
     """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
     natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
 
     out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
     ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the module docstring; both
-    checked on the H200, "overlap" is what the op routes to)."""
+    checked on the H200, "overlap" is what the op routes to), "overlap2", "persistent", "persistent_lpt"
+    (opt-in, d = 64 / 128). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
+    stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
+    the grid's upper bound (default: the device's SM count; small values force many items per CTA)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
+    persistent = variant in _PERSISTENT_SCHED
+    if num_sms is not None and (not persistent or int(num_sms) < 1):
+        raise ValueError(f"gluon_attention_fwd: num_sms={num_sms} needs a persistent variant and a value >= 1")
+    if not write_lse and lse is not None:
+        raise ValueError("gluon_attention_fwd: an lse buffer was given with write_lse=False")
     reason = None if checked else gluon_supported(q, k, v, causal, scale)
     if reason is None and out is not None:
         reason = _tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
             f"out {tuple(out.shape)} {out.dtype} does not match q {tuple(q.shape)} {q.dtype}"
+    if reason is None and persistent and q.shape[-1] not in _PERSISTENT_HEAD_DIMS:
+        reason = (f"variant {variant!r} supports head dims {_PERSISTENT_HEAD_DIMS}, not {q.shape[-1]} (two Q "
+                  f"buffers per consumer warpgroup do not fit in shared memory next to the K / V ring)")
     if reason is not None:
         raise ValueError(f"gluon_attention_fwd: {reason}")
     B, Hq, Sq, D = q.shape
@@ -665,18 +1047,39 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if out is None:
         out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
     if lse is None:
-        lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+        lse = torch.empty((B, Hq, Sq) if (write_lse or not persistent) else (1,), device=q.device,
+                          dtype=torch.float32)
+    lse_ret = lse if write_lse else None
     if B * Hq * Sq == 0:
-        return out, lse
+        return out, lse_ret
     if Sk == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        out.zero_()
+        if write_lse:
+            lse.fill_(float("inf"))
+        return out, lse_ret
     cfg = config_for(D, variant)
     rows_per_cta = NUM_CONSUMERS * WG_ROWS
     num_m = (Sq + rows_per_cta - 1) // rows_per_cta  # not triton.cdiv: a ConstexprFunction, slow on the host
+    if persistent:
+        sched, n_cta = persistent_schedule(num_m, B * Hq, bool(causal), int(num_sms or _num_sms(q.device)),
+                                           variant)
+        # the ring counter g (and the masks' column shift g * BLOCK_N) grows over a CTA's items: keep it in int32
+        max_items = (num_m * B * Hq) // n_cta + 3
+        if (num_m * B * Hq >= 2 ** 30
+                or max_items * ((Sk + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"] + 1) * cfg["BLOCK_N"] + Sk >= 2 ** 31):
+            raise ValueError(f"gluon_attention_fwd: variant {variant!r}: {num_m * B * Hq} work items, up to "
+                             f"{max_items} of Sk = {Sk} per CTA, overflow its int32 item index / key-block counter")
     q_desc = _desc(q, WG_ROWS)
     o_desc = _desc(out, WG_ROWS)
     k_desc = _desc(k, cfg["BLOCK_N"])
     v_desc = _desc(v, cfg["BLOCK_N"])
+    if persistent:
+        _fa3_fwd_persistent_kernel[(n_cta,)](
+            q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m, B * Hq,
+            HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+            CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
+            WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        return out, lse_ret
     grid = (num_m, B * Hq)
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
                           HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
@@ -684,7 +1087,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                           num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                           **({"OVERLAP": True} if cfg.get("OVERLAP") else {}),
                           **({"CAST_LATE": True} if cfg.get("CAST_LATE") else {}))
-    return out, lse
+    return out, lse_ret
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -705,8 +1108,12 @@ def _signature(dtype_str: str, D: int, block_n: int):
     return sig
 
 
-def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: str = "default"):
-    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: str = "default",
+                    sched: Optional[int] = None, write_lse: bool = True):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin).
+
+    Persistent variants: ``sched`` = the ``SCHED`` constexpr (default: the variant's causal schedule when causal,
+    else 0; the host uses 0 for causal launches with at most one item per SM), ``write_lse`` = ``WRITE_LSE``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -714,13 +1121,23 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D, cfg["BLOCK_N"])
-    if cfg.get("OVERLAP"):
-        constexprs["OVERLAP"] = True
-        sig["OVERLAP"] = "constexpr"
-    if cfg.get("CAST_LATE"):
-        constexprs["CAST_LATE"] = True
-        sig["CAST_LATE"] = "constexpr"
-    src = GluonASTSource(_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
+    if cfg.get("PERSISTENT"):
+        sig = dict(sig)
+        tail = {k: sig.pop(k) for k in ("HEAD_DIM", "BLOCK_N", "STAGES", "CAUSAL", "CONSUMER_REGS", "PRODUCER_REGS")}
+        sig["NUM_BH"] = "i32"
+        sig.update(tail)
+        sig["SCHED"] = sig["WRITE_LSE"] = "constexpr"
+        constexprs["SCHED"] = (cfg["SCHED_CAUSAL"] if causal else 0) if sched is None else int(sched)
+        constexprs["WRITE_LSE"] = bool(write_lse)
+        src = GluonASTSource(_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
+    else:
+        if cfg.get("OVERLAP"):
+            constexprs["OVERLAP"] = True
+            sig["OVERLAP"] = "constexpr"
+        if cfg.get("CAST_LATE"):
+            constexprs["CAST_LATE"] = True
+            sig["CAST_LATE"] = "constexpr"
+        src = GluonASTSource(_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
@@ -754,6 +1171,9 @@ def sass_summary(c) -> dict:
             "setmaxnreg": sorted(set(re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))),
             "max_reg_index": max(regs) if regs else None,
             "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas,
+            "c75xx": sorted(set(re.findall(r"C75\d\d", ptxas))),
+            "spill_bytes": sum(int(a) + int(b) for a, b in
+                               re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)),
             "ex2_under_pv": ex2_under_pv(sass)}
 
 
@@ -777,6 +1197,167 @@ def ex2_under_pv(sass: str) -> list:
     return out
 
 
+def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6) -> int:
+    """CPU model of the persistent kernel's mbarrier protocol: ``_fa_producer_persistent`` and two
+    ``_fa_consumer_persistent`` warpgroups, statement for statement (waits, expect-arrives, releases, the deferred
+    O store and its ``store_wait``), run over one CTA's items (``n_blocks[t]`` key blocks each) in a random
+    interleaving, with TMA loads landing and TMA stores finishing at random later points. mbarriers as on sm_90:
+    a count, a phase counter, a transaction count, parity waits (``wait(parity)`` passes once the phase of that
+    parity completed; a fresh barrier passes parity 1). Raises AssertionError on a deadlock (no progress in
+    max_steps), on a consumer reading data of another item / block, or on a TMA write landing in a buffer that a
+    consumer still reads or that an O store still reads. Returns the number of steps taken."""
+    import random
+
+    class Bar:
+        def __init__(self, count):
+            self.count, self.pending, self.phase, self.tx = count, count, 0, 0
+
+        def arrive(self, tx=0):
+            self.pending -= 1
+            self.tx += tx
+            assert self.pending >= 0, "more arrivals than the barrier's count"
+            self.complete()
+
+        def complete(self):
+            if self.pending == 0 and self.tx == 0:
+                self.phase, self.pending = self.phase + 1, self.count
+
+    rng = random.Random(seed)
+    q_ready, q_empty = [Bar(1) for _ in range(4)], [Bar(1) for _ in range(4)]
+    k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    k_empty, v_empty = [Bar(2) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    bufs = {"q": [None] * 4, "k": [None] * stages, "v": [None] * stages}
+    held = {}  # (kind, index) -> consumers reading it
+    storing = {0: set(), 1: set()}  # Q buffers an O store of consumer w still reads
+    pending = []  # TMA completions not yet happened
+
+    def assert_free(kind, i):
+        assert not held.get((kind, i)), f"TMA write into {kind}[{i}] while {held[(kind, i)]} read it"
+        assert kind != "q" or all(i not in s for s in storing.values()), f"TMA write into q[{i}] under an O store"
+
+    def load(kind, i, bar, content):  # mbarrier.expect + async_copy_global_to_shared
+        assert_free(kind, i)
+        bar.arrive(tx=1)
+
+        def land():
+            assert_free(kind, i)
+            bufs[kind][i] = content
+            bar.tx -= 1
+            bar.complete()
+        pending.append(land)
+
+    def wait(bar, parity):
+        while (bar.phase & 1) == parity:
+            yield
+
+    def producer():
+        g0 = 0
+        for t, n in enumerate(n_blocks):
+            qb, q_phase = t % 2, ((t // 2) & 1) ^ 1
+            for w in (0, 1):
+                yield from wait(q_empty[2 * qb + w], q_phase)
+                load("q", 2 * qb + w, q_ready[2 * qb + w], (t, w))
+            for g in range(g0, g0 + n):
+                s, empty_phase = g % stages, ((g // stages) & 1) ^ 1
+                yield from wait(k_empty[s], empty_phase)
+                load("k", s, k_ready[s], (t, g - g0))
+                yield from wait(v_empty[s], empty_phase)
+                load("v", s, v_ready[s], (t, g - g0))
+            g0 += n
+
+    def consumer(w):
+        def use(kind, i, bar, parity, want):
+            yield from wait(bar, parity)
+            assert bufs[kind][i] == want, f"consumer {w} wanted {kind} {want}, found {bufs[kind][i]}"
+            held.setdefault((kind, i), set()).add(w)
+
+        def release(kind, i, bar):
+            yield  # the wgmma reading the buffer runs, then its wait
+            held[(kind, i)].discard(w)
+            bar.arrive()
+
+        def store_wait():
+            while storing[w]:
+                yield
+
+        g0 = 0
+        for t, n in enumerate(n_blocks):
+            qb = t % 2
+            qi = 2 * qb + w
+            yield from use("q", qi, q_ready[qi], (t // 2) & 1, (t, w))
+            ks = g0 % stages
+            yield from use("k", ks, k_ready[ks], (g0 // stages) & 1, (t, 0))
+            yield from release("k", ks, k_empty[ks])
+            yield from store_wait()
+            if t > 0:
+                q_empty[2 * (1 - qb) + w].arrive()
+            for i in range(g0 + 1, g0 + n):
+                ks, vs = i % stages, (i - 1) % stages
+                yield from use("k", ks, k_ready[ks], (i // stages) & 1, (t, i - g0))
+                yield from use("v", vs, v_ready[vs], ((i - 1) // stages) & 1, (t, i - 1 - g0))
+                yield from release("k", ks, k_empty[ks])
+                yield from release("v", vs, v_empty[vs])
+            jv = g0 + n - 1
+            vs = jv % stages
+            yield from use("v", vs, v_ready[vs], (jv // stages) & 1, (t, jv - g0))
+            yield from release("v", vs, v_empty[vs])
+            g0 += n
+            # epilogue: O staged in the item's Q buffer, TMA store left in flight
+            assert bufs["q"][qi] == (t, w), f"Q buffer {qi} overwritten before item {t}'s epilogue"
+            bufs["q"][qi] = ("O", t, w)
+            held[("q", qi)].discard(w)
+            storing[w].add(qi)
+
+            def store_done(qi=qi, t=t):
+                assert bufs["q"][qi] == ("O", t, w), f"O of item {t} overwritten before its store read it"
+                storing[w].discard(qi)
+            pending.append(store_done)
+            yield
+        yield from store_wait()
+
+    agents = {"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}
+    steps = 0
+    while agents or pending:
+        steps += 1
+        assert steps < max_steps, f"no progress after {max_steps} steps: deadlock ({sorted(agents)} left)"
+        pick = rng.randrange(len(agents) + (1 if pending else 0))
+        if pick == len(agents):
+            pending.pop(rng.randrange(len(pending)))()
+            continue
+        name = list(agents)[pick]
+        try:
+            next(agents[name])
+        except StopIteration:
+            del agents[name]
+    return steps
+
+
+def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -> str:
+    """CPU checks behind the persistent variants: (1) ``persistent_items`` covers every (bh, query block) exactly
+    once for every schedule over a sweep of grids, (2) ``persistent_protocol_model`` finds no deadlock or buffer
+    hazard over ``trials`` random interleavings (STAGES 1-3, 1-9 items of 1-6 key blocks). Returns a summary."""
+    import itertools
+    import random
+
+    n_grids = 0
+    for num_m, num_bh in itertools.chain(itertools.product(range(1, 20), range(1, 12)), [(32, 64), (128, 16)]):
+        T = num_m * num_bh
+        for P in list(range(1, 24)) + [131, 132, 133]:
+            for sched in (0, 1, 2):
+                if P > ((T + 1) // 2 if sched == 1 else T):
+                    continue
+                for causal in ((True,) if sched else (False, True)):
+                    seen = [x for p in range(P) for x in persistent_items(p, P, num_m, num_bh, sched, causal)]
+                    assert sorted(seen) == [(b, m) for b in range(num_bh) for m in range(num_m)], \
+                        (num_m, num_bh, P, sched)
+                    n_grids += 1
+    rng = random.Random(seed)
+    for k in range(trials):
+        persistent_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 9))], 1 + k % 3, seed=k)
+    return (f"schedules: {n_grids} (grid, schedule) cases cover every work item once; protocol: {trials} random "
+            f"interleavings without deadlock or hazard")
+
+
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
     import os
@@ -786,30 +1367,45 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin of each config")
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--protocol", action="store_true",
+                    help="only the CPU checks of the persistent schedules and mbarrier protocol")
     args = ap.parse_args()
+    if args.protocol:
+        print(check_persistent_schedules_and_protocol())
+        raise SystemExit(0)
     try:  # register-hazard check of the async wgmma (CPU-only, parses cuobjdump -sass)
         from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
     except Exception:  # pragma: no cover
         sass_of = wgmma_sass_hazards = None
     for variant in args.variants.split(","):
         for D in [int(x) for x in args.dims.split(",")]:
+            if variant in _PERSISTENT_SCHED and D not in _PERSISTENT_HEAD_DIMS:
+                print(f"{variant}_d{D}: not supported (config_for raises ValueError)")
+                continue
             for causal in (False, True):
+                # persistent: every SCHED the host can pick (causal: the variant's and 0), lse on and off
+                extras = [{}]
+                if variant in _PERSISTENT_SCHED:
+                    extras = [dict(sched=s, write_lse=w) for s in
+                              ((_PERSISTENT_SCHED[variant], 0) if causal else (0,)) for w in (True, False)]
                 for dt in ("bf16", "fp16"):
-                    tag = f"{variant}_d{D}_{'causal' if causal else 'full'}_{dt}"
-                    try:
-                        c = compile_offline(D, causal, dt, variant=variant)
-                    except Exception as e:  # report and go on
-                        print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
-                        continue
-                    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
-                    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
-                    hz = "n/a" if sass_of is None else len(wgmma_sass_hazards(sass_of(c)))
-                    print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
-                          f"warps={c.metadata.num_warps}  {sass_summary(c)}  wgmma_hazards={hz}")
-                    if args.dump:
-                        os.makedirs(args.dump, exist_ok=True)
-                        for ext in ("ttgir", "ptx"):
-                            with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
-                                f.write(c.asm[ext])
-                        with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
-                            f.write(c.asm["cubin"])
+                    for extra in extras:
+                        tag = f"{variant}_d{D}_{'causal' if causal else 'full'}_{dt}" + "".join(
+                            f"_{k}{int(v)}" for k, v in extra.items())
+                        try:
+                            c = compile_offline(D, causal, dt, variant=variant, **extra)
+                        except Exception as e:  # report and go on
+                            print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+                            continue
+                        use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                        hz = "n/a" if sass_of is None else len(wgmma_sass_hazards(sass_of(c)))
+                        print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                              f"warps={c.metadata.num_warps}  {sass_summary(c)}  wgmma_hazards={hz}", flush=True)
+                        if args.dump:
+                            os.makedirs(args.dump, exist_ok=True)
+                            for ext in ("ttgir", "ptx"):
+                                with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                                    f.write(c.asm[ext])
+                            with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
+                                f.write(c.asm["cubin"])
