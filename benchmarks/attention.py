@@ -286,6 +286,10 @@ def main():
 
         p.add_argument("--decode-sweep", action="store_true",
                        help="decode rows for split plans of 1-8 CTAs per SM (writes attention_decode_sweep.*)")
+        p.add_argument("--shapes", default=None,
+                       help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows; "
+                            "--tag names the output (attention_<tag>.*), for env A/B runs")
+        p.add_argument("--tag", default="rows")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
@@ -334,10 +338,13 @@ def main():
         BENCH.update(warmup=10, rep=50)
         shapes = [(d, S, c) for d in (128, 64, 256) for S in (512, 1024, 2048, 4096, 8192, 16384)
                   for c in (False, True)]
-    name = "attention" + ("_quick" if args.quick else "")
+    if args.shapes:
+        shapes = [(int(x.split("x")[0]), int(x.split("x")[1]), c) for x in args.shapes.split(",")
+                  for c in (False, True)]
+    name = ("attention_" + args.tag) if args.shapes else "attention" + ("_quick" if args.quick else "")
     rows = []
     t0 = time.time()
-    for S in (4096, 32768):
+    for S in (() if args.shapes else (4096, 32768)):
         rows.append(decode_rows(S))
     for i, (d, S, c) in enumerate(shapes):
         rows.append(attention_rows(d, S, c))
@@ -349,7 +356,9 @@ def main():
              "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`. FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
              "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
              "replayed from a CUDA graph (no host launch overhead). Medians of triton.testing.do_bench "
-             f"(warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms). Wall time {time.time() - t0:.0f} s.")
+             f"(warmup {BENCH['warmup']} ms, rep {BENCH['rep']} ms). Wall time {time.time() - t0:.0f} s. "
+             "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                                if k.startswith("FXOPT_")) or "none") + ".")
     write_results(name, rows,
                   title="FlashAttention (bf16, 16k tokens/batch, hidden 2048; decode B=8 H=32 d=128)",
                   notes=notes, out_dir=args.out)

@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -102,6 +102,30 @@ phase_route() {
   timeout 120 python3 benchmarks/fp8_attention.py --dims 128 --out "$RES" 2>&1 | grep -v Warning | tail -14
   timeout 175 python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check.txt" 2>&1
   grep -v "PASS$" "$OUT/variant_check.txt" | grep -v "^\s*$" | tail -30
+}
+
+phase_next() {
+  # session 9, call 1 (GPU checks of what session 8 prepared offline; about 8 minutes):
+  # the fused fp8 quantization (then _QUANT_FUSED_DEFAULT = "1" if bit-identical and quant_fused beats quant_tc),
+  # the persistent Gluon forward (route d = 128 to it if bit-identical and not slower), the decode split plans
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_attention.py -k "fused" 2>&1 | tail -4
+  timeout 100 python3 benchmarks/fp8_attention.py --quant-only --out "$RES" 2>&1 | grep -v Warning | tail -16
+  timeout 175 python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check.txt" 2>&1
+  echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check.txt" | grep -v "^\s*$" | tail -24
+  timeout 120 python3 benchmarks/attention.py --decode-sweep --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
+}
+
+phase_ab() {
+  # session 9, call 2: env A/B rows of the attention table (Gluon backward below S = 2048; the d = 256 split-head-dim
+  # backward), then the W4A16 small-M rows
+  timeout 120 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=1024 python3 benchmarks/attention.py --shapes 128x1024,128x2048 \
+    --tag bwdfloor1024 --out "$RES" 2>&1 | grep "^|" | tail -6
+  timeout 100 python3 benchmarks/attention.py --shapes 128x1024,128x2048 --tag bwdfloor2048 --out "$RES" 2>&1 \
+    | grep "^|" | tail -6
+  timeout 150 env FXOPT_ATTN_BWD_SPLIT_D=1 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd \
+    --out "$RES" 2>&1 | grep "^|" | tail -6
+  timeout 150 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd_off --out "$RES" 2>&1 \
+    | grep "^|" | tail -6
 }
 
 phase_calib() {
