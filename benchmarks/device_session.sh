@@ -126,6 +126,9 @@ phase_ab() {
     --out "$RES" 2>&1 | grep "^|" | tail -6
   timeout 150 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd_off --out "$RES" 2>&1 \
     | grep "^|" | tail -6
+  # the one-launch M <= 4 W4A16 kernel (opt-in "gemv1"; set _GEMV1_DEFAULT = "1" if the test passes and it wins)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py -k gemv1 2>&1 | tail -4
+  timeout 150 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
 }
 
 phase_calib() {

@@ -7,7 +7,8 @@ Every timed call is a CUDA-graph replay (host overhead of the Python op path exc
 torch.compile with CUDA graphs that is what a model sees): 48 calls back to back per graph, rotating the copies
 (``streamed_us``). The ``flushed_*`` columns repeat the earlier single-call method for comparison. Each row: times in us, speedups of fxopt over both, achieved GB/s of fxopt for M <= 64 (packed weight + scales +
 zeros + x + y bytes / time), and the config the tuner chose. Run from the repo root:
-``python benchmarks/w4a16.py [--quick] [--out DIR]``.
+``python benchmarks/w4a16.py [--quick] [--out DIR] [--ms 1,2,4] [--gemv1]`` (``--gemv1``: also the best "gemv1"
+candidate per row with M <= 4, in gemv1_* columns).
 """
 from __future__ import annotations
 
@@ -101,14 +102,43 @@ class Rot:
         return self.items[self.i]
 
 
+def time_gemv1(x, ours, calls: int, t_bf: float) -> dict:
+    """Best streamed time of the "gemv1" candidates (``K4.candidate_configs`` lists them for M <= 4 on CUDA), each
+    first compared with the op's own output on the same weights (a wrong config is reported, not timed)."""
+    M, K = x.shape
+    q, s, z = ours[0]
+    N = q.shape[1]
+    y_op = torch.ops.fxopt.w4a16_linear(x, q, s, z, G).float()
+    best, out = None, {}
+    for c in K4.candidate_configs(M, N, K, G, integer_zeros=True, dtype=x.dtype, device=x.device):
+        if c.method != "gemv1":
+            continue
+        err = float((K4.w4a16_matmul(x, q, s, z, G, config=c).float() - y_op).abs().max() / y_op.abs().max())
+        if not err <= 2e-2:
+            print(f"    gemv1 {c.label()}: WRONG (max error {err:.3g} of max |y|), not timed", flush=True)
+            out["gemv1_wrong"] = out.get("gemv1_wrong", "") + c.label() + "; "
+            continue
+        t = streamed_us(lambda it, c=c: K4.w4a16_matmul(x, *it, G, config=c), ours, calls)
+        print(f"    {c.label()}: {t:.1f} us (max error vs the op {err:.2g})", flush=True)
+        if best is None or t < best[0]:
+            best = (t, c.label(), err)
+    if best is not None:
+        out.update(gemv1_us=best[0], gemv1_x_vs_bf16=t_bf / best[0], gemv1_config=best[1], gemv1_rel_err=best[2])
+    return out
+
+
 def main():
     def extra(p):
         p.add_argument("--no-tinygemm-large", type=int, default=256, help="skip tinygemm above this M")
         p.add_argument("--verbose", action="store_true", help="log every tuning candidate's time")
         p.add_argument("--ms", default=None, help="comma-separated M values (default: the full list); a subset "
                        "writes w4a16_subset.* instead of the main table")
+        p.add_argument("--gemv1", action="store_true", help="for M <= 4 also time every \"gemv1\" candidate (checked "
+                       "against the op's output first) and add gemv1_* columns; writes *_gemv1.*")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
+    if args.gemv1:  # the opt-in "gemv1" candidates (fxopt.kernels.w4a16._GEMV1_DEFAULT) are listed only with this
+        os.environ["FXOPT_W4A16_GEMV1"] = "1"
     if args.verbose:
         import logging
 
@@ -143,12 +173,15 @@ def main():
                 nbytes = K * N // 2 + 2 * 2 * (K // G) * N + 2 * M * (K + N)
                 row["fxopt_GBps"] = nbytes / (t_ours * 1e-6) / 1e9
             row["config"] = cfg.label()
+            if args.gemv1 and M <= 4:
+                row.update(time_gemv1(x, ours, calls, t_bf))
             rows.append(row)
             print(f"[{time.time() - t0:6.1f}s] K={K} N={N} M={M}: fxopt {t_ours:.1f} us, bf16 {t_bf:.1f}, "
                   f"tinygemm {t_tg:.1f} ({row['config']})", flush=True)
         del ours, bf, tg
         torch.cuda.empty_cache()
-    write_results("w4a16_subset" if args.ms else "w4a16", rows, title="W4A16 linear, group 128, bf16 (fxopt vs cuBLAS bf16 vs tinygemm)",
+    name = ("w4a16_subset" if args.ms else "w4a16") + ("_gemv1" if args.gemv1 else "")
+    write_results(name, rows, title="W4A16 linear, group 128, bf16 (fxopt vs cuBLAS bf16 vs tinygemm)",
                   out_dir=args.out,
                   notes="fxopt_us / bf16_us / tinygemm_us: per-call time of calls run back to back in one CUDA graph, "
                         "each on the next of several weight copies (together > 3x L2, so every call reads its "

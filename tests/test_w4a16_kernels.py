@@ -3,6 +3,8 @@
 CPU: the Triton kernels run through the interpreter (fp16, tiny shapes, both the small-M split-K path and the
 large-M path); the ops run their reference path. GPU (``@pytest.mark.gpu``): bf16 and fp16 at realistic shapes.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -292,6 +294,8 @@ def test_candidate_configs_gluon_rules(monkeypatch):
         g = [c for c in cs if c.method == "gluon"]
         assert g, M
         assert cs[0] == K4.candidate_configs(M, 2048, 1024, 128)[0]  # same default as before
+        # the device-free list, then gluon, then (M <= 4 on CUDA) gemv1
+        cs = [c for c in cs if c.method != "gemv1"]
         assert cs[:len(cs) - len(g)] == K4.candidate_configs(M, 2048, 1024, 128)
         for c in g:
             assert c.block_k == 128 and c.kc in (32, 64) and c.split_k == 0
@@ -314,6 +318,148 @@ def test_candidate_configs_gluon_rules(monkeypatch):
     for cap in ((8, 9), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
         assert not any(c.method == "gluon" for c in cands(64)), cap
+
+
+# ---------------------------------------------------------------------------------------------------- gemv1
+def gemv1(block_n=256, block_k=128, split_k=2, num_warps=4, pdl=False):
+    return W4A16Config(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, method="gemv1",
+                       pdl=pdl)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("group_size,K,N,cfg", [
+    (128, 256, 256, gemv1()),  # exact tiles, 2 K tiles split 2 ways
+    (128, 384, 200, gemv1(split_k=3)),  # N not a multiple of block_n: column masks
+    (-1, 200, 136, gemv1(block_n=128, split_k=2)),  # per-channel, K = 200: the last K tile is partial
+    (32, 128, 48, gemv1(block_n=128, split_k=1)),  # group 32 (K tile 32, 4 warps of one packed row), no split
+    (64, 512, 520, gemv1(block_n=512, num_warps=2, split_k=3)),  # 4 chunks of 128 columns, 4 rows per warp
+])
+def test_gemv1_matches_reference(interpret_device, M, use_bias, group_size, K, N, cfg):
+    qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device, seed=K + N + M)
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).half().to(interpret_device)
+    bias = torch.randn(N, generator=gen).half().to(interpret_device) if use_bias else None
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, bias=bias, config=cfg)
+    assert y.dtype == torch.float16 and y.shape == (M, N) and y.is_contiguous()
+    assert_close_to_ref(y, reference(x, qweight, scales, zeros, G, bias), torch.float16)
+
+
+def test_gemv1_bf16_3d_and_strided_rows(interpret_device):
+    """bf16 (its activations are converted by bit operations, not by casts), 3-D input, and x rows taken from a wider
+    tensor (row stride != K). The interpreter truncates when it converts to bf16, within the bf16 tolerance."""
+    K, N = 256, 200
+    qweight, scales, zeros, G = make_packed(K, N, 128, torch.bfloat16, interpret_device, seed=51)
+    gen = torch.Generator().manual_seed(52)
+    x = torch.randn(1, 3, K, generator=gen).bfloat16().to(interpret_device)
+    bias = torch.randn(N, generator=gen).bfloat16().to(interpret_device)
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=gemv1(split_k=2))
+    assert y.shape == (1, 3, N) and y.dtype == torch.bfloat16
+    assert_close_to_ref(y.reshape(3, N), reference(x.reshape(3, K), qweight, scales, zeros, G, bias), torch.bfloat16)
+    wide = torch.randn(2, K + 8, generator=gen).half().to(interpret_device)
+    qh, sh, zh, Gh = make_packed(K, N, 128, torch.float16, interpret_device, seed=53)
+    xs = wide[:, 8:]  # row stride K + 8, 16-byte aligned rows
+    y = w4a16_matmul(xs, qh, sh, zh, 128, config=gemv1(split_k=2))
+    assert_close_to_ref(y, reference(xs, qh, sh, zh, Gh), torch.float16)
+
+
+def test_gemv1_workspace_and_counters_reset(interpret_device):
+    """The split-K workspace (fp32, kept at zero between calls) and the tile counters are back at zero after each
+    call, so that repeated calls, and calls of other shapes, stay correct."""
+    K, N = 512, 256
+    qweight, scales, zeros, G = make_packed(K, N, 128, torch.float16, interpret_device, seed=61)
+    for M, split in ((1, 4), (3, 2), (1, 4)):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + split)).half().to(interpret_device)
+        y = w4a16_matmul(x, qweight, scales, zeros, 128, config=gemv1(split_k=split))
+        assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.float16)
+        assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
+        assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+
+
+def test_gemv1_rejects_bad_configs(interpret_device):
+    qweight, scales, zeros, _ = make_packed(128, 64, 128, torch.float16, interpret_device, seed=62)
+    x = torch.randn(5, 128).half().to(interpret_device)
+    with pytest.raises(ValueError, match="M <= 4"):
+        w4a16_matmul(x, qweight, scales, zeros, 128, config=gemv1())
+    with pytest.raises(ValueError, match="block_n"):
+        w4a16_matmul(x[:2], qweight, scales, zeros, 128, config=gemv1(block_n=64))
+
+
+def test_tuner_drops_gemv1_that_disagrees(interpret_device, monkeypatch):
+    """The tuner's safety net for the not yet GPU-checked method: a gemv1 config must match the default config's
+    output before it is timed."""
+    K, N = 256, 128
+    qweight, scales, zeros, _ = make_packed(K, N, 128, torch.float16, interpret_device, seed=63)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(64)).half().to(interpret_device)
+    default = K4._interpreter_config(2, K, 128)
+    assert K4._agrees_with_default(x, qweight, scales, zeros, 128, None, gemv1(), default)
+    real = K4._launch_gemv1
+    monkeypatch.setattr(K4, "_launch_gemv1", lambda *a: real(*a) * 1.1)
+    assert not K4._agrees_with_default(x, qweight, scales, zeros, 128, None, gemv1(), default)
+
+
+def test_gemv1_split_for_one_wave():
+    # 8192 x 28672, BN 256: 112 column tiles x 64 K tiles on 132 SMs x 4 CTAs: one wave of 16 tiles (split 4)
+    assert K4._gemv1_split_for(112, 64, 528) == 4
+    # 8192 x 8192: 32 column tiles, split 16 = 512 CTAs <= 528 slots, 4 K tiles each
+    assert K4._gemv1_split_for(32, 64, 528) == 16
+    for n_tiles, k_tiles, slots in ((1, 1, 528), (43, 32, 528), (16, 86, 396), (7, 3, 10)):
+        s = K4._gemv1_split_for(n_tiles, k_tiles, slots)
+        assert 1 <= s <= k_tiles and K4.cdiv(k_tiles, K4.cdiv(k_tiles, s)) == s  # balanced
+
+
+def test_candidate_configs_gemv1_rules(monkeypatch):
+    """gemv1 is listed for the M buckets up to 4 on CUDA devices only, last (never the heuristic default), with a
+    one-wave split, and only with FXOPT_W4A16_GEMV1=1 (opt-in until its GPU check)."""
+    monkeypatch.delenv("FXOPT_W4A16_GEMV1", raising=False)
+    assert any(c.method == "gemv1" for c in K4.candidate_configs(1, 8192, 8192, 128, device="cuda")) == \
+        (K4._GEMV1_DEFAULT == "1")
+    monkeypatch.setenv("FXOPT_W4A16_GEMV1", "1")
+    for M in (1, 2, 3, 4, 5, 16, 64):
+        on_cuda = K4.candidate_configs(M, 8192, 8192, 128, device="cuda")
+        g = [c for c in on_cuda if c.method == "gemv1"]
+        assert bool(g) == (M <= 4), M
+        assert on_cuda[0].method != "gemv1" and on_cuda[len(on_cuda) - len(g):] == g
+        for dev in (None, "cpu"):
+            assert not any(c.method == "gemv1" for c in K4.candidate_configs(M, 8192, 8192, 128, device=dev))
+        for c in g:
+            assert c.block_n in (128, 256, 512) and c.block_k == 128 and 1 <= c.split_k <= 64
+            assert K4.cdiv(8192, c.block_n) * c.split_k <= 2 * 132 * 6  # about one wave
+            assert c.label().startswith(f"gemv1 bn{c.block_n} bk128 sk{c.split_k} w{c.num_warps}")
+    assert any(c.pdl for c in K4.candidate_configs(1, 8192, 8192, 128, device="cuda") if c.method == "gemv1")
+    for G in (32, 64, -1):  # K tile follows the group, warps <= packed rows per tile
+        for c in K4.candidate_configs(1, 4096, 4096, 4096 if G == -1 else G, device="cuda"):
+            if c.method == "gemv1":
+                assert c.block_k == (128 if G == -1 else G) and c.num_warps <= c.block_k // 8
+    monkeypatch.setenv("FXOPT_W4A16_GEMV1", "0")
+    assert not any(c.method == "gemv1" for c in K4.candidate_configs(1, 8192, 8192, 128, device="cuda"))
+
+
+def test_gemv1_offline_sm90_build():
+    """The default M = 1 candidate compiles for sm_90 on the CPU (ptxas shipped with Triton) without spills; its K
+    loop runs about 3 instructions per weight and no barrier (SASS; docs/notes_w4a16_gemv1_session8.md). Run in a
+    subprocess without TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch\n"
+            "from fxopt.kernels import w4a16 as K4\n"
+            "cfg = [c for c in K4.candidate_configs(1, 8192, 8192, 128, device='cuda') if c.method == 'gemv1'][0]\n"
+            "print(json.dumps(K4.gemv1_offline_report(1, 8192, 8192, cfg)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FXOPT_W4A16_GEMV1"] = "1"  # opt-in until its GPU check
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
+        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= 128
+    assert len(r["loops"]) == 1 and 2.5 <= r["loops"][0]["per_weight"] <= 3.5
+    assert r["loops"][0]["ops"].get("BAR", 0) == 0
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -410,3 +556,35 @@ def test_gpu_gluon(M, use_bias):
         assert y.dtype == dtype and y.shape == (M, N)
         assert_close_to_ref(y, ref, dtype)
     assert_close_to_ref(torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 128, bias), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_gpu_gemv1(dtype, group_size, monkeypatch):
+    """Every "gemv1" candidate the tuner may time (M = 1..4, bias on and off, PDL included), plus a partial column
+    tile, against the float reference on CUDA; three launches each (the workspace and counters must come back to
+    zero); then 3-D input."""
+    monkeypatch.setenv("FXOPT_W4A16_GEMV1", "1")
+    K, N = 4096, 2048 + 64
+    qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=71)
+    gs = K if group_size == -1 else group_size
+    for M in (1, 2, 3, 4):
+        gen = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+        bias = torch.randn(N, generator=gen).to(dtype).cuda()
+        cands = [c for c in K4.candidate_configs(M, N, K, gs, device=x.device) if c.method == "gemv1"]
+        assert cands
+        refs = {id(b): reference(x, qweight, scales, zeros, G, b) for b in (None, bias)}
+        for cfg in cands + [replace(cands[0], block_n=512, split_k=3)]:
+            for b in (None, bias):
+                ref = refs[id(b)]
+                for _ in range(3):
+                    y = w4a16_matmul(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
+                    assert y.dtype == dtype and y.shape == (M, N)
+                    assert_close_to_ref(y, ref, dtype)
+        torch.cuda.synchronize()
+        assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
+    x3 = torch.randn(1, 3, K, device="cuda").to(dtype)
+    y3 = w4a16_matmul(x3, qweight, scales, zeros, group_size, config=cands[0])
+    assert_close_to_ref(y3.reshape(3, N), reference(x3.reshape(3, K), qweight, scales, zeros, G), dtype)

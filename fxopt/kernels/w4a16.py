@@ -47,6 +47,17 @@ listed up to M = 256 for bf16, integer zeros, group 128, K and N multiples of 12
 ties or beats swapx at M = 1-16 (``benchmarks/results/w4a16.md``).
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
+``_w4a16_gemv1_kernel`` ("gemv1", session 8, opt-in: listed for the M buckets up to 4 on CUDA, last, so the tuner
+times it; opt-in with ``FXOPT_W4A16_GEMV1=1`` until its GPU check) is the one-launch small-M path: x is read as it is (no prep kernel),
+all M <= 4 rows in one program, CUDA-core fp32 FFMA chains. Each code becomes an fp32 with one LOP3, ``(copy &
+0xF0000) | 0x43000000`` = 128 + q or ``(copy & 0xF000) | 0x45000000`` = 2048 + q, from four copies of the word (itself,
+``<< 8``, ``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1, no smem, no barrier in
+the K loop, the next K tile's loads issued before the current one is computed. Offsets and zeros are removed once
+per thread, column and K tile (the chain starts at ``-(sum x OFF + z sum x)``), the scale folded once per K tile.
+Split-K partials go to an fp32 workspace kept at zero between calls (relaxed fp32 atomics, one per output element
+and CTA); the CTA that bumps the column tile's counter last reads the total, zeroes it, adds the bias and writes y.
+Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill; not
+yet run on a GPU. The tuner checks its output against the default config's before timing it.
 
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
@@ -436,6 +447,274 @@ def _w4a16_gemv2_kernel(
                    cnt_ptr, pid_m * num_pid_n + pid_n, pid_k, SPLIT_K, M * N, USE_SPLIT, HAS_BIAS)
 
 
+# ---------------------------------------------------------------------------------------------------------------- gemv1
+# fp32 bit patterns for the nibble conversion of ``_w4a16_gemv1_kernel`` (run-time arguments, so that the and/or is a
+# single LOP3 with the mask as its immediate and the exponent in a register): a code in bits 16..19 under exponent
+# 2^7 reads as 128 + q, a code in bits 12..15 under exponent 2^11 as 2048 + q.
+_GEMV1_MAGIC_A, _GEMV1_MASK_A, _GEMV1_OFF_A = 0x43000000, 0x000F0000, 128.0
+_GEMV1_MAGIC_B, _GEMV1_MASK_B, _GEMV1_OFF_B = 0x45000000, 0x0000F000, 2048.0
+
+
+@triton.jit
+def _gemv1_nibbles(P, MA, MB, MKA, MKB):
+    """int32 words -> 8 fp32 tensors, nibble j of each word as OFF_j + q_j with OFF = 128 (even j) / 2048 (odd j).
+
+    Each nibble is moved into bits 16..19 (even j) or 12..15 (odd j) of one of four copies of the word and masked
+    into an fp32 whose exponent is fixed: ``(copy & MASK) | MAGIC``. Copies: the word (nibbles 3, 4), ``<< 8``
+    (1, 2), ``>> 8`` (5, 6) and the half-word rotation (7, 0): 3 shifts and 8 LOP3 per 8 weights, no int->float
+    conversion. Exact: the codes are integers below the fp32 unit of those bits."""
+    b = P << 8
+    c = P >> 8
+    d = (P << 16) | ((P >> 16) & 0xFFFF)
+    w0 = ((d & MKA) | MA).to(tl.float32, bitcast=True)
+    w1 = ((b & MKB) | MB).to(tl.float32, bitcast=True)
+    w2 = ((b & MKA) | MA).to(tl.float32, bitcast=True)
+    w3 = ((P & MKB) | MB).to(tl.float32, bitcast=True)
+    w4 = ((P & MKA) | MA).to(tl.float32, bitcast=True)
+    w5 = ((c & MKB) | MB).to(tl.float32, bitcast=True)
+    w6 = ((c & MKA) | MA).to(tl.float32, bitcast=True)
+    w7 = ((d & MKB) | MB).to(tl.float32, bitcast=True)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _gemv1_load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _gemv1_fma8(part, P, x0, x1, x2, x3, x4, x5, x6, x7, MA, MB, MKA, MKB):
+    """part += sum_j x_j * (OFF_j + q_j) over the 8 nibbles of the words P: one FFMA chain per column."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _gemv1_nibbles(P, MA, MB, MKA, MKB)
+    part += x0 * w0
+    part += x1 * w1
+    part += x2 * w2
+    part += x3 * w3
+    part += x4 * w4
+    part += x5 * w5
+    part += x6 * w6
+    part += x7 * w7
+    return part
+
+
+@triton.jit
+def _gemv1_store(acc, offs_m, col, mask_y, bias_ptr, y_ptr, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """y[offs_m, col] = acc (+ bias), in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=col < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _gemv1_finish(offs_m, col, mask_y, bias_ptr, y_ptr, ws_ptr, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """Last CTA of a column tile: the workspace total (read past L1), the workspace zeroed for the next call, y."""
+    ws_ptrs = ws_ptr + offs_m * N + col
+    acc = tl.load(ws_ptrs, mask=mask_y, other=0.0, cache_modifier=".cg")
+    tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask_y)
+    _gemv1_store(acc, offs_m, col, mask_y, bias_ptr, y_ptr, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _gemv1_fence(x):
+    """fence.acq_rel.gpu in every thread: its REDs into the workspace are performed at GPU scope before the CTA
+    barrier that precedes the tile counter's acq_rel atomic (the reading CTA then sees every contribution)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _gemv1_w_loads(t, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg, GROUP_SIZE: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NCH: tl.constexpr, R: tl.constexpr, MASK_N: tl.constexpr,
+                   MASK_K: tl.constexpr):
+    """The weight loads of K tile t as raw words: packed rows (R x NCH tensors), scales and zeros (NCH each)."""
+    BKP: tl.constexpr = BLOCK_K // 8
+    g = (t * BLOCK_K) // GROUP_SIZE
+    qt = q0 + t * BKP * stride_qk
+    sz = g * stride_sg + sz0
+    qs = ()
+    for r in tl.static_range(R):
+        qm = col0 < N
+        if MASK_K:
+            qm = qm & (t * BKP + ww * R + r < KP)
+        for ch in tl.static_range(NCH):
+            qs = qs + (_gemv1_load(qt + r * stride_qk + ch * 128, qm & (col0 + ch * 128 < N), MASK_N or MASK_K),)
+    ss = ()
+    zs = ()
+    for ch in tl.static_range(NCH):
+        ss = ss + (_gemv1_load(s_ptr + sz + ch * 128, col0 + ch * 128 < N, MASK_N),)
+        zs = zs + (_gemv1_load(z_ptr + sz + ch * 128, col0 + ch * 128 < N, MASK_N),)
+    return qs, ss, zs
+
+
+@triton.jit
+def _gemv1_x_loads(t, x_rows, ww, mask_m, KP, BLOCK_K: tl.constexpr, R: tl.constexpr, MASK_M: tl.constexpr,
+                   MASK_K: tl.constexpr):
+    """The activation loads of K tile t: R packed rows x 4 words of two 16-bit values."""
+    BKP: tl.constexpr = BLOCK_K // 8
+    xt = x_rows + t * (BLOCK_K // 2)
+    xs = ()
+    for r in tl.static_range(R):
+        xm = mask_m
+        if MASK_K:
+            xm = xm & (t * BKP + ww * R + r < KP)
+        for i in tl.static_range(4):
+            xs = xs + (_gemv1_load(xt + r * 4 + i, xm, MASK_M or MASK_K),)
+    return xs
+
+
+@triton.jit
+def _gemv1_pair(w, IS_BF16: tl.constexpr):
+    """An int32 word of two 16-bit activations -> (low, high) as fp32."""
+    if IS_BF16:
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    return (w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _w4a16_gemv1_kernel(
+    xw_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, KP, SPLIT_K, TILES_PER_SPLIT, MA, MB, MKA, MKB,
+    stride_xm, stride_qk, stride_sg, stride_ym,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NCH: tl.constexpr, W: tl.constexpr,
+    IS_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr, MASK_K: tl.constexpr, USE_GDC: tl.constexpr, FENCE: tl.constexpr,
+):
+    """Method "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read directly (no prep kernel).
+
+    Program (pid_n, pid_k): columns [pid_n * 128 NCH, + 128 NCH) as NCH chunks of 128 (a [BLOCK_M, W, 128] tensor
+    each: 32 lanes x 4 columns, one 16-byte load per packed row; every thread holds 4 NCH columns, so each
+    activation it converts serves 4 NCH weights), K tiles [pid_k * TILES_PER_SPLIT, ...) of BLOCK_K (one group:
+    BLOCK_K divides GROUP_SIZE). Warp w owns packed rows w R .. w R + R - 1 of a tile (R = BLOCK_K / 8 / W), all
+    BLOCK_M rows of x. Per tile and column a thread runs one FFMA chain over its 8 R codes, started at the zero and
+    offset correction -(sum_k x_k OFF_k + z sum_k x_k) of its rows, then folds it with the scale: acc += s * part.
+    The warps' partial sums are added once at the end (shared memory), then either written (no split) or added to
+    an fp32 workspace kept at zero between calls (``tl.atomic_add``, relaxed); the CTA that bumps the column tile's
+    counter last reads the total, zeroes the workspace, adds the bias and writes y. No second launch, no memset.
+    Loads are double-buffered in registers (tile t + 1's are issued before tile t is computed), so a warp waits for
+    memory once per K tile; no shared memory and no barrier in the K loop.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if USE_GDC:  # the next kernel may launch now; it waits (griddepcontrol.wait) for this grid before its reads
+        tl.extra.cuda.gdc_launch_dependents()
+    BKP: tl.constexpr = BLOCK_K // 8
+    R: tl.constexpr = BKP // W
+    BLOCK_N: tl.constexpr = NCH * 128
+    mm = tl.arange(0, BLOCK_M)[:, None, None]
+    ww = tl.arange(0, W)[None, :, None]
+    cc = tl.arange(0, 128)[None, None, :]
+    col0 = pid_n * BLOCK_N + cc
+    mask_m = mm < M
+    # scales / zeros [1, W, 128]: the same (broadcast) row for every warp; the offsets are written with contiguity 4
+    # so that their layout is the packed tile's (4 columns per thread), no layout conversion in the loop
+    sz0 = pid_n * BLOCK_N + (cc // 4) * 4 + cc % 4 + ww * 0
+    q0 = qw_ptr + (ww * R) * stride_qk + col0
+    x_rows = xw_ptr + mm * stride_xm + ww * (R * 4)
+    acc0 = tl.zeros((BLOCK_M, W, 128), dtype=tl.float32)
+    if NCH > 1:
+        acc1 = tl.zeros((BLOCK_M, W, 128), dtype=tl.float32)
+    if NCH > 2:
+        acc2 = tl.zeros((BLOCK_M, W, 128), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, W, 128), dtype=tl.float32)
+    t_start = pid_k * TILES_PER_SPLIT
+    t_end = min(t_start + TILES_PER_SPLIT, tl.cdiv(KP, BKP))
+    # register double buffer: the loads of tile t + 1 are issued before tile t is computed (ptxas would otherwise
+    # sink each packed row's load to just before its use: one memory latency per row instead of one per tile)
+    t_first = min(t_start, t_end - 1)
+    nq, ns, nz = _gemv1_w_loads(t_first, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg, GROUP_SIZE,
+                                BLOCK_K, NCH, R, MASK_N, MASK_K)
+    if USE_GDC:
+        # only the weights (never written by the previous kernel) are read before this wait; x, the workspace and
+        # the counters may belong to the previous grid
+        tl.extra.cuda.gdc_wait()
+    nx = _gemv1_x_loads(t_first, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+    for t in range(t_start, t_end):
+        qs, xw, ss, zs = nq, nx, ns, nz
+        t_next = min(t + 1, t_end - 1)
+        nq, ns, nz = _gemv1_w_loads(t_next, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg,
+                                    GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
+        nx = _gemv1_x_loads(t_next, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+        xs = ()
+        for r in tl.static_range(R):
+            x0, x1 = _gemv1_pair(xw[4 * r], IS_BF16)
+            x2, x3 = _gemv1_pair(xw[4 * r + 1], IS_BF16)
+            x4, x5 = _gemv1_pair(xw[4 * r + 2], IS_BF16)
+            x6, x7 = _gemv1_pair(xw[4 * r + 3], IS_BF16)
+            xs = xs + ((x0, x1, x2, x3, x4, x5, x6, x7),)
+        # per thread: sums of its x rows (even / odd positions: the two offsets), then the chains' start values
+        xe = (xs[0][0] + xs[0][2]) + (xs[0][4] + xs[0][6])
+        xo = (xs[0][1] + xs[0][3]) + (xs[0][5] + xs[0][7])
+        for r in tl.static_range(1, R):
+            xe += (xs[r][0] + xs[r][2]) + (xs[r][4] + xs[r][6])
+            xo += (xs[r][1] + xs[r][3]) + (xs[r][5] + xs[r][7])
+        nxs = -xe - xo
+        nxw = xo * -2048.0 - xe * 128.0
+        part0 = zs[0].to(tl.float32) * nxs + nxw
+        if NCH > 1:
+            part1 = zs[1].to(tl.float32) * nxs + nxw
+        if NCH > 2:
+            part2 = zs[2].to(tl.float32) * nxs + nxw
+            part3 = zs[3].to(tl.float32) * nxs + nxw
+        for r in tl.static_range(R):
+            x0, x1, x2, x3, x4, x5, x6, x7 = xs[r]
+            part0 = _gemv1_fma8(part0, qs[r * NCH], x0, x1, x2, x3, x4, x5, x6, x7, MA, MB, MKA, MKB)
+            if NCH > 1:
+                part1 = _gemv1_fma8(part1, qs[r * NCH + 1], x0, x1, x2, x3, x4, x5, x6, x7, MA, MB, MKA, MKB)
+            if NCH > 2:
+                part2 = _gemv1_fma8(part2, qs[r * NCH + 2], x0, x1, x2, x3, x4, x5, x6, x7, MA, MB, MKA, MKB)
+                part3 = _gemv1_fma8(part3, qs[r * NCH + 3], x0, x1, x2, x3, x4, x5, x6, x7, MA, MB, MKA, MKB)
+        acc0 += part0 * ss[0].to(tl.float32)
+        if NCH > 1:
+            acc1 += part1 * ss[1].to(tl.float32)
+        if NCH > 2:
+            acc2 += part2 * ss[2].to(tl.float32)
+            acc3 += part3 * ss[3].to(tl.float32)
+
+    # the warps' partial sums (shared memory, once), then the split-K reduction
+    offs_m = tl.arange(0, BLOCK_M)[:, None]
+    col = pid_n * BLOCK_N + tl.arange(0, 128)[None, :]
+    mask_y = (offs_m < M) & (col < N)
+    ws_ptrs = ws_ptr + offs_m * N + col
+    y0 = tl.sum(acc0, axis=1)
+    if NCH > 1:
+        y1 = tl.sum(acc1, axis=1)
+    if NCH > 2:
+        y2 = tl.sum(acc2, axis=1)
+        y3 = tl.sum(acc3, axis=1)
+    if USE_SPLIT:
+        tl.atomic_add(ws_ptrs, y0, mask=mask_y, sem="relaxed")
+        if NCH > 1:
+            tl.atomic_add(ws_ptrs + 128, y1, mask=mask_y & (col + 128 < N), sem="relaxed")
+        if NCH > 2:
+            tl.atomic_add(ws_ptrs + 256, y2, mask=mask_y & (col + 256 < N), sem="relaxed")
+            tl.atomic_add(ws_ptrs + 384, y3, mask=mask_y & (col + 384 < N), sem="relaxed")
+        if FENCE:
+            _gemv1_fence(pid_n)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            _gemv1_finish(offs_m, col, mask_y, bias_ptr, y_ptr, ws_ptr, N, stride_ym, HAS_BIAS)
+            if NCH > 1:
+                _gemv1_finish(offs_m, col + 128, mask_y & (col + 128 < N), bias_ptr, y_ptr, ws_ptr, N, stride_ym,
+                              HAS_BIAS)
+            if NCH > 2:
+                _gemv1_finish(offs_m, col + 256, mask_y & (col + 256 < N), bias_ptr, y_ptr, ws_ptr, N, stride_ym,
+                              HAS_BIAS)
+                _gemv1_finish(offs_m, col + 384, mask_y & (col + 384 < N), bias_ptr, y_ptr, ws_ptr, N, stride_ym,
+                              HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    else:
+        _gemv1_store(y0, offs_m, col, mask_y, bias_ptr, y_ptr, N, stride_ym, HAS_BIAS)
+        if NCH > 1:
+            _gemv1_store(y1, offs_m, col + 128, mask_y & (col + 128 < N), bias_ptr, y_ptr, N, stride_ym, HAS_BIAS)
+        if NCH > 2:
+            _gemv1_store(y2, offs_m, col + 256, mask_y & (col + 256 < N), bias_ptr, y_ptr, N, stride_ym, HAS_BIAS)
+            _gemv1_store(y3, offs_m, col + 384, mask_y & (col + 384 < N), bias_ptr, y_ptr, N, stride_ym, HAS_BIAS)
+
+
 @triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K,
@@ -471,7 +750,9 @@ class W4A16Config:
     """One launch configuration. ``method``: "swap" / "swapx" (``_w4a16_swap_kernel``; "swapx" prepares x first;
     "swapd" also dequantizes in the activation dtype before the dot, for integer zero points only),
     "fused" (``_w4a16_kernel``), "gemv" / "gemv2" (``_w4a16_gemv2_kernel``, one row per program; "gemv2" lets a K
-    tile span groups), "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS), or "gluon"
+    tile span groups), "gemv1" (``_w4a16_gemv1_kernel``, M <= 4 in one launch: block_n = 128 / 256 / 512 columns,
+    block_k = K tile (capped at the group), num_warps = warps splitting the tile's packed rows, split_k, ``pdl``),
+    "dequant_matmul" (Triton dequant to a 16-bit W, then cuBLAS), or "gluon"
     (``w4a16_gluon.gluon_w4a16_mm``: block_m, block_n, num_stages = its stages, ``kc``; split_k 0 = its own choice,
     about one CTA per SM). ``pdl`` (swapx/swapd on CUDA): the main kernel is launched with programmatic dependent
     launch, so it starts while x is being prepared."""
@@ -494,6 +775,9 @@ class W4A16Config:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
         if self.method == "dequant_matmul":
             return self.method
+        if self.method == "gemv1":
+            return (f"gemv1 bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
+                    + (" pdl" if self.pdl else ""))
         if self.method == "gluon":
             return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
                     + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else ""))
@@ -584,13 +868,63 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
                         kc=c["kc"], regs=c.get("regs") or "", deq=c.get("deq") or "") for c in cands]
 
 
+# "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl). The residency comes from the offline
+# sm_90 builds (``gemv1_offline_report``, bf16, K tile 128: registers 127 / 80 / 102 at M = 1 for BN 256 w4 /
+# BN 128 w4 / BN 256 w8, 168 / 128 at M = 2 for BN 256 w4 / w8, 255 / 168 at M = 4 for BN 256 / 128, no spill),
+# so that the split-K grid is one full wave (``_gemv1_split_for``). Not measured on a GPU yet (session 8).
+_GEMV1_TILES = {
+    1: ((256, 4, 4, False), (128, 4, 6, False), (256, 8, 2, False), (256, 4, 4, True)),
+    2: ((256, 8, 2, False), (256, 4, 3, False), (128, 4, 4, False)),
+    4: ((256, 4, 2, False), (128, 4, 3, False)),
+}
+
+
+def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1.5) -> int:
+    """K split of a "gemv1" grid (n_tiles x split CTAs, ``slots`` resident at once over the GPU): the split whose
+    critical path, waves x (K tiles per CTA + ``cta_cost``), is shortest (ties: the smaller split, fewer partial
+    sums). ``cta_cost`` is a CTA's fixed cost in K tiles (first loads' latency, warp reduction, REDs, fence, counter;
+    a tile is about 1.7 us of a CTA's time when 16 warps share an SM). E.g. 8192 x 28672 (112 column tiles of 256,
+    64 K tiles, 528 slots): split 4 (448 CTAs, one wave of 16 tiles), not 5 (560 CTAs: a second wave) nor 32 (seven
+    waves of 2 tiles, each paying the fixed cost)."""
+    best_cost, best = None, 1
+    for s in range(1, k_tiles + 1):
+        tps = cdiv(k_tiles, s)
+        s_eff = cdiv(k_tiles, tps)
+        cost = cdiv(n_tiles * s_eff, slots) * (tps + cta_cost)
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, s_eff
+    return best
+
+
+_GEMV1_DEFAULT = "0"  # session 8: not yet run on a GPU
+
+
+def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
+    """The "gemv1" candidates: M buckets up to 4, CUDA devices only, listed after every other candidate so that the
+    heuristic default does not change; the tuner decides. Opt-in (``FXOPT_W4A16_GEMV1=1``, ``_GEMV1_DEFAULT``) until
+    ``test_gpu_gemv1`` has passed on a GPU: the kernel was built and checked offline / in the interpreter only."""
+    bucket = _m_bucket(M)
+    if (bucket > 4 or device is None or torch.device(device).type != "cuda"
+            or os.environ.get("FXOPT_W4A16_GEMV1", _GEMV1_DEFAULT) != "1"):
+        return []
+    out = []
+    for bn, warps, ctas, pdl in _GEMV1_TILES[bucket]:
+        cfg = W4A16Config(block_m=bucket, block_n=bn, block_k=128, split_k=1, num_warps=warps, num_stages=1,
+                          method="gemv1", pdl=pdl)
+        _, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
+        split = _gemv1_split_for(cdiv(N, bn), cdiv(K, bk), ctas * num_sms)
+        out.append(replace(cfg, block_k=bk, num_warps=warps, split_k=split))
+    return out
+
+
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None,
                       device=None) -> list[W4A16Config]:
     """The short list of configs the tuner times for this shape (first = heuristic default). ``integer_zeros``:
     whether the layer's zero points are integers; "swapd" configs are listed only then (it is exact only for them).
     ``dtype`` / ``device``: the activation dtype and the device; "gluon" configs are listed only when both are
-    given and qualify (``_gluon_configs``), after the others so the heuristic default does not change."""
+    given and qualify (``_gluon_configs``), after the others so the heuristic default does not change; "gemv1"
+    configs (``_gemv1_configs``: M <= 4 on a CUDA device) come last."""
     bucket = _m_bucket(M)
     out: list[W4A16Config] = []
 
@@ -661,7 +995,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(bm, bn, bk, 0, False, warps, stages)
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
         out.append(W4A16Config(method="dequant_matmul"))
-    return out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
+    return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
+            + _gemv1_configs(M, N, K, group_size, num_sms, device))
 
 
 _TUNED: dict = {}
@@ -696,6 +1031,22 @@ def _bench_us(fn, reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config,
+                         default: W4A16Config) -> bool:
+    """Safety net of the tuner for a method not yet checked on a GPU ("gemv1", session 8): its output on the tuning
+    inputs must match the heuristic default's (within the output dtype's rounding: 2e-2 of max |y| for bf16, 4e-3
+    for fp16) before it is timed; otherwise it is dropped with a warning, never picked for being fast."""
+    ref = _launch(x2d, qweight, scales, zeros, group_size, bias, default).float()
+    y = _launch(x2d, qweight, scales, zeros, group_size, bias, cfg).float()
+    tol = (2e-2 if x2d.dtype == torch.bfloat16 else 4e-3) * float(ref.abs().max()) + 1e-3
+    err = float((y - ref).abs().max())
+    if not err <= tol:  # NaN included
+        log.warning("w4a16: %s disagrees with %s (max error %.3g > %.3g): not a candidate", cfg.label(),
+                    default.label(), err, tol)
+        return False
+    return True
+
+
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
     """Tuned config for this shape (timed once per key on CUDA, then cached); heuristic when tuning is impossible."""
     M, K = x2d.shape
@@ -715,6 +1066,9 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     best, best_t = cands[0], float("inf")
     for c in cands:
         try:
+            if c.method == "gemv1" and not _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, c,
+                                                                 cands[0]):
+                continue
             t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c))
         except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
             log.debug("w4a16 config %s failed: %s", c, e)
@@ -804,6 +1158,157 @@ def _prep_x(x2d, block_k: int, frag: bool, pdl: bool = False):
     return xp, xs
 
 
+_GEMV1_WS: dict = {}
+
+
+def _gemv1_workspace(device, n: int) -> torch.Tensor:
+    """The fp32 split-K workspace of "gemv1", per device. Invariant: all zeros between calls (every call's last CTA
+    per column tile zeroes what it read), so no memset runs per call. Like the tile counters it is shared by the
+    calls on a device, which the stream serializes (with PDL a call touches it only after ``griddepcontrol.wait``)."""
+    buf = _GEMV1_WS.get(device)
+    if buf is None or buf.numel() < n:
+        # 4 MB at least: a buffer that grows would leave captured CUDA graphs pointing at a freed one
+        buf = torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device)
+        _GEMV1_WS[device] = buf
+    return buf
+
+
+def _gemv1_geometry(M: int, K: int, group_size: int, cfg: W4A16Config) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, warps) of a "gemv1" launch. One group per K tile: BLOCK_K = min(cfg.block_k, group) (the
+    group sizes are powers of two), except per-channel scales (group = K), where the last tile may be partial
+    (masked). Each warp needs at least one packed row of the tile: warps <= BLOCK_K / 8."""
+    if M > 4:
+        raise ValueError(f"w4a16: method gemv1 handles M <= 4 rows, got M = {M}")
+    if cfg.block_n not in (128, 256, 512):
+        raise ValueError(f"w4a16: gemv1 block_n must be 128, 256 or 512, got {cfg.block_n}")
+    bk = cfg.block_k if group_size == K else min(cfg.block_k, group_size)
+    if bk < 8 or bk & (bk - 1):
+        raise ValueError(f"w4a16: gemv1 block_k must be a power of two >= 8, got {bk}")
+    warps = max(1, min(cfg.num_warps, bk // 8))
+    return next_pow2(M), bk, warps
+
+
+def _gemv1_meta(M: int, K: int, N: int, group_size: int, cfg: W4A16Config, dtype: torch.dtype, has_bias: bool,
+                split: int, gpu: bool, pdl: bool) -> dict:
+    """The constexpr arguments and launch options of ``_w4a16_gemv1_kernel`` (shared by the launcher and
+    ``gemv1_offline_report``)."""
+    bm, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
+    meta = dict(GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
+                IS_BF16=dtype == torch.bfloat16, HAS_BIAS=has_bias, USE_SPLIT=split > 1, MASK_M=M != bm,
+                MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu)
+    opts = dict(num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+    return dict(meta=meta, opts=opts)
+
+
+def _gemv1_split(K: int, bk: int, split_k: int) -> tuple[int, int]:
+    """(splits, K tiles per split), balanced as everywhere else."""
+    k_tiles = cdiv(K, bk)
+    split = max(1, min(split_k, k_tiles))
+    tiles_per_split = cdiv(k_tiles, split)
+    return cdiv(k_tiles, tiles_per_split), tiles_per_split
+
+
+def _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
+    """Method "gemv1" (``_w4a16_gemv1_kernel``): one launch, x read as it is, split-K reduced in the kernel."""
+    M, K = x2d.shape
+    N = qweight.shape[1]
+    _, bk, _ = _gemv1_geometry(M, K, group_size, cfg)
+    if x2d.stride(0) % 2 or x2d.data_ptr() % 4:
+        x2d = x2d.contiguous()
+    xw = x2d.view(torch.int32)  # 16-bit pairs: one 4-byte load per two activations
+    if qweight.stride(1) != 1:
+        qweight = qweight.contiguous()
+    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    split, tiles_per_split = _gemv1_split(K, bk, cfg.split_k)
+    n_tiles = cdiv(N, cfg.block_n)
+    if split > 1:
+        ws, cnt = _gemv1_workspace(x2d.device, M * N), _counters(x2d.device, n_tiles)
+    else:
+        ws, cnt = y, y  # unused
+    gpu = x2d.is_cuda and not _interpreting()
+    pdl = cfg.pdl and gpu and has_pdl(x2d.device)
+    m = _gemv1_meta(M, K, N, group_size, cfg, x2d.dtype, bias is not None, split, gpu, pdl)
+    _w4a16_gemv1_kernel[(n_tiles, split)](
+        xw, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
+        M, N, K // PACK, split, tiles_per_split, _GEMV1_MAGIC_A, _GEMV1_MAGIC_B, _GEMV1_MASK_A, _GEMV1_MASK_B,
+        xw.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), **m["meta"], **m["opts"],
+    )
+    return y
+
+
+def gemv1_offline_report(M: int, K: int, N: int, cfg: W4A16Config, dtype: torch.dtype = torch.bfloat16,
+                         group_size: int = 128, bias: bool = False, keep_sass: bool = False) -> dict:
+    """Compile one "gemv1" config for sm_90 on the CPU (no GPU: ``triton.compile`` with ``GPUTarget("cuda", 90,
+    32)``, the ptxas / cuobjdump shipped with Triton) and summarize the SASS: registers, stack / local bytes (spills),
+    the main loop's instructions per K tile and per weight (a loop iteration is one K tile: BLOCK_K x block_n
+    weights over ``32 * warps`` threads), its opcode counts, and the ALU-pipe share (LOP3 / SHF / PRMT / IADD3 /
+    ISETP / SEL / LEA run at half rate on sm_90). Arguments are specialized as the JIT would (pointers 16-byte
+    aligned, ints divisible by 16 marked so)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
+    split, tps = _gemv1_split(K, bk, cfg.split_k)
+    m = _gemv1_meta(M, K, N, group_size, cfg, dtype, bias, split, True, cfg.pdl)
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    ints = dict(M=M, N=N, KP=K // PACK, SPLIT_K=split, TILES_PER_SPLIT=tps, MA=_GEMV1_MAGIC_A, MB=_GEMV1_MAGIC_B,
+                MKA=_GEMV1_MASK_A, MKB=_GEMV1_MASK_B, stride_xm=K // 2, stride_qk=N, stride_sg=N, stride_ym=N)
+    ptrs = dict(xw_ptr="*i32", qw_ptr="*i32", s_ptr=f"*{dt}", z_ptr=f"*{dt}", bias_ptr=f"*{dt}", y_ptr=f"*{dt}",
+                ws_ptr="*fp32", cnt_ptr="*i32")
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(_w4a16_gemv1_kernel.params):
+        if p.name in ptrs:
+            sig[p.name] = ptrs[p.name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif p.name in ints:
+            v = ints[p.name]
+            if v == 1:  # the JIT specializes ints equal to 1 as constants
+                sig[p.name], consts[(i,)] = "constexpr", 1
+            else:
+                sig[p.name] = "i32"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[p.name], consts[(i,)] = "constexpr", m["meta"][p.name]
+    compiled = triton.compile(ASTSource(_w4a16_gemv1_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=m["opts"])
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+    ins = [m_.group(2).strip() for m_ in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
+    addrs = [int(m_.group(1), 16) for m_ in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
+    index = {a: i for i, a in enumerate(addrs)}
+    loops = []  # innermost backward branches: the K loop
+    for i, op in enumerate(ins):
+        b = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if b and int(b.group(1), 16) < addrs[i] and int(b.group(1), 16) in index:
+            loops.append((index[int(b.group(1), 16)], i))
+    loops = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] < lp[1] for o in loops if o != lp)]
+    w_per_iter = bk * cfg.block_n / (32 * warps)
+    alu = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "SGXT", "PLOP3", "IABS", "FLO", "POPC", "VIADD"}
+    out = dict(reg=int(res.group(1)), stack=int(res.group(2)), local=int(res.group(4)), split=split, block_k=bk,
+               warps=warps, total_instr=len(ins), loops=[], **({"sass": sass} if keep_sass else {}))
+    for t, e in loops:
+        ops = collections.Counter((op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
+                                  for op in ins[t:e + 1])
+        n = e - t + 1
+        out["loops"].append(dict(instr=n, per_weight=round(n / w_per_iter, 3),
+                                 alu_per_weight=round(sum(v for k, v in ops.items() if k in alu) / w_per_iter, 3),
+                                 ops=dict(ops.most_common())))
+    return out
+
+
 def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
     M, K = x2d.shape
     N = qweight.shape[1]
@@ -819,6 +1324,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         return kg.gluon_w4a16_mm(x2d, qweight, scales, zeros, group_size, bias, block_m=cfg.block_m,
                                  block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None,
                                  **({"regs": cfg.regs} if cfg.regs else {}), **({"deq": cfg.deq} if cfg.deq else {}))
+    if cfg.method == "gemv1":
+        return _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg)
     spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
     if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
@@ -992,3 +1499,32 @@ def _backward(ctx, grad_y):
 
 
 w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="offline sm_90 SASS report of the gemv1 candidates (no GPU)")
+    ap.add_argument("--shapes", default="8192x8192,4096x11008,11008x4096,8192x28672", help="KxN list")
+    ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    rows = []
+    for shape in args.shapes.split(","):
+        K_, N_ = (int(v) for v in shape.split("x"))
+        for M_ in (int(v) for v in args.ms.split(",")):
+            for c in _gemv1_configs(M_, N_, K_, 128, _NUM_SMS_DEFAULT, "cuda"):
+                r = gemv1_offline_report(M_, K_, N_, c, dt)
+                lp = r["loops"][0]
+                rows.append(dict(K=K_, N=N_, M=M_, config=c.label(), reg=r["reg"], stack=r["stack"],
+                                 local=r["local"], loop_instr=lp["instr"], per_weight=lp["per_weight"],
+                                 alu_per_weight=lp["alu_per_weight"], ctas=cdiv(N_, c.block_n) * r["split"]))
+                print(f"{K_}x{N_} M={M_} {c.label()}: {r['reg']} registers, stack {r['stack']}, local {r['local']}, "
+                      f"CTAs {rows[-1]['ctas']}, loop {lp['instr']} instructions = {lp['per_weight']} / weight "
+                      f"(ALU pipe {lp['alu_per_weight']})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
