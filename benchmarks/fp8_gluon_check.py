@@ -10,7 +10,10 @@
     is the same, so ``same_as_default_*`` reports whether its output is bit-identical to the build without it), and
     ``cast_late`` (+ ``permute_k``) with ``overlap`` (session 7: FA3's order, O rescaled before the next PV issue,
     PV wait pinned below the exp2s; same arithmetic, ``same_as_no_overlap_*`` reports bit-identity with the build
-    without it). ``--quick`` runs only ``QUICK_VARIANTS`` (default, permute_k + cast_late with and without overlap)
+    without it), and permute_k + cast_late with ``pingpong`` (session 8: explicit warpgroup ping-pong, the two
+    consumer warpgroups take turns issuing their GEMMs; same arithmetic, so its output and lse MUST be bit-identical
+    to the permute_k + cast_late build: ``same_as_nopingpong_permk_castlate``, part of the case's PASS).
+    ``--quick`` runs only ``QUICK_VARIANTS`` (plain, permute_k + cast_late (the default) with and without pingpong)
     unless ``--all-builds`` is given, in the checks and in the timing (to stay near 200 s on an H200). Cases:
     ragged S, causal (Sq = Sk, Sq < Sk, Sq > Sk with rows that see no key), GQA, d = 64, fp16, a custom scale, lse.
     lse check: the kernel's lse is compared (max abs error < ``LSE_TOL``) with the float64 logsumexp of the
@@ -51,12 +54,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 NAME = "fp8_gluon_check"
-# (column suffix, permute_k, cast_late, overlap): the Gluon builds checked and timed
-VARIANTS = (("", False, False, False), ("_permk", True, False, False), ("_castlate", False, True, False),
-            ("_permk_castlate", True, True, False), ("_castlate_overlap", False, True, True),
-            ("_permk_castlate_overlap", True, True, True))
-# --quick (without --all-builds): the default build and the most promising pair (permute_k + cast_late, +- overlap)
-QUICK_VARIANTS = ("", "_permk_castlate", "_permk_castlate_overlap")
+# (column suffix, permute_k, cast_late, overlap, pingpong): the Gluon builds checked and timed. A pingpong build
+# must follow the build without it (its bit-identity reference).
+VARIANTS = (("", False, False, False, False), ("_permk", True, False, False, False),
+            ("_castlate", False, True, False, False), ("_permk_castlate", True, True, False, False),
+            ("_castlate_overlap", False, True, True, False), ("_permk_castlate_overlap", True, True, True, False),
+            ("_permk_castlate_pingpong", True, True, False, True))
+# --quick (without --all-builds): the plain build, the default (permute_k + cast_late) and its pingpong variant
+# (session 8: replaces permute_k + cast_late + overlap, 5-10% slower than the default on the H200)
+QUICK_VARIANTS = ("", "_permk_castlate", "_permk_castlate_pingpong")
 LSE_TOL = 1e-2  # vs the float64 lse of the dequantized scores (fp8 products are exact; fp32 / wgmma accumulation)
 STATE = {"env": None, "args": None, "agreement": [], "accuracy": [], "bench": [], "notes": []}
 
@@ -118,9 +124,9 @@ def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None,
             lref, lref_f64 = _lse_refs(q, k, qq, qs, kq, ks, Hq, Hkv, Sq, Sk, D, causal, scale)
         outs = {}
         lses = {}
-        for sfx, pk, cl, ov in variants:
+        for sfx, pk, cl, ov, pp in variants:
             res = G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, return_lse=lse, permute_k=pk,
-                                                  cast_late=cl, overlap=ov, **kw)
+                                                  cast_late=cl, overlap=ov, pingpong=pp, **kw)
             torch.cuda.synchronize()
             out = res[0] if lse else res
             outs[sfx] = out.clone()
@@ -128,7 +134,15 @@ def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None,
                 lses[sfx] = res[1].clone()
             # same arithmetic as the build without cast_late / overlap: expect bit-identical outputs (reported)
             base = sfx.replace("_castlate", "") if cl and not ov else sfx.replace("_overlap", "")
-            if (cl or ov) and base in outs:
+            pp_same = True
+            if pp:  # pingpong only reorders GEMM issues between warpgroups: bit-identity is REQUIRED
+                base = sfx.replace("_pingpong", "")
+                if base in outs:
+                    pp_same = bool(torch.equal(outs[sfx], outs[base]))
+                    if lse:
+                        pp_same = pp_same and bool(torch.equal(lses[sfx], lses[base]))
+                    row[f"same_as_nopingpong{base}"] = pp_same
+            elif (cl or ov) and base in outs:
                 key = f"same_as_no_overlap{sfx.replace('_overlap', '')}" if ov else f"same_as_default{sfx}"
                 same = bool(torch.equal(outs[sfx], outs[base]))
                 if lse:
@@ -140,7 +154,7 @@ def agreement_case(G, FA, tag, B, Hq, Hkv, Sq, Sk, D, dtype, causal, scale=None,
             row[f"maxdiff{sfx}"] = d_max
             row[f"rmsdiff{sfx}"] = d_rms
             row[f"rmse64{sfx}"] = _rms(out, f64)
-            ok = (not nan) and d_max <= lim and d_rms <= 2e-3
+            ok = (not nan) and d_max <= lim and d_rms <= 2e-3 and pp_same
             if lse:
                 # natural-log lse; rows without a visible key give +inf
                 fin = torch.isfinite(lref)
@@ -266,9 +280,10 @@ def run_accuracy(G, FA, args):
                 row["bf16 sdpa"] = _rms(F.scaled_dot_product_attention(q, k, v, is_causal=causal), ref)
                 row["triton fp8 op (block+Had)"] = _rms(torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0),
                                                         ref)
-                for sfx, pk, cl, ov in _variants(args):
+                for sfx, pk, cl, ov, pp in _variants(args):
                     row[f"gluon fp8{sfx.replace('_', ' ')} (block+Had)"] = _rms(
-                        G.fp8_gluon_attention(q, k, v, causal, permute_k=pk, cast_late=cl, overlap=ov), ref)
+                        G.fp8_gluon_attention(q, k, v, causal, permute_k=pk, cast_late=cl, overlap=ov, pingpong=pp),
+                        ref)
                 row["gluon fp8 (block, no Had)"] = _rms(G.fp8_gluon_attention(q, k, v, causal, hadamard=False), ref)
                 row["cpu emulation (block+Had)"] = _rms(
                     FA.fp8_attention_reference(q.cpu(), k.cpu(), v.cpu(), causal), ref.cpu())
@@ -311,13 +326,13 @@ def run_bench(G, FA, args):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            def gluon(pk, cl, ov):
+            def gluon(pk, cl, ov, pp):
                 return lambda: G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, out=out, permute_k=pk,
-                                                               cast_late=cl, overlap=ov, **kw)
+                                                               cast_late=cl, overlap=ov, pingpong=pp, **kw)
 
             variants = _variants(args)
             gluon_names = [f"gluon_fp8{sfx}_kernel" for sfx, *_ in variants]
-            impls = {name: gluon(pk, cl, ov) for name, (_, pk, cl, ov) in zip(gluon_names, variants)}
+            impls = {name: gluon(pk, cl, ov, pp) for name, (_, pk, cl, ov, pp) in zip(gluon_names, variants)}
             if variants == VARIANTS:  # quick mode (QUICK_VARIANTS) times only the Triton fp8 kernel and cuDNN besides
                 impls["gluon_fp8_with_quant"] = lambda: G.fp8_gluon_attention(q, k, v, causal, out=out)
             impls["triton_fp8_kernel"] = lambda: FA.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, out=out, **kw)
@@ -335,6 +350,8 @@ def run_bench(G, FA, args):
             row["gluon_fp8_best"] = max(gluon_names, key=lambda n: tf[n] or 0.0) if best else None
             pc, pco = tf.get("gluon_fp8_permk_castlate_kernel"), tf.get("gluon_fp8_permk_castlate_overlap_kernel")
             row["overlap_gain_permk_castlate"] = pco / pc if pc and pco else None
+            pcp = tf.get("gluon_fp8_permk_castlate_pingpong_kernel")
+            row["pingpong_gain_permk_castlate"] = pcp / pc if pc and pcp else None
             row["gluon_fp8_best/cudnn"] = best / tf["cudnn_bf16"] if best and tf["cudnn_bf16"] else None
             row["triton_fp8/cudnn"] = (tf["triton_fp8_kernel"] / tf["cudnn_bf16"]
                                        if tf["triton_fp8_kernel"] and tf["cudnn_bf16"] else None)
@@ -365,7 +382,7 @@ def main():
         return 1
     STATE["notes"].append(f"configs: { {d: G.config_for(d) for d in (64, 128)} }, "
                           f"PERMUTE_K_DEFAULT={G.PERMUTE_K_DEFAULT}, CAST_LATE_DEFAULT={G.CAST_LATE_DEFAULT}, "
-                          f"OVERLAP_DEFAULT={G.OVERLAP_DEFAULT}, "
+                          f"OVERLAP_DEFAULT={G.OVERLAP_DEFAULT}, PINGPONG_DEFAULT={G.PINGPONG_DEFAULT}, "
                           f"lse tolerance {LSE_TOL} vs the dequantized-score float64 lse")
     STATE["notes"].append("Gluon fp8 builds checked and timed: " + ", ".join(
         f"{sfx or 'default'}" for sfx, *_ in _variants(args)) + (
@@ -384,11 +401,14 @@ def main():
     print("\n" + markdown_table([{k: r.get(k) for k in ("case", "status", "maxdiff", "maxdiff_permk",
                                                         "maxdiff_castlate", "maxdiff_permk_castlate",
                                                         "maxdiff_permk_castlate_overlap",
+                                                        "maxdiff_permk_castlate_pingpong",
                                                         "same_as_default_castlate", "same_as_default_permk_castlate",
                                                         "same_as_no_overlap_castlate",
                                                         "same_as_no_overlap_permk_castlate",
+                                                        "same_as_nopingpong_permk_castlate",
                                                         "lse_err", "lse_err_permk_castlate",
-                                                        "lse_err_permk_castlate_overlap", "rmse64", "rmse64_triton",
+                                                        "lse_err_permk_castlate_overlap",
+                                                        "lse_err_permk_castlate_pingpong", "rmse64", "rmse64_triton",
                                                         "error")} for r in STATE["agreement"]]))
     print(markdown_table(STATE["accuracy"]))
     print(markdown_table([{k: r.get(k) for k in ("S", "causal", "gluon_fp8_kernel_tflops",
@@ -396,10 +416,11 @@ def main():
                                                  "gluon_fp8_permk_castlate_kernel_tflops",
                                                  "gluon_fp8_castlate_overlap_kernel_tflops",
                                                  "gluon_fp8_permk_castlate_overlap_kernel_tflops",
+                                                 "gluon_fp8_permk_castlate_pingpong_kernel_tflops",
                                                  "gluon_fp8_with_quant_tflops", "triton_fp8_kernel_tflops",
                                                  "triton_fp8_op_tflops", "gluon_bf16_tflops", "cudnn_bf16_tflops",
                                                  "gluon_fp8_best", "gluon_fp8_best/cudnn",
-                                                 "overlap_gain_permk_castlate")}
+                                                 "overlap_gain_permk_castlate", "pingpong_gain_permk_castlate")}
                           for r in STATE["bench"]]))
     print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)")
     return 0 if all(r.get("status") == "PASS" for r in STATE["agreement"]) else 1

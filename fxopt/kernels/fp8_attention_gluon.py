@@ -6,7 +6,8 @@ every config offline for sm_90 and prints registers, spills, shared memory, the 
 ``wgmma_sass_hazards`` count and the main-loop instruction counts (``main_loops``; ``--loops`` for the per-class
 counts, ``--cast-late 0`` / ``1`` and ``--overlap 0`` / ``1`` to pick builds; ``ex2_under_pv`` per loop).
 ``benchmarks/fp8_gluon_check.py`` is the GPU check (correctness against the Triton fp8 kernel and float64, then
-TFLOP/s), for six builds (permute_k x cast_late, plus cast_late (+ permute_k) with overlap; ``--quick``: three).
+TFLOP/s), for seven builds (permute_k x cast_late, cast_late (+ permute_k) with overlap, permute_k + cast_late with
+pingpong; ``--quick``: three: plain, the default, the default with pingpong). ``--pingpong 0`` / ``1`` picks builds.
 
 Why
 ---
@@ -110,6 +111,29 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   C7512 / C7514, zero ``wgmma_sass_hazards``, highest register 196-232, +528 B shared memory. The builds without it
   are byte-identical (.text) to before. On the H200 (session 8) bit-identical to the build without it but 5-10%
   slower (753-801 against 812-873 TFLOP/s), so it stays off.
+* ``pingpong=True`` (opt-in, ``PINGPONG_DEFAULT`` False, constexpr ``PINGPONG``, session 8, offline only; not with
+  ``overlap``): FA3's inter-warpgroup schedule. The two consumer warpgroups take turns issuing their GEMM groups
+  (block 0: QK_0; step i: QK_i + PV_{i-1}; tail: PV_{n-1}), so one warpgroup's softmax runs under the other's
+  QGMMAs instead of both colliding on the MUFU / issue slots and then on the tensor cores. Primitive: two mbarriers
+  ``turn[0..1]`` (count 1) in shared memory, ``_pp_wait`` right before the QK (tail: PV) issue, ``_pp_arrive`` (on
+  the other warpgroup's barrier) right after the last issue of the group. Not named barriers: Triton 3.6 already
+  uses ``bar.sync 0 / 1 / 2, 128`` for the warp-specialized partitions (every ``mbarrier.arrive`` is preceded by a
+  partition-wide ``bar.sync <id>, 128``, so an arrive also means "all 4 warps of the warpgroup issued"), and
+  Gluon 3.6 has no named-barrier op (``bar.sync`` would need ``gl.inline_asm_elementwise`` on a dummy tensor, an
+  elementwise op the compiler may duplicate or move). Warpgroup w's k-th group (k = 0 .. n_blocks) waits on ``turn[w]`` with parity
+  (k & 1) ^ (1 - w): warpgroup 0 passes k = 0 at once (parity 1 = the phase before the first) and otherwise waits
+  for warpgroup 1's arrive after its group k - 1; warpgroup 1 waits for warpgroup 0's arrive after its group k.
+  Deadlock freedom: (1) both warpgroups have the same number of groups, n_blocks + 1, since n_blocks is per CTA
+  (causal: the masked / unmasked split n_full differs per warpgroup, not the total; a warpgroup whose rows see no
+  key in the last block still runs it masked); (2) every wait points to an earlier event of the total order
+  WG0(0) < WG1(0) < WG0(1) < WG1(1) < ...; the producer's refill of slot j needs the releases of block j - STAGES,
+  done by each warpgroup after its own group j - STAGES (+1 for V) and its local wgmma wait, i.e. before WG0(j)
+  (STAGES >= 2); (3) parity never aliases: turn[1] completes phase k + 1 only after warpgroup 1 passed wait k
+  (warpgroup 0's group k + 1 needs warpgroup 1's arrive k), likewise for turn[0]; (4) the last arrive of warpgroup
+  1 (group n_blocks, on turn[0]) has no waiter: harmless, the kernel ends. The arithmetic is untouched (only waits
+  and arrives are added), so the output is bit-identical to the build without it by construction. sm_90 SASS, all
+  16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off; permute_k + cast_late): see
+  docs/notes_fp8_pingpong_session8.md. The builds without it are byte-identical (.text) to before.
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -178,6 +202,11 @@ CAST_LATE_DEFAULT = True
 # rescale O by the factor owed by the previous softmax while S_i runs, issue PV_{i-1}, softmax_i, store l_i to an
 # unread shared slot (pins ptxas's PV wait below every exp2 of the step), wait for PV_{i-1}. See _f8_step_overlap.
 OVERLAP_DEFAULT = False
+# Opt-in (session 8, offline only): explicit warpgroup ping-pong (FA3's inter-warpgroup schedule). Two mbarriers
+# ``turn`` order the GEMM issues of the two consumer warpgroups: warpgroup 1 issues its k-th GEMM group (block 0: QK_0;
+# step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
+# warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
+PINGPONG_DEFAULT = False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,22 +293,45 @@ def _f8_softmax(s, m_i, l_i, c):
 
 
 @gluon.jit
+def _pp_wait(turn, WG: gl.constexpr, k):
+    """PINGPONG: block until warpgroup WG may issue its k-th GEMM group (k = 0: block 0, k = i: step i, k = n: tail).
+
+    ``turn.index(w)`` (count 1) is arrived on by the OTHER warpgroup once per issued group. Warpgroup 0 waits for
+    phase k - 1 of turn[0] (k = 0: parity 1 = the phase before the first, complete at init: no wait), warpgroup 1 for
+    phase k of turn[1]. Each warpgroup's arrivals can run at most one ahead of the other's waits, so a count-1
+    barrier's parity never aliases (module docstring, "pingpong")."""
+    mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _pp_arrive(turn, WG: gl.constexpr):
+    """PINGPONG: warpgroup WG issued its GEMM group: the other warpgroup may issue its next one."""
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, m_i, l_i, vs_prev,
              ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
              QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-             PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
+             PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, turn=None, WG: gl.constexpr = 0,
+             PINGPONG: gl.constexpr = False):
     """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
     branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
 
     CAST_LATE: ``p8`` is the fp32 P_{i-1} (accumulator layout); it is cast to the e4m3 A operand between the QK_i
-    issue and the PV_{i-1} issue (while QK_i runs), and the fp32 P_i is returned in its place."""
+    issue and the PV_{i-1} issue (while QK_i runs), and the fp32 P_i is returned in its place.
+
+    PINGPONG: the QK_i + PV_{i-1} issue group is the warpgroup's i-th turn (``_pp_wait`` before the QK_i issue,
+    ``_pp_arrive`` right after the PV_{i-1} issue); nothing else changes."""
     fp8: gl.constexpr = q_buf.dtype
     # block scales of key block i (issued before the waits so their latency hides behind them)
     c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
     vs_i = gl.load(vs_base + (i * BLOCK_N) // QB)
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    if PINGPONG:
+        _pp_wait(turn, WG, i)
     s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
     if CAST_LATE:
         a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
@@ -289,6 +341,8 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     vslot = jv % STAGES
     mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
     o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    if PINGPONG:
+        _pp_arrive(turn, WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
@@ -360,7 +414,8 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
                  v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                  sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
-                 CAST_LATE: gl.constexpr, OVERLAP: gl.constexpr = False, pin=None):
+                 CAST_LATE: gl.constexpr, OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False,
+                 turn=None):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     out_dtype: gl.constexpr = o_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -396,7 +451,11 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     c0 = qk_scale * gl.load(ks_base)
     vs_prev = gl.load(vs_base)
     mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        _pp_wait(turn, WG, 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    if PINGPONG:
+        _pp_arrive(turn, WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
     mbarrier.arrive(k_empty.index(0), count=1)
     if n_full == 0:
@@ -437,12 +496,12 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
-                                                   orow_layout, PERMUTE_K, CAST_LATE)
+                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
-                                                   orow_layout, PERMUTE_K, CAST_LATE)
+                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG)
 
         # ---- tail: O += P8_{n-1} V_{n-1}
         jv = n_blocks - 1
@@ -450,7 +509,12 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
         if CAST_LATE:
             p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
         mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+        if PINGPONG:
+            # the n-th turn; WG 1's last arrive (on turn[0]) is never waited for: harmless, the kernel ends
+            _pp_wait(turn, WG, n_blocks)
         o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+        if PINGPONG:
+            _pp_arrive(turn, WG)
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
         mbarrier.arrive(v_empty.index(vslot), count=1)
 
@@ -474,10 +538,10 @@ def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None):
+                     OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False, turn=None):
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn)
 
 
 @gluon.jit
@@ -485,10 +549,10 @@ def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None):
+                     OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False, turn=None):
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn)
 
 
 @gluon.jit
@@ -497,7 +561,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr,
-                        OVERLAP: gl.constexpr = False):
+                        OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -536,6 +600,11 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    if PINGPONG:
+        # turn[w]: arrived on once per GEMM issue group by the other consumer warpgroup (_pp_wait / _pp_arrive)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
 
     if OVERLAP:
@@ -550,6 +619,19 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
                                 CAST_LATE, True, pin)),
+            (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif PINGPONG:
+        gl.warp_specialize([
+            (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, False, turn, True, turn)),
+            (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, False, turn, True, turn)),
             (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -681,15 +763,19 @@ def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
                                   permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
-                                  overlap: Optional[bool] = None):
+                                  overlap: Optional[bool] = None, pingpong: Optional[bool] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
-    ``cast_late`` / ``overlap``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` / ``OVERLAP_DEFAULT`` (see the
-    module docstring)."""
+    ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
+    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused."""
     B, Hq, Sq, D = shape_q
+    ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
+    pp = PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
     if reason is None and scale is not None and not (float(scale) > 0.0):
         reason = f"scale must be > 0 (got {scale})"
+    if reason is None and ov and pp:
+        reason = "pingpong is implemented for the build without overlap only (overlap=True, pingpong=True)"
     if reason is not None:
         raise ValueError(f"fp8_gluon_attention: {reason}")
     Hkv = n_kv_heads
@@ -713,7 +799,6 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     q_desc = _desc(qq, [1, 1, WG_ROWS, D])
     pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
     cl = CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)
-    ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     k_desc = _k_desc(kq, bn, pk)
     vt_desc = _desc(vt, [1, 1, D, bn])
     o_desc = _desc(out, [1, 1, WG_ROWS, D])
@@ -723,7 +808,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
         HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}))
+        CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}),
+        **({"PINGPONG": True} if pp else {}))
     return res
 
 
@@ -735,7 +821,8 @@ def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
                         seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None,
-                        cast_late: Optional[bool] = None, overlap: Optional[bool] = None):
+                        cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
+                        pingpong: Optional[bool] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
@@ -747,7 +834,7 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
-                                         cast_late=cast_late, overlap=overlap)
+                                         cast_late=cast_late, overlap=overlap, pingpong=pingpong)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -776,9 +863,13 @@ def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
 
 def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
                     stages: Optional[int] = None, permute_k: Optional[bool] = None,
-                    cast_late: Optional[bool] = None, overlap: Optional[bool] = None):
-    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP constexpr is
-    passed only when set (as the launch does), so the builds without it are compiled exactly as before."""
+                    cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
+                    pingpong: Optional[bool] = None):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG
+    constexprs are passed only when set (as the launch does), so the builds without them are compiled as before."""
+    if (OVERLAP_DEFAULT if overlap is None else bool(overlap)) and (
+            PINGPONG_DEFAULT if pingpong is None else bool(pingpong)):
+        raise ValueError("pingpong is implemented for the build without overlap only")
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -792,6 +883,9 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     if OVERLAP_DEFAULT if overlap is None else bool(overlap):
         constexprs["OVERLAP"] = True
         sig["OVERLAP"] = "constexpr"
+    if PINGPONG_DEFAULT if pingpong is None else bool(pingpong):
+        constexprs["PINGPONG"] = True
+        sig["PINGPONG"] = "constexpr"
     src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
@@ -909,18 +1003,27 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap.add_argument("--cast-late", default="0,1", help="CAST_LATE values to build (0 = the default build)")
     ap.add_argument("--overlap", default="0,1",
                     help="OVERLAP values to build (1 only together with cast_late, the combination in the GPU check)")
+    ap.add_argument("--pingpong", default="0,1",
+                    help="PINGPONG values to build (1 only without overlap; pingpong builds: permute_k + cast_late)")
     ap.add_argument("--loops", action="store_true", help="also print the per-class counts of each main loop")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         for causal in (False, True):
             for ot in ("bf16", "fp16"):
                 for wl, pk in ((False, False), (True, False), (False, True), (True, True)):
-                    for cl, ov in [(bool(int(x)), bool(int(y))) for x in args.cast_late.split(",")
-                                   for y in args.overlap.split(",") if int(x) or not int(y)]:
+                    builds = [(bool(int(x)), bool(int(y)), False) for x in args.cast_late.split(",")
+                              for y in args.overlap.split(",") if int(x) or not int(y)]
+                    if pk and "1" in args.pingpong.split(",") and "1" in args.cast_late.split(","):
+                        builds.append((True, False, True))  # pingpong on the default build (permute_k + cast_late)
+                    if "0" not in args.pingpong.split(","):
+                        builds = [bd for bd in builds if bd[2]]
+                    for cl, ov, pp in builds:
                         tag = (f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}"
-                               f"{'_permk' if pk else ''}{'_castlate' if cl else ''}{'_overlap' if ov else ''}")
+                               f"{'_permk' if pk else ''}{'_castlate' if cl else ''}{'_overlap' if ov else ''}"
+                               f"{'_pingpong' if pp else ''}")
                         try:
-                            c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl, overlap=ov)
+                            c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl, overlap=ov,
+                                                pingpong=pp)
                         except Exception as e:
                             print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
                             continue
@@ -928,8 +1031,10 @@ if __name__ == "__main__":  # pragma: no cover - tooling
                         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
                         sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
                         loops = main_loops(sass)
+                        ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
                         print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
                               f"{sass_summary(c)}  wgmma_hazards={len(wgmma_sass_hazards(sass))}  "
+                              f"ptxas_C75xx={sorted(set(re.findall(r'C75[0-9][0-9]', ptxas)))}  "
                               f"main_loop_instr={[lp['n'] for lp in loops]}  "
                               f"ex2_under_pv={[(e['under_pv'], e['ex2']) for e in ex2_under_pv(sass)]}", flush=True)
                         if args.loops:
