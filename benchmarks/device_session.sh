@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -126,7 +126,15 @@ phase_ab() {
     --out "$RES" 2>&1 | grep "^|" | tail -6
   timeout 150 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd_off --out "$RES" 2>&1 \
     | grep "^|" | tail -6
-  # the one-launch M <= 4 W4A16 kernel (opt-in "gemv1"; set _GEMV1_DEFAULT = "1" if the test passes and it wins)
+}
+
+phase_pp() {
+  # session 9, call 3: the fp8 Gluon kernel with warpgroup ping-pong (pingpong=True; must be bit-identical to the
+  # default build; flip PINGPONG_DEFAULT if it wins), then the one-launch M <= 4 W4A16 kernel (opt-in "gemv1"; set
+  # _GEMV1_DEFAULT = "1" if its test passes and it wins)
+  timeout 200 python3 benchmarks/fp8_gluon_check.py --quick --bench-first --case-timeout 90 --out "$RES/gluon" \
+    > "$OUT/fp8_gluon_check.txt" 2>&1
+  echo "fp8_gluon_check rc=$?"; grep -E "\[bench\]|FAIL|HANG|pingpong" "$OUT/fp8_gluon_check.txt" | tail -12
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py -k gemv1 2>&1 | tail -4
   timeout 150 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
 }
