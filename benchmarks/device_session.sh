@@ -105,26 +105,29 @@ phase_route() {
 }
 
 phase_next() {
-  # session 9, call 1 (GPU checks of what session 8 prepared offline; about 8 minutes):
+  # session 9, call 1 (GPU checks of what session 8 prepared offline; at most 10 minutes):
   # the fused fp8 quantization (then _QUANT_FUSED_DEFAULT = "1" if bit-identical and quant_fused beats quant_tc),
-  # the persistent Gluon forward (route d = 128 to it if bit-identical and not slower), the decode split plans
+  # the persistent and the ping-pong Gluon forward (route d = 128 to one if bit-identical and faster)
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_attention.py -k "fused" 2>&1 | tail -4
   timeout 100 python3 benchmarks/fp8_attention.py --quant-only --out "$RES" 2>&1 | grep -v Warning | tail -16
-  timeout 175 python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check.txt" 2>&1
-  echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check.txt" | grep -v "^\s*$" | tail -24
-  timeout 120 python3 benchmarks/attention.py --decode-sweep --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
+  for vs in persistent,persistent_lpt pingpong; do  # two invocations: each one's compiles fit its watchdog
+    timeout 175 env VCHECK_VARIANTS=$vs python3 benchmarks/gluon_attention_variant_check.py \
+      > "$OUT/variant_check_${vs%%,*}.txt" 2>&1
+    echo "variant check ($vs) rc=$?"; grep -v "PASS$" "$OUT/variant_check_${vs%%,*}.txt" | grep -v "^\s*$" | tail -16
+  done
 }
 
 phase_ab() {
-  # session 9, call 2: env A/B rows of the attention table (Gluon backward below S = 2048; the d = 256 split-head-dim
-  # backward), then the W4A16 small-M rows
-  timeout 120 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=1024 python3 benchmarks/attention.py --shapes 128x1024,128x2048 \
+  # session 9, call 2: the decode split plans (set _DECODE_CTAS_PER_SM), then env A/B rows of the attention table
+  # (Gluon backward below S = 2048; the d = 256 split-head-dim backward)
+  timeout 110 python3 benchmarks/attention.py --decode-sweep --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
+  timeout 100 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=1024 python3 benchmarks/attention.py --shapes 128x1024,128x2048 \
     --tag bwdfloor1024 --out "$RES" 2>&1 | grep "^|" | tail -6
   timeout 100 python3 benchmarks/attention.py --shapes 128x1024,128x2048 --tag bwdfloor2048 --out "$RES" 2>&1 \
     | grep "^|" | tail -6
-  timeout 150 env FXOPT_ATTN_BWD_SPLIT_D=1 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd \
+  timeout 120 env FXOPT_ATTN_BWD_SPLIT_D=1 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd \
     --out "$RES" 2>&1 | grep "^|" | tail -6
-  timeout 150 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd_off --out "$RES" 2>&1 \
+  timeout 120 python3 benchmarks/attention.py --shapes 256x2048,256x8192 --tag splitd_off --out "$RES" 2>&1 \
     | grep "^|" | tail -6
 }
 

@@ -2,15 +2,18 @@
 the op routes d = 128 to; checked on the H200 in session 7), the opt-in ``variant="overlap2"`` (P cast by packed
 inline-PTX cvt; docs/notes_attention_fwd_session7.md) and the opt-in persistent grid ``variant="persistent"`` /
 ``"persistent_lpt"`` (one CTA per SM looping over work items, d = 64 / 128; offline sm_90 SASS only so far,
-docs/notes_attention_fwd_session8.md). overlap2 and every persistent run must be BIT-IDENTICAL to "overlap" (same
-arithmetic per tile); the persistent runs also use ``num_sms`` = 1 and 3, which put many work items (and both Q
+docs/notes_attention_fwd_session8.md) and the opt-in ``variant="pingpong"`` (the overlap build with named-barrier
+turns between the two consumer warpgroups; offline only so far, docs/notes_attention_pingpong_session8.md).
+overlap2, pingpong and every persistent run must be BIT-IDENTICAL to "overlap" (same arithmetic per tile); the persistent runs also use ``num_sms`` = 1 and 3, which put many work items (and both Q
 buffers, several mbarrier phases) on each CTA, the schedules 0 / 1 / 2, ``write_lse=False`` and a [B, S, H, D]
-layout. Then timing of overlap, overlap2, persistent (and persistent_lpt, causal), one printed line per
+layout. Then timing of overlap, pingpong, overlap2, persistent (and persistent_lpt, causal), one printed line per
 measurement as soon as it is taken.
 
 ``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
-device_session.sh; the output is printed). A persistent launch that does not finish within 20 s is reported as a
-HANG (a wrong mbarrier phase) and the script exits with status 3; the whole script has a 170 s watchdog.
+device_session.sh; the output is printed). ``VCHECK_VARIANTS`` (comma list, default
+"overlap2,persistent,persistent_lpt,pingpong") limits the opt-in variants checked and timed, so that one call's
+compiles fit the watchdog (device_session.sh runs the persistent and the pingpong builds in two invocations). A persistent or pingpong launch that does not finish within 20 s is
+reported as a HANG (a wrong mbarrier phase / named-barrier turn) and the script exits with status 3; the whole script has a 170 s watchdog.
 """
 import faulthandler
 import os
@@ -23,6 +26,7 @@ import fxopt.kernels.attention_gluon as G
 from gluon_attention_check import reference, _inputs
 torch.backends.cuda.matmul.allow_tf32 = False
 T0 = time.time()
+CHECK = set(os.environ.get("VCHECK_VARIANTS", "overlap2,persistent,persistent_lpt,pingpong").split(","))
 
 
 def finish_or_die(label, timeout=20.0):
@@ -48,7 +52,7 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dt)
     o0, l0 = G.gluon_attention_fwd(q, k, v, causal=causal)
     o1, l1 = G.gluon_attention_fwd(q, k, v, causal=causal, variant="overlap")
-    o2, l2 = G.gluon_attention_fwd(q, k, v, causal=causal, variant="overlap2")
+    o2, l2 = G.gluon_attention_fwd(q, k, v, causal=causal, variant="overlap2") if "overlap2" in CHECK else (o1, l1)
     torch.cuda.synchronize()
     ro, rl, empty = reference(q, k, v, causal, 1.0 / math.sqrt(D), torch.float64)
     fin = ~empty
@@ -67,11 +71,11 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
     line = (f"B{B} Hq{Hq} Hkv{Hkv} Sq{Sq} Sk{Sk} d{D} {dt} causal={causal}: |ovl-ref|={e_ref:.3g} "
             f"|def-ref|={e_def:.3g} |ovl-def|={e_vd:.3g} lse_err={e_lse:.3g} {'PASS' if good else 'FAIL'} | "
             f"|ovl2-ref|={e_ref2:.3g} lse_err2={e_lse2:.3g} ovl2==ovl bitwise {same2} {'PASS' if good2 else 'FAIL'}")
-    if D in G._PERSISTENT_HEAD_DIMS:
+    if D in G._PERSISTENT_HEAD_DIMS and "persistent" in CHECK:
         # persistent == overlap bit for bit (out and lse), which carries overlap's reference check over; num_sms
         # 1 / 3 put all / a third of the items on each CTA (SCHED 1 / 2 for causal, 0 otherwise); lpt only at d 128
         runs = [("persistent", None), ("persistent", 3), ("persistent", 1)]
-        if causal and D == 128:
+        if causal and D == 128 and "persistent_lpt" in CHECK:
             runs += [("persistent_lpt", 3), ("persistent_lpt", 1)]
         res = []
         for vr, n in runs:
@@ -91,6 +95,18 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
         good_p = all(r.endswith("True") for r in res)
         ok &= good_p
         line += f" | persistent==ovl bitwise: {', '.join(res)} {'PASS' if good_p else 'FAIL'}"
+    if D in G._PINGPONG_HEAD_DIMS and "pingpong" in CHECK:
+        # pingpong == overlap bit for bit: the named barriers only delay wgmma issues, the arithmetic is overlap's
+        op, lp = G.gluon_attention_fwd(q, k, v, causal=causal, variant="pingpong")
+        finish_or_die(f"pingpong B{B} Hq{Hq} Sq{Sq} Sk{Sk} d{D} causal={causal}")
+        res = [f"pingpong {torch.equal(op, o1) and torch.equal(lp, l1)}"]
+        if Sq > 1:
+            op, lp = G.gluon_attention_fwd(q, k, v, causal=causal, variant="pingpong", write_lse=False)
+            finish_or_die(f"pingpong write_lse=False B{B} Sq{Sq} Sk{Sk} d{D} causal={causal}")
+            res.append(f"pingpong/no-lse {torch.equal(op, o1) and lp is None}")
+        good_pp = all(r.endswith("True") for r in res)
+        ok &= good_pp
+        line += f" | pingpong==ovl bitwise: {', '.join(res)} {'PASS' if good_pp else 'FAIL'}"
     print(line, flush=True)
 print(f"correctness {'PASS' if ok else 'FAIL'} ({time.time() - T0:.0f} s)", flush=True)
 
@@ -105,7 +121,8 @@ for D, B, H, S, causal in rows:
         continue
     q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-    variants = ["overlap", "overlap2", "persistent"] + (["persistent_lpt"] if causal and D == 128 else [])
+    variants = ["overlap"] + [vr for vr in ("pingpong", "overlap2", "persistent") if vr in CHECK] + (
+        ["persistent_lpt"] if causal and D == 128 and "persistent_lpt" in CHECK else [])
     t = {}
     for vr in variants:
         G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr)  # compile + one run under the hang guard
@@ -114,10 +131,8 @@ for D, B, H, S, causal in rows:
                                             warmup=50, rep=250) for _ in range(2))
         print(f"  d{D} B{B} H{H} S{S} causal={causal} {vr}: {t[vr]:.3f} ms {flops / t[vr] * 1e-9:.0f} TFLOP/s",
               flush=True)
-    print(f"d{D} B{B} H{H} S{S} causal={causal}: overlap2/overlap {t['overlap'] / t['overlap2']:.3f}x  "
-          f"persistent/overlap {t['overlap'] / t['persistent']:.3f}x" +
-          (f"  persistent_lpt/overlap {t['overlap'] / t['persistent_lpt']:.3f}x" if "persistent_lpt" in t else ""),
-          flush=True)
+    print(f"d{D} B{B} H{H} S{S} causal={causal}: " + "  ".join(
+        f"{vr}/overlap {t['overlap'] / t[vr]:.3f}x" for vr in t if vr != "overlap"), flush=True)
 print(f"done ({time.time() - T0:.0f} s)", flush=True)
 
 import sys as _s

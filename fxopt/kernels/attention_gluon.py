@@ -20,8 +20,9 @@ Structure (one CTA = one 128-row query tile of one (batch, head); grid = (cdiv(S
 * consumer warpgroup 0 (default partition, 4 warps) and consumer warpgroup 1 (worker partition, 4 warps): the same
   function ``_fa_consumer``; warpgroup ``w`` owns query rows ``m0 + 64 w .. m0 + 64 w + 63``. The two warpgroups
   share every K/V tile in shared memory but never wait for each other, so while one runs its softmax the other's
-  wgmma keeps the tensor cores busy (the hardware scheduler interleaves them; there is no explicit ping-pong named
-  barrier as in FA3, Gluon 3.6 does not expose ``bar.sync id``).
+  wgmma keeps the tensor cores busy (the hardware scheduler interleaves them). Gluon 3.6 has no named-barrier
+  API; the opt-in ``variant="pingpong"`` (below) adds FA3's explicit ordering with inline-PTX ``bar.sync`` /
+  ``bar.arrive``.
 * producer (worker partition, 1 warp, 24 registers): issues every TMA load: the two 64-row Q tiles once, then K_j
   and V_j into a ``STAGES``-deep ring of shared-memory slots.
 
@@ -102,6 +103,29 @@ query block) that ``_fa_sched_item`` gives it, each exactly like one CTA of the 
   interleavings) and ``persistent_items`` (the schedule's CPU mirror) back the phase bookkeeping below:
   ``python -m fxopt.kernels.attention_gluon --protocol``.
 
+``variant="pingpong"`` (opt-in, every d, constexpr ``PINGPONG`` on top of ``OVERLAP``; session 8, offline only, NOT
+yet run on a GPU; nothing routes to it; docs/notes_attention_pingpong_session8.md). The overlap build plus FA3's
+warpgroup ping-pong: the two consumer warpgroups take turns at issuing their wgmma, so warpgroup 1 issues S_i / PV_{i-1}
+only after warpgroup 0 issued its own and vice versa, and one warpgroup's softmax runs under the other's GEMMs
+instead of wherever the warp schedulers put it. Two hardware named barriers, ids 14 and 15 (``_PP_BAR0``; Triton
+uses 0, 1, 2 in this kernel), 256 threads each, inline PTX with no operands (``_fa_pp_wait`` = ``bar.sync 14 + w,
+256``, ``_fa_pp_pass`` = ``bar.arrive 14 + (1 - w), 256``). Issue points of warpgroup w: block 0 (S_0), step i =
+1 .. n - 1 (S_i and PV_{i-1}, in either loop), the tail (PV_{n-1}); n + 1 of them, n = ``n_blocks`` is per CTA so
+both warpgroups have the same number (only their unmasked / masked split differs, and both loops have the same
+turn code). At each point: wait for the own turn after the K (block 0, steps) / V (tail) mbarrier wait, issue,
+pass the turn right after the last issue (before the wgmma waits). Warpgroup 0 holds the first turn (no wait at
+block 0), warpgroup 1 does not pass after its tail: each barrier then gets exactly as many arrives as syncs (n from
+each warpgroup on id 14, n + 1 on id 15) and is clean at exit. Deadlock-free, hazard-free and strictly alternating
+(WG0 point p, WG1 point p, WG0 point p + 1, ...): a warpgroup's next contribution to a barrier needs the other
+warpgroup's turn in between, so one generation never gets two arrivals of the same warpgroup; the turn holder only
+waits for K_i / V_{i-1}, whose refills need releases the other warpgroup made before it reached its own turn wait
+(argument in the notes; ``pingpong_protocol_model`` checks it over random interleavings, ``--protocol``). The
+arithmetic is the overlap build's, instruction for instruction apart from the 14 BAR instructions: the output is
+bit-identical to "overlap" by construction. Offline sm_90 (ptxas 12.8), d 64 / 128 / 256, bf16 / fp16, causal or
+not: STACK 0, LOCAL 0, no spills, no C75xx, ``wgmma_sass_hazards`` 0, ``ex2_under_pv`` as overlap, highest register
+as overlap (168 / 199 / 208-210); in the SASS every ``BAR.SYNC 0xe / 0xf, 0x100`` sits right before the first
+HGMMA of an issue point and every ``BAR.ARV`` right after its last HGMMA (before ``WARPGROUP.DEPBAR``).
+
 Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
 ----------------------------------------------------------------------------
 * ``q_bar[w]`` (count 1): producer ``expect(nbytes)`` + TMA; consumer ``w`` waits parity 0 once (the kernel is not
@@ -155,8 +179,8 @@ Semantics
   ``q_ready`` parity ``u & 1``, and releases buffer (t - 1) % 2 in item t after block 0 and ``store_wait``
   (predicated off for t = 0: an extra arrive would shift every later phase). The last item's buffers are never
   released; the consumers ``store_wait`` before exiting.
-* Not done (next steps): dynamic (atomic) tile scheduler, explicit ping-pong ordering of the two warpgroups,
-  FP8, backward.
+* Not done (next steps): dynamic (atomic) tile scheduler, ping-pong in the persistent kernel (variant="pingpong"
+  is the non-persistent overlap build only), FP8, backward.
 """
 from __future__ import annotations
 
@@ -311,7 +335,7 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
                      pin_buf, rows, SEQ_K, diag_off, qk_scale,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                      s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                     CAST_LATE: gl.constexpr = False):
+                     CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False, WG: gl.constexpr = 0):
     """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
     owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
     new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
@@ -320,16 +344,24 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` right behind the row max (it treats it as a free instruction and fills the
     SHFL latency with it; every later write to P_{i-1}'s registers then has to follow it). It does not hoist the
     DEPBAR above a shared-memory store, and the store depends on l_i = l * alpha + rowsum(exp2(...)), i.e. on every
-    exp2 of the step. Returns alpha_i instead of applying it (the next step or the tail does)."""
+    exp2 of the step. Returns alpha_i instead of applying it (the next step or the tail does).
+
+    ``PINGPONG`` (variant="pingpong"): warpgroup ``WG`` waits for its turn (``_fa_pp_wait``) after K_i landed and
+    before the S_i issue, and hands the turn to the other warpgroup (``_fa_pp_pass``) right after the PV_{i-1}
+    issue, so the other warpgroup's issues follow this one's and its softmax runs under this one's GEMMs."""
     dtype: gl.constexpr = q_buf.dtype
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    if PINGPONG:
+        _fa_pp_wait(WG)
     s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
     o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     jv = i - 1
     vs = jv % STAGES
     mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
     o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+    if PINGPONG:
+        _fa_pp_pass(WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
@@ -343,6 +375,32 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     else:
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     return s, o, p16, alpha, m_i, l_i
+
+
+# variant="pingpong": hardware named barriers (``bar.sync`` / ``bar.arrive``, 256 threads = both consumer
+# warpgroups) that order the two warpgroups' wgmma issues. Barrier _PP_BAR0 + w is "warpgroup w's turn": w syncs
+# on it (128 threads), the other warpgroup arrives on it (128 threads). Triton 3.6 uses ids 0 (default partition),
+# 1 (whole CTA, warp_specialize entry / exit) and 2 (worker partitions) in this kernel; 14 / 15 stay clear of them.
+_PP_BAR0 = 14
+
+
+@gluon.jit
+def _fa_pp_wait(WG: gl.constexpr):
+    """Block warpgroup WG until the other warpgroup passed it the turn (``bar.sync 14 + WG, 256``). The asm has
+    no operands and a dummy result; is_pure=False keeps it (and its order against the wgmma asm) in place."""
+    if WG == 0:
+        gl.inline_asm_elementwise("bar.sync 14, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 15, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fa_pp_pass(WG: gl.constexpr):
+    """Give the turn to the other warpgroup (``bar.arrive 14 + (1 - WG), 256``; does not block)."""
+    if WG == 0:
+        gl.inline_asm_elementwise("bar.arrive 15, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 14, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -374,7 +432,8 @@ def _fa_p16(p, dtype: gl.constexpr, p_layout: gl.constexpr):
 def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
+                 OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False,
+                 PINGPONG: gl.constexpr = False):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     # wgmma accumulator layouts of one warpgroup (4 warps along M, m64nNk16 instructions).
@@ -406,7 +465,12 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 
     # ---- block 0: S_0 = Q K_0^T, softmax -> P_0 (no PV in flight yet, so a runtime branch is harmless here)
     mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:  # issue point 0: warpgroup 0 holds the first turn and does not wait (see the docstring)
+        if WG == 1:
+            _fa_pp_wait(WG)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    if PINGPONG:
+        _fa_pp_pass(WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
     mbarrier.arrive(k_empty.index(0), count=1)
     if n_full == 0:
@@ -425,18 +489,23 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
-                CAST_LATE)
+                CAST_LATE, PINGPONG, WG)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, SEQ_K, diag_off, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
-                CAST_LATE)
+                CAST_LATE, PINGPONG, WG)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1} (alpha_0 = 0 multiplies the zero O when n = 1)
         jv = n_blocks - 1
         vs = jv % STAGES
         o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
         mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+        if PINGPONG:  # issue point n_blocks, the last one: warpgroup 1 does not pass the turn back
+            _fa_pp_wait(WG)
         o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        if PINGPONG:
+            if WG == 0:
+                _fa_pp_pass(WG)
         o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
         mbarrier.arrive(v_empty.index(vs), count=1)
     else:
@@ -475,27 +544,29 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
+                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False,
+                     PINGPONG: gl.constexpr = False):
     _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                 OVERLAP, pin, CAST_LATE)
+                 OVERLAP, pin, CAST_LATE, PINGPONG)
 
 
 @gluon.jit
 def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                      lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False):
+                     OVERLAP: gl.constexpr = False, pin=None, CAST_LATE: gl.constexpr = False,
+                     PINGPONG: gl.constexpr = False):
     _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                  lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                 OVERLAP, pin, CAST_LATE)
+                 OVERLAP, pin, CAST_LATE, PINGPONG)
 
 
 @gluon.jit
 def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr = False,
-                    CAST_LATE: gl.constexpr = False):
+                    CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     pid_m = gl.program_id(0)
@@ -535,7 +606,20 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
 
     # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
     # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
-    if CAST_LATE:
+    if PINGPONG:
+        # variant="pingpong": the overlap build plus named-barrier turns between the consumer warpgroups
+        pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gl.warp_specialize([
+            (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin, False, True)),
+            (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                CAUSAL, True, pin, False, True)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif CAST_LATE:
         # variant="overlap2": the overlap variant's pin slot; P cast by _fa_p16
         pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
@@ -863,18 +947,21 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt")
+VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong")
 # Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
 # K / V ring (d = 256 would need 2 x 2 x 64 x 256 x 2 = 128 KB of Q plus 128 KB of K / V > 227 KB).
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
 _PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2}
+# variant="pingpong": the overlap build's tiles; every head dim compiles clean offline (session 8).
+_PINGPONG_HEAD_DIMS = (64, 128, 256)
 
 
 def config_for(head_dim: int, variant: str = "default") -> dict:
     """Kernel meta-parameters the wrapper uses for a head dim (also used by the offline compile check).
 
     ``variant="overlap"``: same tiles, ``OVERLAP=True``; ``variant="overlap2"``: also ``CAST_LATE=True``;
+    ``variant="pingpong"``: ``OVERLAP=True`` and ``PINGPONG=True`` (named-barrier turns of the two warpgroups);
     ``variant="persistent"`` / ``"persistent_lpt"``: the overlap build's tiles in ``_fa3_fwd_persistent_kernel``
     (``PERSISTENT=True``; ``SCHED_CAUSAL`` = the causal schedule), d = 64 / 128 only (see the module
     docstring). Raises ValueError for an unknown variant, head dim, or an unsupported combination."""
@@ -888,8 +975,10 @@ def config_for(head_dim: int, variant: str = "default") -> dict:
     block_n, stages = _CONFIGS[head_dim]
     cfg = dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-    if variant in ("overlap", "overlap2"):
+    if variant in ("overlap", "overlap2", "pingpong"):
         cfg["OVERLAP"] = True
+    if variant == "pingpong":
+        cfg["PINGPONG"] = True
     if variant == "overlap2":
         cfg["CAST_LATE"] = True
     if variant in _PERSISTENT_SCHED:
@@ -1021,8 +1110,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
     ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the module docstring; both
-    checked on the H200, "overlap" is what the op routes to), "overlap2", "persistent", "persistent_lpt"
-    (opt-in, d = 64 / 128). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
+    checked on the H200, "overlap" is what the op routes to), "overlap2", "pingpong", "persistent",
+    "persistent_lpt" (opt-in; persistent d = 64 / 128 only). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
     stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
     the grid's upper bound (default: the device's SM count; small values force many items per CTA)."""
     if variant not in VARIANTS:
@@ -1086,7 +1175,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                           CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
                           num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                           **({"OVERLAP": True} if cfg.get("OVERLAP") else {}),
-                          **({"CAST_LATE": True} if cfg.get("CAST_LATE") else {}))
+                          **({"CAST_LATE": True} if cfg.get("CAST_LATE") else {}),
+                          **({"PINGPONG": True} if cfg.get("PINGPONG") else {}))
     return out, lse_ret
 
 
@@ -1137,6 +1227,11 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         if cfg.get("CAST_LATE"):
             constexprs["CAST_LATE"] = True
             sig["CAST_LATE"] = "constexpr"
+        if cfg.get("PINGPONG"):
+            sig["CAST_LATE"] = "constexpr"  # positional order of the kernel's constexprs
+            constexprs["CAST_LATE"] = False
+            constexprs["PINGPONG"] = True
+            sig["PINGPONG"] = "constexpr"
         src = GluonASTSource(_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
@@ -1197,6 +1292,42 @@ def ex2_under_pv(sass: str) -> list:
     return out
 
 
+class _ModelBar:
+    """An mbarrier in the CPU protocol models: an arrival count, a phase counter and a transaction count."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase, self.tx = count, count, 0, 0
+
+    def arrive(self, tx=0):
+        self.pending -= 1
+        self.tx += tx
+        assert self.pending >= 0, "more arrivals than the barrier's count"
+        self.complete()
+
+    def complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+
+def _interleave(agents: dict, pending: list, rng, max_steps: int) -> int:
+    """Run the protocol models' agents (generators, one yield per step) and pending completions (TMA loads landing,
+    stores finishing) in a random interleaving until all are done; AssertionError on no progress (deadlock)."""
+    steps = 0
+    while agents or pending:
+        steps += 1
+        assert steps < max_steps, f"no progress after {max_steps} steps: deadlock ({sorted(agents)} left)"
+        pick = rng.randrange(len(agents) + (1 if pending else 0))
+        if pick == len(agents):
+            pending.pop(rng.randrange(len(pending)))()
+            continue
+        name = list(agents)[pick]
+        try:
+            next(agents[name])
+        except StopIteration:
+            del agents[name]
+    return steps
+
+
 def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6) -> int:
     """CPU model of the persistent kernel's mbarrier protocol: ``_fa_producer_persistent`` and two
     ``_fa_consumer_persistent`` warpgroups, statement for statement (waits, expect-arrives, releases, the deferred
@@ -1208,20 +1339,7 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
     consumer still reads or that an O store still reads. Returns the number of steps taken."""
     import random
 
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase, self.tx = count, count, 0, 0
-
-        def arrive(self, tx=0):
-            self.pending -= 1
-            self.tx += tx
-            assert self.pending >= 0, "more arrivals than the barrier's count"
-            self.complete()
-
-        def complete(self):
-            if self.pending == 0 and self.tx == 0:
-                self.phase, self.pending = self.phase + 1, self.count
-
+    Bar = _ModelBar
     rng = random.Random(seed)
     q_ready, q_empty = [Bar(1) for _ in range(4)], [Bar(1) for _ in range(4)]
     k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
@@ -1315,27 +1433,16 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
             yield
         yield from store_wait()
 
-    agents = {"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}
-    steps = 0
-    while agents or pending:
-        steps += 1
-        assert steps < max_steps, f"no progress after {max_steps} steps: deadlock ({sorted(agents)} left)"
-        pick = rng.randrange(len(agents) + (1 if pending else 0))
-        if pick == len(agents):
-            pending.pop(rng.randrange(len(pending)))()
-            continue
-        name = list(agents)[pick]
-        try:
-            next(agents[name])
-        except StopIteration:
-            del agents[name]
+    steps = _interleave({"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}, pending, rng,
+                        max_steps)
     return steps
 
 
 def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -> str:
     """CPU checks behind the persistent variants: (1) ``persistent_items`` covers every (bh, query block) exactly
     once for every schedule over a sweep of grids, (2) ``persistent_protocol_model`` finds no deadlock or buffer
-    hazard over ``trials`` random interleavings (STAGES 1-3, 1-9 items of 1-6 key blocks). Returns a summary."""
+    hazard over ``trials`` random interleavings (STAGES 1-3, 1-9 items of 1-6 key blocks), (3) the
+    variant="pingpong" named-barrier model (``check_pingpong_protocol``, trials / 2). Returns a summary."""
     import itertools
     import random
 
@@ -1355,7 +1462,138 @@ def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -
     for k in range(trials):
         persistent_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 9))], 1 + k % 3, seed=k)
     return (f"schedules: {n_grids} (grid, schedule) cases cover every work item once; protocol: {trials} random "
-            f"interleavings without deadlock or hazard")
+            f"interleavings without deadlock or hazard; " + check_pingpong_protocol(max(trials // 2, 1), seed))
+
+
+def pingpong_protocol_model(n_blocks: int, stages: int, n_full=(0, 0), seed: int = 0, max_steps: int = 10 ** 6):
+    """CPU model of variant="pingpong" (one CTA of ``_fa3_fwd_kernel`` with PINGPONG): ``_fa_producer`` and the
+    two ``_fa_consumer`` warpgroups statement for statement (mbarrier waits / releases as in
+    ``persistent_protocol_model``, the unmasked loop up to ``n_full[w]`` then the masked loop, the tail), plus the
+    two named barriers of ``_fa_pp_wait`` / ``_fa_pp_pass`` as on sm_90: 256 threads = one contribution of 128
+    threads from each warpgroup; ``bar.sync`` blocks until its generation completes, ``bar.arrive`` does not; the
+    barrier resets when complete. Random interleaving, TMA loads landing at random later points. Raises
+    AssertionError on a deadlock, on a warpgroup contributing twice to one barrier generation (the hardware would
+    count both 128-thread arrivals and release the wrong turn), on a consumer reading the wrong block, on a TMA
+    write into a slot still read, on wgmma issue points out of ping-pong order (WG0 point p, WG1 point p, WG0 point
+    p + 1, ...), or on a named barrier left with pending arrivals at exit. Returns the number of steps."""
+    import random
+
+    Bar = _ModelBar
+    class Named:  # bar.sync / bar.arrive id, 256 with two 128-thread warpgroups
+        def __init__(self):
+            self.members, self.gen = set(), 0
+
+        def join(self, w):
+            assert w not in self.members, f"warpgroup {w} contributed twice to one named-barrier generation"
+            self.members.add(w)
+            gen = self.gen
+            if len(self.members) == 2:
+                self.members, self.gen = set(), self.gen + 1
+            return gen
+
+    rng = random.Random(seed)
+    q_bars = [Bar(1) for _ in range(2)]
+    k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    k_empty, v_empty = [Bar(2) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    turn = [Named(), Named()]  # turn[w]: warpgroup w's turn (ids 14, 15)
+    bufs = {"k": [None] * stages, "v": [None] * stages}
+    held = {}
+    pending = []
+    issues = []
+
+    def load(kind, i, bar, content):
+        if kind != "q":
+            assert not held.get((kind, i)), f"TMA write into {kind}[{i}] while {held[(kind, i)]} read it"
+        bar.arrive(tx=1)
+
+        def land():
+            if kind != "q":
+                assert not held.get((kind, i)), f"TMA write into {kind}[{i}] while {held[(kind, i)]} read it"
+                bufs[kind][i] = content
+            bar.tx -= 1
+            bar.complete()
+        pending.append(land)
+
+    def wait(bar, parity):
+        while (bar.phase & 1) == parity:
+            yield
+
+    def producer():
+        for w in (0, 1):
+            load("q", w, q_bars[w], w)
+        for j in range(n_blocks):
+            s, empty_phase = j % stages, ((j // stages) & 1) ^ 1
+            yield from wait(k_empty[s], empty_phase)
+            load("k", s, k_ready[s], j)
+            yield from wait(v_empty[s], empty_phase)
+            load("v", s, v_ready[s], j)
+
+    def consumer(w):
+        def use(kind, i, bar, parity, want):
+            yield from wait(bar, parity)
+            assert bufs[kind][i] == want, f"consumer {w} wanted {kind} {want}, found {bufs[kind][i]}"
+            held.setdefault((kind, i), set()).add(w)
+
+        def release(kind, i, bar):
+            yield  # the wgmma reading the slot runs, then its wait
+            held[(kind, i)].discard(w)
+            bar.arrive()
+
+        def pp_wait():  # bar.sync 14 + w, 256
+            gen = turn[w].join(w)
+            while turn[w].gen == gen:
+                yield
+
+        def pp_pass():  # bar.arrive 14 + (1 - w), 256
+            turn[1 - w].join(w)
+            yield
+
+        def step(i):
+            ks, vs = i % stages, (i - 1) % stages
+            yield from use("k", ks, k_ready[ks], (i // stages) & 1, i)
+            yield from pp_wait()
+            issues.append((w, i))
+            yield from use("v", vs, v_ready[vs], ((i - 1) // stages) & 1, i - 1)
+            yield from pp_pass()
+            yield from release("k", ks, k_empty[ks])
+            yield from release("v", vs, v_empty[vs])
+
+        yield from wait(q_bars[w], 0)
+        yield from use("k", 0, k_ready[0], 0, 0)
+        if w == 1:
+            yield from pp_wait()
+        issues.append((w, 0))
+        yield from pp_pass()
+        yield from release("k", 0, k_empty[0])
+        for i in range(1, min(n_full[w], n_blocks)):
+            yield from step(i)
+        for i in range(max(min(n_full[w], n_blocks), 1), n_blocks):
+            yield from step(i)
+        vs = (n_blocks - 1) % stages
+        yield from use("v", vs, v_ready[vs], ((n_blocks - 1) // stages) & 1, n_blocks - 1)
+        yield from pp_wait()
+        issues.append((w, n_blocks))
+        if w == 0:
+            yield from pp_pass()
+        yield from release("v", vs, v_empty[vs])
+
+    steps = _interleave({"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}, pending, rng,
+                        max_steps)
+    assert issues == [(w, p) for p in range(n_blocks + 1) for w in (0, 1)], f"issue order {issues}"
+    assert not turn[0].members and not turn[1].members, "named barrier left with pending arrivals"
+    return steps
+
+
+def check_pingpong_protocol(trials: int = 2000, seed: int = 2) -> str:
+    """``pingpong_protocol_model`` over ``trials`` random interleavings: STAGES 1-3, 1-8 key blocks, each
+    warpgroup's unmasked / masked split point drawn independently (the causal diagonal differs per warpgroup)."""
+    import random
+
+    rng = random.Random(seed)
+    for k in range(trials):
+        n = rng.randint(1, 8)
+        pingpong_protocol_model(n, 1 + k % 3, (rng.randint(0, n), rng.randint(0, n)), seed=k)
+    return f"pingpong: {trials} random interleavings without deadlock, hazard or out-of-order issue"
 
 
 if __name__ == "__main__":  # pragma: no cover - tooling
@@ -1368,10 +1606,12 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--protocol", action="store_true",
-                    help="only the CPU checks of the persistent schedules and mbarrier protocol")
+                    help="only the CPU checks of the persistent schedules / mbarrier protocol and of the pingpong "
+                         "named-barrier protocol")
     args = ap.parse_args()
     if args.protocol:
         print(check_persistent_schedules_and_protocol())
+        print(check_pingpong_protocol())
         raise SystemExit(0)
     try:  # register-hazard check of the async wgmma (CPU-only, parses cuobjdump -sass)
         from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
