@@ -285,7 +285,8 @@ def main():
                             "(writes attention_decode.*)")
 
         p.add_argument("--decode-sweep", action="store_true",
-                       help="decode rows for split plans of 1-8 CTAs per SM (writes attention_decode_sweep.*)")
+                       help="decode rows for split plans of 1-8 CTAs per SM and the opt-in split-kernel builds "
+                            "(FXOPT_ATTN_DECODE_CFG; writes attention_decode_sweep.*)")
         p.add_argument("--shapes", default=None,
                        help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows; "
                             "--tag names the output (attention_<tag>.*), for env A/B runs")
@@ -294,23 +295,42 @@ def main():
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
     if args.decode_sweep:
-        # the split plan assumes _DECODE_CTAS_PER_SM resident programs per SM (default 4); the sm_90 build of the
-        # split kernel uses 255 registers at d = 128 (offline, session 7), so 2 fit: 3 splits x 256 heads at 4k
-        # are 768 programs = 2.9 waves of 264. Which plan fills the machine best is measured here.
+        # Default build (128, 4, 3): the split plan assumes _DECODE_CTAS_PER_SM programs per SM (default 4), but
+        # its 136 KB of shared memory lets only ONE CTA be resident per SM (offline sm_90 build, session 8:
+        # 107 registers, docs/notes_decode_session8.md). Rows 1: which oversubscription factor fills the machine
+        # best. Rows 2: the opt-in builds of _DECODE_CONFIGS (FXOPT_ATTN_DECODE_CFG) with 3-6 resident CTAs per SM,
+        # each with its wave-balanced split plan (ctas_per_sm = residency), MHA and GQA 4:1.
         rows = []
-        saved = A._DECODE_CTAS_PER_SM
+        saved, saved_cfg = A._DECODE_CTAS_PER_SM, A._DECODE_CFG
+        BENCH.update(warmup=10, rep=40)  # 34 rows x 5 timings: keeps the sweep near a minute on an H200
+        dev = torch.device("cuda")
         for S in (4096, 32768):
             for ctas in (1, 2, 3, 4, 6, 8):
                 A._DECODE_CTAS_PER_SM = ctas
-                splits, split_len = A._split_plan(8, 32, S, torch.device("cuda"), 128)
-                rows.append({"ctas_per_sm": ctas, "num_splits": splits, "split_len": split_len,
+                splits, split_len = A._split_plan(8, 32, S, dev, 128)
+                rows.append({"cfg": "default", "ctas_per_sm": ctas, "num_splits": splits, "split_len": split_len,
                              **decode_rows(S)})
         A._DECODE_CTAS_PER_SM = saved
+        for S in (4096, 32768):
+            for hkv in (32, 8):
+                for name, (bn, w, st, resident) in A._DECODE_CONFIGS.items():
+                    if name == "default" and hkv == 32:
+                        continue  # timed above (ctas_per_sm = 4)
+                    A._DECODE_CFG = name
+                    if name == "default":
+                        splits, split_len = A._split_plan(8, hkv, S, dev, bn)
+                    else:
+                        splits, split_len = A._split_plan(8, hkv, S, dev, bn, resident, balance=True)
+                    rows.append({"cfg": name, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": resident,
+                                 "num_splits": splits, "split_len": split_len, **decode_rows(S, hkv=hkv)})
+        A._DECODE_CFG = saved_cfg
         write_results("attention_decode_sweep", rows, out_dir=args.out,
-                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): split plans",
-                      notes="ctas_per_sm: the resident programs per SM the split plan assumes (_split_plan); "
-                            "num_splits x 256 (batch, head) programs. TB/s = K+V bytes / time; graph_* replayed "
-                            "from a CUDA graph. cuDNN measured in each row.")
+                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): split plans and builds",
+                      notes="cfg: the split-kernel build (_DECODE_CONFIGS: block_n, warps, stages, resident CTAs "
+                            "per SM from offline sm_90 builds); ctas_per_sm: for cfg=default the programs per SM "
+                            "the split plan assumes (real residency 1), for the others the residency used by the "
+                            "wave-balanced plan; num_splits x B*Hkv programs. TB/s = K+V bytes / time; graph_* "
+                            "replayed from a CUDA graph. cuDNN measured in each row.")
         return
     if args.decode_only:
         rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)

@@ -140,6 +140,9 @@ phase_pp() {
   echo "fp8_gluon_check rc=$?"; grep -E "\[bench\]|FAIL|HANG|pingpong" "$OUT/fp8_gluon_check.txt" | tail -12
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py -k gemv1 2>&1 | tail -4
   timeout 150 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
+  # the decode build the sweep (phase ab) liked best, through the GPU decode tests (edit the name first)
+  timeout 60 env FXOPT_ATTN_DECODE_CFG=${DECODE_CFG:-bn64s3} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_attention_kernels.py -k decode 2>&1 | tail -3
 }
 
 phase_calib() {

@@ -206,6 +206,86 @@ def test_decode_split_kv_path(Sq, mask, fused, monkeypatch):
                   _ref64(q2, k2, v2, is_causal=True), torch.float32)
 
 
+@pytest.mark.parametrize("cfg", ["bn32s4", "bn64s3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("Sq,Hq,Hkv,fused", [(1, 2, 2, True), (3, 4, 2, False), (2, 8, 2, True)],
+                         ids=["mha_1q_fused", "gqa_3q_kernel", "gqa4_2q_fused"])
+def test_decode_opt_in_config_matches_float64(cfg, dtype, Sq, Hq, Hkv, fused, monkeypatch):
+    """The opt-in split-kernel builds (FXOPT_ATTN_DECODE_CFG) with their wave-balanced split plans: several splits,
+    the key length not a multiple of BLOCK_N (a ragged last block in the last split), GQA rows packed per group."""
+    monkeypatch.setattr(A, "_DECODE_CFG", cfg)
+    monkeypatch.setattr(A, "_FUSED_COMBINE", fused)
+    block_n, _, _, resident = A._DECODE_CONFIGS[cfg]
+    B, Sk, D = 1, 7 * block_n + 5, 16
+    splits, split_len = A._split_plan(B, Hkv, Sk, torch.device(DEV), block_n, resident, balance=True)
+    assert splits > 1 and Sk % block_n != 0
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype=dtype)
+    out, lse = A.flash_attention_triton(q, k, v, return_lse=True, decode=True)
+    ref, ref_lse = _ref64(q, k, v, return_lse=True)
+    _assert_close(out, ref, dtype)
+    assert (lse.double() - ref_lse).abs().max() < (1e-4 if dtype == torch.float32 else 2e-3)
+    # with a causal mask and key padding the masked paths of the same build agree too
+    kpm = (torch.arange(Sk) < Sk - block_n - 3).expand(B, Sk).contiguous().to(DEV)
+    _assert_close(A.flash_attention_triton(q, k, v, decode=True, is_causal=True, key_padding_mask=kpm),
+                  _ref64(q, k, v, is_causal=True, key_padding_mask=kpm), dtype)
+
+
+def test_decode_split_plan_balance(monkeypatch):
+    """The wave-balanced plan (opt-in builds, ctas_per_sm = real residency) never leaves a fuller last wave on the
+    table than the plain rule, covers the keys exactly once in BLOCK_N multiples, and the default plan is unchanged
+    (plain rule with _DECODE_CTAS_PER_SM)."""
+    monkeypatch.setattr(A, "_num_sms", lambda device: 132)
+
+    def eff(B, Hkv, ctas, plan):
+        n, slots = B * Hkv * plan[0], 132 * ctas
+        return n / (-(-n // slots) * slots)
+
+    for B, Hkv, Sk in [(8, 32, 4096), (8, 8, 4096), (8, 32, 32768), (1, 8, 1500), (4, 2, 100000)]:
+        for name, (bn, _, _, resident) in A._DECODE_CONFIGS.items():
+            plain = A._split_plan(B, Hkv, Sk, None, bn, resident)
+            bal = A._split_plan(B, Hkv, Sk, None, bn, resident, balance=True)
+            for splits, split_len in (plain, bal):
+                assert split_len % bn == 0 and (splits - 1) * split_len < Sk <= splits * split_len
+            assert eff(B, Hkv, resident, bal) >= eff(B, Hkv, resident, plain) - 0.005
+    # B * H = 256 programs per split on 3 resident CTAs x 132 SMs: the plain rule takes 2 splits (512 programs,
+    # 1.3 waves), the balanced one 3 (768 programs, 1.94 waves)
+    assert A._split_plan(8, 32, 4096, None, 64, 3)[0] == 2
+    assert A._split_plan(8, 32, 4096, None, 64, 3, balance=True)[0] == 3
+    monkeypatch.setattr(A, "_DECODE_CTAS_PER_SM", 4)
+    assert A._split_plan(8, 32, 4096, None, 128) == A._split_plan(8, 32, 4096, None, 128, 4)
+
+
+def test_decode_config_residency_matches_offline_sm90_build():
+    """The resident-CTAs column of _DECODE_CONFIGS is what the sm_90 builds give (compiled offline with Triton's
+    bundled ptxas, in a subprocess without the interpreter): the split plans rest on it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, fxopt.kernels.attention as A; "
+            "print(json.dumps({n: A.decode_offline_report(n) for n in A._DECODE_CONFIGS}))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
+        pytest.skip("no sm_90 toolchain: " + r.stderr.strip().splitlines()[-1][:200])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, (_, _, _, resident) in A._DECODE_CONFIGS.items():
+        assert rep[name]["stack"] == 0, (name, rep[name])  # no spills
+        assert rep[name]["resident_ctas_per_sm"] == resident, (name, rep[name])
+
+
+def test_decode_config_names():
+    assert A._decode_config("default", 128, 16) is None
+    assert A._decode_config("bn64s3", 128, 16) == A._DECODE_CONFIGS["bn64s3"]
+    assert A._decode_config("bn64s3", 256, 16) is None  # outside the measured range: the default choice
+    assert A._decode_config("bn64s3", 128, 128) is None
+    with pytest.raises(ValueError, match="bn99"):
+        A._decode_config("bn99", 128, 16)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Backward through the Triton kernels vs float64 autograd
 # ---------------------------------------------------------------------------------------------------------------

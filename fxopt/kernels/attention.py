@@ -30,7 +30,9 @@ Design
   (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
   packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
   GPU; a combine kernel merges the partial (output, lse) pairs, or the last split to finish does, behind an acq_rel
-  arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``).
+  arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``). At d = 128
+  the default build (BLOCK_N 128, 3 stages) holds its K/V tiles in 136 KB of cp.async buffers, so one CTA is
+  resident per SM (107 registers); ``_DECODE_CONFIGS`` lists opt-in builds with 3-6 (docs/notes_decode_session8.md).
 * Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
   KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
   ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp. At
@@ -51,7 +53,8 @@ Design
   tensors under ``TRITON_INTERPRET=1`` (one config there).
 * Tuning: small per-head-dim config lists (chosen from H200 measurements, see docs/notes_attention.md), autotuned
   once per (flags, power-of-two bucket of Sq and Sk). Knobs: ``FXOPT_ATTN_TMA`` (auto/1/0),
-  ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count).
+  ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count),
+  ``FXOPT_ATTN_DECODE_CFG`` (opt-in split-kernel builds with more resident CTAs per SM, ``_DECODE_CONFIGS``).
 """
 from __future__ import annotations
 
@@ -1193,32 +1196,81 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
 
 _DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import
 
+# Split-kernel builds for BLOCK_D <= 128 (block_n, num_warps, num_stages, resident CTAs per SM). "resident" comes
+# from offline sm_90 builds at d = 128 bf16, BLOCK_R = 16 (docs/notes_decode_session8.md): registers and shared
+# memory per CTA against 64K registers and 228 KB per SM. The default (128, 4, 3) needs 107 registers (128 with the
+# fused combine) but 136 KB of shared memory (two cp.async buffers each of a 32 KB K and a 32 KB V tile), so ONE
+# CTA is resident per SM; its split plan keeps the historical oversubscription factor _DECODE_CTAS_PER_SM = 4
+# (768 programs at B * H = 256, 5.8 waves of 132). The other builds are opt-in (FXOPT_ATTN_DECODE_CFG or
+# ``_launch_split(config=...)``) until timed on the H200 (benchmarks/attention.py --decode-sweep); their split
+# plan fills their resident slots with the best wave efficiency (``_split_plan(balance=True)``).
+_DECODE_CONFIGS = {
+    "default": (128, 4, 3, 1),  # 107 regs, 136 KB smem
+    "bn128s2": (128, 4, 2, 3),  # 128 regs, 72 KB
+    "bn64s3": (64, 4, 3, 3),    # 80 regs, 70 KB
+    "bn64s2": (64, 4, 2, 5),    # 80 regs, 38 KB
+    "bn32s4": (32, 4, 4, 4),    # 73 regs, 53 KB
+    "bn32s3": (32, 4, 3, 6),    # 73 regs, 37 KB
+}
+_DECODE_CFG = os.environ.get("FXOPT_ATTN_DECODE_CFG", "default")  # read once, at import
+if _DECODE_CFG not in _DECODE_CONFIGS:
+    raise ValueError(f"FXOPT_ATTN_DECODE_CFG={_DECODE_CFG!r}: expected one of {sorted(_DECODE_CONFIGS)}")
 
-def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None):
-    """Number of key chunks so that B * Hkv * chunks fills the GPU a few times over."""
+
+def _split_plan(B, Hkv, Sk, device, block_n, ctas_per_sm=None, balance=False, sms=None):
+    """Number of key chunks so that B * Hkv * chunks fills the GPU a few times over.
+
+    balance: ``ctas_per_sm`` is the real residency; among 1x-2x the fewest splits that fill every slot, take the
+    count whose last wave is fullest (fewest splits on ties), since equal-length CTAs run in whole waves."""
     ctas_per_sm = ctas_per_sm or _DECODE_CTAS_PER_SM
-    target = _num_sms(device) * ctas_per_sm
-    splits = max(1, min(cdiv(target, B * Hkv), cdiv(Sk, 2 * block_n), 128))
+    target = (sms or _num_sms(device)) * ctas_per_sm
+    cap = min(cdiv(Sk, 2 * block_n), 128)
+    splits = max(1, min(cdiv(target, B * Hkv), cap))
+    if balance:
+        def eff(s):
+            n = B * Hkv * cdiv(Sk, cdiv(cdiv(Sk, s), block_n) * block_n)
+            return n / (cdiv(n, target) * target)
+        splits = max(range(splits, max(splits, min(2 * splits, cap)) + 1), key=lambda s: (round(eff(s), 2), -s))
     split_len = cdiv(cdiv(Sk, splits), block_n) * block_n
     return cdiv(Sk, split_len), split_len
 
 
+def _decode_config(name, BLOCK_D, BLOCK_R):
+    """(block_n, num_warps, num_stages, resident CTAs per SM) of a named build, or None for the default choice
+    (also for shapes outside the table's range: BLOCK_D > 128 or more than 64 packed rows)."""
+    name = name or _DECODE_CFG
+    if name not in _DECODE_CONFIGS:
+        raise ValueError(f"split-KV decode config {name!r}: expected one of {sorted(_DECODE_CONFIGS)}")
+    if name == "default" or BLOCK_D > 128 or BLOCK_R > 64:
+        return None
+    return _DECODE_CONFIGS[name]
+
+
 def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
-                  block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None, fused=None):
+                  block_n=None, num_warps=4, num_stages=3, ctas_per_sm=None, fused=None, config=None):
     """Split-KV decode. The partials are merged either by ``_attn_combine``, a second kernel launched with
     programmatic dependent launch on sm_90+, or (``fused``) by the last split of each (batch, kv head) to finish,
     inside the split kernel. Fused saves a launch on the host but lengthens the GPU's critical path, since one CTA
     then reads every partial after its own work (benchmarks/results/attention_decode.md). ``fused=None`` follows
     FXOPT_ATTN_DECODE_COMBINE, and by default ``_fused_combine_auto``: fused for eager launches of small steps,
-    the combine kernel under CUDA-graph capture and for large K/V."""
+    the combine kernel under CUDA-graph capture and for large K/V. ``config``: a name of ``_DECODE_CONFIGS``
+    (default: FXOPT_ATTN_DECODE_CFG) picks block_n / warps / stages and the resident CTAs per SM for the split plan;
+    "default" keeps the arguments given here."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     BLOCK_D = flags["BLOCK_D"]
-    if _INTERPRET:
-        block_n, num_warps, num_stages = 16, 4, 1
     BLOCK_R = max(16, next_pow2(group * Sq))
-    block_n = block_n or (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32)
-    num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
+    cfg = _decode_config(config, BLOCK_D, BLOCK_R)
+    if cfg is not None:
+        block_n, num_warps, num_stages, resident = cfg
+        if _INTERPRET:
+            num_stages = 1
+        num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm or resident, balance=True)
+    else:
+        if _INTERPRET:
+            block_n, num_warps, num_stages = 16, 4, 1
+        block_n = block_n or (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32)
+        num_splits, split_len = _split_plan(B, Hkv, Sk, q.device, block_n, ctas_per_sm)
     # one allocation for both partial buffers (an allocator call costs host microseconds per decode step)
     n_o = B * Hq * Sq * num_splits * BLOCK_D
     parts = torch.empty(n_o + B * Hq * Sq * num_splits, device=q.device, dtype=torch.float32)
@@ -1240,6 +1292,69 @@ def _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softc
                                       HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(num_splits)),
                                       USE_GDC=pdl, num_warps=4 if _INTERPRET else 1,
                                       **({"launch_pdl": True} if pdl else {}))
+
+
+def decode_offline_report(config: str = "default", B: int = 8, H: int = 32, Hkv: int = 32, Sq: int = 1,
+                          Sk: int = 4096, D: int = 128, fused: bool = False, sms: int = 132) -> dict:  # H200: 132 SMs
+    """Build the split kernel for sm_90 on any machine (``GPUTarget("cuda", 90, 32)``, Triton's bundled ptxas /
+    cuobjdump) specialized as the JIT would for contiguous bf16 inputs of this shape (pointers and multiple-of-16
+    ints get ``tt.divisibility = 16``, ints equal to 1 become constants; without those hints Triton builds a
+    255-register variant that loads K/V with scalar LDGs) and report registers, shared memory and the resident CTAs
+    per SM (64K registers, 228 KB shared memory, 1 KB reserved per CTA). docs/notes_decode_session8.md."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    group, BLOCK_D = H // Hkv, next_pow2(D)
+    BLOCK_R = max(16, next_pow2(group * Sq))
+    bn, warps, stages, _ = _DECODE_CONFIGS[config]
+    num_splits = 3  # any value: only its divisibility by 16 matters to the build
+    split_len = cdiv(cdiv(Sk, num_splits), bn) * bn
+    ints = dict(stride_qz=H * Sq * D, stride_qh=Sq * D, stride_qm=D, stride_kz=Hkv * Sk * D, stride_kh=Sk * D,
+                stride_kn=D, stride_vz=Hkv * Sk * D, stride_vh=Sk * D, stride_vn=D, stride_mz=0, stride_mh=0,
+                stride_mm=0, stride_mn=0, stride_kpz=0, stride_kpn=0, H_Q=H, GROUP=group, SEQ_Q=Sq, SEQ_K=Sk,
+                SPLIT_LEN=split_len, NUM_SPLITS=num_splits, window=-1, stride_oz=H * Sq * D, stride_oh=Sq * D,
+                stride_om=D)
+    meta = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=False, MASK_KIND=0,
+                HAS_KPM=False, PREC="tf32", BLOCK_R=BLOCK_R, BLOCK_N=bn, USE_GDC=not fused, FUSED_COMBINE=fused)
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", OPART="*fp32", LPART="*fp32", MASK="*bf16", KPM="*bf16",
+                O="*bf16", LSE="*fp32", LOCKS="*i32")
+    sig, consts, attrs = {}, {}, {}
+    for i, prm in enumerate(_attn_fwd_split.params):
+        n = prm.name
+        if n in ptrs:
+            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
+        elif n in ("sm_scale", "softcap"):
+            sig[n] = "fp32"
+        elif n in ints:
+            if ints[n] == 1:
+                sig[n], consts[(i,)] = "constexpr", 1
+            else:
+                sig[n] = "i32"
+                if ints[n] % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n], consts[(i,)] = "constexpr", meta[n]
+    compiled = triton.compile(ASTSource(_attn_fwd_split, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        use = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    reg, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", use).groups())
+    smem = compiled.metadata.shared
+    resident = min(65536 // (cdiv(reg, 8) * 8 * 32 * warps), (228 << 10) // (smem + 1024), 64 // warps, 32)
+    if config == "default":  # the plain plan with _DECODE_CTAS_PER_SM
+        splits = _split_plan(B, Hkv, Sk, None, bn, sms=sms)[0]
+    else:
+        splits = _split_plan(B, Hkv, Sk, None, bn, resident, balance=True, sms=sms)[0]
+    return dict(config=config, block_n=bn, warps=warps, stages=stages, reg=reg, stack=stack, smem=smem,
+                resident_ctas_per_sm=resident, num_splits=splits,
+                waves=round(B * Hkv * splits / (sms * resident), 2))
 
 
 # FXOPT_ATTN_DECODE_COMBINE: "auto" (default), "fused" or "kernel"
