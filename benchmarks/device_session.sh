@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -143,6 +143,14 @@ phase_pp() {
   # the decode build the sweep (phase ab) liked best, through the GPU decode tests (edit the name first)
   timeout 60 env FXOPT_ATTN_DECODE_CFG=${DECODE_CFG:-bn64s3} python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_attention_kernels.py -k decode 2>&1 | tail -3
+}
+
+phase_largem() {
+  # the opt-in split-K M = 256 Gluon W4A16 tiles (FXOPT_W4A16_GLUON_LARGEM=1; keep them if the test passes and the
+  # M = 256 rows improve): the GPU test, then the M = 64 / 256 rows with them listed
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py -k "largem" 2>&1 | tail -4
+  timeout 240 env FXOPT_W4A16_GLUON_LARGEM=1 python3 benchmarks/w4a16.py --ms 256 --out "$RES" 2>&1 \
+    | grep -v "Warn\|warn" | tail -12
 }
 
 phase_calib() {

@@ -302,7 +302,8 @@ def test_candidate_configs_gluon_rules(monkeypatch):
             assert c.regs in ("", "async")
             assert c.deq in ("", "xsum")
             assert c.label() == (f"gluon bm{c.block_m} bn{c.block_n} s{c.num_stages} kc{c.kc}"
-                                 + (" async" if c.regs else "") + (" deq=xsum" if c.deq else ""))
+                                 + (" async" if c.regs else "") + (" deq=xsum" if c.deq else "")
+                                 + (f" sk{c.split_k}" if c.split_k else ""))
         assert any(c.regs == "async" for c in g) and any(not c.regs for c in g), M
         # the small-M consumer (BN 256, deq="xsum", no PDL) only in the buckets up to 16
         small = [c for c in g if c.deq]
@@ -439,24 +440,11 @@ def test_gemv1_offline_sm90_build():
     """The default M = 1 candidate compiles for sm_90 on the CPU (ptxas shipped with Triton) without spills; its K
     loop runs about 3 instructions per weight and no barrier (SASS; docs/notes_w4a16_gemv1_session8.md). Run in a
     subprocess without TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     code = ("import json, torch\n"
             "from fxopt.kernels import w4a16 as K4\n"
             "cfg = [c for c in K4.candidate_configs(1, 8192, 8192, 128, device='cuda') if c.method == 'gemv1'][0]\n"
             "print(json.dumps(K4.gemv1_offline_report(1, 8192, 8192, cfg)))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FXOPT_W4A16_GEMV1"] = "1"  # opt-in until its GPU check
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
-        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = _offline_build_json(code, FXOPT_W4A16_GEMV1="1")  # gemv1 is opt-in until its GPU check
     assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= 128
     assert len(r["loops"]) == 1 and 2.5 <= r["loops"][0]["per_weight"] <= 3.5
     assert r["loops"][0]["ops"].get("BAR", 0) == 0
@@ -588,3 +576,171 @@ def test_gpu_gemv1(dtype, group_size, monkeypatch):
     x3 = torch.randn(1, 3, K, device="cuda").to(dtype)
     y3 = w4a16_matmul(x3, qweight, scales, zeros, group_size, config=cands[0])
     assert_close_to_ref(y3.reshape(3, N), reference(x3.reshape(3, K), qweight, scales, zeros, G), dtype)
+
+
+# ------------------------------------------------------------- session 8: chunked split-K fixup at M = 256 (Gluon)
+_LARGEM_SHAPES = [(8192, 8192), (4096, 11008), (11008, 4096), (8192, 28672)]
+
+
+def _gluon_or_skip():
+    kg = K4._gluon_module()
+    if kg is None:
+        pytest.skip("Triton Gluon not importable")
+    return kg
+
+
+def test_gluon_largem_configs_rules():
+    """The opt-in M = 256 candidates: only for the 256 bucket, only tiles whose standard split epilogue spills, an
+    explicit split >= 2 that brings a sub-wave grid to at most two waves; none for 8192 x 28672 (224 tiles)."""
+    kg = _gluon_or_skip()
+    async_regs = kg._REGS["async"]
+    for M in (1, 16, 64, 128):
+        for K, N in _LARGEM_SHAPES:
+            assert kg.gluon_w4a16_largem_configs(M, K, N) == [], (M, K, N)
+    listed = {}
+    for M in (129, 200, 256):
+        for K, N in _LARGEM_SHAPES:
+            cs = kg.gluon_w4a16_largem_configs(M, K, N)
+            listed[(M, K, N)] = cs
+            for c in cs:
+                regs = kg._REGS[c["regs"]] if c.get("regs") else (232, 40)
+                assert kg._split_epilogue_spills(c["block_m"], c["block_n"], *regs), c
+                assert c["split_k"] >= 2 and c["kc"] in (32, 64)
+                tiles = -(-M // c["block_m"]) * (N // c["block_n"])
+                assert tiles < 132 and tiles * c["split_k"] <= 2 * 132, (M, K, N, c)
+                assert kg._config_ok(M, K, N, c["block_m"], c["block_n"], c["stages"], c["kc"])
+                if c.get("regs"):
+                    assert c["block_m"] == 128 and kg._async_regs_ok(c["block_m"], c["block_n"], c["kc"], False)
+                # the wrapper's rules keep the explicit split (chunked fixup) in the model
+                r = kg.largem_schedule_model(M, K, N, c)
+                assert r["chunked"] and r["split"] == c["split_k"] and r["ctas"] == tiles * c["split_k"]
+    assert listed[(256, 8192, 28672)] == []
+    assert {c["split_k"] for c in listed[(256, 4096, 11008)]} == {3}
+    assert {(c["block_m"], c["split_k"]) for c in listed[(256, 11008, 4096)]} == {(256, 4), (128, 2)}
+    # existing lists untouched: no explicit split > 1 there
+    for M in (64, 256):
+        for K, N in _LARGEM_SHAPES:
+            assert all((c["split_k"] or 1) == 1 for c in kg.gluon_w4a16_configs(M, K, N))
+
+
+def test_gluon_wave_split_and_model():
+    """_wave_split_for: waves x K tiles per CTA (+ fixup) is minimal over splits 1..4; the model's grid follows
+    gluon_w4a16_mm's rules (split forced to 1 for spilling tiles without an explicit split)."""
+    kg = _gluon_or_skip()
+    for n_tiles, k_tiles in ((86, 32), (32, 86), (64, 64), (224, 64), (16, 8)):
+        s = kg._wave_split_for(n_tiles, k_tiles)
+
+        def cost(sp):
+            tps = -(-k_tiles // sp)
+            se = -(-k_tiles // tps)
+            return -(-n_tiles * se // 132) * tps + (se * 0.5 if se > 1 else 0.0)
+        assert cost(s) == min(cost(sp) for sp in range(1, 5)), (n_tiles, k_tiles, s)
+    assert kg._wave_split_for(86, 32) == 3 and kg._wave_split_for(32, 86) == 4
+    base = dict(block_m=256, block_n=128, stages=3, kc=32)
+    r1 = kg.largem_schedule_model(256, 11008, 4096, dict(base, split_k=None))
+    assert r1["split"] == 1 and r1["ctas"] == 32 and not r1["chunked"] and r1["dequant_passes"] == 1
+    r4 = kg.largem_schedule_model(256, 11008, 4096, dict(base, split_k=4))
+    assert r4["split"] == 4 and r4["ctas"] == 128 and r4["chunked"] and r4["k_tiles_per_cta"] == 22
+    assert r4["model_us"] < r1["model_us"]
+    r = kg.largem_schedule_model(256, 8192, 8192, dict(block_m=128, block_n=128, stages=5, kc=64, split_k=None,
+                                                       regs="async"))
+    assert r["split"] == 1 and r["dequant_passes"] == 2 and r["ctas"] == 128
+
+
+def test_gluon_largem_offline_sm90_builds():
+    """The chunked split-K builds compile for sm_90 on the CPU without spills or wgmma hazards; the async one keeps
+    wgmma asynchronous (no C7512 / C7514, DEPBAR.LE gsb0 0x1 in the loop); the chunked path is really built (it
+    reads %nctaid for the tile-major workspace). Subprocess without TRITON_INTERPRET (the interpreter replaces the
+    JIT functions)."""
+    _gluon_or_skip()
+    code = ("import json\n"
+            "from fxopt.kernels import w4a16_gluon as g\n"
+            "out = []\n"
+            "for c in g.gluon_w4a16_largem_configs(256, 11008, 4096):\n"
+            "    if c['kc'] != 32: continue\n"
+            "    r = g.offline_report(256, 11008, 4096, c, 'bf16', split=True, bias=True)\n"
+            "    k = g.compile_offline(256, 11008, 4096, c, 'bf16', split=True, bias=True)\n"
+            "    r['nctaid'] = 'nctaid' in k.asm['ptx']\n"
+            "    r['regs'] = c.get('regs')\n"
+            "    out.append(r)\n"
+            "print(json.dumps(out))\n")
+    rows = _offline_build_json(code)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 168, r
+        assert r["hazards"] == 0 and "C7514" not in r["serialized"] and r["nctaid"], r
+        if r["regs"] == "async":
+            assert r["serialized"] == [] and r["depbar_le1"] > 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("M", [129, 200, 256])
+def test_gpu_gluon_largem_chunked_split(M, use_bias):
+    """Every opt-in M = 256 candidate (explicit split_k >= 2 on a tile whose standard split epilogue spills:
+    the chunked fixup) against the float reference, twice (the per-tile counters must be reset), plus the same
+    tile without split as a cross-check; rows past M in the last M tile exercise the masks."""
+    kg = _gluon_or_skip()
+    dtype = torch.bfloat16
+    for K, N in ((1024, 2048), (2048, 1024)):
+        qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=43)
+        zeros = zeros.round()
+        gen = torch.Generator().manual_seed(M + K)
+        x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+        bias = torch.randn(N, generator=gen).to(dtype).cuda() if use_bias else None
+        ref = reference(x, qweight, scales, zeros, G, bias)
+        cands = kg.gluon_w4a16_largem_configs(M, K, N)
+        assert cands and all(c["split_k"] >= 2 for c in cands), (M, K, N)
+        for c in cands:
+            kw = dict(block_m=c["block_m"], block_n=c["block_n"], stages=c["stages"], kc=c["kc"],
+                      **({"regs": c["regs"]} if c.get("regs") else {}))
+            for _ in range(2):
+                y = kg.gluon_w4a16_mm(x, qweight, scales, zeros, 128, bias, split_k=c["split_k"], **kw)
+                torch.cuda.synchronize()
+                assert y.dtype == dtype and y.shape == (M, N)
+                assert_close_to_ref(y, ref, dtype)
+            y1 = kg.gluon_w4a16_mm(x, qweight, scales, zeros, 128, bias, split_k=1, **kw)
+            assert_close_to_ref(y1, ref, dtype)
+
+
+def test_candidate_configs_gluon_largem_opt_in(monkeypatch):
+    """The split-K M = 256 tiles (gluon_w4a16_largem_configs) reach the tuner only with FXOPT_W4A16_GLUON_LARGEM=1
+    (opt-in until their GPU test), after the other gluon candidates, labelled with their split."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGEM", raising=False)
+
+    def gluon(M, K, N):
+        return [c for c in K4.candidate_configs(M, N, K, 128, dtype=torch.bfloat16, device="cuda")
+                if c.method == "gluon"]
+
+    base = gluon(256, 11008, 4096)
+    assert base and all(c.split_k == 0 for c in base)
+    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGEM", "1")
+    more = gluon(256, 11008, 4096)
+    extra = more[len(base):]
+    assert more[:len(base)] == base and extra
+    assert all(c.split_k >= 2 and c.label().endswith(f"sk{c.split_k}") for c in extra)
+    assert gluon(64, 11008, 4096) == [c for c in gluon(64, 11008, 4096) if c.split_k == 0]
+
+
+def _offline_build_json(code: str, **env_extra) -> object:
+    """Run ``code`` (offline sm_90 builds; it prints one JSON line last) in a subprocess without TRITON_INTERPRET
+    (the interpreter replaces the JIT functions); skip when the bundled ptxas / cuobjdump are unavailable."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
+        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

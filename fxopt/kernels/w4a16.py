@@ -780,7 +780,8 @@ class W4A16Config:
                     + (" pdl" if self.pdl else ""))
         if self.method == "gluon":
             return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
-                    + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else ""))
+                    + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else "")
+                    + (f" sk{self.split_k}" if self.split_k else ""))
         return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
                 f"{'code' if self.code_dot else 'deq'} w{self.num_warps} s{self.num_stages}")
 
@@ -862,6 +863,8 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     if kg is None:
         return []
     cands = kg.gluon_w4a16_configs(bucket, K, N)
+    if os.environ.get("FXOPT_W4A16_GLUON_LARGEM", "0") == "1":  # opt-in until test_gpu_gluon_largem_chunked_split
+        cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
     return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",

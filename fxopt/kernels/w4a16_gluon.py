@@ -167,6 +167,19 @@ bf16 / fp16, bias on / off): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 w
 split has its usual C7512), 0 ``wgmma_sass_hazards``, main loop 0-7 instructions per K tile above the split-K
 builds.
 
+Chunked split-K fixup (opt-in, session 8; offline only, ``gluon_w4a16_largem_configs``,
+``docs/notes_w4a16_largem_session8.md``). The standard split-K epilogue spills for 128 fp32 accumulators per thread
+(BM 256 x BN 128, BM 128 x BN 256) and for BM 128 with ``regs="async"``: its [split, M, N] workspace needs one 64-bit
+address and predicate per accumulator (128 per thread), live around the counter. So ``gluon_w4a16_mm`` ran those
+tiles without split-K (e.g. 32 CTAs for 11008 x 4096 at M = 256 with BM 256 x BN 128). An EXPLICIT ``split_k`` > 1 on
+such a tile now selects ``SPLIT_CHUNKED``: the partial goes to a tile-major workspace [split, tiles, 2 consumers, BM,
+BN/2] (row m, consumer-local column n_loc), so a thread's 128 addresses are one base plus constants (no mask: the
+rows past M exist), and the last program to arrive (``_split_reduce_chunked``) sums the split partials 16 rows at a
+time in a row-major blocked layout, adds the bias and writes y (coalesced along n). Offline sm_90: 168 registers,
+STACK 0, LOCAL 0, 0 hazards; the async build keeps DEPBAR.LE gsb0 0x1 and no C7512 / C7514 (the default-register
+builds keep the C7512 of their measured non-split builds). Every other build is byte-identical (``split_k`` None / 1
+never selects it; ``SPLIT_CHUNKED`` defaults to False).
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -281,7 +294,7 @@ if HAS_GLUON:
                   M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                   C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
                   HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
-                  DRAIN_IN_LOOP: gl.constexpr):
+                  DRAIN_IN_LOOP: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         R: gl.constexpr = BN_C // 64
@@ -343,12 +356,12 @@ if HAS_GLUON:
 
         # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
         _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id, pid_k,
-                  SPLIT_K, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT)
+                  SPLIT_K, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT, SPLIT_CHUNKED)
 
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
                   tile_id, pid_k, SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, R: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False):
         """Store a consumer's finished [BN_C, BM] accumulator: tile row r -> weight column n (see
         ``_dequant_chunk``), column m -> activation row; with split-K through the fp32 workspace and the per-tile
         counter (the last program to arrive sums, adds the bias, writes y and resets the counter)."""
@@ -359,9 +372,25 @@ if HAS_GLUON:
         offs_m = off_m + m_loc
         mask = gl.expand_dims(offs_m < M, 0) & gl.expand_dims(offs_n < N, 1)
         y_ptrs = y_ptr + gl.expand_dims(offs_m, 0) * stride_ym + gl.expand_dims(offs_n, 1)
-        if HAS_BIAS:
+        if HAS_BIAS and not (USE_SPLIT and SPLIT_CHUNKED):
             bias = gl.load(bias_ptr + offs_n).to(gl.float32)
-        if USE_SPLIT:
+        if USE_SPLIT and SPLIT_CHUNKED:
+            # session 8: a tile-major workspace [SPLIT_K, tiles, 2, BM, BN_C] (consumer-local columns n_loc), so a
+            # thread's partial addresses are one base plus constants (the [split, M, N] workspace's per-element
+            # 64-bit addresses spill at 128 accumulators per thread), and the fixup in row chunks
+            blk_elems = BM * BN_C
+            split_stride = gl.num_programs(0) * 2 * blk_elems
+            blk = ws_ptr + (tile_id * 2 + C) * blk_elems
+            offs_blk = gl.expand_dims(m_loc, 0) * BN_C + gl.expand_dims(n_loc, 1)
+            gl.store(blk + pid_k * split_stride + offs_blk, acc)
+            gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
+            cnt = cnt_ptr + tile_id * 2 + C
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                _split_reduce_chunked(y_ptr, bias_ptr, blk, split_stride, M, N, stride_ym, off_m, off_n + C * BN_C,
+                                      SPLIT_K, BM, BN_C, HAS_BIAS)
+                gl.atomic_xchg(cnt, 0)
+        elif USE_SPLIT:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
             slice_elems = M * N
             gl.store(ws_ptrs + pid_k * slice_elems, acc, mask=mask)
@@ -381,6 +410,33 @@ if HAS_GLUON:
             if HAS_BIAS:
                 acc += gl.expand_dims(bias, 1)
             gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _split_reduce_chunked(y_ptr, bias_ptr, blk, split_stride, M, N, stride_ym, off_m, col0, SPLIT_K,
+                              BM: gl.constexpr, BN_C: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Split-K fixup of one consumer's block by the last program to arrive: sum the SPLIT_K fp32 partials
+        ``blk + sk * split_stride`` ([BM, BN_C] row-major, column = consumer-local weight column), add the bias and
+        store y[off_m + m, col0 + n]; CH activation rows at a time in a row-major blocked layout (coalesced along
+        n, CH * BN_C / 128 values per thread), rows past M skipped by the mask."""
+        CH: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BN_C // 32], threads_per_warp=[1, 32],
+                                                warps_per_cta=[4, 1], order=[1, 0])
+        rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BN_C, layout=gl.SliceLayout(0, layout))
+        col_ok = gl.expand_dims(col0 + cols < N, 0)
+        if HAS_BIAS:
+            bias = gl.expand_dims(gl.load(bias_ptr + col0 + cols).to(gl.float32), 0)
+        for m0 in range(0, BM, CH):
+            offs_m = off_m + m0 + rows
+            mask = gl.expand_dims(offs_m < M, 1) & col_ok
+            offs = gl.expand_dims(m0 + rows, 1) * BN_C + gl.expand_dims(cols, 0)
+            tot = gl.load(blk + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for sk in range(1, SPLIT_K):
+                tot += gl.load(blk + sk * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += bias
+            y_ptrs = y_ptr + gl.expand_dims(offs_m, 1) * stride_ym + gl.expand_dims(col0 + cols, 0)
+            gl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _producer(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
@@ -407,7 +463,7 @@ if HAS_GLUON:
                             BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
                             HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            DRAIN_IN_LOOP: gl.constexpr = False):
+                            DRAIN_IN_LOOP: gl.constexpr = False, SPLIT_CHUNKED: gl.constexpr = False):
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN_C: gl.constexpr = BN // 2
         gl.static_assert(BK == 128, "one ring stage = one group of 128")
@@ -438,10 +494,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP)),
+                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED)),
             (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP)),
+                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED)),
             (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
                          off_m, off_n, k_tile0, n_iter)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1083,6 +1139,100 @@ def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     return out
 
 
+# ---- session 8: split-K for the tiles whose standard split epilogue spills (opt-in, offline only so far) -------
+# Per K tile of one CTA, cycles at 1.83 GHz, fitted on the session-8 H200 measurements at M = 256
+# (docs/notes_w4a16_largem_session8.md): serialized builds (default registers, C7512) cost about
+# (tensor + issue) x 1.25, async builds max(tensor, issue) x 1.7; tensor = BM x BN / 16 cycles (4096 bf16 flop
+# per cycle and SM), issue = 2 consumer warps per scheduler x the loop's instructions per thread (``loop_profile``
+# of the offline builds: about 230 at BN/2 = 64 and 380 at BN/2 = 128).
+_MODEL_GHZ = 1.83
+_MODEL_L2_BYTES_PER_US = 117e3  # one SM's share of L2 bandwidth (64 B per cycle)
+
+
+def largem_schedule_model(M: int, K: int, N: int, cfg: dict, num_sms: int = _NUM_SMS_DEFAULT) -> dict:
+    """Cost model of one config of the per-weight Gluon kernel (``_w4a16_gluon_kernel``), one CTA per SM:
+    the grid ``gluon_w4a16_mm`` would launch (split-K as its rules), waves, K tiles per CTA, dequantization work
+    (each weight is dequantized once per M tile), the split-K workspace traffic and a time estimate (us). A model,
+    not a measurement: see ``docs/notes_w4a16_largem_session8.md`` for its fit and its limits."""
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    regs = cfg.get("regs")
+    cons, prod = _regs_for(regs, 232, 40)
+    k_tiles = K // GROUP
+    m_tiles = cdiv(M, bm)
+    n_tiles = m_tiles * (N // bn)
+    split = cfg.get("split_k")
+    chunked = split is not None and split > 1 and _split_epilogue_spills(bm, bn, cons, prod)
+    if split is None:
+        split = _split_for(n_tiles, k_tiles, num_sms)
+    if not chunked and ((bn // 2) * bm // 128 >= 128 or (regs == "async" and bm > 64)):
+        split = 1  # as gluon_w4a16_mm
+    split = max(1, min(split, k_tiles))
+    tps = cdiv(k_tiles, split)
+    split = cdiv(k_tiles, tps)
+    ctas = n_tiles * split
+    waves = cdiv(ctas, num_sms)
+    tensor = bm * bn / 16
+    issue = 2 * (230 if bn // 2 == 64 else 380 * (bn // 2) / 128)
+    is_async = regs == "async"
+    per_kt = max(tensor, issue) * 1.7 if is_async else (tensor + issue) * 1.25
+    main_us = waves * tps * per_kt / (_MODEL_GHZ * 1e3)
+    part_bytes = bm * bn * 4
+    fixup_us = (waves + split) * part_bytes / _MODEL_L2_BYTES_PER_US if split > 1 else 0.0
+    return dict(tiles=n_tiles, split=split, ctas=ctas, waves=waves, sm_fill=round(ctas / (waves * num_sms), 3),
+                k_tiles_per_cta=tps, dequant_passes=m_tiles, dequant_mweights=round(m_tiles * K * N / 1e6, 1),
+                tensor_cycles_per_kt=tensor, issue_cycles_per_kt=issue, cycles_per_kt=round(per_kt),
+                ws_mb=round(split * m_tiles * bm * N * 4 / 1e6, 1) if split > 1 else 0.0,
+                chunked=chunked and split > 1, model_us=round(main_us + fixup_us, 1))
+
+
+def _wave_split_for(n_tiles: int, k_tiles: int, num_sms: int = _NUM_SMS_DEFAULT, max_split: int = 4,
+                    fixup_kt: float = 0.5) -> int:
+    """K split minimizing the critical path in K tiles, waves x K tiles per CTA + split x ``fixup_kt`` (one
+    partial written / read costs about half a K tile at BM 256 x BN 128: 131 KB at one SM's L2 share against
+    about 1.7 us per K tile); ties go to the smaller split."""
+    best, best_cost = 1, None
+    for s in range(1, max_split + 1):
+        tps = cdiv(k_tiles, s)
+        s_eff = cdiv(k_tiles, tps)
+        cost = cdiv(n_tiles * s_eff, num_sms) * tps + (s_eff * fixup_kt if s_eff > 1 else 0.0)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s_eff, cost
+    return best
+
+
+def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[dict]:
+    """Opt-in candidates for the M = 256 bucket (session 8; NOT tuner candidates yet: ``_gluon_configs`` and the
+    tuner's label need the change in ``docs/notes_w4a16_largem_session8.md``): the tiles whose standard split-K
+    epilogue spills, BM 256 x BN 128 (default registers, KC 32 / 64) and BM 128 x BN 128 (``regs="async"``,
+    KC 32 / 64), with an EXPLICIT ``split_k`` >= 2 from ``_wave_split_for``, which makes ``gluon_w4a16_mm`` use the
+    chunked fixup (tile-major workspace, ``_split_reduce_chunked``). Listed only where the grid without split is
+    below one wave and the split grid stays within two waves (small grids: 8192 x 8192, 4096 x 11008,
+    11008 x 4096 at M = 256; not 8192 x 28672, whose 224 tiles already fill 1.7 waves)."""
+    bm_bucket = _block_m_for(M)
+    out: list[dict] = []
+    if bm_bucket != 256 or K % GROUP or N % 128:
+        return out
+    k_tiles = K // GROUP
+    for block_m, block_n, regs in ((256, 128, None), (128, 128, "async")):
+        n_tiles = cdiv(M, block_m) * (N // block_n)
+        if n_tiles >= num_sms:
+            continue
+        split = _wave_split_for(n_tiles, k_tiles, num_sms)
+        if split < 2 or n_tiles * split > 2 * num_sms:
+            continue
+        for kc in (32, 64):
+            stages = _max_stages(block_m, block_n)
+            if not _config_ok(M, K, N, block_m, block_n, stages, kc):
+                continue
+            cfg = dict(block_m=block_m, block_n=block_n, stages=stages, kc=kc, split_k=split)
+            if regs is not None:
+                if not _async_regs_ok(block_m, block_n, kc, False):
+                    continue
+                cfg["regs"] = regs
+            out.append(cfg)
+    return out
+
+
 def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
     """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
     ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (slower on the GPU, session 8). M <= 64 (BM <= 64, the
@@ -1255,17 +1405,24 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
             num_warps=4, maxnreg=_maxnreg(consumer_regs, producer_regs), **({"launch_pdl": True} if pdl else {}),
         )
         return y.reshape(*lead, N)
+    # an explicit split_k > 1 on a tile whose split-K epilogue spills selects the chunked fixup (session 8)
+    chunked = (not small and split_k is not None and split_k > 1
+               and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs))
     if split_k is None:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
         split_k = _split_for(n_tiles, k_tiles, sms)
-    if (block_n // 2) * block_m // 128 >= 128:
+    if (block_n // 2) * block_m // 128 >= 128 and not chunked:
         split_k = 1  # the split-K epilogue spills at 128 fp32 accumulators per thread (offline sm_90 build)
-    if regs == "async" and block_m > 64:
+    if regs == "async" and block_m > 64 and not chunked:
         split_k = 1  # with the "async" register split, BM = 128 spills in the split-K epilogue (offline sm_90 build)
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
-    if split_k > 1:
+    if split_k > 1 and chunked:
+        # tile-major [split, tiles, 2 consumers, BM, BN/2] (rows past M included), see _epilogue
+        ws = torch.empty((split_k, n_tiles * block_m * block_n), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, 2 * n_tiles)
+    elif split_k > 1:
         ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, 2 * n_tiles)
     else:
@@ -1289,6 +1446,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1,
         IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs), num_warps=4, maxnreg=maxnreg,
+        **({"SPLIT_CHUNKED": True} if chunked and split_k > 1 else {}),
     )
     return y.reshape(*lead, N)
 
@@ -1334,6 +1492,14 @@ def _streamk_config_ok(block_m: int, block_n: int, consumer_regs: int, producer_
     if (block_n // 2) * block_m // 128 >= 128 or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64):
         raise ValueError(f"gluon_w4a16: schedule='streamk' does not support block_m={block_m} block_n={block_n} "
                          f"with these registers (the split epilogue spills)")
+
+
+def _split_epilogue_spills(block_m: int, block_n: int, consumer_regs: int, producer_regs: int) -> bool:
+    """Tiles whose standard split-K epilogue spills (offline sm_90 builds): 128 fp32 accumulators per thread, or
+    BM > 64 with the "async" register split. ``gluon_w4a16_mm`` runs them without split-K unless ``split_k`` > 1 is
+    given explicitly, which selects the chunked fixup (``SPLIT_CHUNKED``, ``_split_reduce_chunked``; session 8)."""
+    return ((block_n // 2) * block_m // 128 >= 128
+            or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64))
 
 
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
@@ -1388,6 +1554,8 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
                   IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                   DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
     kernel = _w4a16_gluon_kernel
+    if split and (cfg.get("split_k") or 0) > 1 and _split_epilogue_spills(bm, bn, consumer_regs, producer_regs):
+        consts["SPLIT_CHUNKED"] = True  # as gluon_w4a16_mm with an explicit split_k > 1 on such a tile
     if _streamk_variant(cfg.get("schedule"), cfg.get("split_k")):
         # ``split`` is ignored: the stream-K kernel always has both epilogue paths
         _streamk_config_ok(bm, bn, consumer_regs, producer_regs)
