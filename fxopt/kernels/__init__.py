@@ -23,3 +23,11 @@ def has_pdl(device) -> bool:
     import torch
 
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device) -> tuple:
+    """``torch.cuda.get_device_capability``, queried once per device: the support checks run on every call."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)

@@ -190,6 +190,8 @@ from typing import Optional
 
 import torch
 
+from fxopt.kernels import device_capability  # noqa: F401 (also imported from here by the fp8 / backward modules)
+
 try:  # Gluon ships with Triton >= 3.5; keep the module importable without it (CPU-only installs, old Triton).
     import triton
     from triton.experimental import gluon
@@ -1042,12 +1044,6 @@ def _tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
     if t.data_ptr() % 16:
         return f"{name}: base pointer not 16-byte aligned (TMA)"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def device_capability(device) -> tuple:
-    """``torch.cuda.get_device_capability``, queried once per device: the support checks run on every call."""
-    return torch.cuda.get_device_capability(device)
 
 
 def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:

@@ -93,9 +93,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv
+from fxopt.kernels import cdiv, device_capability
 
-from .attention import check_qkv
+from .attention import _num_sms, check_qkv
 
 log = logging.getLogger(__name__)
 
@@ -708,17 +708,12 @@ def _fused_quant_ok(x: torch.Tensor, D: int, qblock: int, qdtype, hadamard: bool
         return False
     if _INTERPRET and x.dtype == torch.bfloat16:  # the interpreter computes bf16 wrongly
         return False
-    if x.device.type == "cuda" and (_capability(x.device)[0] < 9 or (x.device, D) in _FUSED_QUANT_FAILED):
+    if x.device.type == "cuda" and (device_capability(x.device)[0] < 9 or (x.device, D) in _FUSED_QUANT_FAILED):
         return False  # sm_8x: ~100 KB of shared memory per SM, below the 144 KB of a D = 128 program
     return not hadamard or _had_dot_ok(x, D, qblock)
 
 
 _FUSED_QUANT_FAILED: set = set()
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
@@ -737,16 +732,6 @@ def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
             raise ValueError(f"FXOPT_FP8_QUANT_CFG={env!r}: expected 'num_warps,num_stages,programs_per_sm[,v_dot]'")
         return parts[0], parts[1], parts[2], bool(parts[3]) if len(parts) == 4 else False
     return 8, 3, (1 if D > 64 else 2), False
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def _quantize_fused(q, k, v, *, hadamard: bool, seed: int, qblock: int, qdtype):
@@ -781,7 +766,7 @@ def _quantize_fused(q, k, v, *, hadamard: bool, seed: int, qblock: int, qdtype):
     if total == 0:
         return outs
     warps, stages, per_sm, v_dot = _quant_cfg(D)
-    nprog = min(total, 3 if _INTERPRET else _sm_count(ref.device) * per_sm)
+    nprog = min(total, 3 if _INTERPRET else _num_sms(ref.device) * per_sm)
     dummy = outs[0] or outs[1] or outs[2]
     qq, qs = outs[0] or dummy
     kq, ks = outs[1] or dummy

@@ -1161,10 +1161,11 @@ def largem_schedule_model(M: int, K: int, N: int, cfg: dict, num_sms: int = _NUM
     m_tiles = cdiv(M, bm)
     n_tiles = m_tiles * (N // bn)
     split = cfg.get("split_k")
-    chunked = split is not None and split > 1 and _split_epilogue_spills(bm, bn, cons, prod)
+    spills = _split_epilogue_spills(bm, bn, cons, prod)
+    chunked = spills and split is not None and split > 1
     if split is None:
         split = _split_for(n_tiles, k_tiles, num_sms)
-    if not chunked and ((bn // 2) * bm // 128 >= 128 or (regs == "async" and bm > 64)):
+    if spills and not chunked:
         split = 1  # as gluon_w4a16_mm
     split = max(1, min(split, k_tiles))
     tps = cdiv(k_tiles, split)
@@ -1201,8 +1202,8 @@ def _wave_split_for(n_tiles: int, k_tiles: int, num_sms: int = _NUM_SMS_DEFAULT,
 
 
 def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[dict]:
-    """Opt-in candidates for the M = 256 bucket (session 8; NOT tuner candidates yet: ``_gluon_configs`` and the
-    tuner's label need the change in ``docs/notes_w4a16_largem_session8.md``): the tiles whose standard split-K
+    """Opt-in candidates for the M = 256 bucket (session 8; ``w4a16._gluon_configs`` lists them for the tuner only
+    with ``FXOPT_W4A16_GLUON_LARGEM=1`` until their GPU test): the tiles whose standard split-K
     epilogue spills, BM 256 x BN 128 (default registers, KC 32 / 64) and BM 128 x BN 128 (``regs="async"``,
     KC 32 / 64), with an EXPLICIT ``split_k`` >= 2 from ``_wave_split_for``, which makes ``gluon_w4a16_mm`` use the
     chunked fixup (tile-major workspace, ``_split_reduce_chunked``). Listed only where the grid without split is
@@ -1405,16 +1406,15 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
             num_warps=4, maxnreg=_maxnreg(consumer_regs, producer_regs), **({"launch_pdl": True} if pdl else {}),
         )
         return y.reshape(*lead, N)
-    # an explicit split_k > 1 on a tile whose split-K epilogue spills selects the chunked fixup (session 8)
-    chunked = (not small and split_k is not None and split_k > 1
-               and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs))
+    # where the standard split-K epilogue spills (offline sm_90 builds), an explicit split_k > 1 selects the chunked
+    # fixup (session 8); otherwise such tiles run without split-K
+    spills = _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
+    chunked = not small and spills and split_k is not None and split_k > 1
     if split_k is None:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
         split_k = _split_for(n_tiles, k_tiles, sms)
-    if (block_n // 2) * block_m // 128 >= 128 and not chunked:
-        split_k = 1  # the split-K epilogue spills at 128 fp32 accumulators per thread (offline sm_90 build)
-    if regs == "async" and block_m > 64 and not chunked:
-        split_k = 1  # with the "async" register split, BM = 128 spills in the split-K epilogue (offline sm_90 build)
+    if spills and not chunked:
+        split_k = 1
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
