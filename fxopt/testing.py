@@ -69,3 +69,24 @@ def run_on_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise RuntimeError(f"ranks exited with codes {bad}")
+
+
+def offline_build_json(code: str, **env_extra):
+    """Run ``code`` (offline sm_90 builds with Triton's bundled ptxas; it prints one JSON line last) in a subprocess
+    without TRITON_INTERPRET (the interpreter replaces the JIT functions) and return that JSON; pytest-skip when the
+    bundled ptxas / cuobjdump are unavailable, fail on any other error. For tests."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
+        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -258,20 +258,10 @@ def test_decode_split_plan_balance(monkeypatch):
 def test_decode_config_residency_matches_offline_sm90_build():
     """The resident-CTAs column of _DECODE_CONFIGS is what the sm_90 builds give (compiled offline with Triton's
     bundled ptxas, in a subprocess without the interpreter): the split plans rest on it."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from fxopt.testing import offline_build_json
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, fxopt.kernels.attention as A; "
-            "print(json.dumps({n: A.decode_offline_report(n) for n in A._DECODE_CONFIGS}))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
-        pytest.skip("no sm_90 toolchain: " + r.stderr.strip().splitlines()[-1][:200])
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    rep = offline_build_json("import json, fxopt.kernels.attention as A; "
+                             "print(json.dumps({n: A.decode_offline_report(n) for n in A._DECODE_CONFIGS}))")
     for name, (_, _, _, resident) in A._DECODE_CONFIGS.items():
         assert rep[name]["stack"] == 0, (name, rep[name])  # no spills
         assert rep[name]["resident_ctas_per_sm"] == resident, (name, rep[name])

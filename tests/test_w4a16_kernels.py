@@ -11,6 +11,7 @@ import torch
 from fxopt.kernels import w4a16 as K4
 from fxopt.kernels.w4a16 import W4A16Config, dequantize_w4_triton, w4a16_matmul
 from fxopt.quant.format import dequantize, pack_int4
+from fxopt.testing import offline_build_json
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -444,7 +445,7 @@ def test_gemv1_offline_sm90_build():
             "from fxopt.kernels import w4a16 as K4\n"
             "cfg = [c for c in K4.candidate_configs(1, 8192, 8192, 128, device='cuda') if c.method == 'gemv1'][0]\n"
             "print(json.dumps(K4.gemv1_offline_report(1, 8192, 8192, cfg)))\n")
-    r = _offline_build_json(code, FXOPT_W4A16_GEMV1="1")  # gemv1 is opt-in until its GPU check
+    r = offline_build_json(code, FXOPT_W4A16_GEMV1="1")  # gemv1 is opt-in until its GPU check
     assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= 128
     assert len(r["loops"]) == 1 and 2.5 <= r["loops"][0]["per_weight"] <= 3.5
     assert r["loops"][0]["ops"].get("BAR", 0) == 0
@@ -664,7 +665,7 @@ def test_gluon_largem_offline_sm90_builds():
             "    r['regs'] = c.get('regs')\n"
             "    out.append(r)\n"
             "print(json.dumps(out))\n")
-    rows = _offline_build_json(code)
+    rows = offline_build_json(code)
     assert len(rows) == 2
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 168, r
@@ -726,21 +727,3 @@ def test_candidate_configs_gluon_largem_opt_in(monkeypatch):
     assert all(c.split_k >= 2 and c.label().endswith(f"sk{c.split_k}") for c in extra)
     assert gluon(64, 11008, 4096) == [c for c in gluon(64, 11008, 4096) if c.split_k == 0]
 
-
-def _offline_build_json(code: str, **env_extra) -> object:
-    """Run ``code`` (offline sm_90 builds; it prints one JSON line last) in a subprocess without TRITON_INTERPRET
-    (the interpreter replaces the JIT functions); skip when the bundled ptxas / cuobjdump are unavailable."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_extra)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
-        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
