@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -143,6 +143,28 @@ phase_pp() {
   # the decode build the sweep (phase ab) liked best, through the GPU decode tests (edit the name first)
   timeout 60 env FXOPT_ATTN_DECODE_CFG=${DECODE_CFG:-bn64s3} python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_attention_kernels.py -k decode 2>&1 | tail -3
+}
+
+phase_route9() {
+  # session 9, call 3: GPU tests of what session 9 routed (the persistent Gluon forward at d = 128, the fused fp8
+  # quantization), the fp8 Gluon kernel with ping-pong, the d = 64 rows with the persistent Gluon forward routed
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon_forward" \
+    tests/test_attention_kernels.py 2>&1 | tail -4
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_attention.py \
+    2>&1 | tail -4
+  timeout 190 python3 benchmarks/fp8_gluon_check.py --quick --bench-first --case-timeout 90 --out "$RES/gluon" \
+    > "$OUT/fp8_gluon_check.txt" 2>&1
+  echo "fp8_gluon_check rc=$?"; grep -E "\[bench\]|FAIL|HANG|pingpong" "$OUT/fp8_gluon_check.txt" | tail -12
+  timeout 100 env FXOPT_ATTN_GLUON_DIMS=64,128,256 python3 benchmarks/attention.py --shapes 64x1024,64x4096,64x16384 \
+    --tag d64persistent --out "$RES" 2>&1 | grep "^|" | tail -8
+}
+
+phase_pp9() {
+  # session 9, call 4: the one-launch M <= 4 W4A16 kernel (gemv1) test and timing, the quick attention table with
+  # the session's routes
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_w4a16_kernels.py -k gemv1 2>&1 | tail -4
+  timeout 150 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
+  timeout 200 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
 }
 
 phase_largem() {

@@ -1131,12 +1131,21 @@ _TMA_FAILED: set = set()
 _GLUON_FAILED: set = set()
 # Head dims routed to the Gluon (FA3-style) forward: measured faster than this file's kernel at d = 128 and
 # d = 256 (benchmarks/results/gluon/; d = 256: 686 / 752 against 521 / 531 TFLOP/s at S = 4k / 8k, session 7; its
-# GPU tests passed in session 8); at d = 64 it was slower.
-_GLUON_HEAD_DIMS = (128, 256)
+# GPU tests passed in session 8); at d = 64 the non-persistent builds were slower.
+# d = 64 since session 9: the persistent build ran 422 / 280 / 446 / 419 / 452 / 449 TFLOP/s against the Triton
+# kernel's 387 / 277 / 419 / 388 / 443 / 430 at S = 1k / 1k causal / 4k / 4k causal / 16k / 16k causal (same run,
+# the Triton column timed first; benchmarks/results/attention_d64persistent.md), bit-identical to "overlap" on the
+# variant check's d = 64 cases, max error against FA2 as the Triton kernel's.
+# FXOPT_ATTN_GLUON_DIMS (comma-separated, read once at import) overrides the list for A/B runs.
+_GLUON_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_DIMS", "64,128,256").split(",")
+                         if d.strip())
 # The build per head dim: "overlap" (softmax exp2s under the in-flight PV wgmma) gave bit-identical outputs to
 # "default" on the cases of benchmarks/gluon_attention_variant_check.py (d = 256 included) and ran 1.0-1.5% faster
-# at d = 128 (session 7); d = 256 was timed with "default" only.
-_GLUON_FWD_VARIANT = {128: "overlap", 256: "default"}
+# at d = 128 (session 7); d = 256 was timed with "default" only. "persistent" (one CTA per SM looping over
+# zigzag-paired work items, the overlap build's tiles) was bit-identical to "overlap" on every case of the variant
+# check (GQA, Sq != Sk, bshd strides, no-lse) and faster at d = 128: 620 / 571 / 635 / 621 against 601 / 544 / 618 /
+# 618 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal (session 9, variant_check_persistent.txt).
+_GLUON_FWD_VARIANT = {64: "persistent", 128: "persistent", 256: "default"}
 
 
 @functools.lru_cache(maxsize=None)

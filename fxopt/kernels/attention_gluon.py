@@ -75,8 +75,10 @@ C75xx, ``wgmma_hazards`` 0, every exp2 under the own PV, highest register 169-21
 be bit-identical to "overlap" (``benchmarks/gluon_attention_variant_check.py`` checks this). See
 docs/notes_attention_fwd_session7.md.
 
-``variant="persistent"`` / ``"persistent_lpt"`` (opt-in, d = 64 / 128, session 8, offline only, NOT yet run on a
-GPU; nothing routes to it; docs/notes_attention_fwd_session8.md). A separate kernel, ``_fa3_fwd_persistent_kernel``,
+``variant="persistent"`` / ``"persistent_lpt"`` (d = 64 / 128; written offline in session 8, GPU-checked in session 9:
+bit-identical to "overlap" on every case of the variant check; "persistent" is what the op routes to at d = 128, +3.1 /
++4.9 / +2.8 / +0.5% over overlap at S = 4k / 4k causal / 16k / 16k causal; "persistent_lpt" was 5-8% slower than
+overlap on causal launches: all heads streaming K / V at once; docs/notes_attention_fwd_session8.md). A separate kernel, ``_fa3_fwd_persistent_kernel``,
 so every other build is unchanged (all 36 default / overlap / overlap2 cubins byte-identical in .text / .nv.info /
 .nv.shared / .nv.constant). Grid (P,), P <= number of SMs; CTA ``pid`` runs the work items (batch * head, 128-row
 query block) that ``_fa_sched_item`` gives it, each exactly like one CTA of the "overlap" build (same
@@ -103,8 +105,9 @@ query block) that ``_fa_sched_item`` gives it, each exactly like one CTA of the 
   interleavings) and ``persistent_items`` (the schedule's CPU mirror) back the phase bookkeeping below:
   ``python -m fxopt.kernels.attention_gluon --protocol``.
 
-``variant="pingpong"`` (opt-in, every d, constexpr ``PINGPONG`` on top of ``OVERLAP``; session 8, offline only, NOT
-yet run on a GPU; nothing routes to it; docs/notes_attention_pingpong_session8.md). The overlap build plus FA3's
+``variant="pingpong"`` (opt-in, every d, constexpr ``PINGPONG`` on top of ``OVERLAP``; written offline in session 8;
+GPU-checked in session 9: bit-identical to "overlap", +1.6 / +4.5% on causal d = 128 launches at S = 4k / 16k, +-0.2%
+non-causal; not routed, "persistent" wins where it matters; docs/notes_attention_pingpong_session8.md). The overlap build plus FA3's
 warpgroup ping-pong: the two consumer warpgroups take turns at issuing their wgmma, so warpgroup 1 issues S_i / PV_{i-1}
 only after warpgroup 0 issued its own and vice versa, and one warpgroup's softmax runs under the other's GEMMs
 instead of wherever the warp schedulers put it. Two hardware named barriers, ids 14 and 15 (``_PP_BAR0``; Triton

@@ -689,11 +689,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
     return qq, qs, kq, ks, vt, vs
 
 
-# Session 8 (offline): the fused persistent quantization kernel is bit-identical to the per-tensor ``_quant_kernel``
-# launches in the interpreter (tests/test_fp8_attention.py) but has not run on a GPU yet: off by default until
-# test_gpu_quantize_qkv_fused and benchmarks/fp8_attention.py --quant-only confirm it; FXOPT_FP8_QUANT_FUSED=1 turns
-# it on.
-_QUANT_FUSED_DEFAULT = "0"
+# The fused persistent quantization kernel is bit-identical to the per-tensor ``_quant_kernel`` launches (interpreter
+# tests, and the GPU tests -k fused: 16 passed, session 9) and faster: 116 / 93 us for q, k, v at d = 128 / 64
+# against 142 / 101-130 us for the three tensor-core launches (benchmarks/results/fp8_quant.md).
+# FXOPT_FP8_QUANT_FUSED=0 turns it off.
+_QUANT_FUSED_DEFAULT = "1"
 
 
 def _fused_quant_ok(x: torch.Tensor, D: int, qblock: int, qdtype, hadamard: bool) -> bool:

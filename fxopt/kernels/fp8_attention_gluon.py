@@ -111,8 +111,10 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   C7512 / C7514, zero ``wgmma_sass_hazards``, highest register 196-232, +528 B shared memory. The builds without it
   are byte-identical (.text) to before. On the H200 (session 8) bit-identical to the build without it but 5-10%
   slower (753-801 against 812-873 TFLOP/s), so it stays off.
-* ``pingpong=True`` (opt-in, ``PINGPONG_DEFAULT`` False, constexpr ``PINGPONG``, session 8, offline only; not with
-  ``overlap``): FA3's inter-warpgroup schedule. The two consumer warpgroups take turns issuing their GEMM groups
+* ``pingpong=True`` (opt-in, ``PINGPONG_DEFAULT`` False, constexpr ``PINGPONG``, written in session 8; not with
+  ``overlap``). On the H200 (session 9, benchmarks/results/gluon/fp8_gluon_check_pingpong_session9.md) bit-identical
+  to the permute_k + cast_late build on every agreement case but 2-7% slower (804 / 690 / 809 / 808 against 817 /
+  707 / 858 / 872 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), so it stays off: FA3's inter-warpgroup schedule. The two consumer warpgroups take turns issuing their GEMM groups
   (block 0: QK_0; step i: QK_i + PV_{i-1}; tail: PV_{n-1}), so one warpgroup's softmax runs under the other's
   QGMMAs instead of both colliding on the MUFU / issue slots and then on the tensor cores. Primitive: two mbarriers
   ``turn[0..1]`` (count 1) in shared memory, ``_pp_wait`` right before the QK (tail: PV) issue, ``_pp_arrive`` (on

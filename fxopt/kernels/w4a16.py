@@ -47,8 +47,8 @@ listed up to M = 256 for bf16, integer zeros, group 128, K and N multiples of 12
 ties or beats swapx at M = 1-16 (``benchmarks/results/w4a16.md``).
 ``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
 groups ("gemv2"). It stays a candidate at M = 1.
-``_w4a16_gemv1_kernel`` ("gemv1", session 8, opt-in: listed for the M buckets up to 4 on CUDA, last, so the tuner
-times it; opt-in with ``FXOPT_W4A16_GEMV1=1`` until its GPU check) is the one-launch small-M path: x is read as it is (no prep kernel),
+``_w4a16_gemv1_kernel`` ("gemv1", session 8; listed for the M buckets up to 4 on CUDA, last, so the tuner times it;
+GPU-checked in session 9, ``FXOPT_W4A16_GEMV1=0`` unlists it) is the one-launch small-M path: x is read as it is (no prep kernel),
 all M <= 4 rows in one program, CUDA-core fp32 FFMA chains. Each code becomes an fp32 with one LOP3, ``(copy &
 0xF0000) | 0x43000000`` = 128 + q or ``(copy & 0xF000) | 0x45000000`` = 2048 + q, from four copies of the word (itself,
 ``<< 8``, ``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1, no smem, no barrier in
@@ -56,8 +56,10 @@ the K loop, the next K tile's loads issued before the current one is computed. O
 per thread, column and K tile (the chain starts at ``-(sum x OFF + z sum x)``), the scale folded once per K tile.
 Split-K partials go to an fp32 workspace kept at zero between calls (relaxed fp32 atomics, one per output element
 and CTA); the CTA that bumps the column tile's counter last reads the total, zeroes it, adds the bias and writes y.
-Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill; not
-yet run on a GPU. The tuner checks its output against the default config's before timing it.
+Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill. On
+the H200 (session 9) it wins at M = 1 on three of the four benchmark shapes (2.05-2.37x bf16) and loses at M = 2 / 4
+(every row re-reads the weights' registers per x row: 1.0-1.5x). The tuner checks its output against the default
+config's before timing it.
 
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
@@ -899,13 +901,18 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
     return best
 
 
-_GEMV1_DEFAULT = "0"  # session 8: not yet run on a GPU
+# Listed for the tuner by default since session 9: test_gpu_gemv1 passed on the H200 (bf16 / fp16, group 128 and
+# per-channel, M = 1..4, PDL builds included) and at M = 1 it is the fastest candidate on 3 of the 4 benchmark
+# shapes (14.2 / 11.8 / 11.6 us against 15.8-17.7 us at 8192^2 / 4096x11008 / 11008x4096;
+# benchmarks/results/w4a16_subset_gemv1.md); at M = 2 / 4 it loses and the tuner leaves it. FXOPT_W4A16_GEMV1=0
+# takes it off the list.
+_GEMV1_DEFAULT = "1"
 
 
 def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
     """The "gemv1" candidates: M buckets up to 4, CUDA devices only, listed after every other candidate so that the
-    heuristic default does not change; the tuner decides. Opt-in (``FXOPT_W4A16_GEMV1=1``, ``_GEMV1_DEFAULT``) until
-    ``test_gpu_gemv1`` has passed on a GPU: the kernel was built and checked offline / in the interpreter only."""
+    heuristic default does not change; the tuner decides (and drops one whose output disagrees with the default
+    candidate's). ``FXOPT_W4A16_GEMV1=0`` takes them off the list."""
     bucket = _m_bucket(M)
     if (bucket > 4 or device is None or torch.device(device).type != "cuda"
             or os.environ.get("FXOPT_W4A16_GEMV1", _GEMV1_DEFAULT) != "1"):
