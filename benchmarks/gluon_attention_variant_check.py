@@ -6,8 +6,10 @@ docs/notes_attention_fwd_session8.md) and the opt-in ``variant="pingpong"`` (the
 turns between the two consumer warpgroups; offline only so far, docs/notes_attention_pingpong_session8.md).
 overlap2, pingpong and every persistent run must be BIT-IDENTICAL to "overlap" (same arithmetic per tile); the persistent runs also use ``num_sms`` = 1 and 3, which put many work items (and both Q
 buffers, several mbarrier phases) on each CTA, the schedules 0 / 1 / 2, ``write_lse=False`` and a [B, S, H, D]
-layout. Then timing of overlap, pingpong, overlap2, persistent (and persistent_lpt, causal), one printed line per
-measurement as soon as it is taken.
+layout. ``variant="persistent_pingpong"`` (session 9, offline only so far: the persistent kernel with the ping-pong
+turns chained across a CTA's items) is checked like persistent (bit-identical to overlap, 1 / 3 / all SMs). Then
+timing of overlap, pingpong, overlap2, persistent, persistent_pingpong (and persistent_lpt, causal) in three rounds
+with the order rotated each round, the median printed per variant with the rounds' times.
 
 ``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
 device_session.sh; the output is printed). ``VCHECK_VARIANTS`` (comma list, default
@@ -77,6 +79,8 @@ for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
         runs = [("persistent", None), ("persistent", 3), ("persistent", 1)]
         if causal and D == 128 and "persistent_lpt" in CHECK:
             runs += [("persistent_lpt", 3), ("persistent_lpt", 1)]
+        if "persistent_pingpong" in CHECK:  # turns chained across a CTA's items: 1 and 3 SMs give many items
+            runs += [("persistent_pingpong", None), ("persistent_pingpong", 3), ("persistent_pingpong", 1)]
         res = []
         for vr, n in runs:
             op, lp = G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr, num_sms=n)
@@ -121,16 +125,23 @@ for D, B, H, S, causal in rows:
         continue
     q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-    variants = ["overlap"] + [vr for vr in ("pingpong", "overlap2", "persistent") if vr in CHECK] + (
+    variants = ["overlap"] + [vr for vr in ("pingpong", "overlap2", "persistent", "persistent_pingpong")
+                              if vr in CHECK] + (
         ["persistent_lpt"] if causal and D == 128 and "persistent_lpt" in CHECK else [])
-    t = {}
     for vr in variants:
         G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr)  # compile + one run under the hang guard
         finish_or_die(f"{vr} d{D} B{B} H{H} S{S} causal={causal}")
-        t[vr] = min(triton.testing.do_bench(lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr),
-                                            warmup=50, rep=250) for _ in range(2))
-        print(f"  d{D} B{B} H{H} S{S} causal={causal} {vr}: {t[vr]:.3f} ms {flops / t[vr] * 1e-9:.0f} TFLOP/s",
-              flush=True)
+    # three rounds, the order rotated each round, the median per variant (a fixed order favoured the first one
+    # by up to 10% in session 9's attention table)
+    runs = {vr: [] for vr in variants}
+    for r in range(3):
+        for vr in variants[r % len(variants):] + variants[:r % len(variants)]:
+            runs[vr].append(triton.testing.do_bench(
+                lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr), warmup=30, rep=100))
+    t = {vr: sorted(runs[vr])[1] for vr in variants}
+    for vr in variants:
+        print(f"  d{D} B{B} H{H} S{S} causal={causal} {vr}: {t[vr]:.3f} ms {flops / t[vr] * 1e-9:.0f} TFLOP/s "
+              f"(rounds {', '.join(f'{x:.3f}' for x in runs[vr])})", flush=True)
     print(f"d{D} B{B} H{H} S{S} causal={causal}: " + "  ".join(
         f"{vr}/overlap {t['overlap'] / t[vr]:.3f}x" for vr in t if vr != "overlap"), flush=True)
 print(f"done ({time.time() - T0:.0f} s)", flush=True)

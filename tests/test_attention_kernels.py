@@ -699,3 +699,35 @@ def test_gluon_persistent_schedule_and_protocol():
     without deadlock or buffer overwrite (the model raises on either)."""
     G = pytest.importorskip("fxopt.kernels.attention_gluon")
     G.check_persistent_schedules_and_protocol(trials=500)
+
+
+def test_gluon_pingpong_protocol_single_and_chained_items():
+    """variant="pingpong" (one item per CTA) and variant="persistent_pingpong" (the turns chained over a CTA's items:
+    warpgroup 0 waits before each later item's first issue, warpgroup 1 passes back after its last issue when an
+    item follows): a CPU model with sm_90 named-barrier semantics runs random interleavings and raises on deadlock,
+    a warpgroup arriving twice in one barrier generation, issues out of alternating order, or arrivals left at exit."""
+    G = pytest.importorskip("fxopt.kernels.attention_gluon")
+    G.check_pingpong_protocol(trials=300)
+    assert G.config_for(128, "persistent_pingpong")["PINGPONG"] and G.config_for(64, "persistent_pingpong")["PERSISTENT"]
+    with pytest.raises(ValueError, match="head dims"):
+        G.config_for(256, "persistent_pingpong")
+
+
+def test_gluon_persistent_pingpong_offline_sm90_build():
+    """The persistent_pingpong build compiles for sm_90 without spills, with the 16 named-barrier instructions of
+    the turns on top of the persistent build's barriers, and the same wgmma count."""
+    from fxopt.testing import offline_build_json
+
+    rep = offline_build_json(
+        "import json, fxopt.kernels.attention_gluon as G\n"
+        "out = {}\n"
+        "for v in ('persistent', 'persistent_pingpong'):\n"
+        "    c = G.compile_offline(128, True, 'bf16', variant=v)\n"
+        "    sass = G._tool('nvdisasm', c.asm['cubin'], '.cubin')\n"
+        "    s = G.sass_summary(c)\n"
+        "    out[v] = dict(spill=s['spill_bytes'], hgmma=s['hgmma'], c75=s['c75xx'],\n"
+        "                  bar=sass.count('BAR.SYNC') + sass.count('BAR.ARV'))\n"
+        "print(json.dumps(out))\n")
+    p, pp = rep["persistent"], rep["persistent_pingpong"]
+    assert p["spill"] == 0 and pp["spill"] == 0 and not pp["c75"]
+    assert pp["hgmma"] == p["hgmma"] and pp["bar"] > p["bar"]

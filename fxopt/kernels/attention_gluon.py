@@ -182,8 +182,16 @@ Semantics
   ``q_ready`` parity ``u & 1``, and releases buffer (t - 1) % 2 in item t after block 0 and ``store_wait``
   (predicated off for t = 0: an extra arrive would shift every later phase). The last item's buffers are never
   released; the consumers ``store_wait`` before exiting.
-* Not done (next steps): dynamic (atomic) tile scheduler, ping-pong in the persistent kernel (variant="pingpong"
-  is the non-persistent overlap build only), FP8, backward.
+* ``variant="persistent_pingpong"`` (opt-in, d = 64 / 128, session 9, offline only, NOT yet run on a GPU): the
+  persistent kernel with variant="pingpong"'s named-barrier turns (constexpr ``PINGPONG`` of
+  ``_fa_consumer_persistent``), chained across a CTA's items: warpgroup 0 waits for the turn before an item's first
+  issue from the second item on, warpgroup 1 passes it back after its last issue when another item follows, so the
+  turns strictly alternate over the CTA's life (concatenating the one-item protocol would let warpgroup 0 arrive
+  twice in one 256-thread generation: a wrong turn, then a deadlock at the last item; the CPU model
+  ``pingpong_protocol_model`` with a list of items catches that). Aimed at the 16k causal row, where pingpong gave
+  +4.5% and persistent +0.5% over overlap (session 9). Offline sm_90: 0 spill bytes, no C75xx, +16 BAR instructions,
+  same HGMMA count; the persistent build's instructions unchanged (identical SASS instruction lines).
+* Not done (next steps): dynamic (atomic) tile scheduler, FP8, backward.
 """
 from __future__ import annotations
 
@@ -771,12 +779,21 @@ def _fa_producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_re
 def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+                            CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                            PINGPONG: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: per item exactly the "overlap" consumer's block 0, loops
     (``_fa_step_overlap``), tail and epilogue, with the ring position offset by the CTA-wide block counter g0.
     Differences: Q comes from buffer t % 2; the O tile is staged in that buffer and its TMA store is NOT waited for
     in the epilogue: item t + 1 waits for it (``store_wait``, the store had block 0 of item t + 1 to read the
-    shared memory) and then hands the buffer back to the producer (``q_empty``) for item t + 2's Q."""
+    shared memory) and then hands the buffer back to the producer (``q_empty``) for item t + 2's Q.
+
+    ``PINGPONG`` (variant="persistent_pingpong"): variant="pingpong"'s turns per item, made to chain across items:
+    warpgroup 1 passes the turn back after its last issue (the tail PV) when the CTA has another item, and
+    warpgroup 0 waits for it before item t + 1's first issue (S_0), so both warpgroups' turns strictly alternate
+    over the CTA's whole life (a warpgroup never arrives twice on the other's barrier without a sync between: two
+    arrivals of one warpgroup would complete a 256-thread generation on their own). Per CTA, warpgroup 0 waits
+    sum(n) + items - 1 times and warpgroup 1 passes as often; warpgroup 1 waits sum(n + 1) times, warpgroup 0 passes
+    as often: no barrier is left with partial arrivals at exit."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -814,7 +831,15 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         # ---- block 0 (ring position g0)
         ks0 = g0 % STAGES
         mbarrier.wait(k_ready.index(ks0), (g0 // STAGES) & 1)
+        if PINGPONG:  # issue point 0: warpgroup 0 waits from the second item on (the turn warpgroup 1 passed back)
+            if WG == 1:
+                _fa_pp_wait(WG)
+            else:
+                if t > 0:
+                    _fa_pp_wait(WG)
         s = warpgroup_mma(q_buf, k_smem.index(ks0).permute((1, 0)), s, use_acc=False, is_async=True)
+        if PINGPONG:
+            _fa_pp_pass(WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         mbarrier.arrive(k_empty.index(ks0), count=1)
         # Every mask of the item sees its key columns shifted by g0 * BLOCK_N (_fa_step_overlap takes the ring
@@ -837,17 +862,27 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         for i in range(g0 + 1, g0 + n_full):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
-                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout)
+                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
+                False, PINGPONG, WG)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
-                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout)
+                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
+                False, PINGPONG, WG)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
         jv = g0 + n_blocks - 1
         vs = jv % STAGES
         o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
         mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
+        if PINGPONG:  # issue point n_blocks: warpgroup 1 passes back only when the CTA has another item
+            _fa_pp_wait(WG)
         o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        if PINGPONG:
+            if WG == 0:
+                _fa_pp_pass(WG)
+            else:
+                if t + 1 < n_local:
+                    _fa_pp_pass(WG)
         o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
         mbarrier.arrive(v_empty.index(vs), count=1)
         g0 += n_blocks
@@ -872,20 +907,22 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
 def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                                PINGPONG: gl.constexpr):
     _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG)
 
 
 @gluon.jit
 def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
+                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                                PINGPONG: gl.constexpr):
     _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG)
 
 
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
@@ -894,8 +931,9 @@ def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K,
                                NUM_M_BLOCKS, NUM_BH, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """variant="persistent" / "persistent_lpt": grid (P,), P <= number of SMs; CTA pid runs the work items
+                               PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                               PINGPONG: gl.constexpr = False):
+    """variant="persistent" / "persistent_lpt" / "persistent_pingpong" (PINGPONG): grid (P,), P <= number of SMs; CTA pid runs the work items
     ``_fa_sched_item(t, pid, ...)`` for t < ``_fa_sched_count(...)``, each exactly like one CTA of the "overlap"
     build. Shared memory: two Q buffers per consumer warpgroup (4 x 64 x d), the K / V ring, the pin slots."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -928,10 +966,12 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
     gl.warp_specialize([
         (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                        v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
-                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)),
+                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
+                                       PINGPONG)),
         (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                        v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
-                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE)),
+                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
+                                       PINGPONG)),
         (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                    k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                    SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
@@ -952,12 +992,12 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong")
+VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong", "persistent_pingpong")
 # Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
 # K / V ring (d = 256 would need 2 x 2 x 64 x 256 x 2 = 128 KB of Q plus 128 KB of K / V > 227 KB).
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
-_PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2}
+_PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2, "persistent_pingpong": 1}
 # variant="pingpong": the overlap build's tiles; every head dim compiles clean offline (session 8).
 _PINGPONG_HEAD_DIMS = (64, 128, 256)
 
@@ -982,7 +1022,7 @@ def config_for(head_dim: int, variant: str = "default") -> dict:
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
     if variant in ("overlap", "overlap2", "pingpong"):
         cfg["OVERLAP"] = True
-    if variant == "pingpong":
+    if variant in ("pingpong", "persistent_pingpong"):
         cfg["PINGPONG"] = True
     if variant == "overlap2":
         cfg["CAST_LATE"] = True
@@ -1166,7 +1206,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m, B * Hq,
             HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
-            WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+            WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+            **({"PINGPONG": True} if cfg.get("PINGPONG") else {}))
         return out, lse_ret
     grid = (num_m, B * Hq)
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
@@ -1218,6 +1259,9 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["SCHED"] = sig["WRITE_LSE"] = "constexpr"
         constexprs["SCHED"] = (cfg["SCHED_CAUSAL"] if causal else 0) if sched is None else int(sched)
         constexprs["WRITE_LSE"] = bool(write_lse)
+        if cfg.get("PINGPONG"):
+            sig["PINGPONG"] = "constexpr"
+            constexprs["PINGPONG"] = True
         src = GluonASTSource(_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
     else:
         if cfg.get("OVERLAP"):
@@ -1464,7 +1508,7 @@ def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -
             f"interleavings without deadlock or hazard; " + check_pingpong_protocol(max(trials // 2, 1), seed))
 
 
-def pingpong_protocol_model(n_blocks: int, stages: int, n_full=(0, 0), seed: int = 0, max_steps: int = 10 ** 6):
+def pingpong_protocol_model(n_blocks, stages: int, n_full=(0, 0), seed: int = 0, max_steps: int = 10 ** 6):
     """CPU model of variant="pingpong" (one CTA of ``_fa3_fwd_kernel`` with PINGPONG): ``_fa_producer`` and the
     two ``_fa_consumer`` warpgroups statement for statement (mbarrier waits / releases as in
     ``persistent_protocol_model``, the unmasked loop up to ``n_full[w]`` then the masked loop, the tail), plus the
@@ -1474,8 +1518,17 @@ def pingpong_protocol_model(n_blocks: int, stages: int, n_full=(0, 0), seed: int
     AssertionError on a deadlock, on a warpgroup contributing twice to one barrier generation (the hardware would
     count both 128-thread arrivals and release the wrong turn), on a consumer reading the wrong block, on a TMA
     write into a slot still read, on wgmma issue points out of ping-pong order (WG0 point p, WG1 point p, WG0 point
-    p + 1, ...), or on a named barrier left with pending arrivals at exit. Returns the number of steps."""
+    p + 1, ...), or on a named barrier left with pending arrivals at exit. Returns the number of steps.
+
+    ``n_blocks`` a list: variant="persistent_pingpong", one CTA running those work items back to back (key blocks
+    at consecutive ring positions, the K / V ring never drained; Q treated as always resident, the Q double buffer
+    is ``persistent_protocol_model``'s business): warpgroup 0 waits for the turn before an item's first issue from
+    the second item on, warpgroup 1 passes it back after its last issue when another item follows."""
     import random
+
+    items = [int(n_blocks)] if isinstance(n_blocks, int) else [int(n) for n in n_blocks]
+    single = isinstance(n_blocks, int)
+    n_total = sum(items)
 
     Bar = _ModelBar
     class Named:  # bar.sync / bar.arrive id, 256 with two 128-thread warpgroups
@@ -1520,7 +1573,7 @@ def pingpong_protocol_model(n_blocks: int, stages: int, n_full=(0, 0), seed: int
     def producer():
         for w in (0, 1):
             load("q", w, q_bars[w], w)
-        for j in range(n_blocks):
+        for j in range(n_total):
             s, empty_phase = j % stages, ((j // stages) & 1) ^ 1
             yield from wait(k_empty[s], empty_phase)
             load("k", s, k_ready[s], j)
@@ -1551,34 +1604,50 @@ def pingpong_protocol_model(n_blocks: int, stages: int, n_full=(0, 0), seed: int
             ks, vs = i % stages, (i - 1) % stages
             yield from use("k", ks, k_ready[ks], (i // stages) & 1, i)
             yield from pp_wait()
-            issues.append((w, i))
+            issues.append((w, i))  # global ring position; mapped to (item, point) below
             yield from use("v", vs, v_ready[vs], ((i - 1) // stages) & 1, i - 1)
             yield from pp_pass()
             yield from release("k", ks, k_empty[ks])
             yield from release("v", vs, v_empty[vs])
 
         yield from wait(q_bars[w], 0)
-        yield from use("k", 0, k_ready[0], 0, 0)
-        if w == 1:
-            yield from pp_wait()
-        issues.append((w, 0))
-        yield from pp_pass()
-        yield from release("k", 0, k_empty[0])
-        for i in range(1, min(n_full[w], n_blocks)):
-            yield from step(i)
-        for i in range(max(min(n_full[w], n_blocks), 1), n_blocks):
-            yield from step(i)
-        vs = (n_blocks - 1) % stages
-        yield from use("v", vs, v_ready[vs], ((n_blocks - 1) // stages) & 1, n_blocks - 1)
-        yield from pp_wait()
-        issues.append((w, n_blocks))
-        if w == 0:
+        g0 = 0
+        for t, n in enumerate(items):
+            ks = g0 % stages
+            yield from use("k", ks, k_ready[ks], (g0 // stages) & 1, g0)
+            if w == 1 or t > 0:
+                yield from pp_wait()
+            issues.append((w, t, 0))
             yield from pp_pass()
-        yield from release("v", vs, v_empty[vs])
+            yield from release("k", ks, k_empty[ks])
+            nf = min(n_full[w], n) if single else n
+            for i in range(g0 + 1, g0 + nf):
+                yield from step(i)
+            for i in range(g0 + max(nf, 1), g0 + n):
+                yield from step(i)
+            jv = g0 + n - 1
+            vs = jv % stages
+            yield from use("v", vs, v_ready[vs], (jv // stages) & 1, jv)
+            yield from pp_wait()
+            issues.append((w, t, n))
+            if w == 0 or t + 1 < len(items):
+                yield from pp_pass()
+            yield from release("v", vs, v_empty[vs])
+            g0 += n
 
     steps = _interleave({"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}, pending, rng,
                         max_steps)
-    assert issues == [(w, p) for p in range(n_blocks + 1) for w in (0, 1)], f"issue order {issues}"
+    starts = [sum(items[:t]) for t in range(len(items))]
+
+    def point(e):  # (w, t, p) as recorded, or (w, ring position i) of a loop step: item t, point i - start
+        if len(e) == 3:
+            return e
+        w, i = e
+        t = max(t for t in range(len(items)) if starts[t] <= i)
+        return (w, t, i - starts[t])
+    got = [point(e) for e in issues]
+    want = [(w, t, p) for t, n in enumerate(items) for p in range(n + 1) for w in (0, 1)]
+    assert got == want, f"issue order {got}"
     assert not turn[0].members and not turn[1].members, "named barrier left with pending arrivals"
     return steps
 
@@ -1592,7 +1661,10 @@ def check_pingpong_protocol(trials: int = 2000, seed: int = 2) -> str:
     for k in range(trials):
         n = rng.randint(1, 8)
         pingpong_protocol_model(n, 1 + k % 3, (rng.randint(0, n), rng.randint(0, n)), seed=k)
-    return f"pingpong: {trials} random interleavings without deadlock, hazard or out-of-order issue"
+    for k in range(trials):  # persistent_pingpong: 1-5 items of 1-6 blocks each on one CTA
+        pingpong_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 5))], 1 + k % 3, seed=trials + k)
+    return (f"pingpong: {trials} random interleavings (one item) and {trials} (persistent, several items) without "
+            f"deadlock, hazard or out-of-order issue")
 
 
 if __name__ == "__main__":  # pragma: no cover - tooling
