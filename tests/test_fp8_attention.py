@@ -496,7 +496,7 @@ def test_gpu_quantize_tensor_core_transform(monkeypatch, D):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("cfg", [None, "8,3,1,1", "16,3,1", "8,4,1"])
+@pytest.mark.parametrize("cfg", [None, "8,3,1,1", "16,3,1", "8,4,1", "8,3,1", "8,3,2"])
 def test_gpu_fused_quantize_bit_identical(fused_on, monkeypatch, dtype, D, cfg):
     """On the GPU, in e4m3: the fused launch against the per-tensor kernels (bit-identical codes and scales) for
     the default configuration and the A/B ones of the benchmark sweep; GQA, odd lengths, [B, S, H, D] storage."""

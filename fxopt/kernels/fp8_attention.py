@@ -721,7 +721,10 @@ def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
     overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6, session 8):
     at D = 128 a program takes 144 KB of shared memory (3 x 32 KB cp.async stages, the 32 KB transform matrix, 16 KB
     for the store's layout change) and ~220 registers x 256 threads (bf16), so one per SM; at D = 64, 64 KB / 80
-    registers: two per SM."""
+    registers: two per SM. Session 9's GPU sweep (benchmarks/results/fp8_quant_sweep.md, codes and scales
+    bit-identical to the per-tensor kernels in every row) moved the defaults: D = 128 with 2 stages, 2 programs per
+    SM and V through the tensor cores, 100 us against 116 us for q, k, v at 16k tokens x 16 heads; D <= 64 with 3
+    programs per SM, 85 us against 104 us."""
     env = os.environ.get("FXOPT_FP8_QUANT_CFG")
     if env:
         try:
@@ -731,7 +734,7 @@ def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
         if len(parts) not in (3, 4) or min(parts[:3]) < 1:
             raise ValueError(f"FXOPT_FP8_QUANT_CFG={env!r}: expected 'num_warps,num_stages,programs_per_sm[,v_dot]'")
         return parts[0], parts[1], parts[2], bool(parts[3]) if len(parts) == 4 else False
-    return 8, 3, (1 if D > 64 else 2), False
+    return (8, 2, 2, True) if D > 64 else (8, 3, 3, False)
 
 
 def _quantize_fused(q, k, v, *, hadamard: bool, seed: int, qblock: int, qdtype):
