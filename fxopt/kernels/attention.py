@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, has_pdl, next_pow2
+from fxopt.kernels import cdiv, has_pdl, jit_like_source, next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -1084,6 +1084,14 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if decode:
         if dropout_p > 0:
             raise ValueError("flash_attention: the split-KV decode path does not support dropout")
+        if _DECODE_PERSISTENT and kind == 0 and not has_kpm and softcap == 0 and window < 0:
+            from fxopt.kernels.attention_decode import decode_attention_persistent
+
+            try:
+                decode_attention_persistent(q, k, v, scale=sm_scale, is_causal=bool(is_causal), out=o, lse=lse)
+                return (o, lse) if return_lse else o
+            except ValueError as e:  # a shape it does not take (e.g. too many query rows per item): split kernel
+                log.debug("flash_attention: persistent decode not used: %s", e)
         _launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags)
         return (o, lse) if return_lse else o
     if config is None and use_tma is None and _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window,
@@ -1222,6 +1230,10 @@ _DECODE_CONFIGS = {
     "bn32s3": (32, 4, 3, 6),    # 73 regs, 37 KB
 }
 _DECODE_CFG = os.environ.get("FXOPT_ATTN_DECODE_CFG", "default")  # read once, at import
+# Opt-in (session 9, offline only, not yet run on a GPU): the persistent stream-K decode kernel of
+# fxopt/kernels/attention_decode.py (one contiguous range of (head, key block) pairs per program, so each SM's load
+# stream is filled once, not once per head). Read once, at import.
+_DECODE_PERSISTENT = os.environ.get("FXOPT_ATTN_DECODE_PERSISTENT", "0") == "1"
 if _DECODE_CFG not in _DECODE_CONFIGS:
     raise ValueError(f"FXOPT_ATTN_DECODE_CFG={_DECODE_CFG!r}: expected one of {sorted(_DECODE_CONFIGS)}")
 
@@ -1315,7 +1327,6 @@ def decode_offline_report(config: str = "default", B: int = 8, H: int = 32, Hkv:
     import tempfile
 
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     group, BLOCK_D = H // Hkv, next_pow2(D)
     BLOCK_R = max(16, next_pow2(group * Sq))
@@ -1331,23 +1342,8 @@ def decode_offline_report(config: str = "default", B: int = 8, H: int = 32, Hkv:
                 HAS_KPM=False, PREC="tf32", BLOCK_R=BLOCK_R, BLOCK_N=bn, USE_GDC=not fused, FUSED_COMBINE=fused)
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", OPART="*fp32", LPART="*fp32", MASK="*bf16", KPM="*bf16",
                 O="*bf16", LSE="*fp32", LOCKS="*i32")
-    sig, consts, attrs = {}, {}, {}
-    for i, prm in enumerate(_attn_fwd_split.params):
-        n = prm.name
-        if n in ptrs:
-            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
-        elif n in ("sm_scale", "softcap"):
-            sig[n] = "fp32"
-        elif n in ints:
-            if ints[n] == 1:
-                sig[n], consts[(i,)] = "constexpr", 1
-            else:
-                sig[n] = "i32"
-                if ints[n] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n], consts[(i,)] = "constexpr", meta[n]
-    compiled = triton.compile(ASTSource(_attn_fwd_split, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+    src = jit_like_source(_attn_fwd_split, ptrs, ints, ("sm_scale", "softcap"), meta)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
