@@ -8,6 +8,8 @@ counts, ``--cast-late 0`` / ``1`` and ``--overlap 0`` / ``1`` to pick builds; ``
 ``benchmarks/fp8_gluon_check.py`` is the GPU check (correctness against the Triton fp8 kernel and float64, then
 TFLOP/s), for seven builds (permute_k x cast_late, cast_late (+ permute_k) with overlap, permute_k + cast_late with
 pingpong; ``--quick``: three: plain, the default, the default with pingpong). ``--pingpong 0`` / ``1`` picks builds.
+``--poly-exp 0,1,4`` builds ``POLY_EXP`` variants (exp2 partly on the FMA pipe, "poly_exp" below);
+``benchmarks/fp8_poly_check.py`` is their GPU check (accuracy vs float64 and vs the default build, TFLOP/s).
 
 Why
 ---
@@ -136,6 +138,36 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   and arrives are added), so the output is bit-identical to the build without it by construction. sm_90 SASS, all
   16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off; permute_k + cast_late): see
   docs/notes_fp8_pingpong_session8.md. The builds without it are byte-identical (.text) to before.
+* ``poly_exp=K`` (opt-in, ``POLY_EXP_DEFAULT`` 0, constexpr ``POLY_EXP``, K in ``POLY_EXP_CHOICES`` = 0, 1, 2, 3,
+  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 10, offline only): K of every 16 per-thread exp2s of the S tile
+  are computed on the FMA / ALU pipes instead of MUFU.EX2 (FA4's trick), i.e. 4K of the 64 per thread and step.
+  Why: MUFU.EX2 runs at 16 / clock / SM (a warp instruction occupies its sub-partition's unit 8 cycles), about as
+  long as the step's QGMMAs; taking part of it off MUFU shortens the softmax if MUFU is what it waits on.
+  How: ``_exp2_poly`` (plain ``@triton.jit``, elementwise, so the Triton interpreter runs it in the tests): clamp
+  x >= -127; t = x + (1.5 * 2^23 + 127) rounds to nearest, f = x - (t - that) in [-1/2, 1/2] exactly; 2^f by a
+  degree-3 relative-minimax polynomial (Remez, ``fit_exp2_poly``, fp32 coefficients ``EXP2_POLY_COEFFS``; max
+  relative error 7.5e-5 = 2^-13.7, measured with the fp32 evaluation, against 2^-4 for e4m3's P; degree 2 would
+  be 2^-9.2, degree 4 2^-18.5 for one more FFMA: 3 is the cheapest with a wide margin for fp32 l as well); 2^n as
+  the float with bits (bits(t) << 23) = (n + 127) << 23, multiplied in. n = -127 gives the bit pattern 0, so x <=
+  -126.5 and masked scores (-inf, set by ``_f8_mask`` before the exp2) give exactly +0.0: the e4m3 P is 0, l gets
+  nothing, rows with no visible key keep l == 0 (output 0, lse +inf) exactly as with MUFU.EX2. Which scores take
+  the polynomial: ``gl.map_elementwise(_ex2_mix<K>, x, pack=16)`` hands a scalar function 16 consecutive
+  per-thread values and it returns K polynomial and 16 - K ``gl.exp2`` results, so the ex2 of those values is
+  never issued (a column-mask ``gl.where`` after computing both would still issue every MUFU.EX2); which scores
+  they are does not matter, every P is summed and cast alike. The row-max alpha exp2s stay on MUFU.
+  sm_90 SASS (ptxas 12.8; ``tests/test_fp8_gluon_poly.py`` checks it): per polynomial exp2 FMNMX, 3 FADD,
+  IMAD.SHL, 3 FFMA, FMUL (ptxas folds the multiply into the row-sum FADD for l, which becomes an FFMA, and keeps
+  the FMUL for P): 9 instructions instead of 1 MUFU.EX2. Main loop, d 128 unmasked, one consumer (MUFU.EX2 /
+  FFMA / instructions): default 66 / 66 / 489; K=1 62 / 82 / 522; K=2 58 / 98 / 554; K=3 54 / 114 / 586; K=4
+  50 / 130 / 618; K=8 34 / 194 / 746 (masked loops the same MUFU / FFMA deltas; d 64 the same deltas). Every
+  build (d 64 / 128, causal or not, K = 1..8): no spills, no C7512, zero ``wgmma_sass_hazards``, highest register
+  173-234 (d 128 full: 220 default, 216 / 212 / 208 / 205 / 227 for K = 1 / 2 / 3 / 4 / 8). The builds without
+  it are byte-identical (.text) to before (d 128 full / causal bf16, d 64 causal fp16 lse, d 128 causal plain).
+  Expectation, honestly: by issue slots it is close to a wash. Two consumer warps per sub-partition: issue ~978 +
+  64 K cycles per step against MUFU 1056 - 64 K, so past K ~ 0.6 the issue slots, not MUFU, are the larger
+  figure (K = 1: 1042 vs 992). It pays only if the step (~2,500 cycles measured, far above both) is bound by
+  the MUFU queue's latency in the softmax's critical path rather than by issue; benchmarks/fp8_poly_check.py
+  measures it. Finer granularity (pack 32 / 64) would be the next step if K = 1 helps.
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -144,6 +176,7 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -152,6 +185,7 @@ from . import fp8_attention as _fp8
 
 try:  # Gluon ships with Triton >= 3.5; keep the module importable without it
     import triton
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -173,7 +207,8 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
             return fn if fn is not None else (lambda f: f)
 
     gluon = _Stub()
-    gl = None
+    triton = _Stub()
+    gl = tl = None
 
 from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
 
@@ -209,6 +244,19 @@ OVERLAP_DEFAULT = False
 # step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
 # warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
 PINGPONG_DEFAULT = False
+# Opt-in (session 10, offline only): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
+# polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
+# 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
+POLY_EXP_DEFAULT = 0
+POLY_EXP_CHOICES = (0, 1, 2, 3, 4, 8)
+POLY_EXP_PACK = 16
+# 2^f on [-1/2, 1/2], relative minimax (Remez on p(f) / 2^f - 1, fit_exp2_poly below), rounded to fp32, low order
+# first. Degree 3: max relative error 7.5e-5 (2^-13.7) in float64 and with the fp32 evaluation (tests);
+# degree 2 would give 1.7e-3 (2^-9.2).
+EXP2_POLY_COEFFS = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
+# round-to-nearest shifter: x + 1.5 * 2^23 lands in [2^23, 2^24) (ulp 1), so the sum is rint(x) + the constant;
+# + 127 makes the low bits of its bit pattern rint(x) + 127 = the biased exponent of 2^rint(x).
+_EXP2_SHIFTER = 12582912.0 + 127.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -281,15 +329,98 @@ def _f8_p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, PERMUTE_K: gl.co
     return gl.convert_layout(p8, p_layout)
 
 
+@triton.jit
+def _exp2_poly(x):
+    """2^x on the FMA / ALU pipes (no MUFU), fp32 in and out; elementwise, plain Triton (runs in the interpreter;
+    callable from Gluon). Max relative error 2^-13.7 for -126 <= x <= 127 (tests/test_fp8_gluon_poly.py).
+
+    x = n + f with n = rint(x), |f| <= 1/2 (Cody-Waite by the shifter: t = x + 1.5 * 2^23 + 127 rounds x to an
+    integer exactly, f = x - (t - shifter) is exact); 2^f by Horner (3 FFMA, EXP2_POLY_COEFFS); 2^n = the float
+    with bit pattern (bits(t) << 23) = (n + 127) << 23 (the shifter's high bits shift out), multiplied in.
+    Clamping x >= -127 first makes n >= -127: n = -127 gives the bit pattern 0 = +0.0, so x <= -126.5 and
+    x = -inf give exactly +0.0 (NaN: unspecified); -126.5 < x < -126 may give a denormal or 0 (fine for
+    fp32 / e4m3 P). Valid for x <= 127 (the kernel's arguments are <= P_SHIFT = 8). 9 instructions per value:
+    FMNMX, 3 FADD, 3 FFMA, SHF, FMUL."""
+    x = tl.maximum(x, -127.0)
+    t = x + 12583039.0  # _EXP2_SHIFTER
+    f = x - (t - 12583039.0)
+    p = tl.fma(f, 0.0551716685295105, 0.2426111251115799)  # EXP2_POLY_COEFFS
+    p = tl.fma(p, f, 0.6932609677314758)
+    p = tl.fma(p, f, 0.9999280571937561)
+    scale = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+# POLY_EXP: map_elementwise hands each call POLY_EXP_PACK = 16 consecutive per-thread values; _ex2_mix<K> computes K
+# of them with the polynomial (spread: positions 16 i / K) and the rest with MUFU.EX2. Which scores of the tile get
+# the polynomial does not matter (every P is summed and cast alike); what matters is that the ex2 is not issued.
 @gluon.jit
-def _f8_softmax(s, m_i, l_i, c):
+def _ex2_mix1(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix2(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix3(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), _exp2_poly(x5), gl.exp2(x6),
+            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix4(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix8(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), _exp2_poly(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), _exp2_poly(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
+            _exp2_poly(x14), gl.exp2(x15))
+
+@gluon.jit
+def _exp2_mixed(x, POLY_EXP: gl.constexpr):
+    """exp2 of an fp32 register tile, POLY_EXP of every 16 per-thread values by ``_exp2_poly`` (0: all MUFU)."""
+    if POLY_EXP == 1:
+        p = gl.map_elementwise(_ex2_mix1, x, pack=16)[0]
+    elif POLY_EXP == 2:
+        p = gl.map_elementwise(_ex2_mix2, x, pack=16)[0]
+    elif POLY_EXP == 3:
+        p = gl.map_elementwise(_ex2_mix3, x, pack=16)[0]
+    elif POLY_EXP == 4:
+        p = gl.map_elementwise(_ex2_mix4, x, pack=16)[0]
+    elif POLY_EXP == 8:
+        p = gl.map_elementwise(_ex2_mix8, x, pack=16)[0]
+    else:
+        gl.static_assert(POLY_EXP == 0, "POLY_EXP must be one of POLY_EXP_CHOICES")
+        p = gl.exp2(x)
+    return p
+
+
+@gluon.jit
+def _f8_softmax(s, m_i, l_i, c, POLY_EXP: gl.constexpr = 0):
     """Online-softmax step on raw fp8-dot scores s; c = qs * ks_j * scale * log2(e) > 0.
 
-    m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha)."""
+    m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha).
+    POLY_EXP > 0: that many of every 16 per-thread exp2s by the FMA-pipe polynomial (masked -inf scores still give
+    exactly 0; alpha stays on MUFU)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s * c - gl.expand_dims(m_use - 8.0, 1))  # one FFMA + MUFU.EX2 per score; 8.0 = P_SHIFT
+    if POLY_EXP:  # (None when the kernel's POLY_EXP is not passed, as for every build without it)
+        p = _exp2_mixed(s * c - gl.expand_dims(m_use - 8.0, 1), POLY_EXP)
+    else:
+        p = gl.exp2(s * c - gl.expand_dims(m_use - 8.0, 1))  # one FFMA + MUFU.EX2 per score; 8.0 = P_SHIFT
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
@@ -317,7 +448,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
              QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
              PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, turn=None, WG: gl.constexpr = 0,
-             PINGPONG: gl.constexpr = False):
+             PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
     """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
     branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
 
@@ -349,7 +480,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
         s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
-    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c, POLY_EXP)
     # deps=[o] only: Triton 3.6 cannot lower an 8-bit tensor as a wait dependency ("Unexpected bitwidth in
     # WGMMAWaitGroupOp: 8"); ptxas itself keeps P8's registers untouched while the wgmma that reads them runs.
     o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
@@ -368,7 +499,7 @@ def _f8_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
                      pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                      QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                     PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr):
+                     PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, POLY_EXP: gl.constexpr = 0):
     """OVERLAP step (key block i >= 1), FA3's order as in attention_gluon.py's ``_fa_step_overlap``: issue
     S_i = Q K_i^T; O *= f_{i-1} (the factor alpha_{i-1} * vs_{i-2} / vs_{i-1} owed by the previous softmax, while
     S_i runs; with CAST_LATE the e4m3 cast of P_{i-1} is in the same window); issue O += P8_{i-1} V_{i-1}; wait for
@@ -399,7 +530,7 @@ def _f8_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
         s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
-    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c, POLY_EXP)
     f = alpha * (vs_prev / vs_i)
     pin_buf.store(l_i)
     o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
@@ -417,7 +548,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
                  sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
                  CAST_LATE: gl.constexpr, OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False,
-                 turn=None):
+                 turn=None, POLY_EXP: gl.constexpr = 0):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     out_dtype: gl.constexpr = o_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -462,7 +593,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     mbarrier.arrive(k_empty.index(0), count=1)
     if n_full == 0:
         s = _f8_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
-    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c0)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c0, POLY_EXP)
     if CAST_LATE:
         p8 = p
     else:
@@ -477,12 +608,12 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
             s, o, p8, f, m_i, l_i, vs_prev = _f8_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, f, m_i, l_i, vs_prev,
                 pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES, CAUSAL, False, QB,
-                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE)
+                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE, POLY_EXP)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p8, f, m_i, l_i, vs_prev = _f8_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, f, m_i, l_i, vs_prev,
                 pin_buf, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES, CAUSAL, True, QB,
-                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE)
+                s_layout, p_layout, orow_layout, PERMUTE_K, CAST_LATE, POLY_EXP)
         # ---- tail: O = O * f_{n-1} + P8_{n-1} V_{n-1}
         jv = n_blocks - 1
         vslot = jv % STAGES
@@ -498,12 +629,14 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
-                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG)
+                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG,
+                                                   POLY_EXP)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
-                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG)
+                                                   orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG,
+                                                   POLY_EXP)
 
         # ---- tail: O += P8_{n-1} V_{n-1}
         jv = n_blocks - 1
@@ -540,10 +673,12 @@ def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False, turn=None):
+                     POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
+                     PINGPONG: gl.constexpr = False, turn=None):
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
+                 POLY_EXP)
 
 
 @gluon.jit
@@ -551,10 +686,12 @@ def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
-                     OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False, turn=None):
+                     POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
+                     PINGPONG: gl.constexpr = False, turn=None):
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn)
+                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
+                 POLY_EXP)
 
 
 @gluon.jit
@@ -563,7 +700,8 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr,
-                        OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False):
+                        OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False,
+                        POLY_EXP: gl.constexpr = 0):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -616,11 +754,11 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE, True, pin)),
+                                CAST_LATE, POLY_EXP, True, pin)),
             (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE, True, pin)),
+                                CAST_LATE, POLY_EXP, True, pin)),
             (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -629,11 +767,11 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE, False, turn, True, turn)),
+                                CAST_LATE, POLY_EXP, False, turn, True, turn)),
             (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE, False, turn, True, turn)),
+                                CAST_LATE, POLY_EXP, False, turn, True, turn)),
             (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -642,11 +780,11 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE)),
+                                CAST_LATE, POLY_EXP)),
             (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
-                                CAST_LATE)),
+                                CAST_LATE, POLY_EXP)),
             (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -655,6 +793,51 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_poly_exp(poly_exp=None) -> int:
+    """The POLY_EXP constexpr for a launch: ``poly_exp`` if given, else $FXOPT_FP8_GLUON_POLY_EXP if set, else
+    ``POLY_EXP_DEFAULT``. ValueError for anything but an integer in ``POLY_EXP_CHOICES``."""
+    src = "poly_exp"
+    if poly_exp is None:
+        env = os.environ.get("FXOPT_FP8_GLUON_POLY_EXP", "").strip()
+        poly_exp, src = (env, "FXOPT_FP8_GLUON_POLY_EXP") if env else (POLY_EXP_DEFAULT, "POLY_EXP_DEFAULT")
+    if isinstance(poly_exp, str):
+        try:
+            value = int(poly_exp)
+        except ValueError:
+            value = None
+    elif isinstance(poly_exp, bool) or not isinstance(poly_exp, int):
+        value = None
+    else:
+        value = poly_exp
+    if value not in POLY_EXP_CHOICES:
+        raise ValueError(f"fp8_gluon_attention: {src}={poly_exp!r} is not one of {POLY_EXP_CHOICES} (the number of "
+                         f"exp2s out of every {POLY_EXP_PACK} per thread computed by the FMA-pipe polynomial)")
+    return value
+
+
+def fit_exp2_poly(degree: int = 3, lo: float = -0.5, hi: float = 0.5, iters: int = 30):
+    """Relative-error minimax polynomial for 2^f on [lo, hi] (Remez exchange on (p(f) - 2^f) / 2^f, numpy float64):
+    returns (coefficients low order first, max relative error on a dense grid). How EXP2_POLY_COEFFS were made
+    (rounded to fp32); tests/test_fp8_gluon_poly.py re-runs it."""
+    import numpy as np
+
+    n = degree + 2
+    ref = (lo + hi) / 2 - (hi - lo) / 2 * np.cos(np.pi * np.arange(n) / (n - 1))  # Chebyshev extrema
+    grid = np.linspace(lo, hi, 200001)
+    coef, err = None, None
+    for _ in range(iters):
+        a = np.zeros((n, n))
+        a[:, :degree + 1] = ref[:, None] ** np.arange(degree + 1)
+        a[:, degree + 1] = (-1.0) ** np.arange(n) * 2.0 ** ref  # p(x_i) - 2^x_i = (-1)^i E 2^x_i
+        coef = np.linalg.solve(a, 2.0 ** ref)[:degree + 1]
+        err = np.polynomial.polynomial.polyval(grid, coef) / 2.0 ** grid - 1.0
+        edges = np.concatenate(([0], np.nonzero(np.diff(np.sign(err)))[0] + 1, [grid.size]))
+        if edges.size - 1 != n:
+            break
+        ref = np.array([grid[a0 + np.argmax(np.abs(err[a0:b0]))] for a0, b0 in zip(edges[:-1], edges[1:])])
+    return tuple(float(c) for c in coef), float(np.abs(err).max())
 
 
 def config_for(head_dim: int) -> dict:
@@ -765,12 +948,15 @@ def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
                                   permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
-                                  overlap: Optional[bool] = None, pingpong: Optional[bool] = None):
+                                  overlap: Optional[bool] = None, pingpong: Optional[bool] = None,
+                                  poly_exp: Optional[int] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
-    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused."""
+    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused.
+    ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``)."""
     B, Hq, Sq, D = shape_q
+    pe = resolve_poly_exp(poly_exp)
     ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     pp = PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
@@ -811,7 +997,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
         CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}),
-        **({"PINGPONG": True} if pp else {}))
+        **({"PINGPONG": True} if pp else {}), **({"POLY_EXP": pe} if pe else {}))
     return res
 
 
@@ -824,19 +1010,21 @@ def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
                         seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None,
                         cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
-                        pingpong: Optional[bool] = None):
+                        pingpong: Optional[bool] = None, poly_exp: Optional[int] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(f"fp8_gluon_attention: {reason}")
+    resolve_poly_exp(poly_exp)  # refuse a bad value before quantizing
     _fp8._check_attn_inputs(q, k, v, scale)
     B, Hq, Sq, D = q.shape
     qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
-                                         cast_late=cast_late, overlap=overlap, pingpong=pingpong)
+                                         cast_late=cast_late, overlap=overlap, pingpong=pingpong,
+                                         poly_exp=poly_exp)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -866,9 +1054,11 @@ def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
 def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
                     stages: Optional[int] = None, permute_k: Optional[bool] = None,
                     cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
-                    pingpong: Optional[bool] = None):
-    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG
-    constexprs are passed only when set (as the launch does), so the builds without them are compiled as before."""
+                    pingpong: Optional[bool] = None, poly_exp: Optional[int] = None):
+    """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG /
+    POLY_EXP constexprs are passed only when set (as the launch does), so the builds without them are compiled as
+    before."""
+    pe = resolve_poly_exp(poly_exp)
     if (OVERLAP_DEFAULT if overlap is None else bool(overlap)) and (
             PINGPONG_DEFAULT if pingpong is None else bool(pingpong)):
         raise ValueError("pingpong is implemented for the build without overlap only")
@@ -888,6 +1078,14 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     if PINGPONG_DEFAULT if pingpong is None else bool(pingpong):
         constexprs["PINGPONG"] = True
         sig["PINGPONG"] = "constexpr"
+    if pe:
+        # ASTSource binds the signature by position: the constexprs before POLY_EXP must be present too
+        for name in ("OVERLAP", "PINGPONG"):
+            constexprs.setdefault(name, False)
+            sig[name] = "constexpr"
+        constexprs["POLY_EXP"] = pe
+        sig["POLY_EXP"] = "constexpr"
+        sig = {k: sig[k] for k in _fp8_fa3_fwd_kernel.arg_names if k in sig}
     src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
@@ -1007,6 +1205,8 @@ if __name__ == "__main__":  # pragma: no cover - tooling
                     help="OVERLAP values to build (1 only together with cast_late, the combination in the GPU check)")
     ap.add_argument("--pingpong", default="0,1",
                     help="PINGPONG values to build (1 only without overlap; pingpong builds: permute_k + cast_late)")
+    ap.add_argument("--poly-exp", default="0",
+                    help="POLY_EXP values to build (exp2s of every 16 on the FMA pipe; 0 = the builds as before)")
     ap.add_argument("--loops", action="store_true", help="also print the per-class counts of each main loop")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
@@ -1019,13 +1219,14 @@ if __name__ == "__main__":  # pragma: no cover - tooling
                         builds.append((True, False, True))  # pingpong on the default build (permute_k + cast_late)
                     if "0" not in args.pingpong.split(","):
                         builds = [bd for bd in builds if bd[2]]
-                    for cl, ov, pp in builds:
+                    builds = [bd + (int(pe),) for bd in builds for pe in args.poly_exp.split(",")]
+                    for cl, ov, pp, pe in builds:
                         tag = (f"d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}"
                                f"{'_permk' if pk else ''}{'_castlate' if cl else ''}{'_overlap' if ov else ''}"
-                               f"{'_pingpong' if pp else ''}")
+                               f"{'_pingpong' if pp else ''}{f'_poly{pe}' if pe else ''}")
                         try:
                             c = compile_offline(D, causal, ot, wl, permute_k=pk, cast_late=cl, overlap=ov,
-                                                pingpong=pp)
+                                                pingpong=pp, poly_exp=pe)
                         except Exception as e:
                             print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
                             continue
