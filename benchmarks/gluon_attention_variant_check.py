@@ -29,6 +29,17 @@ from gluon_attention_check import reference, _inputs
 torch.backends.cuda.matmul.allow_tf32 = False
 T0 = time.time()
 CHECK = set(os.environ.get("VCHECK_VARIANTS", "overlap2,persistent,persistent_lpt,pingpong").split(","))
+# VCHECK_POLY="2,4": also time variant="persistent" with poly_exp = each value (the FMA-pipe exp2 share; not
+# bit-identical, so its correctness is the GPU test test_gpu_gluon_persistent_poly_exp), as "persistent~pK".
+POLY = [int(x) for x in os.environ.get("VCHECK_POLY", "").split(",") if x.strip()]
+
+
+def _fwd(q, k, v, causal, name):
+    """gluon_attention_fwd for a timing name: a variant, or "persistent~pK" (poly_exp=K)."""
+    if "~p" in name:
+        vr, kk = name.split("~p")
+        return G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr, poly_exp=int(kk))
+    return G.gluon_attention_fwd(q, k, v, causal=causal, variant=name)
 
 
 def finish_or_die(label, timeout=20.0):
@@ -127,17 +138,17 @@ for D, B, H, S, causal in rows:
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     variants = ["overlap"] + [vr for vr in ("pingpong", "overlap2", "persistent", "persistent_pingpong")
                               if vr in CHECK] + (
-        ["persistent_lpt"] if causal and D == 128 and "persistent_lpt" in CHECK else [])
+        ["persistent_lpt"] if causal and D == 128 and "persistent_lpt" in CHECK else []) + [
+        f"persistent~p{kk}" for kk in POLY]
     for vr in variants:
-        G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr)  # compile + one run under the hang guard
+        _fwd(q, k, v, causal, vr)  # compile + one run under the hang guard
         finish_or_die(f"{vr} d{D} B{B} H{H} S{S} causal={causal}")
     # three rounds, the order rotated each round, the median per variant (a fixed order favoured the first one
     # by up to 10% in session 9's attention table)
     runs = {vr: [] for vr in variants}
     for r in range(3):
         for vr in variants[r % len(variants):] + variants[:r % len(variants)]:
-            runs[vr].append(triton.testing.do_bench(
-                lambda: G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr), warmup=30, rep=100))
+            runs[vr].append(triton.testing.do_bench(lambda: _fwd(q, k, v, causal, vr), warmup=30, rep=100))
     t = {vr: sorted(runs[vr])[1] for vr in variants}
     for vr in variants:
         print(f"  d{D} B{B} H{H} S{S} causal={causal} {vr}: {t[vr]:.3f} ms {flops / t[vr] * 1e-9:.0f} TFLOP/s "

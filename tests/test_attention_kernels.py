@@ -731,3 +731,70 @@ def test_gluon_persistent_pingpong_offline_sm90_build():
     p, pp = rep["persistent"], rep["persistent_pingpong"]
     assert p["spill"] == 0 and pp["spill"] == 0 and not pp["c75"]
     assert pp["hgmma"] == p["hgmma"] and pp["bar"] > p["bar"]
+
+
+def test_gluon_poly_exp_arguments():
+    """poly_exp (the FMA-pipe exp2 share) is checked before any launch: allowed values, persistent variants only;
+    the env switch applies to persistent launches and is ignored by the others."""
+    G = pytest.importorskip("fxopt.kernels.attention_gluon")
+    assert G.resolve_poly_exp(None, True) == 0 and G.resolve_poly_exp(4, True) == 4
+    for bad in (5, -1, True, 2.0, "two"):
+        with pytest.raises(ValueError, match="poly_exp"):
+            G.resolve_poly_exp(bad, True)
+    with pytest.raises(ValueError, match="persistent"):
+        G.resolve_poly_exp(2, False)
+    import os
+    old = os.environ.get("FXOPT_ATTN_GLUON_POLY_EXP")
+    os.environ["FXOPT_ATTN_GLUON_POLY_EXP"] = "2"
+    try:
+        assert G.resolve_poly_exp(None, True) == 2 and G.resolve_poly_exp(None, False) == 0
+        os.environ["FXOPT_ATTN_GLUON_POLY_EXP"] = "7"
+        with pytest.raises(ValueError, match="FXOPT_ATTN_GLUON_POLY_EXP"):
+            G.resolve_poly_exp(None, True)
+    finally:
+        if old is None:
+            os.environ.pop("FXOPT_ATTN_GLUON_POLY_EXP")
+        else:
+            os.environ["FXOPT_ATTN_GLUON_POLY_EXP"] = old
+
+
+def test_gluon_persistent_poly_exp_offline_sm90_build():
+    """poly_exp=K takes K of every 16 per-thread softmax exp2s off MUFU (MUFU.EX2 instructions) in the
+    persistent build (d = 64, causal), without spills; poly_exp=0 is the build without the constexpr."""
+    from fxopt.testing import offline_build_json
+
+    rep = offline_build_json(
+        "import json, fxopt.kernels.attention_gluon as G\n"
+        "out = {}\n"
+        "for k in (0, 4):\n"
+        "    c = G.compile_offline(64, True, 'bf16', variant='persistent', poly_exp=k)\n"
+        "    sass = G._tool('nvdisasm', c.asm['cubin'], '.cubin')\n"
+        "    s = G.sass_summary(c)\n"
+        "    out[k] = dict(spill=s['spill_bytes'], ex2=sass.count('MUFU.EX2'), c75=s['c75xx'])\n"
+        "print(json.dumps(out))\n")
+    base, poly = rep["0"], rep["4"]
+    assert base["spill"] == 0 and poly["spill"] == 0 and not poly["c75"]
+    # the softmax exp2s of the S tiles are a multiple of 16 per thread; a quarter of them leave MUFU
+    assert base["ex2"] > poly["ex2"] and (base["ex2"] - poly["ex2"]) % 4 == 0
+    assert base["ex2"] - poly["ex2"] >= (base["ex2"] // 4) // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("poly", [2, 4, 8])
+def test_gpu_gluon_persistent_poly_exp(D, poly):
+    """The persistent forward with poly_exp against the float64 reference (out, lse) on the Gluon cases, and close to
+    the build without it (P differs only below its 16-bit rounding)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward runs on sm_90 only")
+    G = pytest.importorskip("fxopt.kernels.attention_gluon")
+    for name, ((B, Hq, Hkv, Sq, Sk), causal, bshd) in GLUON_CASES.items():
+        q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", bshd=bshd)
+        out, lse = G.gluon_attention_fwd(q, k, v, causal=causal, variant="persistent", poly_exp=poly, num_sms=3)
+        ref, ref_lse = _ref64(q, k, v, return_lse=True, is_causal=causal)
+        _assert_close(out, ref, torch.bfloat16)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), name
+        assert (lse.double() - ref_lse)[fin].abs().max() < 1e-3, name
+        base, _ = G.gluon_attention_fwd(q, k, v, causal=causal, variant="persistent", num_sms=3)
+        assert (out.float() - base.float()).abs().max() <= 2e-2 * max(1.0, base.float().abs().max().item()), name

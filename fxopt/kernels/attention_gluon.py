@@ -191,6 +191,13 @@ Semantics
   ``pingpong_protocol_model`` with a list of items catches that). Aimed at the 16k causal row, where pingpong gave
   +4.5% and persistent +0.5% over overlap (session 9). Offline sm_90: 0 spill bytes, no C75xx, +16 BAR instructions,
   same HGMMA count; the persistent build's instructions unchanged (identical SASS instruction lines).
+* ``poly_exp=K`` (persistent variants, opt-in, session 9, offline only; env ``FXOPT_ATTN_GLUON_POLY_EXP``): K of every
+  16 per-thread softmax exp2s by ``_exp2_poly`` (degree-3 polynomial on the FMA pipe, 2^-13.7 relative, -inf -> 0;
+  written for the fp8 kernel, defined here and shared) through ``gl.map_elementwise``, so MUFU.EX2 is not issued for
+  them. At d = 64 the MUFU work per step (~1,000 cycles per SM for 2 x 64 x 128 exp2s) is about the tensor cores'
+  (~1,000 for the two GEMMs), which is where taking a share off MUFU can pay. Offline sm_90, persistent builds: MUFU.EX2
+  396 -> 348 / 300 / 204 (K = 2 / 4 / 8), FFMA 456 -> 648 / 840 / 1224, no spills, highest register 170-237; the K = 0
+  build's instructions are unchanged. Not bit-identical to K = 0 (P moves below its 16-bit rounding).
 * Not done (next steps): dynamic (atomic) tile scheduler, FP8, backward.
 """
 from __future__ import annotations
@@ -205,6 +212,7 @@ from fxopt.kernels import device_capability  # noqa: F401 (also imported from he
 
 try:  # Gluon ships with Triton >= 3.5; keep the module importable without it (CPU-only installs, old Triton).
     import triton
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -226,10 +234,22 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
             return fn if fn is not None else (lambda f: f)
 
     gluon = _Stub()
-    gl = None
+    triton = _Stub()
+    gl = tl = None
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# The FMA-pipe exp2 (``_exp2_poly``; session 9, written for the fp8 kernel, shared): POLY_EXP of every
+# POLY_EXP_PACK per-thread exp2s of a score tile computed by a polynomial instead of MUFU.EX2.
+POLY_EXP_CHOICES = (0, 1, 2, 3, 4, 8)
+POLY_EXP_PACK = 16
+# 2^f on [-1/2, 1/2], relative minimax (Remez on p(f) / 2^f - 1, fit_exp2_poly below), rounded to fp32, low order
+# first. Degree 3: max relative error 7.5e-5 (2^-13.7) in float64 and with the fp32 evaluation (tests);
+# degree 2 would give 1.7e-3 (2^-9.2).
+EXP2_POLY_COEFFS = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
+# round-to-nearest shifter: x + 1.5 * 2^23 lands in [2^23, 2^24) (ulp 1), so the sum is rint(x) + the constant;
+# + 127 makes the low bits of its bit pattern rint(x) + 127 = the biased exponent of 2^rint(x).
+_EXP2_SHIFTER = 12582912.0 + 127.0
 
 # Rows of the query tile owned by one consumer warpgroup, and consumer warpgroups per CTA.
 WG_ROWS = 64
@@ -288,16 +308,122 @@ def _fa_mask(s, n0, rows, SEQ_K, diag_off, BLOCK_N: gl.constexpr, CAUSAL: gl.con
     return gl.where(keep, s, float("-inf"))
 
 
+@triton.jit
+def _exp2_poly(x):
+    """2^x on the FMA / ALU pipes (no MUFU), fp32 in and out; elementwise, plain Triton (runs in the interpreter;
+    callable from Gluon). Max relative error 2^-13.7 for -126 <= x <= 127 (tests/test_fp8_gluon_poly.py).
+
+    x = n + f with n = rint(x), |f| <= 1/2 (Cody-Waite by the shifter: t = x + 1.5 * 2^23 + 127 rounds x to an
+    integer exactly, f = x - (t - shifter) is exact); 2^f by Horner (3 FFMA, EXP2_POLY_COEFFS); 2^n = the float
+    with bit pattern (bits(t) << 23) = (n + 127) << 23 (the shifter's high bits shift out), multiplied in.
+    Clamping x >= -127 first makes n >= -127: n = -127 gives the bit pattern 0 = +0.0, so x <= -126.5 and
+    x = -inf give exactly +0.0 (NaN: unspecified); -126.5 < x < -126 may give a denormal or 0 (fine for
+    fp32 / e4m3 P). Valid for x <= 127 (the kernel's arguments are <= P_SHIFT = 8). 9 instructions per value:
+    FMNMX, 3 FADD, 3 FFMA, SHF, FMUL."""
+    x = tl.maximum(x, -127.0)
+    t = x + 12583039.0  # _EXP2_SHIFTER
+    f = x - (t - 12583039.0)
+    p = tl.fma(f, 0.0551716685295105, 0.2426111251115799)  # EXP2_POLY_COEFFS
+    p = tl.fma(p, f, 0.6932609677314758)
+    p = tl.fma(p, f, 0.9999280571937561)
+    scale = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+# POLY_EXP: map_elementwise hands each call POLY_EXP_PACK = 16 consecutive per-thread values; _ex2_mix<K> computes K
+# of them with the polynomial (spread: positions 16 i / K) and the rest with MUFU.EX2. Which scores of the tile get
+# the polynomial does not matter (every P is summed and cast alike); what matters is that the ex2 is not issued.
 @gluon.jit
-def _fa_softmax(s, m_i, l_i, qk_scale):
+def _ex2_mix1(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix2(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix3(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), _exp2_poly(x5), gl.exp2(x6),
+            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix4(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), gl.exp2(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
+            gl.exp2(x14), gl.exp2(x15))
+
+
+@gluon.jit
+def _ex2_mix8(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return (_exp2_poly(x0), gl.exp2(x1), _exp2_poly(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), _exp2_poly(x6),
+            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
+            _exp2_poly(x14), gl.exp2(x15))
+
+@gluon.jit
+def _exp2_mixed(x, POLY_EXP: gl.constexpr):
+    """exp2 of an fp32 register tile, POLY_EXP of every 16 per-thread values by ``_exp2_poly`` (0: all MUFU)."""
+    if POLY_EXP == 1:
+        p = gl.map_elementwise(_ex2_mix1, x, pack=16)[0]
+    elif POLY_EXP == 2:
+        p = gl.map_elementwise(_ex2_mix2, x, pack=16)[0]
+    elif POLY_EXP == 3:
+        p = gl.map_elementwise(_ex2_mix3, x, pack=16)[0]
+    elif POLY_EXP == 4:
+        p = gl.map_elementwise(_ex2_mix4, x, pack=16)[0]
+    elif POLY_EXP == 8:
+        p = gl.map_elementwise(_ex2_mix8, x, pack=16)[0]
+    else:
+        gl.static_assert(POLY_EXP == 0, "POLY_EXP must be one of POLY_EXP_CHOICES")
+        p = gl.exp2(x)
+    return p
+
+
+def fit_exp2_poly(degree: int = 3, lo: float = -0.5, hi: float = 0.5, iters: int = 30):
+    """Relative-error minimax polynomial for 2^f on [lo, hi] (Remez exchange on (p(f) - 2^f) / 2^f, numpy float64):
+    returns (coefficients low order first, max relative error on a dense grid). How EXP2_POLY_COEFFS were made
+    (rounded to fp32); tests/test_fp8_gluon_poly.py re-runs it."""
+    import numpy as np
+
+    n = degree + 2
+    ref = (lo + hi) / 2 - (hi - lo) / 2 * np.cos(np.pi * np.arange(n) / (n - 1))  # Chebyshev extrema
+    grid = np.linspace(lo, hi, 200001)
+    coef, err = None, None
+    for _ in range(iters):
+        a = np.zeros((n, n))
+        a[:, :degree + 1] = ref[:, None] ** np.arange(degree + 1)
+        a[:, degree + 1] = (-1.0) ** np.arange(n) * 2.0 ** ref  # p(x_i) - 2^x_i = (-1)^i E 2^x_i
+        coef = np.linalg.solve(a, 2.0 ** ref)[:degree + 1]
+        err = np.polynomial.polynomial.polyval(grid, coef) / 2.0 ** grid - 1.0
+        edges = np.concatenate(([0], np.nonzero(np.diff(np.sign(err)))[0] + 1, [grid.size]))
+        if edges.size - 1 != n:
+            break
+        ref = np.array([grid[a0 + np.argmax(np.abs(err[a0:b0]))] for a0, b0 in zip(edges[:-1], edges[1:])])
+    return tuple(float(c) for c in coef), float(np.abs(err).max())
+
+
+@gluon.jit
+def _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP: gl.constexpr = 0):
     """One online-softmax step on (masked) raw scores s [ROWS, BLOCK_N].
 
-    Returns (p fp32, new running max in raw units, new row sum, alpha = rescale factor of the old O)."""
+    Returns (p fp32, new running max in raw units, new row sum, alpha = rescale factor of the old O).
+    ``POLY_EXP`` > 0 (persistent builds, opt-in): that many of every 16 per-thread exp2s by ``_exp2_poly`` on the
+    FMA pipe (masked -inf scores still give exactly 0; rows with m = -inf keep the 0 offset)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf: use 0 as the offset so exp2 sees -inf (-> 0), not NaN.
     m_off = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
     alpha = gl.exp2(m_i * qk_scale - m_off)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_off, 1))  # one FFMA + MUFU.EX2 per score
+    if POLY_EXP:  # truthiness: a kernel constexpr the offline build does not pass arrives as None
+        p = _exp2_mixed(s * qk_scale - gl.expand_dims(m_off, 1), POLY_EXP)
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_off, 1))  # one FFMA + MUFU.EX2 per score
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
@@ -348,7 +474,8 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
                      pin_buf, rows, SEQ_K, diag_off, qk_scale,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                      s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                     CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False, WG: gl.constexpr = 0):
+                     CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False, WG: gl.constexpr = 0,
+                     POLY_EXP: gl.constexpr = 0):
     """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
     owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
     new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
@@ -379,7 +506,7 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
         s = _fa_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
-    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
     pin_buf.store(l_i)
     o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
     mbarrier.arrive(v_empty.index(vs), count=1)
@@ -780,7 +907,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
                             v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                            PINGPONG: gl.constexpr = False):
+                            PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent kernel: per item exactly the "overlap" consumer's block 0, loops
     (``_fa_step_overlap``), tail and epilogue, with the ring position offset by the CTA-wide block counter g0.
     Differences: Q comes from buffer t % 2; the O tile is staged in that buffer and its TMA store is NOT waited for
@@ -850,7 +977,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         diag_sh = diag_off + g0 * BLOCK_N
         if n_full == 0:
             s = _fa_mask(s, g0 * BLOCK_N, rows, seq_k_sh, diag_sh, BLOCK_N, CAUSAL, s_layout)
-        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale)
+        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- item t - 1's O store (from the other Q buffer) has read its shared memory: give that buffer back to
@@ -863,12 +990,12 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG)
+                False, PINGPONG, WG, POLY_EXP)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG)
+                False, PINGPONG, WG, POLY_EXP)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
         jv = g0 + n_blocks - 1
         vs = jv % STAGES
@@ -908,10 +1035,10 @@ def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr):
     _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP)
 
 
 @gluon.jit
@@ -919,10 +1046,10 @@ def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr):
     _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP)
 
 
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
@@ -932,7 +1059,7 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
                                NUM_M_BLOCKS, NUM_BH, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                               PINGPONG: gl.constexpr = False):
+                               PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
     """variant="persistent" / "persistent_lpt" / "persistent_pingpong" (PINGPONG): grid (P,), P <= number of SMs; CTA pid runs the work items
     ``_fa_sched_item(t, pid, ...)`` for t < ``_fa_sched_count(...)``, each exactly like one CTA of the "overlap"
     build. Shared memory: two Q buffers per consumer warpgroup (4 x 64 x d), the K / V ring, the pin slots."""
@@ -967,11 +1094,11 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
         (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                        v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
                                        SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
-                                       PINGPONG)),
+                                       PINGPONG, POLY_EXP)),
         (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                        v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
                                        SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
-                                       PINGPONG)),
+                                       PINGPONG, POLY_EXP)),
         (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                    k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                    SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
@@ -1139,10 +1266,34 @@ def _desc(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def resolve_poly_exp(poly_exp, persistent: bool) -> int:
+    """The POLY_EXP constexpr of a launch: ``poly_exp`` if given (non-zero needs a persistent variant), else
+    ``FXOPT_ATTN_GLUON_POLY_EXP`` for persistent launches (other variants ignore it), else 0. ValueError for a value
+    outside ``POLY_EXP_CHOICES``."""
+    import os
+
+    src = "poly_exp"
+    if poly_exp is None:
+        env = os.environ.get("FXOPT_ATTN_GLUON_POLY_EXP")
+        if env is None or not persistent:
+            return 0
+        src, poly_exp = "FXOPT_ATTN_GLUON_POLY_EXP", env
+    try:
+        value = int(poly_exp) if not isinstance(poly_exp, (bool, float)) else None
+    except (TypeError, ValueError):
+        value = None
+    if value not in POLY_EXP_CHOICES:
+        raise ValueError(f"gluon_attention_fwd: {src}={poly_exp!r} is not one of {POLY_EXP_CHOICES} (exp2s out of "
+                         f"every {POLY_EXP_PACK} per thread computed by the FMA-pipe polynomial)")
+    if value and not persistent:
+        raise ValueError(f"gluon_attention_fwd: {src}={value} needs a persistent variant ({tuple(_PERSISTENT_SCHED)})")
+    return value
+
+
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
-                        write_lse: bool = True, num_sms: Optional[int] = None):
+                        write_lse: bool = True, num_sms: Optional[int] = None, poly_exp: Optional[int] = None):
     """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
     natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
 
@@ -1152,10 +1303,15 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     checked on the H200, "overlap" is what the op routes to), "overlap2", "pingpong", "persistent",
     "persistent_lpt" (opt-in; persistent d = 64 / 128 only). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
     stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
-    the grid's upper bound (default: the device's SM count; small values force many items per CTA)."""
+    the grid's upper bound (default: the device's SM count; small values force many items per CTA).
+    ``poly_exp``: persistent variants only (opt-in, session 9, offline only): that many of every 16 per-thread
+    softmax exp2s on the FMA pipe (``_exp2_poly``) instead of MUFU.EX2; None = ``FXOPT_ATTN_GLUON_POLY_EXP`` (applied
+    to persistent launches only) or 0. Not bit-identical to poly_exp=0 (P differs by up to 2^-13.7 relative before
+    its 16-bit rounding)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
     persistent = variant in _PERSISTENT_SCHED
+    poly = resolve_poly_exp(poly_exp, persistent)
     if num_sms is not None and (not persistent or int(num_sms) < 1):
         raise ValueError(f"gluon_attention_fwd: num_sms={num_sms} needs a persistent variant and a value >= 1")
     if not write_lse and lse is not None:
@@ -1207,7 +1363,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
             WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-            **({"PINGPONG": True} if cfg.get("PINGPONG") else {}))
+            **({"PINGPONG": True} if cfg.get("PINGPONG") else {}), **({"POLY_EXP": poly} if poly else {}))
         return out, lse_ret
     grid = (num_m, B * Hq)
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
@@ -1239,7 +1395,7 @@ def _signature(dtype_str: str, D: int, block_n: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: str = "default",
-                    sched: Optional[int] = None, write_lse: bool = True):
+                    sched: Optional[int] = None, write_lse: bool = True, poly_exp: int = 0):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin).
 
     Persistent variants: ``sched`` = the ``SCHED`` constexpr (default: the variant's causal schedule when causal,
@@ -1259,9 +1415,12 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["SCHED"] = sig["WRITE_LSE"] = "constexpr"
         constexprs["SCHED"] = (cfg["SCHED_CAUSAL"] if causal else 0) if sched is None else int(sched)
         constexprs["WRITE_LSE"] = bool(write_lse)
-        if cfg.get("PINGPONG"):
+        if cfg.get("PINGPONG") or poly_exp:
             sig["PINGPONG"] = "constexpr"
-            constexprs["PINGPONG"] = True
+            constexprs["PINGPONG"] = bool(cfg.get("PINGPONG"))
+        if poly_exp:
+            sig["POLY_EXP"] = "constexpr"
+            constexprs["POLY_EXP"] = resolve_poly_exp(poly_exp, True)
         src = GluonASTSource(_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
     else:
         if cfg.get("OVERLAP"):

@@ -139,7 +139,7 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off; permute_k + cast_late): see
   docs/notes_fp8_pingpong_session8.md. The builds without it are byte-identical (.text) to before.
 * ``poly_exp=K`` (opt-in, ``POLY_EXP_DEFAULT`` 0, constexpr ``POLY_EXP``, K in ``POLY_EXP_CHOICES`` = 0, 1, 2, 3,
-  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 10, offline only): K of every 16 per-thread exp2s of the S tile
+  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 9, offline only): K of every 16 per-thread exp2s of the S tile
   are computed on the FMA / ALU pipes instead of MUFU.EX2 (FA4's trick), i.e. 4K of the 64 per thread and step.
   Why: MUFU.EX2 runs at 16 / clock / SM (a warp instruction occupies its sub-partition's unit 8 cycles), about as
   long as the step's QGMMAs; taking part of it off MUFU shortens the softmax if MUFU is what it waits on.
@@ -211,6 +211,8 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = tl = None
 
 from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
+from .attention_gluon import (  # noqa: E402,F401 (the FMA-pipe exp2, shared with the bf16 forward)
+    _EXP2_SHIFTER, EXP2_POLY_COEFFS, POLY_EXP_CHOICES, POLY_EXP_PACK, _exp2_mixed, _exp2_poly, fit_exp2_poly)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -244,19 +246,10 @@ OVERLAP_DEFAULT = False
 # step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
 # warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
 PINGPONG_DEFAULT = False
-# Opt-in (session 10, offline only): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
+# Opt-in (session 9, offline only): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
 # polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
 # 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
 POLY_EXP_DEFAULT = 0
-POLY_EXP_CHOICES = (0, 1, 2, 3, 4, 8)
-POLY_EXP_PACK = 16
-# 2^f on [-1/2, 1/2], relative minimax (Remez on p(f) / 2^f - 1, fit_exp2_poly below), rounded to fp32, low order
-# first. Degree 3: max relative error 7.5e-5 (2^-13.7) in float64 and with the fp32 evaluation (tests);
-# degree 2 would give 1.7e-3 (2^-9.2).
-EXP2_POLY_COEFFS = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
-# round-to-nearest shifter: x + 1.5 * 2^23 lands in [2^23, 2^24) (ulp 1), so the sum is rint(x) + the constant;
-# + 127 makes the low bits of its bit pattern rint(x) + 127 = the biased exponent of 2^rint(x).
-_EXP2_SHIFTER = 12582912.0 + 127.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,84 +320,6 @@ def _f8_p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, PERMUTE_K: gl.co
         p8 = gl.permute(p8, (0, 1, 3, 2, 4))
         p8 = gl.reshape(p8, [R, N])
     return gl.convert_layout(p8, p_layout)
-
-
-@triton.jit
-def _exp2_poly(x):
-    """2^x on the FMA / ALU pipes (no MUFU), fp32 in and out; elementwise, plain Triton (runs in the interpreter;
-    callable from Gluon). Max relative error 2^-13.7 for -126 <= x <= 127 (tests/test_fp8_gluon_poly.py).
-
-    x = n + f with n = rint(x), |f| <= 1/2 (Cody-Waite by the shifter: t = x + 1.5 * 2^23 + 127 rounds x to an
-    integer exactly, f = x - (t - shifter) is exact); 2^f by Horner (3 FFMA, EXP2_POLY_COEFFS); 2^n = the float
-    with bit pattern (bits(t) << 23) = (n + 127) << 23 (the shifter's high bits shift out), multiplied in.
-    Clamping x >= -127 first makes n >= -127: n = -127 gives the bit pattern 0 = +0.0, so x <= -126.5 and
-    x = -inf give exactly +0.0 (NaN: unspecified); -126.5 < x < -126 may give a denormal or 0 (fine for
-    fp32 / e4m3 P). Valid for x <= 127 (the kernel's arguments are <= P_SHIFT = 8). 9 instructions per value:
-    FMNMX, 3 FADD, 3 FFMA, SHF, FMUL."""
-    x = tl.maximum(x, -127.0)
-    t = x + 12583039.0  # _EXP2_SHIFTER
-    f = x - (t - 12583039.0)
-    p = tl.fma(f, 0.0551716685295105, 0.2426111251115799)  # EXP2_POLY_COEFFS
-    p = tl.fma(p, f, 0.6932609677314758)
-    p = tl.fma(p, f, 0.9999280571937561)
-    scale = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)
-    return p * scale
-
-
-# POLY_EXP: map_elementwise hands each call POLY_EXP_PACK = 16 consecutive per-thread values; _ex2_mix<K> computes K
-# of them with the polynomial (spread: positions 16 i / K) and the rest with MUFU.EX2. Which scores of the tile get
-# the polynomial does not matter (every P is summed and cast alike); what matters is that the ex2 is not issued.
-@gluon.jit
-def _ex2_mix1(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
-            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
-            gl.exp2(x14), gl.exp2(x15))
-
-
-@gluon.jit
-def _ex2_mix2(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), gl.exp2(x5), gl.exp2(x6),
-            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
-            gl.exp2(x14), gl.exp2(x15))
-
-
-@gluon.jit
-def _ex2_mix3(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), gl.exp2(x4), _exp2_poly(x5), gl.exp2(x6),
-            gl.exp2(x7), gl.exp2(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), gl.exp2(x12), gl.exp2(x13),
-            gl.exp2(x14), gl.exp2(x15))
-
-
-@gluon.jit
-def _ex2_mix4(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return (_exp2_poly(x0), gl.exp2(x1), gl.exp2(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), gl.exp2(x6),
-            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), gl.exp2(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
-            gl.exp2(x14), gl.exp2(x15))
-
-
-@gluon.jit
-def _ex2_mix8(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return (_exp2_poly(x0), gl.exp2(x1), _exp2_poly(x2), gl.exp2(x3), _exp2_poly(x4), gl.exp2(x5), _exp2_poly(x6),
-            gl.exp2(x7), _exp2_poly(x8), gl.exp2(x9), _exp2_poly(x10), gl.exp2(x11), _exp2_poly(x12), gl.exp2(x13),
-            _exp2_poly(x14), gl.exp2(x15))
-
-@gluon.jit
-def _exp2_mixed(x, POLY_EXP: gl.constexpr):
-    """exp2 of an fp32 register tile, POLY_EXP of every 16 per-thread values by ``_exp2_poly`` (0: all MUFU)."""
-    if POLY_EXP == 1:
-        p = gl.map_elementwise(_ex2_mix1, x, pack=16)[0]
-    elif POLY_EXP == 2:
-        p = gl.map_elementwise(_ex2_mix2, x, pack=16)[0]
-    elif POLY_EXP == 3:
-        p = gl.map_elementwise(_ex2_mix3, x, pack=16)[0]
-    elif POLY_EXP == 4:
-        p = gl.map_elementwise(_ex2_mix4, x, pack=16)[0]
-    elif POLY_EXP == 8:
-        p = gl.map_elementwise(_ex2_mix8, x, pack=16)[0]
-    else:
-        gl.static_assert(POLY_EXP == 0, "POLY_EXP must be one of POLY_EXP_CHOICES")
-        p = gl.exp2(x)
-    return p
 
 
 @gluon.jit
@@ -815,29 +730,6 @@ def resolve_poly_exp(poly_exp=None) -> int:
         raise ValueError(f"fp8_gluon_attention: {src}={poly_exp!r} is not one of {POLY_EXP_CHOICES} (the number of "
                          f"exp2s out of every {POLY_EXP_PACK} per thread computed by the FMA-pipe polynomial)")
     return value
-
-
-def fit_exp2_poly(degree: int = 3, lo: float = -0.5, hi: float = 0.5, iters: int = 30):
-    """Relative-error minimax polynomial for 2^f on [lo, hi] (Remez exchange on (p(f) - 2^f) / 2^f, numpy float64):
-    returns (coefficients low order first, max relative error on a dense grid). How EXP2_POLY_COEFFS were made
-    (rounded to fp32); tests/test_fp8_gluon_poly.py re-runs it."""
-    import numpy as np
-
-    n = degree + 2
-    ref = (lo + hi) / 2 - (hi - lo) / 2 * np.cos(np.pi * np.arange(n) / (n - 1))  # Chebyshev extrema
-    grid = np.linspace(lo, hi, 200001)
-    coef, err = None, None
-    for _ in range(iters):
-        a = np.zeros((n, n))
-        a[:, :degree + 1] = ref[:, None] ** np.arange(degree + 1)
-        a[:, degree + 1] = (-1.0) ** np.arange(n) * 2.0 ** ref  # p(x_i) - 2^x_i = (-1)^i E 2^x_i
-        coef = np.linalg.solve(a, 2.0 ** ref)[:degree + 1]
-        err = np.polynomial.polynomial.polyval(grid, coef) / 2.0 ** grid - 1.0
-        edges = np.concatenate(([0], np.nonzero(np.diff(np.sign(err)))[0] + 1, [grid.size]))
-        if edges.size - 1 != n:
-            break
-        ref = np.array([grid[a0 + np.argmax(np.abs(err[a0:b0]))] for a0, b0 in zip(edges[:-1], edges[1:])])
-    return tuple(float(c) for c in coef), float(np.abs(err).max())
 
 
 def config_for(head_dim: int) -> dict:
