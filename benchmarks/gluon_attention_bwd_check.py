@@ -26,6 +26,9 @@ and exits the process; the script ends with ``os._exit``.
     python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,3 --out $OUT
         # session 8: variant 3 (dK issued before the dS^T publication) beside variant 1 (what the op routes),
         # with ``v3/v1`` speed ratios and fwd + bwd totals per variant (``gluon_v3_fwdbwd_tflops``)
+    python benchmarks/gluon_attention_bwd_check.py --quick --dims 256 --out $OUT
+        # session 9: only the d = 256 kernel (``_fa3_bwd_kernel_d256``): its correctness cases and its bench rows
+        # (S 1024 / 4096 / 16384, causal and not) against the Triton backward and cuDNN
 
 With ``--quick`` the Triton backward is timed WITHOUT autotuning (``FXOPT_ATTN_AUTOTUNE=0``: first config of its
 class, set by this script unless ``--triton-autotune 1``), so its column may be slower than the tuned kernel's; the
@@ -64,9 +67,15 @@ def _extra(p):
     p.add_argument("--variant", default="",
                    help="comma list of extra gluon_attention_bwd variants (1, 2, 3) to check and time next to the "
                         "default kernel (default: none, i.e. the default kernel only)")
+    p.add_argument("--dims", default="128,64",
+                   help="head dims whose correctness cases and bench rows run (128, 64, 256; default 128,64)")
     p.add_argument("--triton-autotune", type=int, default=None,
                    help="1: let the Triton backward autotune (default: on, off with --quick: FXOPT_ATTN_AUTOTUNE=0, "
                         "first config only, to stay within the quick run's time)")
+
+
+def _dims(args):
+    return {int(x) for x in str(getattr(args, "dims", "") or "128,64").split(",") if x.strip()}
 
 
 def _variants(args):
@@ -226,6 +235,21 @@ def run_checks(GB, args):
     if not args.quick:
         cases += [("S2048_d128_c_gqa", dict(B=1, Hq=4, Hkv=1, Sq=2048, Sk=2048, D=128, dtype=bf, causal=True)),
                   ("S1500_d64_nc_fp16", dict(B=1, Hq=2, Hkv=2, Sq=1500, Sk=1500, D=64, dtype=fp, causal=False))]
+    for S in (128, 200, 1024):  # d = 256 (session 9 kernel): as the d = 128 set, plus its GQA / ragged / fp16 cases
+        for causal in (False, True):
+            cases.append((f"S{S}_d256_{'c' if causal else 'nc'}_bf16",
+                          dict(B=2, Hq=2, Hkv=2, Sq=S, Sk=S, D=256, dtype=bf, causal=causal)))
+    cases += [
+        ("gqa_Hq4_Hkv2_S256_c_d256", dict(B=2, Hq=4, Hkv=2, Sq=256, Sk=256, D=256, dtype=bf, causal=True)),
+        ("gqa_Hq8_Hkv1_S333_nc_d256", dict(B=1, Hq=8, Hkv=1, Sq=333, Sk=333, D=256, dtype=bf, causal=False)),
+        ("causal_Sq100_Sk300_d256", dict(B=1, Hq=2, Hkv=2, Sq=100, Sk=300, D=256, dtype=bf, causal=True)),
+        ("causal_Sq300_Sk100_empty_d256", dict(B=1, Hq=2, Hkv=2, Sq=300, Sk=100, D=256, dtype=bf, causal=True)),
+        ("noncausal_Sq77_Sk333_d256", dict(B=1, Hq=2, Hkv=2, Sq=77, Sk=333, D=256, dtype=bf, causal=False)),
+        ("S1024_d256_c_fp16", dict(B=2, Hq=2, Hkv=2, Sq=1024, Sk=1024, D=256, dtype=fp, causal=True)),
+        ("bshd_view_d256", dict(B=2, Hq=3, Hkv=3, Sq=384, Sk=384, D=256, dtype=bf, causal=True, layout="bshd")),
+        ("Sq1_Sk50_d256", dict(B=2, Hq=2, Hkv=2, Sq=1, Sk=50, D=256, dtype=bf, causal=False)),
+    ]
+    cases = [(tag, kw) for tag, kw in cases if kw["D"] in _dims(args)]
     for tag, kw in cases:
         _arm(args.case_timeout)
         STATE["correctness"].append(check_case(GB, tag, triton_ref=_triton_ref(args), **kw))
@@ -278,6 +302,8 @@ def run_bench(GB, args):
             (128, 16384, True)]
     if not args.quick:
         rows += [(64, 4096, False), (64, 4096, True)]
+    rows += [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
+    rows = [r for r in rows if r[0] in _dims(args)]
     for D, S, causal in rows:
         _arm(args.case_timeout + 120)  # the Triton backward autotunes on its first call
         B, H = 16384 // S, 16
@@ -371,8 +397,8 @@ def main():
         _save(args.out)
         print(STATE["notes"][-1])
         return 1
-    STATE["notes"].append(f"configs: { {d: GB.config_for(d) for d in (64, 128)} }, BLOCK_N {GB.BLOCK_N}, "
-                          f"BLOCK_M {GB.BLOCK_M}")
+    STATE["notes"].append(f"configs: { {d: GB.config_for(d) for d in sorted(_dims(args))} }, BLOCK_N {GB.BLOCK_N} "
+                          f"(d = 256: {getattr(GB, 'D256_BLOCK_N', '-')}), BLOCK_M {GB.BLOCK_M}")
     bad = [v for v in _variants(args) if v not in GB.VARIANTS]
     if bad:
         print(f"unknown --variant {bad}: this module has {GB.VARIANTS}")

@@ -1184,7 +1184,10 @@ _GLUON_BWD_FAILED: set = set()
 # hence the length floor.
 # Variant 3 (variant 1 with dK's wgmma issued before dQ's; EARLY_DK) was correct on 59 / 59 cases and 1-3% faster
 # than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096; session 8).
-_GLUON_BWD_HEAD_DIMS = (128,)
+# d = 256 (``_fa3_bwd_kernel_d256``, session 9, offline only: 64 keys per CTA, head dim split between the two
+# consumer warpgroups) is opt-in until its GPU check: FXOPT_ATTN_GLUON_BWD_DIMS=128,256 (read once at import).
+_GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "128").split(",")
+                             if d.strip())
 _GLUON_BWD_VARIANT = 3
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278

@@ -1,8 +1,10 @@
 """FA3-style FlashAttention BACKWARD for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
 Status: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow (283-335 TFLOP/s
-at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Opt-in variants 1 / 2 (below,
-"split dQ") are compiled offline only: NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks
+at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3 ("split dQ",
+below) were correct on 59 / 59 GPU cases (sessions 7 / 8); variant 3 is what the op routes d = 128 to from
+S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) is
+offline only, NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks
 it against a float64 autograd reference and times it against the Triton backward and cuDNN.
 
 Why
@@ -108,7 +110,7 @@ Tiles and resources (ptxas 12.8, sm_90, offline; ``python -m fxopt.kernels.atten
   FA3's layout), keep dQ / dK in flight across the next step's S^T / dP^T, STAGES = 3 at d = 128 (smem allows
   it: 182 KB), a deterministic dQ mode, persistent grid.
 
-Opt-in variants 1 / 2 ("split dQ", ``gluon_attention_bwd(..., variant=1 | 2)``, d = 128 only) -- NOT yet run on a GPU
+Variants 1 / 2 ("split dQ", ``gluon_attention_bwd(..., variant=1 | 2)``, d = 128 only; 1 GPU-checked in session 7)
 -------------------------------------------------------------------------------------------------------------------
 The default kernel above (variant 0) is unchanged (same PTX / SASS, only debug line numbers moved). Variant 1 is a
 second kernel, ``_fa3_bwd_kernel_v1`` (same producer, same preprocess / convert; new consumers):
@@ -171,6 +173,54 @@ docs/notes_attention_bwd_session7.md; check: ``gluon_attention_bwd_check.py --qu
 (session 8): correct on 59 / 59 cases, 1-3% faster than variant 1 (d = 128: 431 against 423 TFLOP/s at S = 4096
 non-causal, 396 against 385 causal; cuDNN 566 / 466).
 
+Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- offline only, NOT yet run on a GPU
+--------------------------------------------------------------------------------------------------------------------
+At d = 256 a warpgroup cannot own 64 keys x 256 columns of dK and dV (256 fp32 registers per thread), so the split
+is FA3's hdim-256 one: one CTA = 64 keys (grid (cdiv(Sk, 64), B * Hkv)), 64 queries per step, and per step
+warpgroup w computes S^T / dP^T for ITS 32 QUERIES (all 64 keys, full d: [64, 32] = 16 fp32 registers each) and
+dK / dV / dQ for ITS 128 COLUMNS of the head dim (dK_w, dV_w [64, 128] = 64 + 64 registers for the whole kernel,
+dQ [64, 128] = 64 during the dQ phase). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks):
+K, V as 2 column halves (32 KB each), Q / dO per ring slot as 4 tiles [32, 128] (query half r, column half c:
+tile 4 s + 2 r + c; 32 KB each per slot), STAGES = 2. Per step and warpgroup w (other = 1 - w):
+
+      S^T_w  = K Q_w^T        2 wgmma groups (column halves of d), 8 x m64n32k16 each, SS
+      dP^T_w = V dO_w^T       2 groups, likewise;  wait(<=2) -> S^T done
+      P^T_w = exp2(S^T_w * c - lse2[32 w..]) (mask on diagonal blocks) -> 16 bit -> pt[p] block w (smem)
+      dV_w += P^T_w dO[w, w]  register A, K = 32 (2 x m64n128k16);  wait(<=1) -> dP^T done
+      dS^T_w = P^T_w (dP^T_w - delta[32 w..]) -> 16 bit
+      dK_w += dS^T_w Q[w, w]  register A (issued before the publication, as variant 3)
+      dS^T_w -> ds[p] block w; fence_async_shared; thread_barrier; arrive x_bar[p] (count 2)
+      wait x_bar[p] (parity (it // 2) & 1): the other warpgroup's halves are in smem
+      dV_w += P^T_other dO[other, w];  dK_w += dS^T_other Q[other, w]   (A = smem block, K = 32)
+      wait(0); arrive q_empty[s], do_empty[s]
+      dQ[:, 128 w..] = dS K_w: A = ds[p] transposed (both halves, K = 64 keys), B = K column half w; wait(0)
+      32 red.global.add.v2.f32 per thread into the fp32 workspace
+
+  pt / ds are [2 buffers, 64 keys, 64 queries] with a 64-byte swizzle = two [64, 32] column blocks, block w
+  written by warpgroup w (``.slice(32 w, 32, dim=1)``); dQ reads the whole tile through a transposed view. The
+  x_bar double-buffer argument is variant 1's (buffer p is rewritten at step it + 2 only after the x_bar wait of
+  step it + 1, which needs the other warpgroup's arrive of step it + 1, issued after its step-it dQ wait(0)); the
+  end_bar meeting guards the epilogue, which stages dK_w / dV_w in column half w of K / V (read by both
+  warpgroups' S^T / dP^T until their last step) and TMA-stores [64, 128] boxes at column 128 w. Causal: 64-key
+  blocks, m_lo / m_full as in the other kernels with 63 in place of 127. ``d256_protocol_model`` /
+  ``check_d256_protocol`` model this protocol on the CPU (random interleavings; it catches a single P^T / dS^T
+  buffer, an early Q / dO release and a missing end_bar). The preprocess / convert run with 8 warps at d = 256
+  (4 warps spill on the [64, 256] tiles).
+
+  The opaque ``zero = it >> 30`` of variant 1 is also added to the ring slot and the P^T / dS^T buffer index:
+  without it on K / V the build spills 156 / 352 B (full / causal); without it on the slot / buffer the causal build
+  keeps 12 B of stack (worker-loop-carried values). Offline (ptxas 12.8, sm_90a; bf16 = fp16), kernel maxnreg
+  168, setmaxnreg 240 / 24 as above:
+
+      config            STACK  spill  smem (B)  HGMMA (64x32x16 / 64x128x16)  DEPBAR LE0/LE1  REDG.F32x2  hazards
+      d256 full           0      0    230,880        88 (64 / 24)                4 / 2            64          0
+      d256 causal         0      0    230,896       176 (128 / 48)               8 / 4           128          0
+
+  (227 KB = 232,448 B per CTA; no C7512 / C7514; highest register R215 full, R227 causal of 240.) Per step and
+  warpgroup: 44 HGMMA (16 S^T + 16 dP^T + 4 dV + 4 dK + 4 dQ), 16 MUFU.EX2, 32 REDG.F32x2, 6 BAR.SYNC, ~400-420
+  instructions in the step loop (~450-460 in the causal masked loop), 0 LDL / STL. Design notes and GPU plan:
+  docs/notes_attention_bwd256_session9.md.
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -180,7 +230,8 @@ Semantics
 * causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), as the forward.
 * returns dq (like q, contiguous), dk, dv (like k / v, contiguous; summed over the query heads of each GQA
   group inside the CTA, no atomics).
-* Not supported: masks other than causal, dropout, softcap, windows, fp32, d other than 64 / 128, pre-Hopper.
+* Not supported: masks other than causal, dropout, softcap, windows, fp32, d other than 64 / 128 / 256,
+  pre-Hopper.
   ``gluon_bwd_supported`` says why; ``gluon_attention_bwd`` raises ValueError.
 """
 from __future__ import annotations
@@ -227,7 +278,7 @@ BLOCK_M = 64          # query rows per step (ring slot)
 WG_KEYS = 64          # keys per consumer warpgroup
 NUM_CONSUMERS = 2
 BLOCK_N = WG_KEYS * NUM_CONSUMERS  # keys per CTA
-_STAGES = {64: 3, 128: 2}
+_STAGES = {64: 3, 128: 2, 256: 2}  # d = 256: its own kernel, _fa3_bwd_kernel_d256
 _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
@@ -791,6 +842,270 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Head dim 256 (session 9, offline only): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
+# One CTA = 64 keys; the two consumer warpgroups split the QUERIES of S^T / dP^T (32 each) and the HEAD DIM of
+# dK / dV / dQ (128 columns each). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks, the
+# d = 128 kernels' tile family); P^T and dS^T are exchanged through [64, 64] tiles with a 64-byte swizzle, i.e.
+# two [64, 32] column blocks, one written by each warpgroup.
+# ----------------------------------------------------------------------------------------------------------------
+
+D256_BLOCK_N = 64     # keys per CTA at d = 256
+D256_HALF = 128       # head-dim columns of dK / dV / dQ per consumer warpgroup
+D256_QROWS = 32       # query rows of S^T / dP^T per consumer warpgroup (BLOCK_M / 2)
+
+
+@gluon.jit
+def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                       q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                       kv_bar, q_ready, q_empty, do_ready, do_empty,
+                       b, hk, n0, H, GROUP, SQ_PAD, m_lo, n_m, STAGES: gl.constexpr):
+    # K and V of this CTA, once: two [64, 128] column halves each, one barrier.
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, c * 128], kv_bar, _as_tma_box(k_smem.index(c), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, c * 128], kv_bar, _as_tma_box(v_smem.index(c), v_desc))
+    # Query block it: Q / dO as four [32, 128] boxes each, tile 4 s + 2 r + c = rows 32 r.., columns 128 c..
+    it = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        row_base = (b * H + h) * SQ_PAD
+        for mb in range(m_lo, n_m):
+            s = it % STAGES
+            empty_phase = ((it // STAGES) & 1) ^ 1
+            m0 = mb * 64
+            mbarrier.wait(q_empty.index(s), empty_phase)
+            mbarrier.expect(q_ready.index(s), 4 * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            for r in gl.static_range(2):
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(q_desc, [b, h, m0 + r * 32, c * 128], q_ready.index(s),
+                                                    _as_tma_box(q_smem.index(4 * s + 2 * r + c), q_desc))
+            tma.async_copy_global_to_shared(lse_desc, [row_base + m0], q_ready.index(s), lse_smem.index(s))
+            mbarrier.wait(do_empty.index(s), empty_phase)
+            mbarrier.expect(do_ready.index(s), 4 * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            for r in gl.static_range(2):
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(do_desc, [b, h, m0 + r * 32, c * 128], do_ready.index(s),
+                                                    _as_tma_box(do_smem.index(4 * s + 2 * r + c), do_desc))
+            tma.async_copy_global_to_shared(delta_desc, [row_base + m0], do_ready.index(s), delta_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
+                   ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr, qk_scale,
+                   diag_off, STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
+                   acc_layout: gl.constexpr, op_layout: gl.constexpr):
+    """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
+    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order."""
+    dtype: gl.constexpr = q_smem.dtype
+    OTHER: gl.constexpr = 1 - WG
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
+    # ``zero`` is 0 (it < 2^30) but opaque to the compiler, as in variant 1: K / V views indexed with it are
+    # recomputed per step instead of their wgmma descriptors being hoisted and kept live (spills); adding it to the
+    # ring slot and the P^T / dS^T buffer index as well took the causal build from 16 / 8 B of stack to 0.
+    zero = it >> 30
+    s = it % STAGES + zero
+    ready_phase = (it // STAGES) & 1
+    p = it % 2 + zero           # P^T / dS^T double buffer of this step
+    x_phase = (it // 2) & 1     # use number of x_bar[p] = it // 2
+    qt = 4 * s                  # Q / dO tile 4 s + 2 r + c: query rows 32 r.., columns 128 c..
+
+    # ---- S^T_w = K Q_w^T and dP^T_w = V dO_w^T: [64 keys, 32 queries], reduction over d = 256 as two column
+    # halves (two wgmma groups each)
+    mbarrier.wait(q_ready.index(s), ready_phase)
+    st = warpgroup_mma(k_smem.index(zero), q_smem.index(qt + 2 * WG).permute((1, 0)),
+                       gl.zeros([64, 32], gl.float32, s_layout), use_acc=False, is_async=True)
+    st = warpgroup_mma(k_smem.index(1 + zero), q_smem.index(qt + 2 * WG + 1).permute((1, 0)), st, is_async=True)
+    mbarrier.wait(do_ready.index(s), ready_phase)
+    dpt = warpgroup_mma(v_smem.index(zero), do_smem.index(qt + 2 * WG).permute((1, 0)),
+                        gl.zeros([64, 32], gl.float32, s_layout), use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem.index(1 + zero), do_smem.index(qt + 2 * WG + 1).permute((1, 0)), dpt, is_async=True)
+    # groups in flight: S^T (2), dP^T (2); <= 2 outstanding -> S^T done
+    st = warpgroup_mma_wait(num_outstanding=2, deps=[st])
+    if MASKED:  # causal diagonal: key j visible to query i iff j <= i + (Sk - Sq)
+        qpos = mb * 64 + WG * 32 + gl.arange(0, 32, layout=col_layout)
+        keys = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
+        st = gl.where(keep, st, float("-inf"))
+    lse2 = lse_smem.index(s).slice(WG * 32, 32).load(col_layout)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    p16 = pt.to(dtype)
+    pt_smem.index(p).slice(WG * 32, 32, dim=1).store(p16)   # publish P^T_w (made visible below)
+    # ---- dV_w += P^T_w dO[own queries, own columns]: register A operand, K = 32
+    pa = gl.convert_layout(p16, op_layout)
+    dv = warpgroup_mma(pa, do_smem.index(qt + 3 * WG), dv, is_async=True)
+    # groups in flight: dP^T (2), dV; <= 1 outstanding -> dP^T done
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+    delta = delta_smem.index(s).slice(WG * 32, 32).load(col_layout)
+    ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    # ---- dK_w += dS^T_w Q[own queries, own columns] (register A), issued before the dS^T publication
+    da = gl.convert_layout(ds16, op_layout)
+    dk = warpgroup_mma(da, q_smem.index(qt + 3 * WG), dk, is_async=True)
+    # ---- publish dS^T_w: buffers of step it - 2 are free (x_bar argument as variant 1); store -> proxy fence ->
+    # barrier of this warpgroup's 128 threads -> one arrive on x_bar[p] (count 2: one per warpgroup)
+    ds_smem.index(p).slice(WG * 32, 32, dim=1).store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(x_bar.index(p), count=1)
+    # ---- the other warpgroup's P^T / dS^T halves: dV_w, dK_w over the other 32 queries (A from shared memory)
+    mbarrier.wait(x_bar.index(p), x_phase)
+    dv = warpgroup_mma(pt_smem.index(p).slice(OTHER * 32, 32, dim=1), do_smem.index(qt + 2 * OTHER + WG), dv,
+                       is_async=True)
+    dk = warpgroup_mma(ds_smem.index(p).slice(OTHER * 32, 32, dim=1), q_smem.index(qt + 2 * OTHER + WG), dk,
+                       is_async=True)
+    # Retire dV / dK (and their register operands) before the dQ accumulator: dK 64 + dV 64 + dQ 64 fp32 per thread.
+    dv, dk, pa, da = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, pa, da])
+    mbarrier.arrive(q_empty.index(s), count=1)    # Q and dO of slot s: last read by this warpgroup
+    mbarrier.arrive(do_empty.index(s), count=1)
+    # ---- dQ[:, own columns] = dS K[:, own columns]: A = (dS^T)^T (transposed view of both halves), K = 64 keys
+    dq = warpgroup_mma(ds_smem.index(p).permute((1, 0)), k_smem.index(WG + zero),
+                       gl.zeros([64, 128], gl.float32, acc_layout), use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    # ---- 64 x 128 fp32 -> workspace [.., SQ_PAD, 256], 2 floats per red (32 REDG.F32x2 per thread)
+    rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    cols = WG * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, acc_layout))
+    _red_add_v2(dq_row_ptr + gl.expand_dims(rows * 256, 1) + gl.expand_dims(cols, 0), dq)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                       b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                       dk_desc, dv_desc, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 32, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    diag_off = SEQ_K - SEQ_Q
+    dk = gl.zeros([64, 128], gl.float32, acc_layout)
+    dv = gl.zeros([64, 128], gl.float32, acc_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * 256
+        for mb in range(m_lo, m_full):
+            dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
+                                    ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
+                                    qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout)
+            it += 1
+        for mb in range(m_full, n_m):
+            dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
+                                    ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
+                                    qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout)
+            it += 1
+
+    # ---- epilogue: both warpgroups read all of K / V (S^T, dP^T) until their last step; meet on end_bar (count 2,
+    # parity 0) before column half WG of K / V is overwritten with dK_w / dV_w and TMA-stored (rows >= Sk clipped).
+    mbarrier.arrive(end_bar, count=1)
+    mbarrier.wait(end_bar, 0)
+    k_buf = k_smem.index(WG)
+    v_buf = v_smem.index(WG)
+    dk = dk * (qk_scale * 0.6931471805599453)
+    k_buf.store(dk.to(dtype))
+    v_buf.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, WG * 128], _as_tma_box(k_buf, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, WG * 128], _as_tma_box(v_buf, dv_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                           b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                           dk_desc, dv_desc, STAGES: gl.constexpr):
+    _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                       b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                       dk_desc, dv_desc, STAGES)
+
+
+@gluon.jit
+def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                           b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                           dk_desc, dv_desc, STAGES: gl.constexpr):
+    _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                       b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                       dk_desc, dv_desc, STAGES)
+
+
+@gluon.jit
+def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
+                         qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n = gl.program_id(0)  # causal: low key blocks see the most query blocks and run first
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    n0 = pid_n * 64
+    # Query blocks of this key block: m_lo = first with a query that sees key n0, m_full = first whose first query
+    # sees key n0 + 63 (no mask from there on); non-causal: all.
+    n_m = gl.cdiv(SEQ_Q, 64)
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        diag_off = SEQ_K - SEQ_Q
+        m_lo = gl.minimum(gl.maximum(n0 - diag_off, 0) // 64, n_m)
+        m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + 63 - diag_off, 0), 64), m_lo), n_m)
+
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 128], dtype)
+    # [64 keys, 64 queries] with a 64-byte swizzle = two [64, 32] column blocks: block w is warpgroup w's half
+    x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64], gl.float32)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, 128], kv_layout)              # 32 KB
+    v_smem = gl.allocate_shared_memory(dtype, [2, 64, 128], kv_layout)              # 32 KB
+    q_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, 32, 128], q_layout)   # 32 KB / stage
+    do_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, 32, 128], q_layout)  # 32 KB / stage
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], x_layout)                     # 16 KB
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], x_layout)                     # 16 KB
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(x_bar.index(i), count=2)    # one arrive per consumer warpgroup and use
+    mbarrier.init(end_bar, count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_bwd_consumer_d256_wg0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                                  dk_desc, dv_desc, STAGES)),
+        (_bwd_consumer_d256_wg1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
+                                  b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                                  dk_desc, dv_desc, STAGES)),
+        (_bwd_producer_d256, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                              kv_bar, q_ready, q_empty, do_ready, do_empty,
+                              b, hk, n0, H, GROUP, SQ_PAD, m_lo, n_m, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -852,9 +1167,9 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
     return None
 
 
-def _desc(t: torch.Tensor, rows: int):
+def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None):
     D = t.shape[-1]
-    block = [1, 1, rows, D]
+    block = [1, 1, rows, D if cols is None else cols]
     layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
@@ -872,8 +1187,9 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
-    dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``; offline only, NOT yet run on a
-    GPU). Variants 1-3 exist for d = 128 only; at d = 64 they run the default kernel. Variants 0-2 passed the
+    dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``). Variants 1-3 exist for
+    d = 128 only; at d = 64 they run the default kernel. d = 256 always runs ``_fa3_bwd_kernel_d256`` (offline
+    only, NOT yet run on a GPU; the op does not route d = 256 here: ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the
     59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py`` (session 7); ``flash_attention_triton_bwd`` routes
     d = 128 to variant 1."""
     if variant not in VARIANTS:
@@ -894,9 +1210,22 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     lse2 = torch.empty((B * Hq * sq_pad,), device=q.device, dtype=torch.float32)
     delta = torch.empty_like(lse2)
     dq_acc = torch.empty((B * Hq * sq_pad * D,), device=q.device, dtype=torch.float32)
+    # d = 256: 8 warps for the [64, 256] tiles of the preprocess / convert (4 spill: 80 / 224 B of stack offline)
+    pre_warps = 8 if D == 256 else 4
     _bwd_preprocess[(n_m, B * Hq)](out, dout, lse, delta, lse2, dq_acc, *out.stride()[:3], *dout.stride()[:3],
-                                   lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=_PRE_BLOCK)
+                                   lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=_PRE_BLOCK,
+                                   num_warps=pre_warps)
     cfg = config_for(D)
+    if D == 256:  # any variant: the d = 256 kernel (64 keys per CTA, head dim split between the warpgroups)
+        _fa3_bwd_kernel_d256[((Sk + D256_BLOCK_N - 1) // D256_BLOCK_N, B * Hkv)](
+            _desc(q, D256_QROWS, D256_HALF), _desc(k, D256_BLOCK_N, D256_HALF), _desc(v, D256_BLOCK_N, D256_HALF),
+            _desc(dout, D256_QROWS, D256_HALF), _desc(dk, D256_BLOCK_N, D256_HALF), _desc(dv, D256_BLOCK_N, D256_HALF),
+            _vec_desc(lse2), _vec_desc(delta), dq_acc, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
+            STAGES=cfg["STAGES"], CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
+            PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
+                                       HEAD_DIM=D, BLOCK=_PRE_BLOCK, num_warps=pre_warps)
+        return dq, dk, dv
     grid = ((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)
     if variant != 0 and D in _VARIANT_DIMS:
         _fa3_bwd_kernel_v1[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
@@ -928,12 +1257,19 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def _signature(dtype_str: str, D: int):
     gdt = gl.bfloat16 if dtype_str == "bf16" else gl.float16
 
-    def td(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gdt)
-        return f"tensordesc<{dtype_str}[1, 1, {rows}, {D}],{lay!r}>"
+    def td(rows, cols=D):
+        lay = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdt)
+        return f"tensordesc<{dtype_str}[1, 1, {rows}, {cols}],{lay!r}>"
 
     vlay = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
     vd = f"tensordesc<fp32[{BLOCK_M}],{vlay!r}>"
+    if D == 256:  # _fa3_bwd_kernel_d256: [rows, 128] boxes, no HEAD_DIM constexpr
+        return {"q_desc": td(D256_QROWS, D256_HALF), "k_desc": td(D256_BLOCK_N, D256_HALF),
+                "v_desc": td(D256_BLOCK_N, D256_HALF), "do_desc": td(D256_QROWS, D256_HALF),
+                "dk_desc": td(D256_BLOCK_N, D256_HALF), "dv_desc": td(D256_BLOCK_N, D256_HALF), "lse_desc": vd,
+                "delta_desc": vd, "dq_ptr": "*fp32", "qk_scale": "fp32", "H": "i32", "GROUP": "i32",
+                "SEQ_Q": "i32", "SEQ_K": "i32", "SQ_PAD": "i32", "STAGES": "constexpr", "CAUSAL": "constexpr",
+                "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
     return {"q_desc": td(BLOCK_M), "k_desc": td(WG_KEYS), "v_desc": td(WG_KEYS), "do_desc": td(BLOCK_M),
             "dk_desc": td(WG_KEYS), "dv_desc": td(WG_KEYS), "lse_desc": vd, "delta_desc": vd, "dq_ptr": "*fp32",
             "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "SQ_PAD": "i32",
@@ -942,8 +1278,8 @@ def _signature(dtype_str: str, D: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0):
-    """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first) for sm_<arch>
-    without a GPU; returns triton's CompiledKernel."""
+    """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first; D = 256: the d = 256
+    kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -951,6 +1287,11 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D)
+    if D == 256:  # one kernel for every variant
+        constexprs.pop("HEAD_DIM")
+        src = GluonASTSource(_fa3_bwd_kernel_d256, signature=sig, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
     if variant != 0:
         sig["DK_IN_FLIGHT"] = "constexpr"
         sig["EARLY_DK"] = "constexpr"
@@ -984,6 +1325,158 @@ def sass_summary(c) -> dict:
             "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# CPU model of the d = 256 kernel's barrier protocol (no GPU): python -c "import fxopt.kernels.attention_gluon_bwd as
+# G; print(G.check_d256_protocol())"
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def d256_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay: int = 3, max_ticks: int = 10 ** 6,
+                        bug: str = ""):
+    """One CTA of ``_fa3_bwd_kernel_d256``, statement for statement at the level of barriers and buffer accesses:
+    the producer (K / V once, then Q / lse and dO / delta of ``n_steps`` query blocks into ring slot it % stages),
+    and the two consumer warpgroups (``_bwd_step_d256`` per step, then the end_bar meeting and the dK / dV staging
+    into their column half of K / V). A random scheduler runs one runnable agent per tick; TMA loads land a random
+    0..tma_delay ticks after issue. mbarriers are modelled with their completed-phase count: a wait for use u of a
+    barrier passes when u + 1 phases have completed and raises if more have (a parity wait would then be ambiguous:
+    a skipped phase). Raises AssertionError on deadlock, skipped phase, or a write to a buffer another agent may still
+    read (TMA into a ring slot being read, P^T / dS^T rewritten before the other warpgroup's wgmmas on it are
+    waited for, K / V overwritten while read). Returns the number of ticks. ``bug`` (for the tests: the model must
+    catch it) = "single_x" (one P^T / dS^T buffer instead of two), "early_release" (Q / dO slots released before
+    the dV / dK wgmmas that read them are waited for), "no_end_bar" (epilogue without the end_bar meeting)."""
+    import random
+
+    rng = random.Random(seed)
+    count = {}      # barrier -> arrivals needed per phase
+    arrived = {}    # barrier -> arrivals in the current phase
+    done = {}       # barrier -> completed phases
+    readers = {}    # buffer -> set of agents reading it now
+
+    def init(bar, n):
+        count[bar], arrived[bar], done[bar] = n, 0, 0
+
+    def arrive(bar):
+        arrived[bar] += 1
+        if arrived[bar] == count[bar]:
+            arrived[bar] = 0
+            done[bar] += 1
+
+    def passed(bar, use):
+        assert done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {done[bar]} phases completed"
+        return done[bar] == use + 1
+
+    def write(buf, who):
+        others = readers.get(buf, set()) - {who}
+        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
+
+    init("kv", 1)
+    init("end", 2)
+    for i in range(stages):
+        init(("q_ready", i), 1)
+        init(("do_ready", i), 1)
+        init(("q_empty", i), 2)
+        init(("do_empty", i), 2)
+    for i in range(2):
+        init(("x", i), 2)
+    inflight = []   # (land tick, buffers, barrier)
+    tick = 0
+
+    def producer():
+        inflight.append((tick + rng.randint(0, tma_delay), ["K", "V"], "kv"))
+        for it in range(n_steps):
+            s, u = it % stages, it // stages
+            for kind in ("q", "do"):
+                while u > 0 and not passed((kind + "_empty", s), u - 1):
+                    yield
+                inflight.append((tick + rng.randint(0, tma_delay), [(kind, s)], (kind + "_ready", s)))
+                yield
+
+    def consumer(w):
+        me = f"wg{w}"
+        while not passed("kv", 0):
+            yield
+        readers.setdefault("K", set()).add(me)
+        readers.setdefault("V", set()).add(me)
+        for it in range(n_steps):
+            s, u, p = it % stages, it // stages, it % 2
+            xp, xu = (0, it) if bug == "single_x" else (p, it // 2)
+            p = xp
+            for kind in ("q", "do"):           # S^T after q_ready, dP^T after do_ready
+                while not passed((kind + "_ready", s), u):
+                    yield
+                readers.setdefault((kind, s), set()).add(me)
+                yield
+            write(("pt", p, w), me)            # P^T_w -> block w of buffer p
+            yield
+            write(("ds", p, w), me)            # dS^T_w
+            arrive(("x", p))                   # after fence + thread barrier
+            yield
+            if bug == "early_release":  # released while the dV / dK wgmmas below still read the slot
+                arrive(("q_empty", s))
+                arrive(("do_empty", s))
+            while not passed(("x", p), xu):
+                yield
+            for blk in (("pt", p, 1 - w), ("ds", p, 1 - w), ("pt", p, w), ("ds", p, w)):
+                readers.setdefault(blk, set()).add(me)   # dV / dK (other half) and dQ (both halves) read buffer p
+            yield
+            readers[("pt", p, 1 - w)].discard(me)        # wait(0) of dV / dK
+            readers[("pt", p, w)].discard(me)
+            readers[("q", s)].discard(me)
+            readers[("do", s)].discard(me)
+            if bug != "early_release":
+                arrive(("q_empty", s))
+                arrive(("do_empty", s))
+            yield
+            readers[("ds", p, 1 - w)].discard(me)        # wait(0) of dQ
+            readers[("ds", p, w)].discard(me)
+            yield
+        readers["K"].discard(me)
+        readers["V"].discard(me)
+        arrive("end")
+        while bug != "no_end_bar" and not passed("end", 0):
+            yield
+        write("K", me)                                   # dK_w / dV_w staged in column half w of K / V
+        write("V", me)
+
+    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    blocked_for = 0
+    while agents or inflight:
+        tick += 1
+        assert tick < max_ticks, "model did not finish"
+        for item in [x for x in inflight if x[0] <= tick]:
+            inflight.remove(item)
+            for buf in item[1]:
+                write(buf, "tma")
+            arrive(item[2])
+        if not agents:
+            continue
+        name = rng.choice(sorted(agents))
+        before = (dict(done), dict(arrived), len(inflight))
+        try:
+            next(agents[name])
+        except StopIteration:
+            del agents[name]
+            continue
+        # deadlock: nothing in flight and no agent can make progress for many ticks
+        if not inflight and (dict(done), dict(arrived), len(inflight)) == before:
+            blocked_for += 1
+            assert blocked_for < 10000, f"deadlock at tick {tick}: {sorted(agents)} waiting; phases {done}"
+        else:
+            blocked_for = 0
+    assert done["end"] == 1 and all(done[("q_ready", i)] == len(range(i, n_steps, stages)) for i in range(stages))
+    return tick
+
+
+def check_d256_protocol(trials: int = 300, seed: int = 0) -> str:
+    """``d256_protocol_model`` over random interleavings: 0-9 query blocks per CTA, 1-3 ring stages."""
+    import random
+
+    rng = random.Random(seed)
+    for k in range(trials):
+        d256_protocol_model(rng.randint(0, 9), 1 + k % 3, seed=k, tma_delay=rng.randint(0, 6))
+    return f"d = 256 protocol: {trials} random interleavings without deadlock, skipped phase or buffer hazard"
+
+
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
     import os
@@ -993,7 +1486,7 @@ if __name__ == "__main__":  # pragma: no cover - tooling
 
     ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon attention backward config")
     ap.add_argument("--dump", default=None, help="directory for ttgir / ptx / cubin / sass of each config")
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--dtypes", default="bf16,fp16")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
