@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -193,6 +193,17 @@ phase_s10b() {
   echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check_s10.txt" | grep -v "^\s*$" | tail -24
   timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gluon_poly.py 2>&1 | tail -3
   timeout 150 python3 benchmarks/fp8_poly_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
+}
+
+phase_s10c() {
+  # session 10, call 3: op-level A/B rows of the Gluon backward at d = 64 (its variant-0 kernel; the fb_fxopt
+  # column against fb_fxopt_tritonbwd in the same row) and d = 256 (run only if s10a's check passed), then the
+  # quick attention table with whatever s10a / s10b routed
+  timeout 150 env FXOPT_ATTN_GLUON_BWD_DIMS=64,128 python3 benchmarks/attention.py --shapes 64x2048,64x4096,64x16384 \
+    --tag d64gluonbwd --out "$RES" 2>&1 | grep "^|" | tail -8
+  timeout 150 env FXOPT_ATTN_GLUON_BWD_DIMS=128,256 python3 benchmarks/attention.py --shapes 256x2048,256x8192 \
+    --tag d256gluonbwd --out "$RES" 2>&1 | grep "^|" | tail -6
+  timeout 250 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -12
 }
 
 phase_largem() {
