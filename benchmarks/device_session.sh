@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -204,6 +204,20 @@ phase_s10c() {
   timeout 150 env FXOPT_ATTN_GLUON_BWD_DIMS=128,256 python3 benchmarks/attention.py --shapes 256x2048,256x8192 \
     --tag d256gluonbwd --out "$RES" 2>&1 | grep "^|" | tail -6
   timeout 250 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -12
+}
+
+phase_s10d() {
+  # session 10 or later: the Gluon backward variant 4 (named-barrier turns; route _GLUON_BWD_VARIANT = 4 if every
+  # case passes and v4/v3 > 1 on the d = 128 rows with S >= 2048), the persistent fp8 Gluon kernel (bit-identical to
+  # the default build required; PERSISTENT_DEFAULT = True if faster)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gluon_bwd_v4.py 2>&1 | tail -3
+  timeout 200 python3 benchmarks/gluon_attention_bwd_check.py --quick --variant 3,4 --out "$RES/gluon" \
+    > "$OUT/bwd_v4_check.txt" 2>&1
+  echo "bwd v4 check rc=$?"; grep -E "FAIL|HANG|\[check\]|correctness|v4/v3|^\|" "$OUT/bwd_v4_check.txt" | tail -14
+  [ -f tests/test_fp8_gluon_persistent.py ] && timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_fp8_gluon_persistent.py 2>&1 | tail -3
+  [ -f benchmarks/fp8_persistent_check.py ] && timeout 120 python3 benchmarks/fp8_persistent_check.py --out "$RES" \
+    2>&1 | grep -v Warn | tail -12
 }
 
 phase_largem() {

@@ -370,6 +370,8 @@ def run_bench(GB, args):
                                                                                     / (fb_ms * 1e-3) / 1e12)
             if vms and var != 1 and row.get("gluon_v1_bwd_ms"):
                 row[f"v{var}/v1"] = row["gluon_v1_bwd_ms"] / vms  # > 1: faster than variant 1
+            if vms and var == 4 and row.get("gluon_v3_bwd_ms"):
+                row["v4/v3"] = row["gluon_v3_bwd_ms"] / vms  # > 1: faster than variant 3
         STATE["bench"].append(row)
         for var in _variants(args):
             if row.get(f"gluon_v{var}_bwd_tflops"):
@@ -423,7 +425,7 @@ def main():
     cols = ("d", "S", "causal", "gluon_bwd_tflops") + tuple(f"gluon_v{v}_bwd_tflops" for v in _variants(args)) + (
         "triton_bwd_tflops", "cudnn_bwd_tflops", "gluon/cudnn", "triton/cudnn", "fwdbwd gluon/cudnn") + tuple(
         f"v{v}/v1" for v in _variants(args) if v != 1 and 1 in _variants(args)) + tuple(
-        f"fwdbwd v{v}/cudnn" for v in _variants(args))
+        f"fwdbwd v{v}/cudnn" for v in _variants(args)) + (("v4/v3",) if {3, 4} <= set(_variants(args)) else ())
     print("## Backward TFLOP/s (bf16, 16k tokens per batch)\n" + markdown_table(
         [{k: r.get(k) for k in cols} for r in STATE["bench"]]))
     print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)")

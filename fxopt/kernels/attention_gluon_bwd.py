@@ -173,6 +173,41 @@ docs/notes_attention_bwd_session7.md; check: ``gluon_attention_bwd_check.py --qu
 (session 8): correct on 59 / 59 cases, 1-3% faster than variant 1 (d = 128: 431 against 423 TFLOP/s at S = 4096
 non-causal, 396 against 385 causal; cuDNN 566 / 466).
 
+Variant 4 (session 9, ``variant=4``, d = 128 only) -- offline only, NOT yet run on a GPU
+---------------------------------------------------------------------------------------
+Variant 3 plus turns between the two consumer warpgroups (constexpr ``TURNS`` of ``_fa3_bwd_kernel_v1``), the
+forward's ping-pong (``attention_gluon._fa_pp_wait`` / ``_fa_pp_pass``: ``bar.sync 14 + w, 256`` = wait for the own
+turn, ``bar.arrive 14 + (1 - w), 256`` = pass it; ids 14 / 15, Triton uses 0, 1, 2 here too). The aim: variants 1-3
+run the warpgroups in lockstep (each step meets on ``ds_bar``), so both do exp2 / dS^T math at the same time, share
+the MUFU and interleave their wgmma on the tensor cores. Ordered GEMM groups: each step has TWO issue points per
+warpgroup, (1) S^T + dP^T (issued back to back after both q_ready and do_ready waits) and (2) dQ (after the ds_bar
+wait), and the points alternate strictly, WG0 S^T/dP^T, WG1 S^T/dP^T, WG0 dQ, WG1 dQ, WG0 next S^T/dP^T, ... dV and
+dK stay free. Why these two: WG0's S^T completes first, so its exp2 runs under its own dP^T and WG1's S^T / dP^T;
+WG1's exp2 starts one S^T later (the MUFU phases are staggered) and runs under WG1's dP^T and WG0's dV / dK; the
+dS^T math of each falls under the other's dV / dK (or S^T / dP^T); WG0's reductions and next S^T issue run under
+WG1's dQ. Orderings that put a warpgroup's S^T / dP^T after the other's dV / dK or dQ of the same step (one turn
+held across a step) deadlock or serialise against the ds_bar exchange: the dQ of step it needs BOTH warpgroups'
+dS^T of step it, so both S^T / dP^T issues of a step must precede both dQ issues (the model below deadlocks on
+"hold_turn"). Turn bookkeeping without runtime branches: warpgroup 1 passes once before its loop (hands WG0 the
+first turn), every issue point of both warpgroups waits and passes, and warpgroup 0 waits once more after its loop
+(takes back WG1's last pass). Per CTA with n steps: barrier 14 gets 2n + 1 syncs (WG0) and 2n + 1 arrives (WG1),
+barrier 15 2n and 2n; n = 0 works (one generation). No deadlock: a turn holder only waits for data whose producers
+do not need its turn (q_ready / do_ready: the releases of the slot's previous use were made by the other warpgroup
+before its dQ issue, i.e. before it passed; ds_bar: the other warpgroup's dS^T of the step follows its S^T / dP^T
+point, which precedes this warpgroup's dQ point); no warpgroup contributes twice to one generation (its next
+contribution to a barrier follows its own turn wait, which needs the other's contribution in between); strict
+alternation. ``v4_protocol_model`` / ``check_v4_protocol`` model the whole CTA (producer, ring, ds_bar double
+buffer, end_bar, both named barriers) over random interleavings and catch seven broken variants (``V4_BUGS``).
+Offline (ptxas 12.8, sm_90a; bf16 = fp16): 64 / 128 HGMMA, DEPBAR LE0 / LE1 4 / 4 (8 / 8), 32 / 64 REDG.F32x2, smem
+165,328 / 165,344 B as variant 3; no C75xx, 0 wgmma hazards, 0 LDL / STL in the step loops; STACK 8 / 64 B full /
+causal (variant 3: 8 / 56; ptxas spill stores 8 / 88 B against 8 / 84, the extra slot in WG0's prologue); extra
+instructions = exactly the turns: per step loop and warpgroup 2 ``BAR.SYNC 0xe|0xf, 0x100`` (each right before the
+first HGMMA of its issue point) and 2 ``BAR.ARV`` (each right after its last HGMMA, before the wgmma wait), plus WG1's
+first pass and WG0's final wait (full: 5 + 5, causal: 9 + 9 BAR per CTA). Variants 0-3 and d = 256: SASS
+byte-identical to before. Output: dK / dV bit-identical to variant 3 by construction (same per-warpgroup arithmetic
+and accumulation order); dQ differs in the last bits only as variant 3 does from run to run (fp32 atomics). Notes:
+docs/notes_attention_bwd_v4_session9.md; check: ``gluon_attention_bwd_check.py --quick --variant 3,4``.
+
 Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- offline only, NOT yet run on a GPU
 --------------------------------------------------------------------------------------------------------------------
 At d = 256 a warpgroup cannot own 64 keys x 256 columns of dK and dV (256 fp32 registers per thread), so the split
@@ -270,7 +305,8 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = None
     tl = None
 
-from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
+from .attention_gluon import (  # noqa: E402
+    _as_tma_box, _fa_pp_pass, _fa_pp_wait, _gl_dtype, _tma_stride_reason, device_capability)
 
 LOG2E = 1.4426950408889634
 
@@ -283,8 +319,9 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
-VARIANTS = (0, 1, 2, 3)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
-                         # 3 split-dQ + dK issued before the dS^T publication (the op's route)
+VARIANTS = (0, 1, 2, 3, 4)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
+                            # 3 split-dQ + dK issued before the dS^T publication (the op's route),
+                            # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in, offline only)
 _VARIANT_DIMS = (128,)  # head dims with a split-dQ kernel (d = 64 runs the default kernel)
 
 
@@ -612,9 +649,12 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
                  q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                  s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
-                 dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False):
+                 dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False,
+                 TURNS: gl.constexpr = False):
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
-    ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK."""
+    ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
+    ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
+    named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass."""
     dtype: gl.constexpr = q_smem.dtype
     HALF: gl.constexpr = HEAD_DIM // 2
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -633,12 +673,22 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     v_mine = v_smem.index(WG + zero)
 
     # ---- S^T, dP^T, P^T, dV, dS^T: as the default step
-    mbarrier.wait(q_ready.index(s), ready_phase)
-    st = warpgroup_mma(k_mine, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(s), ready_phase)
-    dpt = warpgroup_mma(v_mine, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
-                        use_acc=False, is_async=True)
+    if TURNS:  # issue point 1 of the step: both operands landed, then the turn, then S^T and dP^T back to back
+        mbarrier.wait(q_ready.index(s), ready_phase)
+        mbarrier.wait(do_ready.index(s), ready_phase)
+        _fa_pp_wait(WG)
+        st = warpgroup_mma(k_mine, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_mine, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+        _fa_pp_pass(WG)
+    else:
+        mbarrier.wait(q_ready.index(s), ready_phase)
+        st = warpgroup_mma(k_mine, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), ready_phase)
+        dpt = warpgroup_mma(v_mine, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
     if MASKED:
         qpos = mb * 64 + gl.arange(0, 64, layout=col_layout)
@@ -681,10 +731,14 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
 
     # ---- dQ[:, WG half] = dS (all 128 keys) K[:, WG half]: both warpgroups' dS^T tiles must be in smem
     mbarrier.wait(ds_bar.index(p), ds_phase)
+    if TURNS:  # issue point 2 of the step (after the ds_bar wait: both dS^T halves are in smem)
+        _fa_pp_wait(WG)
     dq = warpgroup_mma(ds_smem.index(2 * p).permute((1, 0)), k_smem.index(zero).slice(WG * HALF, HALF, dim=1),
                        gl.zeros([64, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_smem.index(2 * p + 1).permute((1, 0)),
                        k_smem.index(1 + zero).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+    if TURNS:
+        _fa_pp_pass(WG)
     if DK_IN_FLIGHT:
         dk, d16, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, d16, dq])
         mbarrier.arrive(q_empty.index(s), count=1)  # dK (last reader of Q) is done
@@ -703,7 +757,7 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -720,6 +774,9 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
     dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
 
     mbarrier.wait(kv_bar, 0)
+    if TURNS:  # variant 4: warpgroup 1 hands warpgroup 0 the first turn (so every turn point of both syncs)
+        if WG == 1:
+            _fa_pp_pass(WG)
     it = 0
     for g in range(GROUP):
         dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * HEAD_DIM
@@ -727,15 +784,19 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS)
             it += 1
 
+    if TURNS:  # variant 4: warpgroup 0 takes back the turn warpgroup 1 passed after its last issue point (or,
+        # with no query block, the first turn): both named barriers end with no pending arrival
+        if WG == 0:
+            _fa_pp_wait(WG)
     # ---- epilogue. The OTHER warpgroup's dQ wgmma reads this warpgroup's K_w until its last step: before K_w is
     # overwritten with dK, both warpgroups meet on end_bar (count 2, used once: parity 0). Every wgmma of this
     # warpgroup was waited for, so one arrive after the loop says "done reading K_0 and K_1".
@@ -756,11 +817,11 @@ def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
     _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)
 
 
 @gluon.jit
@@ -768,11 +829,11 @@ def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
     _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)
 
 
 @gluon.jit
@@ -780,7 +841,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
                        qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr,
-                       EARLY_DK: gl.constexpr):
+                       EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -828,11 +889,11 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
         (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)),
         (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -1187,7 +1248,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
-    dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``). Variants 1-3 exist for
+    dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
+    named-barrier turns between the consumer warpgroups (``TURNS``; offline only). Variants 1-4 exist for
     d = 128 only; at d = 64 they run the default kernel. d = 256 always runs ``_fa3_bwd_kernel_d256`` (offline
     only, NOT yet run on a GPU; the op does not route d = 256 here: ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the
     59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py`` (session 7); ``flash_attention_triton_bwd`` routes
@@ -1233,8 +1295,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                  sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant == 3), num_warps=cfg["num_warps"],
-                                 maxnreg=cfg["maxnreg"])
+                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4)),
+                                 TURNS=(variant == 4), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK)
         return dq, dk, dv
@@ -1278,7 +1340,8 @@ def _signature(dtype_str: str, D: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0):
-    """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first; D = 256: the d = 256
+    """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first, 4: 3 + warpgroup
+    turns; D = 256: the d = 256
     kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1296,7 +1359,10 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["DK_IN_FLIGHT"] = "constexpr"
         sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
-        constexprs["EARLY_DK"] = variant == 3
+        constexprs["EARLY_DK"] = variant in (3, 4)
+        if variant == 4:  # variants 1-3 leave TURNS at its default (False): their builds are unchanged
+            sig["TURNS"] = "constexpr"
+            constexprs["TURNS"] = True
         kern = _fa3_bwd_kernel_v1
     else:
         kern = _fa3_bwd_kernel
@@ -1475,6 +1541,208 @@ def check_d256_protocol(trials: int = 300, seed: int = 0) -> str:
     for k in range(trials):
         d256_protocol_model(rng.randint(0, 9), 1 + k % 3, seed=k, tma_delay=rng.randint(0, 6))
     return f"d = 256 protocol: {trials} random interleavings without deadlock, skipped phase or buffer hazard"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU model of variant 4's protocol (the variant-1 / 3 mbarrier protocol plus the warpgroup turns; no GPU):
+# python -c "import fxopt.kernels.attention_gluon_bwd as G; print(G.check_v4_protocol())"
+# ----------------------------------------------------------------------------------------------------------------
+
+V4_BUGS = ("no_prearrive", "no_final_sync", "hold_turn", "pass_twice", "single_ds", "early_release", "no_end_bar")
+
+
+def v4_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay: int = 3, max_ticks: int = 10 ** 6,
+                      bug: str = "") -> int:
+    """One CTA of ``_fa3_bwd_kernel_v1`` with ``EARLY_DK`` and ``TURNS`` (variant 4), statement for statement at the
+    level of barriers, buffer accesses and wgmma issue points: the producer (K / V once, then Q / lse and dO / delta of
+    ``n_steps`` query blocks into ring slot it % stages, each fill after the release of the slot's previous use), and
+    the two consumer warpgroups (``_bwd_step_v1``: q_ready / do_ready waits, turn, S^T + dP^T issue, pass; P^T / dS^T
+    math; dS^T into ``ds_smem[2 p + w]`` and one arrive on ``ds_bar[p]``; wait(0) of dV / dK, Q / dO released; ds_bar
+    wait; turn, dQ issue (reads both dS^T tiles and K_0, K_1), pass; wait(0); reductions), warpgroup 1's first pass
+    before its loop, warpgroup 0's last turn wait after it, the end_bar meeting and the dK / dV staging into K_w / V_w.
+
+    mbarriers as in ``d256_protocol_model`` (completed-phase counts; a wait for use u raises if more than u + 1 phases
+    completed: a skipped phase). The named barriers 14 / 15 as on sm_90 with 256 threads: one contribution of 128
+    threads from each warpgroup completes a generation; ``bar.sync`` blocks until its generation completes,
+    ``bar.arrive`` does not. A random scheduler runs one runnable agent per tick; TMA loads land 0..tma_delay ticks
+    after issue. Raises AssertionError on: deadlock; skipped mbarrier phase; a warpgroup contributing twice to one
+    named-barrier generation; a named barrier with pending arrivals at exit; wgmma issue points out of the strict
+    alternation (WG0 point k, WG1 point k, WG0 point k + 1, ...; points 2 it = S^T / dP^T, 2 it + 1 = dQ); a write
+    into a buffer another agent may still read (TMA into a ring slot, dS^T tile, K / V in the epilogue). Returns the
+    number of ticks. ``bug`` (one of ``V4_BUGS``; the tests check the model catches each): "no_prearrive" (warpgroup 1
+    does not hand over the first turn), "no_final_sync" (warpgroup 0 does not take back the last turn),
+    "hold_turn" (one turn per step held from the S^T issue to the dQ issue: deadlocks against the ds_bar exchange),
+    "pass_twice" (warpgroup 0 passes twice after the dQ issue), "single_ds" (one dS^T buffer per warpgroup instead of
+    two), "early_release" (Q / dO released before dV / dK are waited for), "no_end_bar" (epilogue without end_bar)."""
+    import random
+
+    assert bug in ("",) + V4_BUGS, bug
+    rng = random.Random(seed)
+    count, arrived, done = {}, {}, {}
+    readers = {}
+
+    def init(bar, n):
+        count[bar], arrived[bar], done[bar] = n, 0, 0
+
+    def arrive(bar):
+        arrived[bar] += 1
+        if arrived[bar] == count[bar]:
+            arrived[bar] = 0
+            done[bar] += 1
+
+    def passed(bar, use):
+        assert done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {done[bar]} phases completed"
+        return done[bar] == use + 1
+
+    def read(buf, who):
+        readers.setdefault(buf, set()).add(who)
+
+    def unread(buf, who):
+        readers[buf].discard(who)
+
+    def write(buf, who):
+        others = readers.get(buf, set()) - {who}
+        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
+
+    members = [set(), set()]   # named barrier 14 + w: warpgroups that contributed to the current generation
+    gen = [0, 0]
+
+    def join(w_bar, who):
+        assert who not in members[w_bar], f"warpgroup {who} contributed twice to one generation of barrier {14 + w_bar}"
+        members[w_bar].add(who)
+        g = gen[w_bar]
+        if len(members[w_bar]) == 2:
+            members[w_bar], gen[w_bar] = set(), gen[w_bar] + 1
+        return g
+
+    def turn_wait(w):            # bar.sync 14 + w, 256
+        g = join(w, w)
+        while gen[w] == g:
+            yield
+
+    def turn_pass(w):            # bar.arrive 14 + (1 - w), 256
+        join(1 - w, w)
+
+    init("kv", 1)
+    init("end", 2)
+    for i in range(stages):
+        for kind in ("q_ready", "do_ready"):
+            init((kind, i), 1)
+        for kind in ("q_empty", "do_empty"):
+            init((kind, i), 2)
+    n_ds = 1 if bug == "single_ds" else 2
+    for i in range(n_ds):
+        init(("ds", i), 2)
+    inflight = []   # (land tick, buffers, barrier)
+    issues = []
+    tick = 0
+
+    def producer():
+        inflight.append((tick + rng.randint(0, tma_delay), ["K0", "K1", "V0", "V1"], "kv"))
+        for it in range(n_steps):
+            s, u = it % stages, it // stages
+            for kind in ("q", "do"):
+                while u > 0 and not passed((kind + "_empty", s), u - 1):
+                    yield
+                write((kind, s), "tma")
+                inflight.append((tick + rng.randint(0, tma_delay), [(kind, s)], (kind + "_ready", s)))
+                yield
+
+    def consumer(w):
+        me = f"wg{w}"
+        while not passed("kv", 0):
+            yield
+        if w == 1 and bug != "no_prearrive":
+            turn_pass(w)
+        for it in range(n_steps):
+            s, u = it % stages, it // stages
+            p, du = it % n_ds, it // n_ds
+            for kind in ("q", "do"):
+                while not passed((kind + "_ready", s), u):
+                    yield
+            yield from turn_wait(w)
+            issues.append((w, 2 * it))                  # S^T, dP^T: read Q, dO, K_w, V_w
+            for buf in (("q", s), ("do", s), f"K{w}", f"V{w}"):
+                read(buf, me)
+            if bug != "hold_turn":
+                turn_pass(w)
+            yield                                       # S^T / dP^T waited, P^T, dV issued, dS^T, dK issued
+            unread(f"K{w}", me)
+            unread(f"V{w}", me)
+            write(("dst", p, w), me)                    # dS^T_w -> ds_smem[2 p + w]; fence; thread barrier
+            arrive(("ds", p))
+            yield
+            if bug == "early_release":
+                arrive(("q_empty", s))
+                arrive(("do_empty", s))
+                yield
+            unread(("q", s), me)                        # wait(0) of dV, dK
+            unread(("do", s), me)
+            if bug != "early_release":
+                arrive(("q_empty", s))
+                arrive(("do_empty", s))
+            while not passed(("ds", p), du):
+                yield
+            if bug != "hold_turn":
+                yield from turn_wait(w)
+            issues.append((w, 2 * it + 1))              # dQ: both dS^T tiles, both K halves
+            for buf in (("dst", p, 0), ("dst", p, 1), "K0", "K1"):
+                read(buf, me)
+            turn_pass(w)
+            if bug == "pass_twice" and w == 0:
+                turn_pass(w)
+            yield
+            for buf in (("dst", p, 0), ("dst", p, 1), "K0", "K1"):   # wait(0) of dQ, then the reductions
+                unread(buf, me)
+            yield
+        if w == 0 and bug != "no_final_sync":
+            yield from turn_wait(w)
+        arrive("end")
+        while bug != "no_end_bar" and not passed("end", 0):
+            yield
+        write(f"K{w}", me)                              # dK_w / dV_w staged in K_w / V_w, TMA store
+        write(f"V{w}", me)
+
+    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    blocked_for = 0
+    while agents or inflight:
+        tick += 1
+        assert tick < max_ticks, "model did not finish"
+        for item in [x for x in inflight if x[0] <= tick]:
+            inflight.remove(item)
+            arrive(item[2])
+        if not agents:
+            continue
+        name = rng.choice(sorted(agents))
+        before = (dict(done), dict(arrived), list(gen), [set(m) for m in members], len(inflight))
+        try:
+            next(agents[name])
+        except StopIteration:
+            del agents[name]
+            continue
+        if not inflight and (dict(done), dict(arrived), list(gen), [set(m) for m in members], len(inflight)) == before:
+            blocked_for += 1
+            assert blocked_for < 10000, (f"deadlock at tick {tick}: {sorted(agents)} waiting; phases {done}; "
+                                         f"named barriers 14 / 15: {members}")
+        else:
+            blocked_for = 0
+    assert not members[0] and not members[1], \
+        f"named barrier left with pending arrivals: 14 {members[0]}, 15 {members[1]}"
+    want = [(w, k) for k in range(2 * n_steps) for w in (0, 1)]
+    assert issues == want, f"issue order {issues[:12]} ..., want strict alternation"
+    assert done["end"] == 1 and all(done[("q_ready", i)] == len(range(i, n_steps, stages)) for i in range(stages))
+    return tick
+
+
+def check_v4_protocol(trials: int = 300, seed: int = 0) -> str:
+    """``v4_protocol_model`` over random interleavings: 0-9 query blocks per CTA, 1-3 ring stages, TMA delays 0-6."""
+    import random
+
+    rng = random.Random(seed)
+    for k in range(trials):
+        v4_protocol_model(rng.randint(0, 9), 1 + k % 3, seed=k, tma_delay=rng.randint(0, 6))
+    return (f"variant 4 protocol: {trials} random interleavings without deadlock, skipped phase, named-barrier misuse, "
+            f"out-of-turn issue or buffer hazard")
 
 
 if __name__ == "__main__":  # pragma: no cover - tooling
