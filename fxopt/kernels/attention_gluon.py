@@ -1530,6 +1530,31 @@ def _interleave(agents: dict, pending: list, rng, max_steps: int) -> int:
     return steps
 
 
+def _model_wait(bar, parity):
+    """A waiter on mbarrier ``bar`` in the CPU protocol models: yields while its phase parity is ``parity``."""
+    while (bar.phase & 1) == parity:
+        yield
+
+
+def _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, load):
+    """The persistent kernels' producer warp in the CPU models (bf16 and fp8 share it): per item t, both warpgroups'
+    Q into buffer t % 2 once its previous reader released it, then the item's K / V blocks on the CTA-wide ring
+    (``load(kind, index, barrier, content)``: an async TMA copy that lands later)."""
+    g0 = 0
+    for t, n in enumerate(n_blocks):
+        qb, q_phase = t % 2, ((t // 2) & 1) ^ 1
+        for w in (0, 1):
+            yield from _model_wait(q_empty[2 * qb + w], q_phase)
+            load("q", 2 * qb + w, q_ready[2 * qb + w], (t, w))
+        for g in range(g0, g0 + n):
+            s, empty_phase = g % stages, ((g // stages) & 1) ^ 1
+            yield from _model_wait(k_empty[s], empty_phase)
+            load("k", s, k_ready[s], (t, g - g0))
+            yield from _model_wait(v_empty[s], empty_phase)
+            load("v", s, v_ready[s], (t, g - g0))
+        g0 += n
+
+
 def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6) -> int:
     """CPU model of the persistent kernel's mbarrier protocol: ``_fa_producer_persistent`` and two
     ``_fa_consumer_persistent`` warpgroups, statement for statement (waits, expect-arrives, releases, the deferred
@@ -1566,24 +1591,11 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
             bar.complete()
         pending.append(land)
 
-    def wait(bar, parity):
-        while (bar.phase & 1) == parity:
-            yield
+    wait = _model_wait
 
     def producer():
-        g0 = 0
-        for t, n in enumerate(n_blocks):
-            qb, q_phase = t % 2, ((t // 2) & 1) ^ 1
-            for w in (0, 1):
-                yield from wait(q_empty[2 * qb + w], q_phase)
-                load("q", 2 * qb + w, q_ready[2 * qb + w], (t, w))
-            for g in range(g0, g0 + n):
-                s, empty_phase = g % stages, ((g // stages) & 1) ^ 1
-                yield from wait(k_empty[s], empty_phase)
-                load("k", s, k_ready[s], (t, g - g0))
-                yield from wait(v_empty[s], empty_phase)
-                load("v", s, v_ready[s], (t, g - g0))
-            g0 += n
+        return _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                          load)
 
     def consumer(w):
         def use(kind, i, bar, parity, want):

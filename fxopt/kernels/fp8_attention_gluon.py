@@ -10,6 +10,8 @@ TFLOP/s), for seven builds (permute_k x cast_late, cast_late (+ permute_k) with 
 pingpong; ``--quick``: three: plain, the default, the default with pingpong). ``--pingpong 0`` / ``1`` picks builds.
 ``--poly-exp 0,1,4`` builds ``POLY_EXP`` variants (exp2 partly on the FMA pipe, "poly_exp" below);
 ``benchmarks/fp8_poly_check.py`` is their GPU check (accuracy vs float64 and vs the default build, TFLOP/s).
+``--persistent`` (``--stages N``) builds the persistent kernel, ``--protocol`` runs its CPU barrier-protocol check;
+``benchmarks/fp8_persistent_check.py`` is its GPU check (bit-identity to the default build, TFLOP/s).
 
 Why
 ---
@@ -168,6 +170,37 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   figure (K = 1: 1042 vs 992). It pays only if the step (~2,500 cycles measured, far above both) is bound by
   the MUFU queue's latency in the softmax's critical path rather than by issue; benchmarks/fp8_poly_check.py
   measures it. Finer granularity (pack 32 / 64) would be the next step if K = 1 helps.
+* ``persistent=True`` (opt-in, ``PERSISTENT_DEFAULT`` False; session 9, offline only, NOT yet run on a GPU;
+  docs/notes_fp8_persistent_session9.md): attention_gluon.py's variant="persistent" (3-5% faster than its
+  non-persistent build on the H200) ported. A separate kernel, ``_fp8_fa3_fwd_persistent_kernel``, so every other
+  build is unchanged (the 16 default builds, d 64 / 128 x causal x bf16 / fp16 x lse, have identical SASS
+  instruction lines to before). Grid (P,), P <= number of SMs (``num_sms=`` caps it); CTA ``pid`` runs the work
+  items (batch * head, 128-row query block) of attention_gluon.py's ``_fa_sched_count`` / ``_fa_sched_item``
+  (imported; ``persistent_schedule`` picks SCHED 0 = heads-major stride for non-causal launches, 1 = zigzag pairs
+  for causal ones), each exactly like one CTA of the default build: the same ``_f8_step``, ``_f8_softmax``,
+  ``_f8_mask`` and epilogue, so the output should be bit-identical to the default build (any permute_k /
+  cast_late / poly_exp; not with overlap / pingpong: ValueError).
+  - Two fp8 Q buffers per consumer warpgroup (4 x 64 x d): the producer loads item t + 1's Q while item t runs;
+    a warpgroup hands its buffer back (``q_empty``, count 1) right after the item's loops, when its last QK wgmma
+    has been waited for (O is not staged in the Q buffer as in the bf16 kernel: the fp8 Q tile is half the 16-bit
+    O tile's size).
+  - One K / V^T ring with a CTA-wide block counter g (slot g % STAGES, phase (g // STAGES) & 1), never drained:
+    it fills item t + 1's first blocks while item t finishes. ``_f8_step`` is called with the ring position
+    i = g0 + j; the K / V scale pointers are shifted by -g0 blocks (BLOCK_N == QB: one scale per block) and Sk /
+    the diagonal offset by +g0 * BLOCK_N, so the scale loads read block j's scales and the mask compares the same
+    integers. The Q scale is loaded per item. The host refuses launches whose counters could overflow int32.
+  - The O tile goes through the warpgroup's own 16-bit staging buffer; its TMA store is left in flight and waited
+    for (``store_wait``) right before the next item's epilogue rewrites the buffer (Triton puts the partition's
+    ``bar.sync`` between that wait and the ``stmatrix``es).
+  - Shared memory (``persistent_smem_bytes``): d 128, 4 stages (``_PERSISTENT_STAGES``): 197,096 B (5 stages fit
+    too, ``stages=5``: 229,536 B of buffers); d 64, 4 stages: ~98 KB.
+  - ``persistent_protocol_model`` (CPU model of the barriers, random interleavings; it catches an early Q
+    hand-back, a missing ``store_wait`` and unshifted scale pointers) backs the phase bookkeeping.
+  - Offline sm_90 (ptxas 12.8), 16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off): STACK 0, LOCAL
+    0, 0 spill bytes, no C75xx, ``wgmma_sass_hazards`` 0, REG 168, highest consumer register 224-228 at d 128
+    (default 220-224), 48 QGMMA (d 128), every main-loop step 66 MUFU.EX2; main loops (d 128, consumer 0 / 1,
+    unmasked / masked): full 490 / 636 / 489 / 639 (default 489 / 635 / 489 / 639), causal 490 / 759 / 489 / 761
+    (default 488 / 767 / 488 / 790).
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -211,6 +244,9 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = tl = None
 
 from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
+from .attention_gluon import (  # noqa: E402 (the persistent schedule, shared with the bf16 forward)
+    _fa_sched_count, _fa_sched_item, _fa_tile_blocks, _interleave, _model_persistent_producer, _model_wait, _ModelBar,
+    _num_sms, persistent_items, persistent_schedule)
 from .attention_gluon import (  # noqa: E402,F401 (the FMA-pipe exp2, shared with the bf16 forward)
     _EXP2_SHIFTER, EXP2_POLY_COEFFS, POLY_EXP_CHOICES, POLY_EXP_PACK, _exp2_mixed, _exp2_poly, fit_exp2_poly)
 
@@ -250,6 +286,15 @@ PINGPONG_DEFAULT = False
 # polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
 # 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
 POLY_EXP_DEFAULT = 0
+# Opt-in (session 9, offline only): one CTA per SM looping over (head, 128-row query block) work items with two Q
+# buffers per consumer warpgroup, a never-drained K / V ring and the O store left in flight (attention_gluon.py's
+# variant="persistent", which made the bf16 forward 3-5% faster). A separate kernel, _fp8_fa3_fwd_persistent_kernel.
+PERSISTENT_DEFAULT = False
+# persistent: head dim -> STAGES of the K / V^T ring. Shared memory = 4 Q (64 x d fp8) + STAGES x (K + V^T, 128 x d
+# fp8 each) + 2 O staging tiles (64 x d, 16-bit) + barriers: d 128 / 4 stages 196,608 B; 5 stages would be 229,376 B
+# (fits 227 KB = 232,448 B, ``stages=5``); d 64 / 4 stages 98,304 B.
+_PERSISTENT_STAGES = {64: 4, 128: 4}
+_SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -705,6 +750,261 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ---- persistent=True: one CTA per SM looping over work items (module docstring, "persistent")
+
+
+@gluon.jit
+def _f8_producer_persistent(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, pid, P, n_local, H, GROUP, H_KV, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                            SK_PAD, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            SCHED: gl.constexpr, PERMUTE_K: gl.constexpr):
+    """One warp. Item t: Q of both warpgroups into Q buffer t % 2 (its use t // 2), then K_j / V^T_j of the item
+    through the ring at the CTA-wide block counter g = g0 + j (slot g % STAGES, use g // STAGES). Runs ahead into
+    item t + 1 as soon as buffers / slots are released (attention_gluon.py's ``_fa_producer_persistent``)."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    g0 = 0
+    for t in range(n_local):
+        bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        bhk = b * H_KV + hk
+        m0 = pid_m * (2 * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        qb = t % 2
+        # use u = t // 2 of Q buffer qb waits for consumer w's release of use u - 1 (item t - 2); parity
+        # (u & 1) ^ 1 passes at once for u = 0 on a fresh barrier
+        q_phase = ((t // 2) & 1) ^ 1
+        for w in gl.static_range(2):
+            mbarrier.wait(q_empty.index(2 * qb + w), q_phase)
+            mbarrier.expect(q_ready.index(2 * qb + w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_ready.index(2 * qb + w),
+                                            _as_tma_box(q_smem.index(2 * qb + w), q_desc))
+        for g in range(g0, g0 + n_blocks):
+            s = g % STAGES
+            empty_phase = ((g // STAGES) & 1) ^ 1
+            n0 = (g - g0) * BLOCK_N
+            mbarrier.wait(k_empty.index(s), empty_phase)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            if PERMUTE_K:  # the 5-D K view of _f8_producer
+                tma.async_copy_global_to_shared(k_desc, [(bhk * SK_PAD + n0) // 16, 0, 0, 0, 0], k_ready.index(s),
+                                                _as_tma_box(k_smem.index(s), k_desc))
+            else:
+                tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(s),
+                                                _as_tma_box(k_smem.index(s), k_desc))
+            mbarrier.wait(v_empty.index(s), empty_phase)
+            mbarrier.expect(v_ready.index(s), vt_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, n0], v_ready.index(s),
+                                            _as_tma_box(v_smem.index(s), vt_desc))
+        g0 += n_blocks
+
+
+@gluon.jit
+def _f8_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                            k_empty, v_ready, v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP,
+                            H_KV, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
+                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr,
+                            PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, POLY_EXP: gl.constexpr = 0):
+    """Consumer warpgroup WG of the persistent kernel: per item exactly ``_f8_consumer``'s block 0, loops
+    (``_f8_step``), tail and epilogue, indexed by the ring position (CTA-wide key-block counter) g0 + j. The K / V
+    scale pointers are shifted by -g0 blocks and Sk / the diagonal offset by +g0 * BLOCK_N so that ``_f8_step``'s
+    scale loads and mask comparisons see the same values as in the default build (BLOCK_N == QB: one scale per
+    block). Q comes from buffer t % 2 and is handed back (``q_empty``) once the item's last QK wgmma was waited for;
+    the O tile goes through the warpgroup's own staging buffer, whose TMA store is waited for only right before the
+    next item's epilogue writes it."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    out_dtype: gl.constexpr = o_smem.dtype
+    fp8: gl.constexpr = q_smem.dtype
+    gl.static_assert(BLOCK_N == QB, "persistent: one K / V scale per key block (scale pointers shifted by blocks)")
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    diag_off = SEQ_K - SEQ_Q
+    o_buf = o_smem.index(WG)
+    g0 = 0  # ring position of the item's block 0
+    for t in range(n_local):
+        bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        bhk = b * H_KV + hk
+        m0 = pid_m * (2 * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        row_first = m0 + WG * ROWS
+        rows = row_first + gl.arange(0, ROWS, layout=row_layout)
+        n_full = SEQ_K // BLOCK_N
+        if CAUSAL:
+            n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+        n_full = gl.minimum(n_full, n_blocks)
+
+        qk_scale = gl.load(qs_ptr + bh * NQB + m0 // QB) * sm_scale_log2
+        ks_base = ks_ptr + (bhk * NKB - g0)  # + ring position = key block j's scale
+        vs_base = vs_ptr + (bhk * NKB - g0)
+        seq_k_sh = SEQ_K + g0 * BLOCK_N
+        diag_sh = diag_off + g0 * BLOCK_N
+
+        qb = t % 2
+        q_buf = q_smem.index(2 * qb + WG)
+        mbarrier.wait(q_ready.index(2 * qb + WG), (t // 2) & 1)
+
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+        # ---- block 0 (ring position g0)
+        c0 = qk_scale * gl.load(ks_base + g0)
+        vs_prev = gl.load(vs_base + g0)
+        ks0 = g0 % STAGES
+        mbarrier.wait(k_ready.index(ks0), (g0 // STAGES) & 1)
+        s = warpgroup_mma(q_buf, k_smem.index(ks0).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        mbarrier.arrive(k_empty.index(ks0), count=1)
+        if n_full == 0:
+            s = _f8_mask(s, g0 * BLOCK_N, rows, seq_k_sh, diag_sh, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+        p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c0, POLY_EXP)
+        if CAST_LATE:
+            p8 = p
+        else:
+            p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
+
+        # ---- key blocks 1 .. n_blocks - 1 at ring positions g0 + 1 .. g0 + n_blocks - 1
+        for i in range(g0 + 1, g0 + n_full):
+            s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
+                                                   o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows,
+                                                   seq_k_sh, diag_sh, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout,
+                                                   p_layout, orow_layout, PERMUTE_K, CAST_LATE, None, WG, False,
+                                                   POLY_EXP)
+        for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
+            s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
+                                                   o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows,
+                                                   seq_k_sh, diag_sh, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout,
+                                                   p_layout, orow_layout, PERMUTE_K, CAST_LATE, None, WG, False,
+                                                   POLY_EXP)
+        # every QK wgmma of the item has been waited for: the Q buffer goes back to the producer (item t + 2's Q)
+        mbarrier.arrive(q_empty.index(2 * qb + WG), count=1)
+
+        # ---- tail: O += P8_{n-1} V_{n-1}
+        jv = g0 + n_blocks - 1
+        vslot = jv % STAGES
+        if CAST_LATE:
+            p8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
+        mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+        o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        mbarrier.arrive(v_empty.index(vslot), count=1)
+        g0 += n_blocks
+
+        # ---- epilogue (as _f8_consumer's), the TMA store left in flight until the next item's epilogue
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = o * gl.expand_dims(gl.convert_layout(vs_prev / l_safe, orow_layout), 1)
+        if WRITE_LSE:
+            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe) - 8.0) * 0.6931471805599453)
+            # bh * Sq in 64 bits, zero-extended (both >= 0; attention_gluon.py's persistent kernel: a sign-extended
+            # Sq's high word is item-invariant, gets hoisted and spilled)
+            lse_row = bh.to(gl.uint32).to(gl.int64) * SEQ_Q.to(gl.uint32).to(gl.int64)
+            gl.store(lse_ptr + lse_row + rows, lse, mask=rows < SEQ_Q)
+        tma.store_wait(0)  # item t - 1's O store has read the staging buffer
+        o_buf.store(o.to(out_dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_tma_box(o_buf, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _f8_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP, H_KV, NUM_BH,
+                                NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                SCHED: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr,
+                                PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, POLY_EXP: gl.constexpr):
+    _f8_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                            v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP, H_KV, NUM_BH,
+                            NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                            SCHED, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, POLY_EXP)
+
+
+@gluon.jit
+def _f8_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP, H_KV, NUM_BH,
+                                NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                SCHED: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr,
+                                PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, POLY_EXP: gl.constexpr):
+    _f8_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                            v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP, H_KV, NUM_BH,
+                            NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                            SCHED, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, POLY_EXP)
+
+
+# No value specialization of the runtime ints / pointers (a 1 would become a constant, multiples of 16 would be
+# marked): one build per constexpr set, exactly the one ``compile_offline(..., persistent=True)`` checks.
+@gluon.jit(do_not_specialize=["qs_ptr", "ks_ptr", "vs_ptr", "lse_ptr", "H", "GROUP", "H_KV", "SEQ_Q", "SEQ_K",
+                              "NQB", "NKB", "NUM_M_BLOCKS", "NUM_BH"])
+def _fp8_fa3_fwd_persistent_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr, lse_ptr, sm_scale_log2,
+                                   H, GROUP, H_KV, SEQ_Q, SEQ_K, NQB, NKB, NUM_M_BLOCKS, NUM_BH,
+                                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr,
+                                   PERMUTE_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr, SCHED: gl.constexpr,
+                                   POLY_EXP: gl.constexpr = 0):
+    """persistent=True: grid (P,), P <= number of SMs; CTA pid runs the work items ``_fa_sched_item(t, pid, ...)``
+    for t < ``_fa_sched_count(...)``, each exactly like one CTA of ``_fp8_fa3_fwd_kernel`` (the same ``_f8_step``,
+    softmax, masks and epilogue). Shared memory: two fp8 Q buffers per consumer warpgroup (4 x 64 x d), the K / V^T
+    ring, one O staging tile per warpgroup (2 x 64 x d, 16-bit)."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    fp8: gl.constexpr = q_desc.dtype
+    out_dtype: gl.constexpr = o_desc.dtype
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    n_local = _fa_sched_count(pid, P, NUM_M_BLOCKS * NUM_BH, SCHED)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], fp8)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], fp8)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], fp8)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], out_dtype)
+    q_smem = gl.allocate_shared_memory(fp8, [4, ROWS, HEAD_DIM], q_layout)  # index 2 * buffer + warpgroup
+    k_smem = gl.allocate_shared_memory(fp8, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
+    v_smem = gl.allocate_shared_memory(fp8, [STAGES, HEAD_DIM, BLOCK_N], v_layout)
+    o_smem = gl.allocate_shared_memory(out_dtype, [2, ROWS, HEAD_DIM], o_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(q_ready.index(i), count=1)  # the producer's expect-arrive + TMA bytes
+        mbarrier.init(q_empty.index(i), count=1)  # the one consumer warpgroup that reads this buffer
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_f8_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP,
+                                       H_KV, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM,
+                                       BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, QB, PERMUTE_K, CAST_LATE,
+                                       POLY_EXP)),
+        (_f8_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, pid, P, n_local, H, GROUP,
+                                       H_KV, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2, HEAD_DIM,
+                                       BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, QB, PERMUTE_K, CAST_LATE,
+                                       POLY_EXP)),
+        (_f8_producer_persistent, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                   k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, H_KV, NUM_BH, NUM_M_BLOCKS,
+                                   SEQ_Q, SEQ_K, NKB * QB, BLOCK_N, STAGES, CAUSAL, SCHED, PERMUTE_K)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -736,6 +1036,50 @@ def config_for(head_dim: int) -> dict:
     block_n, stages = _CONFIGS[head_dim]
     return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
                 CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+
+
+def persistent_smem_bytes(head_dim: int, stages: int, out_bytes: int = 2) -> int:
+    """Shared memory of the persistent kernel's buffers (the mbarriers add 8 B each: (8 + 4 STAGES) x 8)."""
+    block_n = _CONFIGS[head_dim][0]
+    return (4 * WG_ROWS * head_dim + 2 * stages * block_n * head_dim + 2 * WG_ROWS * head_dim * out_bytes
+            + (8 + 4 * stages) * 8)
+
+
+def persistent_config_for(head_dim: int, stages: Optional[int] = None) -> dict:
+    """``config_for`` of the persistent kernel: the default build's tiles, ``STAGES`` = ``stages`` or
+    ``_PERSISTENT_STAGES``. ValueError if the head dim is not configured or the buffers exceed 227 KB."""
+    if head_dim not in _CONFIGS:
+        raise ValueError(f"fp8_gluon_attention: persistent: head dim {head_dim} not supported "
+                         f"(only {sorted(_CONFIGS)})")
+    st = _PERSISTENT_STAGES[head_dim] if stages is None else stages
+    if isinstance(st, bool) or not isinstance(st, int) or st < 2:
+        raise ValueError(f"fp8_gluon_attention: persistent: stages={stages!r} must be an integer >= 2")
+    need = persistent_smem_bytes(head_dim, st)
+    if need > _SMEM_LIMIT:
+        raise ValueError(f"fp8_gluon_attention: persistent: stages={st} at d={head_dim} needs {need} B of shared "
+                         f"memory (4 Q buffers + {st} K / V^T slots + 2 O tiles) > {_SMEM_LIMIT} B")
+    cfg = config_for(head_dim)
+    cfg["STAGES"] = st
+    return cfg
+
+
+def resolve_persistent(persistent=None, overlap=None, pingpong=None, num_sms=None, stages=None) -> bool:
+    """The persistent switch of a launch (None = ``PERSISTENT_DEFAULT``); ValueError for the combinations it does not
+    support (overlap / pingpong; num_sms / stages without persistent)."""
+    pers = PERSISTENT_DEFAULT if persistent is None else bool(persistent)
+    if pers and (OVERLAP_DEFAULT if overlap is None else bool(overlap)):
+        raise ValueError("fp8_gluon_attention: persistent=True is implemented for the build without overlap only "
+                         "(overlap=True)")
+    if pers and (PINGPONG_DEFAULT if pingpong is None else bool(pingpong)):
+        raise ValueError("fp8_gluon_attention: persistent=True is implemented for the build without pingpong only "
+                         "(pingpong=True)")
+    if num_sms is not None and (not pers or isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                or num_sms < 1):
+        raise ValueError(f"fp8_gluon_attention: num_sms={num_sms!r} needs persistent=True and an integer >= 1")
+    if stages is not None and not pers:
+        raise ValueError(f"fp8_gluon_attention: stages={stages!r} needs persistent=True (the default build's ring "
+                         f"depth is config_for's)")
+    return pers
 
 
 def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None,
@@ -841,14 +1185,20 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
                                   permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
                                   overlap: Optional[bool] = None, pingpong: Optional[bool] = None,
-                                  poly_exp: Optional[int] = None):
+                                  poly_exp: Optional[int] = None, persistent: Optional[bool] = None,
+                                  num_sms: Optional[int] = None, stages: Optional[int] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
     ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused.
-    ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``)."""
+    ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``).
+    ``persistent``: None = ``PERSISTENT_DEFAULT``; True runs ``_fp8_fa3_fwd_persistent_kernel`` (not with overlap /
+    pingpong); ``num_sms`` caps its grid (default: the device's SM count; small values force many items per CTA),
+    ``stages`` its ring depth (default ``_PERSISTENT_STAGES``)."""
     B, Hq, Sq, D = shape_q
     pe = resolve_poly_exp(poly_exp)
+    pers = resolve_persistent(persistent, overlap, pingpong, num_sms, stages)
+    pcfg = persistent_config_for(D, stages) if pers and D in _CONFIGS else None
     ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     pp = PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
@@ -883,6 +1233,21 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     vt_desc = _desc(vt, [1, 1, D, bn])
     o_desc = _desc(out, [1, 1, WG_ROWS, D])
     lse_arg = lse if return_lse else qs
+    if pers:
+        sched, n_cta = persistent_schedule(num_m, B * Hq, bool(is_causal), int(num_sms or _num_sms(qq.device)))
+        # the ring counter g (and the masks' column shift g * BLOCK_N) grows over a CTA's items: keep it in int32
+        max_items = (num_m * B * Hq) // n_cta + 3
+        if num_m * B * Hq >= 2 ** 30 or max_items * ((seq_k + bn - 1) // bn + 1) * bn + seq_k >= 2 ** 31:
+            raise ValueError(f"fp8_gluon_attention: persistent: {num_m * B * Hq} work items, up to {max_items} of "
+                             f"Sk = {seq_k} per CTA, overflow its int32 item index / key-block counter")
+        _fp8_fa3_fwd_persistent_kernel[(n_cta,)](
+            q_desc, k_desc, vt_desc, o_desc, qs, ks, vs, lse_arg, sm_scale * LOG2E,
+            Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m, B * Hq,
+            HEAD_DIM=D, BLOCK_N=bn, STAGES=pcfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
+            QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+            CAST_LATE=cl, SCHED=sched, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+            **({"POLY_EXP": pe} if pe else {}))
+        return res
     _fp8_fa3_fwd_kernel[(num_m, B * Hq)](
         q_desc, k_desc, vt_desc, o_desc, qs, ks, vs, lse_arg, sm_scale * LOG2E,
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
@@ -902,13 +1267,17 @@ def fp8_gluon_quantize(q, k, v, hadamard: bool = True, seed: int = 0):
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
                         seed: int = 0, *, out=None, return_lse: bool = False, permute_k: Optional[bool] = None,
                         cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
-                        pingpong: Optional[bool] = None, poly_exp: Optional[int] = None):
+                        pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
+                        persistent: Optional[bool] = None, num_sms: Optional[int] = None,
+                        stages: Optional[int] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(f"fp8_gluon_attention: {reason}")
     resolve_poly_exp(poly_exp)  # refuse a bad value before quantizing
+    if resolve_persistent(persistent, overlap, pingpong, num_sms, stages):
+        persistent_config_for(q.shape[-1], stages)
     _fp8._check_attn_inputs(q, k, v, scale)
     B, Hq, Sq, D = q.shape
     qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
@@ -916,7 +1285,8 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
                                          cast_late=cast_late, overlap=overlap, pingpong=pingpong,
-                                         poly_exp=poly_exp)
+                                         poly_exp=poly_exp, persistent=persistent, num_sms=num_sms,
+                                         stages=stages)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -946,11 +1316,16 @@ def _signature(D: int, out_str: str, block_n: int, permute_k: bool):
 def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool = False, arch: int = 90,
                     stages: Optional[int] = None, permute_k: Optional[bool] = None,
                     cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
-                    pingpong: Optional[bool] = None, poly_exp: Optional[int] = None):
+                    pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
+                    persistent: Optional[bool] = None, sched: Optional[int] = None):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG /
     POLY_EXP constexprs are passed only when set (as the launch does), so the builds without them are compiled as
-    before."""
+    before. ``persistent=True``: ``_fp8_fa3_fwd_persistent_kernel`` (``stages`` = its ring depth, default
+    ``_PERSISTENT_STAGES``; ``sched`` = the SCHED constexpr, default 1 (zigzag pairs) when causal, else 0)."""
     pe = resolve_poly_exp(poly_exp)
+    if resolve_persistent(persistent, overlap, pingpong):
+        return _compile_offline_persistent(D, causal, out_str, write_lse, arch, stages, permute_k, cast_late, pe,
+                                           sched)
     if (OVERLAP_DEFAULT if overlap is None else bool(overlap)) and (
             PINGPONG_DEFAULT if pingpong is None else bool(pingpong)):
         raise ValueError("pingpong is implemented for the build without overlap only")
@@ -979,6 +1354,29 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
         sig["POLY_EXP"] = "constexpr"
         sig = {k: sig[k] for k in _fp8_fa3_fwd_kernel.arg_names if k in sig}
     src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
+
+
+def _compile_offline_persistent(D, causal, out_str, write_lse, arch, stages, permute_k, cast_late, pe, sched):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = persistent_config_for(D, stages)
+    pk = PERMUTE_K_DEFAULT if permute_k is None else bool(permute_k)
+    sig = _signature(D, out_str, cfg["BLOCK_N"], pk)
+    sig["NUM_BH"] = "i32"
+    sig["SCHED"] = "constexpr"
+    constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
+                  "WRITE_LSE": bool(write_lse), "QB": QBLOCK, "PERMUTE_K": pk,
+                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"],
+                  "CAST_LATE": CAST_LATE_DEFAULT if cast_late is None else bool(cast_late),
+                  "SCHED": (1 if causal else 0) if sched is None else int(sched)}
+    if pe:
+        constexprs["POLY_EXP"] = pe
+        sig["POLY_EXP"] = "constexpr"
+    sig = {k: sig[k] for k in _fp8_fa3_fwd_persistent_kernel.arg_names if k in sig}
+    src = GluonASTSource(_fp8_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
 
@@ -1081,6 +1479,130 @@ def ex2_under_pv(sass: str) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# CPU model of the persistent kernel's barrier protocol (tests / ``--protocol``)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6,
+                              mutation: Optional[str] = None) -> int:
+    """CPU model of ``_fp8_fa3_fwd_persistent_kernel``'s mbarrier protocol: ``_f8_producer_persistent`` and two
+    ``_f8_consumer_persistent`` warpgroups, statement for statement (waits, expect-arrives, releases, the Q buffer
+    hand-back after the item's last QK, the O staging tile's deferred store and its ``store_wait``), over one CTA's
+    items (``n_blocks[t]`` key blocks each) in a random interleaving, with TMA loads landing and TMA stores finishing
+    at random later points. mbarriers as in attention_gluon.py's ``persistent_protocol_model`` (``_ModelBar``).
+    Differs from the bf16 protocol in that O is not staged in the Q buffer (fp8 Q, 16-bit O): a Q buffer is handed
+    back right after the item's loops, and each warpgroup's O tile is rewritten only after ``store_wait``. Also
+    checks the per-block scale indexing: ``_f8_step`` reads the K / V scale at (pointer shifted by -g0) + ring
+    position, which must be the block's index in its item. AssertionError on a deadlock (no progress in
+    max_steps), a consumer reading another item's / block's data or scale, a TMA load landing in a buffer a
+    consumer still reads, or an O tile rewritten while its store still reads it. Returns the steps taken.
+    ``mutation`` (for the tests: the model must catch a broken protocol): "early_q_release" (hand Q back before
+    the item's last QK), "no_store_wait", "no_scale_shift" (scale pointer not shifted by -g0)."""
+    import random
+
+    Bar = _ModelBar
+    rng = random.Random(seed)
+    q_ready, q_empty = [Bar(1) for _ in range(4)], [Bar(1) for _ in range(4)]
+    k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    k_empty, v_empty = [Bar(2) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    bufs = {"q": [None] * 4, "k": [None] * stages, "v": [None] * stages, "o": [None] * 2}
+    held = {}  # (kind, index) -> consumers reading it
+    storing = {0: 0, 1: 0}  # O stores of consumer w still reading its staging tile
+    pending = []  # TMA completions not yet happened
+
+    def assert_free(kind, i):
+        assert not held.get((kind, i)), f"TMA write into {kind}[{i}] while {held[(kind, i)]} read it"
+
+    def load(kind, i, bar, content):  # mbarrier.expect + async_copy_global_to_shared
+        assert_free(kind, i)
+        bar.arrive(tx=1)
+
+        def land():
+            assert_free(kind, i)
+            bufs[kind][i] = content
+            bar.tx -= 1
+            bar.complete()
+        pending.append(land)
+
+    wait = _model_wait
+
+    def producer():
+        return _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                          load)
+
+    def consumer(w):
+        def use(kind, i, bar, parity, want):
+            yield from wait(bar, parity)
+            assert bufs[kind][i] == want, f"consumer {w} wanted {kind} {want}, found {bufs[kind][i]}"
+            held.setdefault((kind, i), set()).add(w)
+
+        def release(kind, i, bar):
+            yield  # the wgmma reading the buffer runs, then its wait
+            held[(kind, i)].discard(w)
+            bar.arrive()
+
+        def scale(base_shifted, i, t, j):  # gl.load(ks_base + (i * BLOCK_N) // QB) with BLOCK_N == QB
+            assert base_shifted + i == j, f"consumer {w}, item {t}: scale index {base_shifted + i} for block {j}"
+
+        g0 = 0
+        for t, n in enumerate(n_blocks):
+            qi = 2 * (t % 2) + w
+            base = 0 if mutation == "no_scale_shift" else -g0  # ks_ptr + (bhk * NKB - g0), from the head's first
+            yield from use("q", qi, q_ready[qi], (t // 2) & 1, (t, w))
+            scale(base, g0, t, 0)
+            ks = g0 % stages
+            yield from use("k", ks, k_ready[ks], (g0 // stages) & 1, (t, 0))
+            yield from release("k", ks, k_empty[ks])
+            if mutation == "early_q_release":
+                held[("q", qi)].discard(w)
+                q_empty[qi].arrive()
+            for i in range(g0 + 1, g0 + n):
+                scale(base, i, t, i - g0)
+                assert bufs["q"][qi] == (t, w), f"consumer {w}: Q of item {t} overwritten before its QK {i - g0}"
+                ks, vs = i % stages, (i - 1) % stages
+                yield from use("k", ks, k_ready[ks], (i // stages) & 1, (t, i - g0))
+                yield from use("v", vs, v_ready[vs], ((i - 1) // stages) & 1, (t, i - 1 - g0))
+                yield from release("k", ks, k_empty[ks])
+                yield from release("v", vs, v_empty[vs])
+            # every QK of the item waited for: Q buffer back to the producer
+            if mutation != "early_q_release":
+                held[("q", qi)].discard(w)
+                q_empty[qi].arrive()
+            jv = g0 + n - 1
+            vs = jv % stages
+            yield from use("v", vs, v_ready[vs], (jv // stages) & 1, (t, jv - g0))
+            yield from release("v", vs, v_empty[vs])
+            g0 += n
+            # epilogue: store_wait, then the O tile is rewritten and its TMA store left in flight
+            while storing[w] and mutation != "no_store_wait":
+                yield
+            bufs["o"][w] = ("O", t)
+            storing[w] += 1
+
+            def store_done(t=t):
+                assert bufs["o"][w] == ("O", t), f"O tile of consumer {w} rewritten before item {t}'s store read it"
+                storing[w] -= 1
+            pending.append(store_done)
+            yield
+        while storing[w]:
+            yield
+
+    return _interleave({"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}, pending, rng,
+                       max_steps)
+
+
+def check_persistent_protocol(trials: int = 3000, seed: int = 1) -> str:
+    """``persistent_protocol_model`` over ``trials`` random interleavings (STAGES 2-5, 1-9 items of 1-6 key blocks);
+    the schedules themselves are attention_gluon.py's (``persistent_items``, checked there). Returns a summary."""
+    import random
+
+    rng = random.Random(seed)
+    for k in range(trials):
+        persistent_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 9))], 2 + k % 4, seed=k)
+    return f"fp8 persistent protocol: {trials} random interleavings without deadlock or hazard"
+
+
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
     import os
@@ -1100,7 +1622,30 @@ if __name__ == "__main__":  # pragma: no cover - tooling
     ap.add_argument("--poly-exp", default="0",
                     help="POLY_EXP values to build (exp2s of every 16 on the FMA pipe; 0 = the builds as before)")
     ap.add_argument("--loops", action="store_true", help="also print the per-class counts of each main loop")
+    ap.add_argument("--persistent", action="store_true",
+                    help="build the persistent kernel instead (permute_k + cast_late; --stages = its ring depth)")
+    ap.add_argument("--stages", type=int, default=None, help="persistent ring depth (default _PERSISTENT_STAGES)")
+    ap.add_argument("--protocol", action="store_true", help="only the CPU check of the persistent barrier protocol")
     args = ap.parse_args()
+    if args.protocol:
+        print(check_persistent_protocol())
+        raise SystemExit(0)
+    if args.persistent:
+        for D in [int(x) for x in args.dims.split(",")]:
+            for causal in (False, True):
+                for ot in ("bf16", "fp16"):
+                    for wl in (False, True):
+                        tag = f"persistent_d{D}_{'causal' if causal else 'full'}_{ot}{'_lse' if wl else ''}"
+                        c = compile_offline(D, causal, ot, wl, persistent=True, stages=args.stages)
+                        use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                        sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+                        ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+                        print(f"{tag}: {m.group(0) if m else use.strip()}  smem={c.metadata.shared} B  "
+                              f"{sass_summary(c)}  wgmma_hazards={len(wgmma_sass_hazards(sass))}  "
+                              f"ptxas_C75xx={sorted(set(re.findall(r'C75[0-9][0-9]', ptxas)))}  "
+                              f"main_loop_instr={[lp['n'] for lp in main_loops(sass)]}", flush=True)
+        raise SystemExit(0)
     for D in [int(x) for x in args.dims.split(",")]:
         for causal in (False, True):
             for ot in ("bf16", "fp16"):
