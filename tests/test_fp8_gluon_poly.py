@@ -195,7 +195,7 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.parametrize("D,causal", [(128, True), (64, False)])
+@pytest.mark.parametrize("D,causal", [(128, True)])  # d = 64 builds the same way (module docstring); CI time
 def test_offline_sm90_poly_builds(D, causal):
     from fxopt.testing import offline_build_json
 
