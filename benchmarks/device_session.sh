@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -185,12 +185,20 @@ phase_s10a() {
 phase_s10b() {
   # session 10, call 2: the forward options. persistent_pingpong (must be bit-identical to overlap; route d = 128
   # to it if faster than persistent), the bf16 poly_exp share (GPU test, then VCHECK_POLY timing: route d = 64 if a K
-  # wins by more than the rounds' spread), the d = 64 op route's GPU test, the fp8 kernel's POLY_EXP (test + A/B)
+  # wins by more than the rounds' spread), the d = 64 op route's GPU test
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernels.py \
     -k "poly_exp or (gluon_forward and 64)" 2>&1 | tail -4
-  timeout 175 env VCHECK_VARIANTS=persistent,persistent_pingpong VCHECK_POLY=2,4 \
+  timeout 175 env VCHECK_VARIANTS=persistent,persistent_pingpong \
     python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check_s10.txt" 2>&1
-  echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check_s10.txt" | grep -v "^\s*$" | tail -24
+  echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check_s10.txt" | grep -v "^\s*$" | tail -20
+  timeout 175 env VCHECK_TIMING_ONLY=1 VCHECK_VARIANTS=persistent VCHECK_POLY=2,4 \
+    python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check_s10_poly.txt" 2>&1
+  echo "variant check (poly) rc=$?"; grep -v "^\s*$" "$OUT/variant_check_s10_poly.txt" | tail -20
+}
+
+phase_s10e() {
+  # the fp8 kernel's POLY_EXP share (GPU test, then the accuracy + speed A/B; POLY_EXP_DEFAULT = K if a K wins
+  # without moving the error)
   timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gluon_poly.py 2>&1 | tail -3
   timeout 150 python3 benchmarks/fp8_poly_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
 }

@@ -9,7 +9,8 @@ buffers, several mbarrier phases) on each CTA, the schedules 0 / 1 / 2, ``write_
 layout. ``variant="persistent_pingpong"`` (session 9, offline only so far: the persistent kernel with the ping-pong
 turns chained across a CTA's items) is checked like persistent (bit-identical to overlap, 1 / 3 / all SMs). Then
 timing of overlap, pingpong, overlap2, persistent, persistent_pingpong (and persistent_lpt, causal) in three rounds
-with the order rotated each round, the median printed per variant with the rounds' times.
+with the order rotated each round, the median printed per variant with the rounds' times. ``VCHECK_TIMING_ONLY=1``
+skips the correctness cases.
 
 ``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
 device_session.sh; the output is printed). ``VCHECK_VARIANTS`` (comma list, default
@@ -60,6 +61,8 @@ cases = [(2, 2, 2, 128, 128, 64, torch.bfloat16, True), (2, 2, 2, 1024, 1024, 64
          (1, 2, 2, 300, 100, 128, torch.bfloat16, True), (2, 4, 2, 256, 256, 64, torch.bfloat16, True),
          (1, 2, 2, 77, 333, 64, torch.bfloat16, False), (2, 2, 2, 1, 50, 128, torch.bfloat16, False),
          (1, 2, 2, 512, 512, 256, torch.bfloat16, True)]
+if os.environ.get("VCHECK_TIMING_ONLY") == "1":  # a second invocation that only times (its compiles fit the watchdog)
+    cases = []
 ok = True
 for B, Hq, Hkv, Sq, Sk, D, dt, causal in cases:
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dt)
