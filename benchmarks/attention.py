@@ -405,7 +405,7 @@ def main():
              "replayed from a CUDA graph (no host launch overhead). Each row's candidates are timed in "
              f"{ROUNDS} interleaved rounds (order rotated each round; triton.testing.do_bench medians, warmup "
              f"{BENCH['warmup']} ms, rep {max(10, BENCH['rep'] // max(1, ROUNDS))} ms per round), the median over "
-             "rounds reported. Wall time {time.time() - t0:.0f} s. "
+             f"rounds reported. Wall time {time.time() - t0:.0f} s. "
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
     write_results(name, rows,

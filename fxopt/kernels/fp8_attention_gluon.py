@@ -244,7 +244,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     gl = tl = None
 
 from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
-from .attention_gluon import (  # noqa: E402 (the persistent schedule, shared with the bf16 forward)
+from .attention_gluon import (  # noqa: E402,F401 (schedule and CPU models, shared with the bf16 forward)
     _fa_sched_count, _fa_sched_item, _fa_tile_blocks, _interleave, _model_persistent_producer, _model_wait, _ModelBar,
     _num_sms, persistent_items, persistent_schedule)
 from .attention_gluon import (  # noqa: E402,F401 (the FMA-pipe exp2, shared with the bf16 forward)
