@@ -201,17 +201,21 @@ phase_s10e() {
   # without moving the error)
   timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gluon_poly.py 2>&1 | tail -3
   timeout 150 python3 benchmarks/fp8_poly_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
+  # the quick attention table with whatever s10a-s10d routed
+  timeout 250 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -12
 }
 
 phase_s10c() {
-  # session 10, call 3: op-level A/B rows of the Gluon backward at d = 64 (its variant-0 kernel; the fb_fxopt
-  # column against fb_fxopt_tritonbwd in the same row) and d = 256 (run only if s10a's check passed), then the
-  # quick attention table with whatever s10a / s10b routed
+  # session 10, call 3: op-level A/B rows of the Gluon backward at d = 64 (the split-dQ variant 3; the fb_fxopt
+  # column against fb_fxopt_tritonbwd in the same row; FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 for the variant-0 kernel)
+  # and d = 256 (run only if s10a's check passed)
+  # d = 64 now routes to the split-dQ variant 3 (session 9, offline only): its GPU test first
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gluon_bwd_d64.py -k "v1 or v3" \
+    2>&1 | tail -3
   timeout 150 env FXOPT_ATTN_GLUON_BWD_DIMS=64,128 python3 benchmarks/attention.py --shapes 64x2048,64x4096,64x16384 \
     --tag d64gluonbwd --out "$RES" 2>&1 | grep "^|" | tail -8
   timeout 150 env FXOPT_ATTN_GLUON_BWD_DIMS=128,256 python3 benchmarks/attention.py --shapes 256x2048,256x8192 \
     --tag d256gluonbwd --out "$RES" 2>&1 | grep "^|" | tail -6
-  timeout 250 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -12
 }
 
 phase_s10d() {

@@ -22,7 +22,7 @@ and exits the process; the script ends with ``os._exit``.
     python benchmarks/gluon_attention_bwd_check.py --out $OUT              # more cases, more timing reps
     python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT
         # also checks (case tags ``...@v1``) and times (``gluon_v1_bwd_tflops``) the opt-in variants of
-        # ``gluon_attention_bwd(variant=...)`` next to the default kernel (variants are d = 128 only)
+        # ``gluon_attention_bwd(variant=...)`` next to the default kernel (variants at d = 64 and 128)
     python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,3 --out $OUT
         # session 8: variant 3 (dK issued before the dS^T publication) beside variant 1 (what the op routes),
         # with ``v3/v1`` speed ratios and fwd + bwd totals per variant (``gluon_v3_fwdbwd_tflops``)
@@ -302,6 +302,8 @@ def run_bench(GB, args):
             (128, 16384, True)]
     if not args.quick:
         rows += [(64, 4096, False), (64, 4096, True)]
+    elif _dims(args) == {64}:  # --quick --dims 64 (session 9: split dQ at d = 64): the d = 64 bench rows
+        rows += [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
     rows += [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
     rows = [r for r in rows if r[0] in _dims(args)]
     for D, S, causal in rows:

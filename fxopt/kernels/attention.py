@@ -1188,7 +1188,10 @@ _GLUON_BWD_FAILED: set = set()
 # consumer warpgroups) is opt-in until its GPU check: FXOPT_ATTN_GLUON_BWD_DIMS=128,256 (read once at import).
 _GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "128").split(",")
                              if d.strip())
-_GLUON_BWD_VARIANT = 3
+# Per head dim. d = 128: variant 3 (GPU-checked, session 8). d = 64: the split-dQ variant 3 too (session 9, offline
+# only until its GPU check; FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel for an A/B; d = 64 is only
+# routed with FXOPT_ATTN_GLUON_BWD_DIMS=64,128). d = 256: one kernel whatever the variant.
+_GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64", "3")), 128: 3, 256: 0}
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
 # against 348 / 246 TFLOP/s), unlike the op-level table of session 7.
@@ -1407,7 +1410,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                                dq_config=None):
     """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. On sm_90 at the head dims of
     ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap, contiguous tensors) it runs the Gluon FA3-style
-    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT``) instead of the Triton kernels.
+    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT[d]``) instead of the Triton kernels.
     ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) bypass the autotuner;
     ``dkdv_config["SPLIT_D"]`` forces the head-dim-split dK/dV kernel on or off (default: ``_use_split_d``)."""
     _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
@@ -1420,7 +1423,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
 
         try:
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
-                                       variant=_GLUON_BWD_VARIANT)
+                                       variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0))
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
             _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
             log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",

@@ -3,8 +3,9 @@
 Status: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow (283-335 TFLOP/s
 at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3 ("split dQ",
 below) were correct on 59 / 59 GPU cases (sessions 7 / 8); variant 3 is what the op routes d = 128 to from
-S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) is
-offline only, NOT yet run on a GPU. ``benchmarks/gluon_attention_bwd_check.py`` checks
+S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) and the
+split-dQ variants at d = 64 (session 9, "Split dQ at head dim 64" below) are offline only, NOT yet run on a GPU.
+``benchmarks/gluon_attention_bwd_check.py`` checks
 it against a float64 autograd reference and times it against the Triton backward and cuDNN.
 
 Why
@@ -139,7 +140,7 @@ second kernel, ``_fa3_bwd_kernel_v1`` (same producer, same preprocess / convert;
   Variant 1 indexes K / V with ``it >> 30`` (always 0, opaque), so they are recomputed per step.
 * variant 2 = variant 1 with dK kept in flight over the ds_bar wait and the dQ wgmma (wait(<=1) retires dV
   only, wait(0) at the end; q_empty is released after it).
-* d = 64: ``variant`` is ignored (default kernel); the 32-column slice would start inside a 128-byte swizzle row.
+* d = 64 (session 9, offline only): the same kernel with a 64-byte-swizzle K tile; see "Split dQ at head dim 64".
 
 Offline build (ptxas 12.8, sm_90a, bf16; kernel maxnreg 168, setmaxnreg 240 / 24; ``compile_offline(...,
 variant=v)``); counts for both consumer copies; hazards = ``w4a16_gluon.wgmma_sass_hazards``:
@@ -207,6 +208,55 @@ first pass and WG0's final wait (full: 5 + 5, causal: 9 + 9 BAR per CTA). Varian
 byte-identical to before. Output: dK / dV bit-identical to variant 3 by construction (same per-warpgroup arithmetic
 and accumulation order); dQ differs in the last bits only as variant 3 does from run to run (fp32 atomics). Notes:
 docs/notes_attention_bwd_v4_session9.md; check: ``gluon_attention_bwd_check.py --quick --variant 3,4``.
+
+Split dQ at head dim 64 (session 9, variants 1-4 at d = 64) -- offline only, NOT yet run on a GPU
+--------------------------------------------------------------------------------------------------------
+Before session 9 a variant != 0 at d = 64 silently ran the default kernel. Now ``_fa3_bwd_kernel_v1`` builds for
+d = 64 too (``_VARIANT_DIMS = (64, 128)``), unchanged but for two constants:
+
+* K tile layout (``_split_k_layout``): warpgroup w's dQ column half is K[:, 32 w : 32 w + 32], 64 bytes, i.e. half a
+  128-byte swizzle row of the default [64, 64] tile (the MN-major B operand would start 64 bytes into each swizzled
+  row; it compiles, but no GPU run has shown it right). K (and the dK staging in it) therefore uses a 64-byte swizzle
+  at d = 64: the [64, 64] tile is two [64, 32] blocks and each dQ half is a whole block, as the [64, 64] half of the
+  128-byte [64, 128] tile is at d = 128. TMA moves each [64, 64] K / dK box as two [64, 32] messages (Triton splits a
+  box wider than its swizzle, as for the d = 256 kernel's [rows, 128] boxes); the host builds the K / dK
+  descriptors with that layout. V, Q, dO, dS^T keep their layouts; S^T reads K as a K-major A operand either way.
+* Ring depth ``_SPLIT_STAGES[64] = 4`` (the default kernel keeps 3 at d = 64): a d = 64 step moves half the bytes
+  (Q + dO 16 KB) and runs ~10% fewer instructions, so the ring holds as many bytes as d = 128's 2 stages (64 KB).
+
+Budget per CTA at d = 64 (one CTA per SM either way: 12 warps x 32 x 168 registers):
+
+      shared memory          K 16 KB + V 16 KB + dS^T 4 x 8 KB = 64 KB fixed, + 16.5 KB per stage (Q 8 + dO 8 +
+                             lse2 / delta 0.5): 3 stages 113.5 KB, 4 stages 130 KB (the build), at most 9 in 227 KB
+      registers / consumer   dK 32 + dV 32 fp32 (whole kernel) + S^T 32 + dP^T 32 + lse2 / delta column vectors, or
+      thread                 dQ half 16 (64 x 32 fp32) + the 16-bit P^T / dS^T operands: max index R180-R203 of 240
+                             (d = 128: R237); 64 queries per step stays (128 would need S^T + dP^T = 128 registers
+                             plus 32-wide lse2 / delta vectors next to dK / dV: over 240); 128 keys per CTA stays (a
+                             third consumer warpgroup would cap consumers at ~165 registers)
+
+Offline (ptxas 12.8, sm_90a; bf16 = fp16 but for the max register index; counts for both consumer copies; "step"
+= instructions of the innermost step loop, the range over the warpgroup / loop copies):
+
+      config        STACK spill st  smem (B)  HGMMA 64x64 / 64x32  LE0/LE1  REDG.F32x2  hazards C75xx  step
+      v0 d64 full           0     0   100,304       40 / 0            4 / 4    (64 F32)     0     -  315-354
+      v0 d64 causal         0     0   100,320       80 / 0            8 / 8   (128 F32)     0     -  370-378 / 530-536
+      v1 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  364-402
+      v1 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  384-389 / 547-552
+      v2 d64 full           0     0   133,648       32 / 16           2 / 6       16       0     -  364-402
+      v3 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  363-403
+      v3 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  383-390 / 546-553
+      v4 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  367-407
+      v4 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  386-394 / 549-557
+      v3 d128 full          8     8   165,328   48 / 0 (+16 64x128)   4 / 4       32       0     -  391-435
+      v3 d128 causal       56    84   165,344   96 / 0 (+32 64x128)   8 / 8       64       0     -  408-423 / 580-595
+
+  (causal "step": unmasked / masked loop.) No LDL / STL anywhere in the d = 64 split builds (v3 d = 128: 1-4 LDL in
+  some step-loop copies). Per step and warpgroup: 4 S^T + 4 dP^T + 4 dV + 4 dK m64n64k16 + 8 dQ m64n32k16 (24; d =
+  128: 32), 32 MUFU.EX2 (as d = 128), 8 REDG.F32x2 (d = 128: 16; v0 d = 64: 32 scalar), 5 BAR.SYNC (v1: 6, v4: 7 +
+  2 BAR.ARV). Against v0 at d = 64 the split kernel runs ~50 more instructions per step (the dS^T exchange, 4 more
+  HGMMA) for a quarter of the reduction instructions and half the reduction traffic; whether the lockstep of the
+  warpgroups costs more than that at d = 64 is for the GPU to say. Variants 0-4 at d = 128 and d = 256: SASS
+  instruction lines identical to before. Notes: docs/notes_attention_bwd_d64_session9.md.
 
 Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- offline only, NOT yet run on a GPU
 --------------------------------------------------------------------------------------------------------------------
@@ -300,6 +350,10 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
         def jit(fn=None, **_kw):
             return fn if fn is not None else (lambda f: f)
 
+        @staticmethod
+        def constexpr_function(fn):
+            return fn
+
     gluon = _Stub()
     triton = _Stub()
     gl = None
@@ -322,7 +376,8 @@ _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the p
 VARIANTS = (0, 1, 2, 3, 4)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
                             # 3 split-dQ + dK issued before the dS^T publication (the op's route),
                             # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in, offline only)
-_VARIANT_DIMS = (128,)  # head dims with a split-dQ kernel (d = 64 runs the default kernel)
+_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9, offline only
+_SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
 
 
 
@@ -631,6 +686,19 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@gluon.constexpr_function
+def _split_k_layout(head_dim, dtype, rank):
+    """Shared layout of K (and of the dK TMA store staged in it) in the split-dQ kernel, rank 2 (the tile) or 4 (the
+    [1, 1, 64, d] TMA box). d = 128: the default [64, 128] layout (128-byte swizzle = two [64, 64] blocks, so warpgroup
+    w's dQ column half K[:, 64 w..] is a whole block). d = 64: a 64-byte swizzle, i.e. two [64, 32] column blocks, so
+    the dQ column half K[:, 32 w..] is again a whole block (with the default 128-byte swizzle it would start 64 bytes
+    into each swizzled row); TMA moves the [64, 64] box as two [64, 32] messages (Triton splits boxes wider than the
+    swizzle, as for the d = 256 kernel's [rows, 128] boxes). S^T reads K as a K-major A operand either way."""
+    if head_dim == 64:
+        return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=dtype.primitive_bitwidth, rank=rank)
+    return gl.NVMMASharedLayout.get_default_for([1] * (rank - 2) + [64, head_dim], dtype)
+
+
 @gluon.jit
 def _red_add_v2(ptrs, vals):
     # Vectorised fp32 reduction: one ``red.global.add.v2.f32`` (sm_90, PTX >= 8.1; SASS REDG.E.ADD.F32x2) per
@@ -860,7 +928,9 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
     vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64], gl.float32)
-    k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
+    # K: the d = 128 tile family, except at d = 64 (64-byte swizzle: dQ's B operand is a whole [64, 32] block)
+    k_layout: gl.constexpr = _split_k_layout(HEAD_DIM, dtype, 2)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], tile_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], tile_layout)
@@ -1171,9 +1241,11 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
-def config_for(head_dim: int) -> dict:
-    """Kernel meta-parameters for a head dim (also used by the offline compile check)."""
-    return dict(STAGES=_STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
+def config_for(head_dim: int, variant: int = 0) -> dict:
+    """Kernel meta-parameters for a head dim and ``gluon_attention_bwd`` variant (also used by the offline compile
+    check): the split-dQ kernel (variants 1-4 at a head dim of ``_VARIANT_DIMS``) has its own ring depth."""
+    split = variant != 0 and head_dim in _VARIANT_DIMS
+    return dict(STAGES=_SPLIT_STAGES[head_dim] if split else _STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
                 CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
 
 
@@ -1228,10 +1300,11 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
     return None
 
 
-def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None):
+def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
     D = t.shape[-1]
     block = [1, 1, rows, D if cols is None else cols]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -1250,10 +1323,10 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
     named-barrier turns between the consumer warpgroups (``TURNS``; offline only). Variants 1-4 exist for
-    d = 128 only; at d = 64 they run the default kernel. d = 256 always runs ``_fa3_bwd_kernel_d256`` (offline
-    only, NOT yet run on a GPU; the op does not route d = 256 here: ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the
-    59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py`` (session 7); ``flash_attention_triton_bwd`` routes
-    d = 128 to variant 1."""
+    d = 64 and 128 (d = 64: offline only, NOT yet run on a GPU; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
+    d = 256 always runs ``_fa3_bwd_kernel_d256`` (offline only, NOT yet run on a GPU; the op does not route d = 256
+    here: ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
+    (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
@@ -1277,7 +1350,7 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _bwd_preprocess[(n_m, B * Hq)](out, dout, lse, delta, lse2, dq_acc, *out.stride()[:3], *dout.stride()[:3],
                                    lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=_PRE_BLOCK,
                                    num_warps=pre_warps)
-    cfg = config_for(D)
+    cfg = config_for(D, variant)
     if D == 256:  # any variant: the d = 256 kernel (64 keys per CTA, head dim split between the warpgroups)
         _fa3_bwd_kernel_d256[((Sk + D256_BLOCK_N - 1) // D256_BLOCK_N, B * Hkv)](
             _desc(q, D256_QROWS, D256_HALF), _desc(k, D256_BLOCK_N, D256_HALF), _desc(v, D256_BLOCK_N, D256_HALF),
@@ -1290,8 +1363,10 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return dq, dk, dv
     grid = ((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)
     if variant != 0 and D in _VARIANT_DIMS:
-        _fa3_bwd_kernel_v1[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
-                                 _desc(dk, WG_KEYS), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta), dq_acc,
+        k_layout = _split_k_layout(D, _gl_dtype(k.dtype), 4)  # d = 64: 64-byte swizzle (K tile and dK staging)
+        _fa3_bwd_kernel_v1[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS, layout=k_layout), _desc(v, WG_KEYS),
+                                 _desc(dout, BLOCK_M), _desc(dk, WG_KEYS, layout=k_layout), _desc(dv, WG_KEYS),
+                                 _vec_desc(lse2), _vec_desc(delta), dq_acc,
                                  sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
@@ -1346,7 +1421,7 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(D)
+    cfg = config_for(D, variant)
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D)
@@ -1356,6 +1431,10 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
     if variant != 0:
+        if D == 64:  # the split-dQ kernel's K / dK tiles at d = 64 (``_split_k_layout``)
+            gdt = gl.bfloat16 if dtype_str == "bf16" else gl.float16
+            klay = _split_k_layout(D, gdt, 4)
+            sig["k_desc"] = sig["dk_desc"] = f"tensordesc<{dtype_str}[1, 1, {WG_KEYS}, {D}],{klay!r}>"
         sig["DK_IN_FLIGHT"] = "constexpr"
         sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
