@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -230,6 +230,14 @@ phase_s10d() {
     tests/test_fp8_gluon_persistent.py 2>&1 | tail -3
   [ -f benchmarks/fp8_persistent_check.py ] && timeout 120 python3 benchmarks/fp8_persistent_check.py --out "$RES" \
     2>&1 | grep -v Warn | tail -12
+}
+
+phase_s10f() {
+  # the gemv1 prefetch-2 candidates (session 9, offline only; tuner candidates at M = 1, no routing decision): the GPU
+  # test of every gemv1 candidate, then the M <= 4 rows (does a " p2" label win the gemv1_config column?)
+  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_w4a16_kernels.py -k test_gpu_gemv1 \
+    2>&1 | tail -3
+  timeout 200 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -16
 }
 
 phase_largem() {

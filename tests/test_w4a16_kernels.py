@@ -323,9 +323,9 @@ def test_candidate_configs_gluon_rules(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- gemv1
-def gemv1(block_n=256, block_k=128, split_k=2, num_warps=4, pdl=False):
+def gemv1(block_n=256, block_k=128, split_k=2, num_warps=4, pdl=False, prefetch=1):
     return W4A16Config(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, method="gemv1",
-                       pdl=pdl)
+                       pdl=pdl, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
@@ -336,6 +336,11 @@ def gemv1(block_n=256, block_k=128, split_k=2, num_warps=4, pdl=False):
     (-1, 200, 136, gemv1(block_n=128, split_k=2)),  # per-channel, K = 200: the last K tile is partial
     (32, 128, 48, gemv1(block_n=128, split_k=1)),  # group 32 (K tile 32, 4 warps of one packed row), no split
     (64, 512, 520, gemv1(block_n=512, num_warps=2, split_k=3)),  # 4 chunks of 128 columns, 4 rows per warp
+    # register ring of loads 2 / 3 K tiles ahead (session 9): 4 tiles in one split; 2 partial-K tiles (fewer than
+    # the ring: clamped loads); 4 tiles per split, 2 warps, column masks
+    (128, 512, 256, gemv1(split_k=1, prefetch=2)),
+    (-1, 200, 136, gemv1(block_n=128, split_k=1, prefetch=3)),
+    (128, 1024, 72, gemv1(block_n=128, split_k=2, num_warps=2, prefetch=3)),
 ])
 def test_gemv1_matches_reference(interpret_device, M, use_bias, group_size, K, N, cfg):
     qweight, scales, zeros, G = make_packed(K, N, group_size, torch.float16, interpret_device, seed=K + N + M)

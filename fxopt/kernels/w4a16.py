@@ -59,7 +59,12 @@ and CTA); the CTA that bumps the column tile's counter last reads the total, zer
 Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill. On
 the H200 (session 9) it wins at M = 1 on three of the four benchmark shapes (2.05-2.37x bf16) and loses at M = 2 / 4
 (every row re-reads the weights' registers per x row: 1.0-1.5x). The tuner checks its output against the default
-config's before timing it.
+config's before timing it. ``prefetch`` (constexpr PREFETCH, 1-3): K tiles of loads kept in flight ahead of the
+computed one, as a ring of register buffers. With 1, ptxas issues the next tile's packed loads only 71% of the way
+through the current tile (a third of a tile of lead); with 2 the lead is 1.15 tiles, at 168 registers for BN 256 w4
+(3 CTAs per SM, 96 KB of weights in flight per SM against 64 KB) and 12% more instructions (the ring's register
+copies). The M = 1 bucket lists prefetch-2 candidates next to the prefetch-1 ones (same arithmetic, bit-identical
+per split); docs/notes_w4a16_gemv1_session9.md.
 
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
@@ -583,6 +588,7 @@ def _w4a16_gemv1_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NCH: tl.constexpr, W: tl.constexpr,
     IS_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, MASK_K: tl.constexpr, USE_GDC: tl.constexpr, FENCE: tl.constexpr,
+    PREFETCH: tl.constexpr = 1,
 ):
     """Method "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read directly (no prep kernel).
 
@@ -595,8 +601,10 @@ def _w4a16_gemv1_kernel(
     The warps' partial sums are added once at the end (shared memory), then either written (no split) or added to
     an fp32 workspace kept at zero between calls (``tl.atomic_add``, relaxed); the CTA that bumps the column tile's
     counter last reads the total, zeroes the workspace, adds the bias and writes y. No second launch, no memset.
-    Loads are double-buffered in registers (tile t + 1's are issued before tile t is computed), so a warp waits for
-    memory once per K tile; no shared memory and no barrier in the K loop.
+    Loads are buffered in registers PREFETCH K tiles ahead (PREFETCH = 1: tile t + 1's loads are issued before tile
+    t is computed; 2 / 3: a ring of register buffers, tile t + 2 / t + 3), so a warp waits for memory at most once per
+    K tile and keeps PREFETCH tiles of loads in flight; no shared memory and no barrier in the K loop. The arithmetic
+    does not depend on PREFETCH (same order, bit-identical results for the same split).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -625,20 +633,46 @@ def _w4a16_gemv1_kernel(
     t_end = min(t_start + TILES_PER_SPLIT, tl.cdiv(KP, BKP))
     # register double buffer: the loads of tile t + 1 are issued before tile t is computed (ptxas would otherwise
     # sink each packed row's load to just before its use: one memory latency per row instead of one per tile)
+    # PREFETCH > 1: a ring of register buffers, n* = tile t + 1, m* = t + 2, o* = t + 3 (indices clamped to the
+    # split's last tile, whose loads are then repeated: cache hits, results unused)
     t_first = min(t_start, t_end - 1)
     nq, ns, nz = _gemv1_w_loads(t_first, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg, GROUP_SIZE,
                                 BLOCK_K, NCH, R, MASK_N, MASK_K)
+    if PREFETCH > 1:
+        mq, ms, mz = _gemv1_w_loads(min(t_start + 1, t_end - 1), q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk,
+                                    stride_sg, GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
+    if PREFETCH > 2:
+        oq, o_s, o_z = _gemv1_w_loads(min(t_start + 2, t_end - 1), q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk,
+                                    stride_sg, GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
     if USE_GDC:
         # only the weights (never written by the previous kernel) are read before this wait; x, the workspace and
         # the counters may belong to the previous grid
         tl.extra.cuda.gdc_wait()
     nx = _gemv1_x_loads(t_first, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+    if PREFETCH > 1:
+        mx = _gemv1_x_loads(min(t_start + 1, t_end - 1), x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+    if PREFETCH > 2:
+        ox = _gemv1_x_loads(min(t_start + 2, t_end - 1), x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
     for t in range(t_start, t_end):
         qs, xw, ss, zs = nq, nx, ns, nz
-        t_next = min(t + 1, t_end - 1)
-        nq, ns, nz = _gemv1_w_loads(t_next, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg,
-                                    GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
-        nx = _gemv1_x_loads(t_next, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+        if PREFETCH == 1:
+            t_next = min(t + 1, t_end - 1)
+            nq, ns, nz = _gemv1_w_loads(t_next, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg,
+                                        GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
+            nx = _gemv1_x_loads(t_next, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+        else:
+            nq, nx, ns, nz = mq, mx, ms, mz
+            if PREFETCH == 2:
+                t_far = min(t + 2, t_end - 1)
+                mq, ms, mz = _gemv1_w_loads(t_far, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg,
+                                            GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
+                mx = _gemv1_x_loads(t_far, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
+            else:
+                mq, mx, ms, mz = oq, ox, o_s, o_z
+                t_far = min(t + 3, t_end - 1)
+                oq, o_s, o_z = _gemv1_w_loads(t_far, q0, s_ptr, z_ptr, sz0, col0, ww, N, KP, stride_qk, stride_sg,
+                                            GROUP_SIZE, BLOCK_K, NCH, R, MASK_N, MASK_K)
+                ox = _gemv1_x_loads(t_far, x_rows, ww, mask_m, KP, BLOCK_K, R, MASK_M, MASK_K)
         xs = ()
         for r in tl.static_range(R):
             x0, x1 = _gemv1_pair(xw[4 * r], IS_BF16)
@@ -772,6 +806,7 @@ class W4A16Config:
     kc: int = 0  # "gluon" only: K columns per dequantized wgmma chunk
     regs: str = ""  # "gluon" only: "async" = the register split that keeps wgmma asynchronous (w4a16_gluon.py)
     deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
+    prefetch: int = 1  # "gemv1" only: K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
@@ -779,7 +814,7 @@ class W4A16Config:
             return self.method
         if self.method == "gemv1":
             return (f"gemv1 bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
-                    + (" pdl" if self.pdl else ""))
+                    + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
         if self.method == "gluon":
             return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
                     + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else "")
@@ -873,14 +908,19 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
                         kc=c["kc"], regs=c.get("regs") or "", deq=c.get("deq") or "") for c in cands]
 
 
-# "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl). The residency comes from the offline
-# sm_90 builds (``gemv1_offline_report``, bf16, K tile 128: registers 127 / 80 / 102 at M = 1 for BN 256 w4 /
+# "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl, prefetch). The residency comes from the
+# offline sm_90 builds (``gemv1_offline_report``, bf16, K tile 128: registers 127 / 80 / 102 at M = 1 for BN 256 w4 /
 # BN 128 w4 / BN 256 w8, 168 / 128 at M = 2 for BN 256 w4 / w8, 255 / 168 at M = 4 for BN 256 / 128, no spill),
-# so that the split-K grid is one full wave (``_gemv1_split_for``). Not measured on a GPU yet (session 8).
+# so that the split-K grid is one full wave (``_gemv1_split_for``). Session 9 (offline): ptxas issues the next
+# tile's packed loads of a prefetch-1 build only 71% of the way through the current tile (SASS positions 560-567 of
+# 788), a lead of about a third of a tile; prefetch 2 (a register ring, loads two tiles ahead) issues them at 85%
+# of the tile before, a lead of 1.15 tiles, at 168 / 128 / 124 registers for BN 256 w4 / BN 128 w4 / BN 256 w8
+# (3 / 4 / 2 CTAs per SM) and 12-14% more instructions per weight (the ring's register copies).
 _GEMV1_TILES = {
-    1: ((256, 4, 4, False), (128, 4, 6, False), (256, 8, 2, False), (256, 4, 4, True)),
-    2: ((256, 8, 2, False), (256, 4, 3, False), (128, 4, 4, False)),
-    4: ((256, 4, 2, False), (128, 4, 3, False)),
+    1: ((256, 4, 4, False, 1), (128, 4, 6, False, 1), (256, 8, 2, False, 1), (256, 4, 4, True, 1),
+        (256, 4, 3, False, 2), (256, 4, 3, True, 2), (128, 4, 4, False, 2), (256, 8, 2, False, 2)),
+    2: ((256, 8, 2, False, 1), (256, 4, 3, False, 1), (128, 4, 4, False, 1)),
+    4: ((256, 4, 2, False, 1), (128, 4, 3, False, 1)),
 }
 
 
@@ -918,9 +958,9 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
             or os.environ.get("FXOPT_W4A16_GEMV1", _GEMV1_DEFAULT) != "1"):
         return []
     out = []
-    for bn, warps, ctas, pdl in _GEMV1_TILES[bucket]:
+    for bn, warps, ctas, pdl, prefetch in _GEMV1_TILES[bucket]:
         cfg = W4A16Config(block_m=bucket, block_n=bn, block_k=128, split_k=1, num_warps=warps, num_stages=1,
-                          method="gemv1", pdl=pdl)
+                          method="gemv1", pdl=pdl, prefetch=prefetch)
         _, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
         split = _gemv1_split_for(cdiv(N, bn), cdiv(K, bk), ctas * num_sms)
         out.append(replace(cfg, block_k=bk, num_warps=warps, split_k=split))
@@ -1194,6 +1234,8 @@ def _gemv1_geometry(M: int, K: int, group_size: int, cfg: W4A16Config) -> tuple[
     bk = cfg.block_k if group_size == K else min(cfg.block_k, group_size)
     if bk < 8 or bk & (bk - 1):
         raise ValueError(f"w4a16: gemv1 block_k must be a power of two >= 8, got {bk}")
+    if cfg.prefetch not in (1, 2, 3):
+        raise ValueError(f"w4a16: gemv1 prefetch must be 1, 2 or 3 K tiles, got {cfg.prefetch}")
     warps = max(1, min(cfg.num_warps, bk // 8))
     return next_pow2(M), bk, warps
 
@@ -1205,7 +1247,7 @@ def _gemv1_meta(M: int, K: int, N: int, group_size: int, cfg: W4A16Config, dtype
     bm, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
     meta = dict(GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
                 IS_BF16=dtype == torch.bfloat16, HAS_BIAS=has_bias, USE_SPLIT=split > 1, MASK_M=M != bm,
-                MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu)
+                MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu, PREFETCH=cfg.prefetch)
     opts = dict(num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return dict(meta=meta, opts=opts)
 
