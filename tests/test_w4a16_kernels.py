@@ -732,3 +732,17 @@ def test_candidate_configs_gluon_largem_opt_in(monkeypatch):
     assert all(c.split_k >= 2 and c.label().endswith(f"sk{c.split_k}") for c in extra)
     assert gluon(64, 11008, 4096) == [c for c in gluon(64, 11008, 4096) if c.split_k == 0]
 
+
+
+def test_gemv1_prefetch_candidates_are_opt_in(monkeypatch):
+    """The prefetch-2 gemv1 builds join the M = 1 candidates only with FXOPT_W4A16_GEMV1_PREFETCH=1 (until their GPU
+    test); the prefetch-1 list is the same either way."""
+    monkeypatch.delenv("FXOPT_W4A16_GEMV1_PREFETCH", raising=False)
+    monkeypatch.setenv("FXOPT_W4A16_GEMV1", "1")
+    dev = torch.device("cuda")  # only its type is read: no GPU needed
+    base = K4._gemv1_configs(1, 8192, 8192, 128, 132, dev)
+    assert base and all(c.prefetch == 1 for c in base)
+    monkeypatch.setenv("FXOPT_W4A16_GEMV1_PREFETCH", "1")
+    deep = K4._gemv1_configs(1, 8192, 8192, 128, 132, dev)
+    assert [c for c in deep if c.prefetch == 1] == base
+    assert any(c.prefetch == 2 for c in deep) and all(" p2" in c.label() for c in deep if c.prefetch == 2)

@@ -63,8 +63,9 @@ config's before timing it. ``prefetch`` (constexpr PREFETCH, 1-3): K tiles of lo
 computed one, as a ring of register buffers. With 1, ptxas issues the next tile's packed loads only 71% of the way
 through the current tile (a third of a tile of lead); with 2 the lead is 1.15 tiles, at 168 registers for BN 256 w4
 (3 CTAs per SM, 96 KB of weights in flight per SM against 64 KB) and 12% more instructions (the ring's register
-copies). The M = 1 bucket lists prefetch-2 candidates next to the prefetch-1 ones (same arithmetic, bit-identical
-per split); docs/notes_w4a16_gemv1_session9.md.
+copies). With ``FXOPT_W4A16_GEMV1_PREFETCH=1`` (opt-in until its GPU test, session 9 offline only) the M = 1
+bucket lists prefetch-2 candidates next to the prefetch-1 ones (same arithmetic, bit-identical per split);
+docs/notes_w4a16_gemv1_session9.md.
 
 Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
 (SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
@@ -949,6 +950,11 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
 _GEMV1_DEFAULT = "1"
 
 
+# The prefetch-2 / 3 builds (session 9) are listed only with FXOPT_W4A16_GEMV1_PREFETCH=1 until test_gpu_gemv1 has
+# passed with them on a GPU (interpreter-checked and built offline only).
+_GEMV1_PREFETCH_DEFAULT = "0"
+
+
 def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
     """The "gemv1" candidates: M buckets up to 4, CUDA devices only, listed after every other candidate so that the
     heuristic default does not change; the tuner decides (and drops one whose output disagrees with the default
@@ -958,7 +964,10 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
             or os.environ.get("FXOPT_W4A16_GEMV1", _GEMV1_DEFAULT) != "1"):
         return []
     out = []
+    deep = os.environ.get("FXOPT_W4A16_GEMV1_PREFETCH", _GEMV1_PREFETCH_DEFAULT) == "1"
     for bn, warps, ctas, pdl, prefetch in _GEMV1_TILES[bucket]:
+        if prefetch != 1 and not deep:
+            continue
         cfg = W4A16Config(block_m=bucket, block_n=bn, block_k=128, split_k=1, num_warps=warps, num_stages=1,
                           method="gemv1", pdl=pdl, prefetch=prefetch)
         _, bk, warps = _gemv1_geometry(M, K, group_size, cfg)
