@@ -90,3 +90,31 @@ def offline_build_json(code: str, **env_extra):
         pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def attention_bwd_reference64(q, k, v, dout, causal: bool, scale: float):
+    """Exact attention forward and backward in float64, for the Gluon backward's GPU tests: q [B, Hq, Sq, D], k / v
+    [B, Hkv, Sk, D] (GQA by repeating k / v), causal aligned bottom-right. Returns (out, lse, dq, dk, dv, empty):
+    lse in natural log with +inf on rows with no visible key (``empty``), whose out and dq are 0."""
+    import torch
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qf, kf, vf, dof = (t.double() for t in (q, k, v, dout))
+    kr, vr = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
+    s = qf @ kr.transpose(-1, -2) * scale
+    if causal:  # bottom-right aligned
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+    p = torch.where(empty[..., None], torch.zeros_like(p), p)
+    out = p @ vr
+    ds = p * (dof @ vr.transpose(-1, -2) - (dof * out).sum(-1, keepdim=True))
+    dq = ds @ kr * scale
+    dk = (ds.transpose(-1, -2) @ qf).reshape(B, Hkv, g, Sk, D).sum(2) * scale
+    dv = (p.transpose(-1, -2) @ dof).reshape(B, Hkv, g, Sk, D).sum(2)
+    return out, torch.where(empty, torch.full_like(lse, float("inf")), lse), dq, dk, dv, empty

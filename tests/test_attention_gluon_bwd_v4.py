@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from fxopt.testing import attention_bwd_reference64
+
 GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
 
 
@@ -134,30 +136,6 @@ GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk, causal, dtype)
 }
 
 
-def _reference64(q, k, v, dout, causal, scale):
-    """Exact forward (out, natural-log lse with +inf on rows with no visible key) and backward in float64."""
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    qf, kf, vf, dof = (t.double() for t in (q, k, v, dout))
-    kr, vr = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
-    s = qf @ kr.transpose(-1, -2) * scale
-    if causal:  # bottom-right aligned
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    empty = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
-    p = torch.where(empty[..., None], torch.zeros_like(p), p)
-    out = p @ vr
-    ds = p * (dof @ vr.transpose(-1, -2) - (dof * out).sum(-1, keepdim=True))
-    dq = ds @ kr * scale
-    dk = (ds.transpose(-1, -2) @ qf).reshape(B, Hkv, g, Sk, D).sum(2) * scale
-    dv = (p.transpose(-1, -2) @ dof).reshape(B, Hkv, g, Sk, D).sum(2)
-    return out, torch.where(empty, torch.full_like(lse, float("inf")), lse), dq, dk, dv, empty
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_v4_matches_v3_and_float64(name):
@@ -174,7 +152,7 @@ def test_gpu_v4_matches_v3_and_float64(name):
     q, dout = (torch.randn(B, Hq, Sq, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
     k, v = (torch.randn(B, Hkv, Sk, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
     scale = 1.0 / math.sqrt(128)
-    out, lse, rdq, rdk, rdv, empty = _reference64(q, k, v, dout, causal, scale)
+    out, lse, rdq, rdk, rdv, empty = attention_bwd_reference64(q, k, v, dout, causal, scale)
     out, lse = out.to(dtype), lse.float()
     dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
     dq4, dk4, dv4 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=4)
