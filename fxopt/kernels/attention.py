@@ -1184,13 +1184,18 @@ _GLUON_BWD_FAILED: set = set()
 # hence the length floor.
 # Variant 3 (variant 1 with dK's wgmma issued before dQ's; EARLY_DK) was correct on 59 / 59 cases and 1-3% faster
 # than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096; session 8).
-# d = 256 (``_fa3_bwd_kernel_d256``, session 9, offline only: 64 keys per CTA, head dim split between the two
-# consumer warpgroups) is opt-in until its GPU check: FXOPT_ATTN_GLUON_BWD_DIMS=128,256 (read once at import).
-_GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "128").split(",")
+# d = 256 (``_fa3_bwd_kernel_d256``: 64 keys per CTA, head dim split between the two consumer warpgroups) was
+# correct on 18 / 18 GPU cases and ran 274-316 TFLOP/s against the Triton backward's 114-149 (kernel check, S = 1k-16k,
+# session 10); through the op, fwd+bwd 340 / 295 / 371 / 353 TFLOP/s against 226 / 183 / 233 / 210 with the Triton
+# backward (d = 256, S = 2k / 2k causal / 8k / 8k causal; benchmarks/results/attention_d256gluonbwd.md).
+# d = 64 (split-dQ variant 3) passed its GPU test but lost to the Triton backward through the op at 5 of 6 rows
+# (fwd+bwd 358 / 261 / 372 / 344 / 393 / 390 against 368 / 281 / 392 / 349 / 398 / 377, S = 2k / 4k / 16k,
+# benchmarks/results/attention_d64gluonbwd.md), so it stays opt-in: FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256.
+_GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "128,256").split(",")
                              if d.strip())
-# Per head dim. d = 128: variant 3 (GPU-checked, session 8). d = 64: the split-dQ variant 3 too (session 9, offline
-# only until its GPU check; FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel for an A/B; d = 64 is only
-# routed with FXOPT_ATTN_GLUON_BWD_DIMS=64,128). d = 256: one kernel whatever the variant.
+# Per head dim. d = 128: variant 3 (GPU-checked, session 8; variant 4's named-barrier turns were correct but 1-2%
+# slower, session 10). d = 64: the split-dQ variant 3 (FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel
+# for an A/B). d = 256: one kernel whatever the variant.
 _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64", "3")), 128: 3, 256: 0}
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
