@@ -6,7 +6,13 @@ python benchmarks/profile_kernels.py WHAT`` with WHAT one of:
 * ``w4a16:M:K:N:METHOD:BM:BN:SPLIT:WARPS:STAGES`` — one W4A16 launch config (``fxopt.kernels.w4a16._launch``), bf16,
   group 128, random codes (e.g. ``w4a16:1:8192:8192:swapx:16:64:4:4:3``);
 * ``w4fm:M:K:N:SPLIT`` — the fragment-major experiment kernel of ``benchmarks/w4a16_breakdown.py``;
-* ``attn:B:H:S:D:CAUSAL`` — the bf16 FlashAttention forward (``flash_attention_triton``), e.g. ``attn:4:16:4096:128:0``.
+* ``attn:B:H:S:D:CAUSAL`` — the bf16 FlashAttention forward (``flash_attention_triton``), e.g. ``attn:4:16:4096:128:0``;
+* ``bwd:B:H:S:D:CAUSAL`` — the bf16 backward (``flash_attention_triton_bwd``: the Gluon one where it is routed);
+* ``decode:B:H:S:D[:persistent]`` — one query token against S keys (the split-KV kernel and its combine; with
+  ``persistent`` the opt-in stream-K kernel of ``attention_decode.py``);
+* ``fp8:B:H:S:D:CAUSAL`` — ``fp8_gluon_attention`` (quantization launches and the Gluon fp8 forward).
+
+A ``w4a16`` spec with METHOD ``gemv1`` launches the one-launch M <= 4 kernel (BM = M; STAGES is ignored).
 
 ``bash benchmarks/profile_kernels.sh`` runs the set used in docs/notes_w4a16.md and writes ncu's text to $OUT.
 """
@@ -32,6 +38,9 @@ def main(what: str):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         bk = 256 if method == "gemv2" else 128
         cfg = K4.W4A16Config(bm, bn, bk, split, True, 8, warps, stages, method)
+        if method == "gemv1":
+            cfg = K4.W4A16Config(block_m=M, block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=1,
+                                 method="gemv1")
         for _ in range(4):
             K4._launch(x, q, s, z, 128, None, cfg)
     elif kind == "w4fm":
@@ -53,6 +62,34 @@ def main(what: str):
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for _ in range(4):
             flash_attention_triton(q, k, v, is_causal=bool(causal))
+    elif kind == "bwd":
+        from fxopt.kernels.attention import flash_attention_triton, flash_attention_triton_bwd
+
+        B, H, S, D, causal = (int(v) for v in a)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = flash_attention_triton(q, k, v, is_causal=bool(causal), return_lse=True)
+        do = torch.randn_like(out)
+        for _ in range(4):
+            flash_attention_triton_bwd(do, q, k, v, out, lse, is_causal=bool(causal))
+    elif kind == "decode":
+        B, H, S, D = (int(v) for v in a[:4])
+        if a[4:] == ["persistent"]:
+            os.environ["FXOPT_ATTN_DECODE_PERSISTENT"] = "1"  # read at import, below
+        from fxopt.kernels.attention import flash_attention_triton
+
+        q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(6):
+            flash_attention_triton(q, k, v)
+    elif kind == "fp8":
+        from fxopt.kernels.fp8_attention_gluon import fp8_gluon_attention
+
+        B, H, S, D, causal = (int(v) for v in a)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(4):
+            fp8_gluon_attention(q, k, v, is_causal=bool(causal))
+    else:
+        raise SystemExit(f"unknown WHAT {what!r}")
     torch.cuda.synchronize()
 
 

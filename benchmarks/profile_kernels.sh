@@ -11,8 +11,19 @@ prof() {  # name kernel-regex what
   rc=$?; echo "== $1 ($3): rc=$rc"; [ $rc -ne 0 ] && tail -5 "$OUT/ncu_$1.txt"
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Issued Ipc|No Eligible|Dynamic Shared|Waves Per SM" "$OUT/ncu_$1.txt" | head -16
 }
-# WHAT sets: default (the kernels short of their targets) or "w4stalls" (stall reasons of the small-M W4A16 kernels)
+# WHAT sets: default (the kernels short of their targets), "w4stalls" (stall reasons of the small-M W4A16 kernels),
+# "s11" (session 10's open questions: why the 4k decode has a ~20 us fixed cost, what the fp8 step of ~2,500 cycles
+# waits on, what bounds gemv1 at M = 1, the Gluon backward at d = 128 and the d = 64 persistent forward)
 case "${1:-default}" in
+  s11)
+    prof decode4k_split "_attn_fwd_split" decode:8:32:4096:128
+    prof decode4k_persistent "_decode_persistent_kernel" decode:8:32:4096:128:persistent
+    prof w4_m1_gemv1_28672 "_w4a16_gemv1_kernel" w4a16:1:8192:28672:gemv1:1:128:7:4:1
+    prof w4_m1_gemv1_8192 "_w4a16_gemv1_kernel" w4a16:1:8192:8192:gemv1:1:256:16:4:1
+    prof fp8_fwd_d128 "_fp8_fa3_fwd_kernel" fp8:4:16:4096:128:0
+    prof bwd_d128 "_fa3_bwd_kernel" bwd:4:16:4096:128:0
+    prof fwd_d64 "_fa3_fwd_persistent_kernel" attn:4:32:4096:64:0
+    ;;
   w4stalls)
     prof w4_m1_swapx_bn64_sk5 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:5:4:3
     prof w4_m1_swapx_bn128_sk6 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:128:6:4:3

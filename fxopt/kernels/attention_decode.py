@@ -1,5 +1,9 @@
 """Persistent ("stream-K") split-KV decode attention: one loop per program over a contiguous range of key blocks.
 
+Measured (H200, session 10, benchmarks/results/decode_persistent.md): correct (GPU tests passed) but not faster. The
+best build ran 3.83 TB/s at S = 4k against the split kernel's 3.91, and 4.49 at 32k, the same as the split kernel.
+It stays opt-in (``FXOPT_ATTN_DECODE_PERSISTENT=1``). docs/notes_decode_session8.md has the fixed-cost analysis.
+
 Why
 ---
 The split-KV decode path of ``fxopt/kernels/attention.py`` (``_attn_fwd_split`` + ``_attn_combine``) runs one CTA

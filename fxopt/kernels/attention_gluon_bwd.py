@@ -3,8 +3,9 @@
 Status: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow (283-335 TFLOP/s
 at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3 ("split dQ",
 below) were correct on 59 / 59 GPU cases (sessions 7 / 8); variant 3 is what the op routes d = 128 to from
-S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) and the
-split-dQ variants at d = 64 (session 9, "Split dQ at head dim 64" below) are offline only, NOT yet run on a GPU.
+S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) passed its 18 GPU
+cases in session 10 and is routed (fwd+bwd 1.5-1.7x the Triton backward); the split-dQ variants at d = 64 (session 9,
+"Split dQ at head dim 64" below) passed their GPU test but lost to the Triton backward through the op (opt-in).
 ``benchmarks/gluon_attention_bwd_check.py`` checks
 it against a float64 autograd reference and times it against the Triton backward and cuDNN.
 
@@ -140,7 +141,7 @@ second kernel, ``_fa3_bwd_kernel_v1`` (same producer, same preprocess / convert;
   Variant 1 indexes K / V with ``it >> 30`` (always 0, opaque), so they are recomputed per step.
 * variant 2 = variant 1 with dK kept in flight over the ds_bar wait and the dQ wgmma (wait(<=1) retires dV
   only, wait(0) at the end; q_empty is released after it).
-* d = 64 (session 9, offline only): the same kernel with a 64-byte-swizzle K tile; see "Split dQ at head dim 64".
+* d = 64 (session 9; GPU-checked in session 10, not routed): the same kernel with a 64-byte-swizzle K tile; see "Split dQ at head dim 64".
 
 Offline build (ptxas 12.8, sm_90a, bf16; kernel maxnreg 168, setmaxnreg 240 / 24; ``compile_offline(...,
 variant=v)``); counts for both consumer copies; hazards = ``w4a16_gluon.wgmma_sass_hazards``:
@@ -174,7 +175,7 @@ docs/notes_attention_bwd_session7.md; check: ``gluon_attention_bwd_check.py --qu
 (session 8): correct on 59 / 59 cases, 1-3% faster than variant 1 (d = 128: 431 against 423 TFLOP/s at S = 4096
 non-causal, 396 against 385 causal; cuDNN 566 / 466).
 
-Variant 4 (session 9, ``variant=4``, d = 128 only) -- offline only, NOT yet run on a GPU
+Variant 4 (session 9, ``variant=4``, d = 128 only) -- correct on the H200 in session 10, 1-2% slower than variant 3
 ---------------------------------------------------------------------------------------
 Variant 3 plus turns between the two consumer warpgroups (constexpr ``TURNS`` of ``_fa3_bwd_kernel_v1``), the
 forward's ping-pong (``attention_gluon._fa_pp_wait`` / ``_fa_pp_pass``: ``bar.sync 14 + w, 256`` = wait for the own
@@ -209,7 +210,7 @@ byte-identical to before. Output: dK / dV bit-identical to variant 3 by construc
 and accumulation order); dQ differs in the last bits only as variant 3 does from run to run (fp32 atomics). Notes:
 docs/notes_attention_bwd_v4_session9.md; check: ``gluon_attention_bwd_check.py --quick --variant 3,4``.
 
-Split dQ at head dim 64 (session 9, variants 1-4 at d = 64) -- offline only, NOT yet run on a GPU
+Split dQ at head dim 64 (session 9, variants 1-4 at d = 64) -- correct on the H200 in session 10, not routed (slower)
 --------------------------------------------------------------------------------------------------------
 Before session 9 a variant != 0 at d = 64 silently ran the default kernel. Now ``_fa3_bwd_kernel_v1`` builds for
 d = 64 too (``_VARIANT_DIMS = (64, 128)``), unchanged but for two constants:
@@ -258,7 +259,7 @@ Offline (ptxas 12.8, sm_90a; bf16 = fp16 but for the max register index; counts 
   warpgroups costs more than that at d = 64 is for the GPU to say. Variants 0-4 at d = 128 and d = 256: SASS
   instruction lines identical to before. Notes: docs/notes_attention_bwd_d64_session9.md.
 
-Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- offline only, NOT yet run on a GPU
+Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- routed since session 10 (GPU-checked)
 --------------------------------------------------------------------------------------------------------------------
 At d = 256 a warpgroup cannot own 64 keys x 256 columns of dK and dV (256 fp32 registers per thread), so the split
 is FA3's hdim-256 one: one CTA = 64 keys (grid (cdiv(Sk, 64), B * Hkv)), 64 queries per step, and per step
@@ -375,8 +376,8 @@ _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
 VARIANTS = (0, 1, 2, 3, 4)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
                             # 3 split-dQ + dK issued before the dS^T publication (the op's route),
-                            # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in, offline only)
-_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9, offline only
+                            # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in; measured 1-2% slower)
+_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
 _SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
 
 
@@ -973,7 +974,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Head dim 256 (session 9, offline only): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
+# Head dim 256 (session 9; routed since session 10): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
 # One CTA = 64 keys; the two consumer warpgroups split the QUERIES of S^T / dP^T (32 each) and the HEAD DIM of
 # dK / dV / dQ (128 columns each). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks, the
 # d = 128 kernels' tile family); P^T and dS^T are exchanged through [64, 64] tiles with a 64-byte swizzle, i.e.
@@ -1322,10 +1323,10 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
-    named-barrier turns between the consumer warpgroups (``TURNS``; offline only). Variants 1-4 exist for
-    d = 64 and 128 (d = 64: offline only, NOT yet run on a GPU; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
-    d = 256 always runs ``_fa3_bwd_kernel_d256`` (offline only, NOT yet run on a GPU; the op does not route d = 256
-    here: ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
+    named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower). Variants 1-4 exist for
+    d = 64 and 128 (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
+    d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
+    ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
     (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")

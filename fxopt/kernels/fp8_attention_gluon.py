@@ -141,7 +141,9 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off; permute_k + cast_late): see
   docs/notes_fp8_pingpong_session8.md. The builds without it are byte-identical (.text) to before.
 * ``poly_exp=K`` (opt-in, ``POLY_EXP_DEFAULT`` 0, constexpr ``POLY_EXP``, K in ``POLY_EXP_CHOICES`` = 0, 1, 2, 3,
-  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 9, offline only): K of every 16 per-thread exp2s of the S tile
+  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 9; on the H200 in session 10 correct (RMSE unchanged) but slower:
+  K = 2 / 4 / 8 at 0.87-1.02 / 0.91-1.01 / 0.87-0.90x the default, benchmarks/results/fp8_poly_check.md, so the
+  step is not bound by MUFU): K of every 16 per-thread exp2s of the S tile
   are computed on the FMA / ALU pipes instead of MUFU.EX2 (FA4's trick), i.e. 4K of the 64 per thread and step.
   Why: MUFU.EX2 runs at 16 / clock / SM (a warp instruction occupies its sub-partition's unit 8 cycles), about as
   long as the step's QGMMAs; taking part of it off MUFU shortens the softmax if MUFU is what it waits on.
@@ -170,7 +172,8 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   figure (K = 1: 1042 vs 992). It pays only if the step (~2,500 cycles measured, far above both) is bound by
   the MUFU queue's latency in the softmax's critical path rather than by issue; benchmarks/fp8_poly_check.py
   measures it. Finer granularity (pack 32 / 64) would be the next step if K = 1 helps.
-* ``persistent=True`` (opt-in, ``PERSISTENT_DEFAULT`` False; session 9, offline only, NOT yet run on a GPU;
+* ``persistent=True`` (opt-in, ``PERSISTENT_DEFAULT`` False; session 9; on the H200 in session 10 bit-identical
+  to the default build, +5.8% at S = 4k causal but -2 to -2.5% at 16k, docs/notes_fp8_persistent_session9.md;
   docs/notes_fp8_persistent_session9.md): attention_gluon.py's variant="persistent" (3-5% faster than its
   non-persistent build on the H200) ported. A separate kernel, ``_fp8_fa3_fwd_persistent_kernel``, so every other
   build is unchanged (the 16 default builds, d 64 / 128 x causal x bf16 / fp16 x lse, have identical SASS
@@ -282,11 +285,11 @@ OVERLAP_DEFAULT = False
 # step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
 # warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
 PINGPONG_DEFAULT = False
-# Opt-in (session 9, offline only): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
+# Opt-in (session 9; measured slower on the H200 in session 10): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
 # polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
 # 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
 POLY_EXP_DEFAULT = 0
-# Opt-in (session 9, offline only): one CTA per SM looping over (head, 128-row query block) work items with two Q
+# Opt-in (session 9; bit-identical, mixed on the H200 in session 10: +5.8% / -2.5%): one CTA per SM looping over (head, 128-row query block) work items with two Q
 # buffers per consumer warpgroup, a never-drained K / V ring and the O store left in flight (attention_gluon.py's
 # variant="persistent", which made the bf16 forward 3-5% faster). A separate kernel, _fp8_fa3_fwd_persistent_kernel.
 PERSISTENT_DEFAULT = False
