@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -240,6 +240,15 @@ phase_s10f() {
     tests/test_w4a16_kernels.py -k test_gpu_gemv1 2>&1 | tail -3
   timeout 200 env FXOPT_W4A16_GEMV1_PREFETCH=1 python3 benchmarks/w4a16.py --ms 1,2,4 --gemv1 --out "$RES" 2>&1 \
     | grep -v "Warn\|warn" | tail -16
+}
+
+phase_s11a() {
+  # session 11, call 1: Nsight Compute on what session 10 could not explain from timings (profile_kernels.sh "s11"):
+  # the 4k decode's ~20 us fixed cost (split vs persistent kernel), the fp8 step (~2,500 cycles against ~1,000 of
+  # MMA, MUFU or issue each), gemv1 at M = 1, the Gluon backward at d = 128 and the d = 64 persistent forward.
+  # ncu's text lands in $RES/profiles (results.tgz); read the stall reasons and DRAM throughput before building more.
+  mkdir -p "$RES/profiles"
+  OUT="$RES/profiles" timeout 560 bash benchmarks/profile_kernels.sh s11
 }
 
 phase_largem() {
