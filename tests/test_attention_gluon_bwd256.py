@@ -172,3 +172,30 @@ def test_gpu_d256_backward_matches_float64(name):
     dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
     for got, want in ((dq3, rdq), (dk3, rdk), (dv3, rdv)):
         assert (got.double() - want).abs().max().item() <= TOL[dtype] * 2 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_d256_route_through_the_op_from_s1024(causal):
+    """``flash_attention_triton_bwd`` routes d = 256 to the Gluon kernel from S = 1024 (``_GLUON_BWD_MIN_SEQ_BY_DIM``,
+    session 10) and keeps S = 512 on the Triton backward; both agree with the float64 backward."""
+    import fxopt.kernels.attention as A
+
+    if GB._GLUON_IMPORT_ERROR is not None:
+        pytest.skip(GB._GLUON_IMPORT_ERROR)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward needs sm_90")
+    if 256 not in A._GLUON_BWD_HEAD_DIMS or "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in __import__("os").environ:
+        pytest.skip("d = 256 routing changed by the environment")
+    for S, routed in ((1024, True), (512, False)):
+        gen = torch.Generator(device="cuda").manual_seed(S)
+        q, k, v, dout = (torch.randn(1, 2, S, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+                         for _ in range(4))
+        out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+        assert A._gluon_bwd_route(dout, q, k, v, out, lse, None, None, 0.0, -1, 0.0, causal, None) is routed
+        _, _, rdq, rdk, rdv, _ = attention_bwd_reference64(q, k, v, dout, causal, 1.0 / math.sqrt(256))
+        grads = A.flash_attention_triton_bwd(dout, q, k, v, out, lse, is_causal=causal)
+        assert not A._GLUON_BWD_FAILED
+        for got, want in zip(grads, (rdq, rdk, rdv)):
+            lim = TOL[torch.bfloat16] * 2 * max(1.0, want.abs().max().item())
+            assert (got.double() - want).abs().max().item() <= lim, (S, causal)

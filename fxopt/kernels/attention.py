@@ -1201,16 +1201,21 @@ _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64",
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
 # against 348 / 246 TFLOP/s), unlike the op-level table of session 7.
 _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
+# d = 256 from S = 1024: there the Triton backward is the weak one (kernel check, session 10: 274 / 226 TFLOP/s for the
+# Gluon d = 256 kernel against 136 / 114 at S = 1024, non-causal / causal; the 18 GPU cases include S = 1024).
+# An explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim.
+_GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {256: 1024}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
                      scale) -> bool:
     """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus Sq and Sk at least
-    ``_GLUON_BWD_MIN_SEQ`` and contiguous q, k, v (the
+    ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim) and contiguous q, k, v (the
     Gluon kernel returns contiguous gradients, the Triton one gradients laid out like q, k, v, which the op's fake
     implementation promises). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
     D = q.shape[-1]
-    if (D not in _GLUON_BWD_HEAD_DIMS or min(q.shape[2], k.shape[2]) < _GLUON_BWD_MIN_SEQ
+    min_seq = _GLUON_BWD_MIN_SEQ_BY_DIM.get(D, _GLUON_BWD_MIN_SEQ)
+    if (D not in _GLUON_BWD_HEAD_DIMS or min(q.shape[2], k.shape[2]) < min_seq
             or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
             or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
             or os.environ.get("FXOPT_ATTN_GLUON_BWD", "1") == "0" or q.device.type != "cuda"
