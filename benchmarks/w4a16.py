@@ -102,28 +102,31 @@ class Rot:
         return self.items[self.i]
 
 
-def time_gemv1(x, ours, calls: int, t_bf: float) -> dict:
-    """Best streamed time of the "gemv1" candidates (``K4.candidate_configs`` lists them for M <= 4 on CUDA), each
-    first compared with the op's own output on the same weights (a wrong config is reported, not timed)."""
+def time_method(x, ours, calls: int, t_bf: float, method: str = "gemv1") -> dict:
+    """Best streamed time of one method's candidates ("gemv1": ``K4.candidate_configs`` lists them for M <= 4 on
+    CUDA; "mma": for M <= 8 with ``FXOPT_W4A16_MMA=1``), each first compared with the op's own output on the same
+    weights (a wrong config is reported, not timed). Columns ``<method>_us`` / ``_x_vs_bf16`` / ``_config`` /
+    ``_rel_err``."""
     M, K = x.shape
     q, s, z = ours[0]
     N = q.shape[1]
     y_op = torch.ops.fxopt.w4a16_linear(x, q, s, z, G).float()
     best, out = None, {}
     for c in K4.candidate_configs(M, N, K, G, integer_zeros=True, dtype=x.dtype, device=x.device):
-        if c.method != "gemv1":
+        if c.method != method:
             continue
         err = float((K4.w4a16_matmul(x, q, s, z, G, config=c).float() - y_op).abs().max() / y_op.abs().max())
         if not err <= 2e-2:
-            print(f"    gemv1 {c.label()}: WRONG (max error {err:.3g} of max |y|), not timed", flush=True)
-            out["gemv1_wrong"] = out.get("gemv1_wrong", "") + c.label() + "; "
+            print(f"    {method} {c.label()}: WRONG (max error {err:.3g} of max |y|), not timed", flush=True)
+            out[f"{method}_wrong"] = out.get(f"{method}_wrong", "") + c.label() + "; "
             continue
         t = streamed_us(lambda it, c=c: K4.w4a16_matmul(x, *it, G, config=c), ours, calls)
         print(f"    {c.label()}: {t:.1f} us (max error vs the op {err:.2g})", flush=True)
         if best is None or t < best[0]:
             best = (t, c.label(), err)
     if best is not None:
-        out.update(gemv1_us=best[0], gemv1_x_vs_bf16=t_bf / best[0], gemv1_config=best[1], gemv1_rel_err=best[2])
+        out.update({f"{method}_us": best[0], f"{method}_x_vs_bf16": t_bf / best[0], f"{method}_config": best[1],
+                    f"{method}_rel_err": best[2]})
     return out
 
 
@@ -135,10 +138,14 @@ def main():
                        "writes w4a16_subset.* instead of the main table")
         p.add_argument("--gemv1", action="store_true", help="for M <= 4 also time every \"gemv1\" candidate (checked "
                        "against the op's output first) and add gemv1_* columns; writes *_gemv1.*")
+        p.add_argument("--mma", action="store_true", help="list the opt-in \"mma\" candidates (FXOPT_W4A16_MMA=1, "
+                       "fxopt/kernels/w4a16_mma.py) and for M <= 8 time each (mma_* columns); writes *_mma.*")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     if args.gemv1:  # the opt-in "gemv1" candidates (fxopt.kernels.w4a16._GEMV1_DEFAULT) are listed only with this
         os.environ["FXOPT_W4A16_GEMV1"] = "1"
+    if args.mma:  # read by candidate_configs at call time
+        os.environ["FXOPT_W4A16_MMA"] = "1"
     if args.verbose:
         import logging
 
@@ -174,13 +181,15 @@ def main():
                 row["fxopt_GBps"] = nbytes / (t_ours * 1e-6) / 1e9
             row["config"] = cfg.label()
             if args.gemv1 and M <= 4:
-                row.update(time_gemv1(x, ours, calls, t_bf))
+                row.update(time_method(x, ours, calls, t_bf, "gemv1"))
+            if args.mma and M <= 8:
+                row.update(time_method(x, ours, calls, t_bf, "mma"))
             rows.append(row)
             print(f"[{time.time() - t0:6.1f}s] K={K} N={N} M={M}: fxopt {t_ours:.1f} us, bf16 {t_bf:.1f}, "
                   f"tinygemm {t_tg:.1f} ({row['config']})", flush=True)
         del ours, bf, tg
         torch.cuda.empty_cache()
-    name = ("w4a16_subset" if args.ms else "w4a16") + ("_gemv1" if args.gemv1 else "")
+    name = ("w4a16_subset" if args.ms else "w4a16") + ("_gemv1" if args.gemv1 else "") + ("_mma" if args.mma else "")
     write_results(name, rows, title="W4A16 linear, group 128, bf16 (fxopt vs cuBLAS bf16 vs tinygemm)",
                   out_dir=args.out,
                   notes="fxopt_us / bf16_us / tinygemm_us: per-call time of calls run back to back in one CUDA graph, "

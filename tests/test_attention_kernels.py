@@ -713,6 +713,19 @@ def test_gluon_pingpong_protocol_single_and_chained_items():
         G.config_for(256, "persistent_pingpong")
 
 
+def test_gluon_fwd_refuses_builds_that_failed_their_gpu_check(monkeypatch):
+    """persistent_pingpong was not bit-identical to overlap on the H200 (session 10): the wrapper refuses it, naming
+    the reason and the debugging switch, before it looks at the inputs."""
+    G = pytest.importorskip("fxopt.kernels.attention_gluon")
+    q = torch.randn(1, 1, 8, 64)
+    monkeypatch.delenv("FXOPT_ATTN_GLUON_UNCHECKED", raising=False)
+    with pytest.raises(ValueError, match="not bit-identical.*FXOPT_ATTN_GLUON_UNCHECKED"):
+        G.gluon_attention_fwd(q, q, q, variant="persistent_pingpong")
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_UNCHECKED", "1")
+    with pytest.raises(ValueError, match="CUDA"):  # past the gate: the usual input checks refuse CPU tensors
+        G.gluon_attention_fwd(q, q, q, variant="persistent_pingpong")
+
+
 def test_gluon_persistent_pingpong_offline_sm90_build():
     """The persistent_pingpong build compiles for sm_90 without spills, with the 16 named-barrier instructions of
     the turns on top of the persistent build's barriers, and the same wgmma count."""

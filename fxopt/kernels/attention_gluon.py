@@ -182,7 +182,11 @@ Semantics
   ``q_ready`` parity ``u & 1``, and releases buffer (t - 1) % 2 in item t after block 0 and ``store_wait``
   (predicated off for t = 0: an extra arrive would shift every later phase). The last item's buffers are never
   released; the consumers ``store_wait`` before exiting.
-* ``variant="persistent_pingpong"`` (opt-in, d = 64 / 128, session 9, offline only, NOT yet run on a GPU): the
+* ``variant="persistent_pingpong"`` (d = 64 / 128, session 9; FAILED its H200 check in session 10: its output is not
+  bit-identical to overlap's, even with num_sms = 1, so the turns change more than the issue order -- a protocol or
+  ordering bug not yet found. ``gluon_attention_fwd`` refuses it unless ``FXOPT_ATTN_GLUON_UNCHECKED=1``; timing
+  with that set: +1-2% at d = 128, -3 to +1% at d = 64 against persistent, benchmarks/results/gluon/
+  variant_check_persistent_pingpong_session10.txt): the
   persistent kernel with variant="pingpong"'s named-barrier turns (constexpr ``PINGPONG`` of
   ``_fa_consumer_persistent``), chained across a CTA's items: warpgroup 0 waits for the turn before an item's first
   issue from the second item on, warpgroup 1 passes it back after its last issue when another item follows, so the
@@ -198,12 +202,36 @@ Semantics
   (~1,000 for the two GEMMs), which is where taking a share off MUFU can pay. Offline sm_90, persistent builds: MUFU.EX2
   396 -> 348 / 300 / 204 (K = 2 / 4 / 8), FFMA 456 -> 648 / 840 / 1224, no spills, highest register 170-237; the K = 0
   build's instructions are unchanged. Not bit-identical to K = 0 (P moves below its 16-bit rounding).
+* ``variant="persistent3"`` (opt-in, d = 64 ONLY, session 10; offline only until its GPU check:
+  ``VCHECK_VARIANTS=persistent,persistent3 python benchmarks/gluon_attention_variant_check.py`` and
+  ``tests/test_attention_gluon_wg3.py -m gpu``): the persistent kernel with THREE consumer warpgroups (constexpr
+  ``NUM_WG = 3`` of ``_fa3_fwd_persistent_kernel``, ``_fa_consumer_persistent_wg2``), i.e. FA3's 192-row query tile
+  at head dim 64. Why: each K / V tile brought into shared memory serves 192 query rows instead of 128, a third less
+  TMA / shared-memory traffic per FLOP, and the per-key-block fixed cost (mbarrier waits, producer work, the
+  step's bookkeeping) is spread over 3 warpgroups' wgmma; the persistent build ran 446-452 TFLOP/s at d = 64 on the
+  H200 (0.95-0.98x cuDNN). Work item = (batch * head, 192-row block): ``num_m = ceil(Sq / 192)``, the same
+  schedules (causal: zigzag pairs, SCHED 1), warpgroup w owns rows m0 + 64 w .. + 63 with its own causal / ragged
+  masking split as before; Q boxes past Sq are zero-filled, the O store clips, lse is masked. Budget:
+  registers: 16 warps (13 rounded to warpgroups), launch maxnreg 128; setmaxnreg producer 24, consumer warpgroups 1
+  and 2 160, warpgroup 0 (default partition) 168: 128 x (24 + 160 + 160 + 168) = 65536, the whole register file
+  (3 consumers at 168 would need 67584). Shared memory at d = 64: Q 2 buffers x 3 warpgroups x 8 KB = 48 KB, K / V
+  ring 3 stages x 32 KB = 96 KB, 147,924 B in all (a 4th stage would still fit: 180 KB). In 160 registers the
+  overlap step's pinned PV wait (the row-sum store) spilled 816 B (S 64 + O 32 + P_{i-1} 32 registers live across
+  the softmax), so persistent3 drops the pin (``PIN_PV=False`` of ``_fa_step_overlap``): ptxas waits for PV_{i-1}
+  after the row max and a warpgroup's exp2s overlap the other two warpgroups' wgmma (``ex2_under_pv`` 0-7 of 66,
+  like the default build). Offline sm_90 (ptxas 12.8), bf16 / fp16, causal or not, SCHED 1 / 0, lse on / off:
+  0 spill bytes, STACK 0, no C75xx, ``wgmma_sass_hazards`` 0, highest register 155-165 (warpgroup 0 may use
+  168, 1 and 2 160), 108 HGMMA (persistent: 72; 176-178, 132,032 B). Not
+  bit-identical to "persistent" (other tile, other masking split): checked against the float64 reference.
+  ``persistent_protocol_model(..., n_consumers=3)`` models it (and catches the planted bugs of
+  ``PROTOCOL_MUTATIONS``). No ping-pong (the named-barrier turns are written for two warpgroups).
 * Not done (next steps): dynamic (atomic) tile scheduler, FP8, backward.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -261,6 +289,24 @@ _CONFIGS = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
 _MAXNREG = 168  # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
+# variant="persistent3" (d = 64 only): THREE consumer warpgroups (192 query rows per item) + the producer warp.
+# warp_specialize rounds the 13 warps up to 16 = 4 warpgroups (512 threads), so the launch's maxnreg is
+# 65536 / 512 = 128. setmaxnreg (sm_90 SASS of the offline build): at entry every worker warp drops to 80 and the
+# default partition (consumer warpgroup 0) takes 256 for the set-up; when the partitions start it gives back to
+# 168 = what is left of 512 x 128 after the workers: consumer warpgroups 1 and 2 raise to 160, the producer
+# warpgroup (1 warp + 3 idle) drops to 24. 128 x (168 + 160 + 160 + 24) = 65536 = the whole register file: one
+# CTA per SM, as the persistent grid wants. Consumers can not get more: three at 168 would need
+# 128 x (3 x 168 + 24) = 67584 > 65536 (24 is setmaxnreg's minimum, counts are multiples of 8).
+# In 160 registers the overlap build's pinned PV wait (the row-sum store, ``_fa_step_overlap``) spilled 816 B
+# in the step loops (S 64 + O 32 + P_{i-1} 32 registers stay live across the whole softmax); persistent3 drops
+# the pin (``PIN_PV``): ptxas waits for PV_{i-1} right after the row max, so a warpgroup's exp2s overlap the
+# other two warpgroups' wgmma instead of its own (0 spills, highest register 155-165 over the 10 builds).
+_WG3_ROWS = 3 * WG_ROWS
+_WG3_HEAD_DIMS = (64,)
+_WG3_STAGES = 3
+_WG3_MAXNREG = 128
+_WG3_CONSUMER_REGS = 160
+_WG3_PRODUCER_REGS = 24
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,7 +521,7 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                      s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
                      CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False, WG: gl.constexpr = 0,
-                     POLY_EXP: gl.constexpr = 0):
+                     POLY_EXP: gl.constexpr = 0, PIN_PV: gl.constexpr = True):
     """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
     owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
     new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
@@ -488,7 +534,10 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
 
     ``PINGPONG`` (variant="pingpong"): warpgroup ``WG`` waits for its turn (``_fa_pp_wait``) after K_i landed and
     before the S_i issue, and hands the turn to the other warpgroup (``_fa_pp_pass``) right after the PV_{i-1}
-    issue, so the other warpgroup's issues follow this one's and its softmax runs under this one's GEMMs."""
+    issue, so the other warpgroup's issues follow this one's and its softmax runs under this one's GEMMs.
+
+    ``PIN_PV=False`` (variant="persistent3" only): no row-sum store, ptxas waits for PV_{i-1} after the row max
+    (the pin kept 128 accumulator / operand registers live across the softmax and spilled in 160 registers)."""
     dtype: gl.constexpr = q_buf.dtype
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
@@ -507,7 +556,8 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     if MASKED:
         s = _fa_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
     p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
-    pin_buf.store(l_i)
+    if PIN_PV:  # False: variant="persistent3" (see _fa_consumer_persistent)
+        pin_buf.store(l_i)
     o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
     mbarrier.arrive(v_empty.index(vs), count=1)
     if CAST_LATE:  # variant="overlap2": one packed cvt per element pair (see _fa_p16)
@@ -865,10 +915,11 @@ def _fa_tile_blocks(m0, SEQ_Q, SEQ_K, TILE_M: gl.constexpr, BLOCK_N: gl.constexp
 def _fa_producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            SCHED: gl.constexpr):
-    """One warp. Item t: Q of both warpgroups into Q buffer t % 2 (use t // 2 of that buffer), then K_j / V_j of
-    the item through the ring with the CTA-wide block counter g (slot g % STAGES, use g // STAGES). It runs ahead
-    into item t + 1 as soon as buffers / slots are released, i.e. while the consumers finish item t."""
+                            SCHED: gl.constexpr, NUM_WG: gl.constexpr = 2):
+    """One warp. Item t: Q of every consumer warpgroup (NUM_WG of them: 2, or 3 for variant="persistent3") into
+    Q buffer t % 2 (use t // 2 of that buffer), then K_j / V_j of the item through the ring with the CTA-wide block
+    counter g (slot g % STAGES, use g // STAGES). It runs ahead into item t + 1 as soon as buffers / slots are
+    released, i.e. while the consumers finish item t."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     g0 = 0
     for t in range(n_local):
@@ -876,17 +927,17 @@ def _fa_producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_re
         b = bh // H
         h = bh % H
         hk = h // GROUP
-        m0 = pid_m * (2 * ROWS)
-        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        m0 = pid_m * (NUM_WG * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, NUM_WG * ROWS, BLOCK_N, CAUSAL)
         qb = t % 2
         # use u = t // 2 of Q buffer qb waits until consumer w released use u - 1 (item t - 2); parity
         # (u & 1) ^ 1 passes at once for u = 0 on a fresh barrier
         q_phase = ((t // 2) & 1) ^ 1
-        for w in gl.static_range(2):
-            mbarrier.wait(q_empty.index(2 * qb + w), q_phase)
-            mbarrier.expect(q_ready.index(2 * qb + w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_ready.index(2 * qb + w),
-                                            _as_tma_box(q_smem.index(2 * qb + w), q_desc))
+        for w in gl.static_range(NUM_WG):
+            mbarrier.wait(q_empty.index(NUM_WG * qb + w), q_phase)
+            mbarrier.expect(q_ready.index(NUM_WG * qb + w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * ROWS, 0], q_ready.index(NUM_WG * qb + w),
+                                            _as_tma_box(q_smem.index(NUM_WG * qb + w), q_desc))
         for g in range(g0, g0 + n_blocks):
             s = g % STAGES
             empty_phase = ((g // STAGES) & 1) ^ 1
@@ -907,9 +958,11 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
                             v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                            PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
-    """Consumer warpgroup WG of the persistent kernel: per item exactly the "overlap" consumer's block 0, loops
-    (``_fa_step_overlap``), tail and epilogue, with the ring position offset by the CTA-wide block counter g0.
+                            PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, NUM_WG: gl.constexpr = 2):
+    """Consumer warpgroup WG (of NUM_WG: 2, or 3 for variant="persistent3") of the persistent kernel: per item
+    exactly the "overlap" consumer's block 0, loops (``_fa_step_overlap``), tail and epilogue, with the ring
+    position offset by the CTA-wide block counter g0. NUM_WG = 3: 192-row items, no PV pin (``PIN_PV``, see
+    _WG3_CONSUMER_REGS: in 160 registers it spilled).
     Differences: Q comes from buffer t % 2; the O tile is staged in that buffer and its TMA store is NOT waited for
     in the epilogue: item t + 1 waits for it (``store_wait``, the store had block 0 of item t + 1 to read the
     shared memory) and then hands the buffer back to the producer (``q_empty``) for item t + 2's Q.
@@ -932,13 +985,14 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     diag_off = SEQ_K - SEQ_Q
     pin_buf = pin.index(WG)
+    PIN_PV: gl.constexpr = NUM_WG == 2
     g0 = 0  # ring position (CTA-wide key-block counter) of the item's block 0
     for t in range(n_local):
         bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
         b = bh // H
         h = bh % H
-        m0 = pid_m * (2 * ROWS)
-        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, 2 * ROWS, BLOCK_N, CAUSAL)
+        m0 = pid_m * (NUM_WG * ROWS)
+        n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, NUM_WG * ROWS, BLOCK_N, CAUSAL)
         row_first = m0 + WG * ROWS
         rows = row_first + gl.arange(0, ROWS, layout=row_layout)
         n_full = SEQ_K // BLOCK_N
@@ -947,8 +1001,8 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         n_full = gl.minimum(n_full, n_blocks)
 
         qb = t % 2
-        q_buf = q_smem.index(2 * qb + WG)
-        mbarrier.wait(q_ready.index(2 * qb + WG), (t // 2) & 1)
+        q_buf = q_smem.index(NUM_WG * qb + WG)
+        mbarrier.wait(q_ready.index(NUM_WG * qb + WG), (t // 2) & 1)
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
@@ -983,19 +1037,19 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         # ---- item t - 1's O store (from the other Q buffer) has read its shared memory: give that buffer back to
         # the producer (item t + 1's Q). Nothing is outstanding for t = 0 and the arrive is skipped then.
         tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(2 * (1 - qb) + WG), count=1, pred=t > 0)
+        mbarrier.arrive(q_empty.index(NUM_WG * (1 - qb) + WG), count=1, pred=t > 0)
 
         # ---- key blocks 1 .. n_blocks - 1 at ring positions g0 + 1 .. g0 + n_blocks - 1
         for i in range(g0 + 1, g0 + n_full):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP)
+                False, PINGPONG, WG, POLY_EXP, PIN_PV)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP)
+                False, PINGPONG, WG, POLY_EXP, PIN_PV)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
         jv = g0 + n_blocks - 1
         vs = jv % STAGES
@@ -1035,10 +1089,10 @@ def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2):
     _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
 
 
 @gluon.jit
@@ -1046,10 +1100,22 @@ def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2):
     _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
+
+
+@gluon.jit
+def _fa_consumer_persistent_wg2(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
+                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr):
+    # variant="persistent3" only: the third consumer warpgroup, query rows m0 + 128 .. m0 + 191 of the 192-row tile
+    _fa_consumer_persistent(2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
 
 
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
@@ -1059,10 +1125,13 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
                                NUM_M_BLOCKS, NUM_BH, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                               PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
-    """variant="persistent" / "persistent_lpt" / "persistent_pingpong" (PINGPONG): grid (P,), P <= number of SMs; CTA pid runs the work items
+                               PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0,
+                               NUM_WG: gl.constexpr = 2):
+    """variant="persistent" / "persistent_lpt" / "persistent_pingpong" (PINGPONG) / "persistent3" (NUM_WG = 3):
+    grid (P,), P <= number of SMs; CTA pid runs the work items
     ``_fa_sched_item(t, pid, ...)`` for t < ``_fa_sched_count(...)``, each exactly like one CTA of the "overlap"
-    build. Shared memory: two Q buffers per consumer warpgroup (4 x 64 x d), the K / V ring, the pin slots."""
+    build. Shared memory: two Q buffers per consumer warpgroup (2 x NUM_WG x 64 x d), the K / V ring, the pin slots.
+    NUM_WG = 3: three consumer warpgroups (a 192-row query tile per item), no ping-pong."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)
@@ -1071,38 +1140,61 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
 
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], tile_layout)  # index 2 * buffer + warpgroup
+    # index NUM_WG * buffer + warpgroup
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG, ROWS, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
+    for i in gl.static_range(2 * NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)  # the producer's expect-arrive + TMA bytes
         mbarrier.init(q_empty.index(i), count=1)  # the one consumer warpgroup that reads this buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
-    pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    gl.warp_specialize([
-        (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                       v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
-                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
-                                       PINGPONG, POLY_EXP)),
-        (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                       v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q,
-                                       SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE,
-                                       PINGPONG, POLY_EXP)),
-        (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                   k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
-                                   SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    pin = gl.allocate_shared_memory(gl.float32, [NUM_WG, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if NUM_WG == 3:
+        # variant="persistent3": consumer warpgroups 0 (default partition), 1, 2 and the producer warp: 13 warps,
+        # 16 after rounding to warpgroups; registers per SM: see _WG3_CONSUMER_REGS
+        gl.static_assert(not PINGPONG, "persistent3 has no ping-pong turns (they are written for two warpgroups)")
+        gl.warp_specialize([
+            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+            (_fa_consumer_persistent_wg2, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+            (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                       k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED, NUM_WG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                           WRITE_LSE, PINGPONG, POLY_EXP)),
+            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                           WRITE_LSE, PINGPONG, POLY_EXP)),
+            (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                       k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1119,12 +1211,15 @@ def _gl_dtype(dt):
     return _TORCH_TO_GL[dt]
 
 
-VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong", "persistent_pingpong")
+# Builds that failed their H200 check: refused by gluon_attention_fwd unless FXOPT_ATTN_GLUON_UNCHECKED=1.
+_FAILED_GPU_CHECK = {"persistent_pingpong": "was not bit-identical to variant 'overlap' on the H200 (session 10)"}
+VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong", "persistent_pingpong",
+            "persistent3")
 # Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
 # K / V ring (d = 256 would need 2 x 2 x 64 x 256 x 2 = 128 KB of Q plus 128 KB of K / V > 227 KB).
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
-_PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2, "persistent_pingpong": 1}
+_PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2, "persistent_pingpong": 1, "persistent3": 1}
 # variant="pingpong": the overlap build's tiles; every head dim compiles clean offline (session 8).
 _PINGPONG_HEAD_DIMS = (64, 128, 256)
 
@@ -1136,11 +1231,15 @@ def config_for(head_dim: int, variant: str = "default") -> dict:
     ``variant="pingpong"``: ``OVERLAP=True`` and ``PINGPONG=True`` (named-barrier turns of the two warpgroups);
     ``variant="persistent"`` / ``"persistent_lpt"``: the overlap build's tiles in ``_fa3_fwd_persistent_kernel``
     (``PERSISTENT=True``; ``SCHED_CAUSAL`` = the causal schedule), d = 64 / 128 only (see the module
-    docstring). Raises ValueError for an unknown variant, head dim, or an unsupported combination."""
+    docstring). ``variant="persistent3"``: the persistent kernel with three consumer warpgroups (``NUM_WG=3``,
+    192-row query tiles; registers and ``maxnreg`` of the 16-warp CTA), d = 64 only.
+    Raises ValueError for an unknown variant, head dim, or an unsupported combination."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
     if head_dim not in _CONFIGS:
         raise ValueError(f"head dim {head_dim} not supported (only {sorted(_CONFIGS)})")
+    if variant == "persistent3" and head_dim not in _WG3_HEAD_DIMS:
+        raise ValueError(_wg3_head_dim_reason(head_dim))
     if variant in _PERSISTENT_SCHED and head_dim not in _PERSISTENT_HEAD_DIMS:
         raise ValueError(f"variant {variant!r} supports head dims {_PERSISTENT_HEAD_DIMS}, not {head_dim}: its two "
                          f"Q buffers per consumer warpgroup and the K / V ring do not fit in 227 KB of shared memory")
@@ -1156,7 +1255,22 @@ def config_for(head_dim: int, variant: str = "default") -> dict:
     if variant in _PERSISTENT_SCHED:
         cfg["PERSISTENT"] = True
         cfg["SCHED_CAUSAL"] = _PERSISTENT_SCHED[variant]
+    if variant == "persistent3":
+        cfg.update(STAGES=_WG3_STAGES, NUM_WG=3, maxnreg=_WG3_MAXNREG, CONSUMER_REGS=_WG3_CONSUMER_REGS,
+                   PRODUCER_REGS=_WG3_PRODUCER_REGS)
     return cfg
+
+
+def _wg3_head_dim_reason(head_dim: int) -> str:
+    return (f"variant 'persistent3' supports head dim 64 only, not {head_dim}: its three consumer warpgroups get "
+            f"{_WG3_CONSUMER_REGS} registers per thread (16 warps share the 64K register file), which holds the "
+            f"64 x 64 fp32 O accumulator (32 / thread), the 64 x 128 S tile (64) and the 16-bit P (32) at d = 64; "
+            f"at d = 128 O alone is 64 registers per thread and the working set exceeds {_WG3_CONSUMER_REGS}")
+
+
+def rows_per_item(variant: str = "default") -> int:
+    """Query rows per CTA tile / work item of a variant: 3 x 64 for "persistent3", else 2 x 64."""
+    return _WG3_ROWS if variant == "persistent3" else NUM_CONSUMERS * WG_ROWS
 
 
 def persistent_schedule(num_m: int, num_bh: int, causal: bool, num_sms: int, variant: str = "persistent"):
@@ -1197,6 +1311,22 @@ def persistent_items(pid: int, P: int, num_m: int, num_bh: int, sched: int, caus
                 pid_m = num_m - 1 - pid_m
         out.append((bh, pid_m))
     return out
+
+
+def persistent_tile_blocks(pid_m: int, wg: int, seq_q: int, seq_k: int, causal: bool, variant: str = "persistent"):
+    """CPU mirror of the persistent consumer's per-item key-block plan (``_fa_tile_blocks`` and the ``n_full`` of
+    ``_fa_consumer_persistent``; same integer formulas): (first query row of warpgroup ``wg``, key blocks of the
+    item, leading blocks that warpgroup runs unmasked), for the variant's tile (192 rows for "persistent3")."""
+    tile_m = rows_per_item(variant)
+    block_n = config_for(64 if variant == "persistent3" else 128, variant)["BLOCK_N"]
+    m0 = pid_m * tile_m
+    hi = min(seq_k, m0 + tile_m + (seq_k - seq_q)) if causal else seq_k
+    n_blocks = max(-(-hi // block_n), 1)
+    row_first = m0 + wg * WG_ROWS
+    n_full = seq_k // block_n
+    if causal:
+        n_full = min(n_full, max(row_first + (seq_k - seq_q) + 1, 0) // block_n)
+    return row_first, n_blocks, min(n_full, n_blocks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1270,8 +1400,6 @@ def resolve_poly_exp(poly_exp, persistent: bool) -> int:
     """The POLY_EXP constexpr of a launch: ``poly_exp`` if given (non-zero needs a persistent variant), else
     ``FXOPT_ATTN_GLUON_POLY_EXP`` for persistent launches (other variants ignore it), else 0. ValueError for a value
     outside ``POLY_EXP_CHOICES``."""
-    import os
-
     src = "poly_exp"
     if poly_exp is None:
         env = os.environ.get("FXOPT_ATTN_GLUON_POLY_EXP")
@@ -1301,7 +1429,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
     ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the module docstring; both
     checked on the H200, "overlap" is what the op routes to), "overlap2", "pingpong", "persistent",
-    "persistent_lpt" (opt-in; persistent d = 64 / 128 only). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
+    "persistent_lpt" (opt-in; persistent d = 64 / 128 only), "persistent3" (opt-in, d = 64 only: three consumer
+    warpgroups, 192-row tiles). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
     stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
     the grid's upper bound (default: the device's SM count; small values force many items per CTA).
     ``poly_exp``: persistent variants only (opt-in, session 9, offline only): that many of every 16 per-thread
@@ -1310,6 +1439,9 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     its 16-bit rounding)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
+    if variant in _FAILED_GPU_CHECK and os.environ.get("FXOPT_ATTN_GLUON_UNCHECKED", "0") != "1":
+        raise ValueError(f"gluon_attention_fwd: variant {variant!r} {_FAILED_GPU_CHECK[variant]}; set "
+                         f"FXOPT_ATTN_GLUON_UNCHECKED=1 to run it anyway (debugging only)")
     persistent = variant in _PERSISTENT_SCHED
     poly = resolve_poly_exp(poly_exp, persistent)
     if num_sms is not None and (not persistent or int(num_sms) < 1):
@@ -1320,6 +1452,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if reason is None and out is not None:
         reason = _tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
             f"out {tuple(out.shape)} {out.dtype} does not match q {tuple(q.shape)} {q.dtype}"
+    if reason is None and variant == "persistent3" and q.shape[-1] not in _WG3_HEAD_DIMS:
+        reason = _wg3_head_dim_reason(q.shape[-1])
     if reason is None and persistent and q.shape[-1] not in _PERSISTENT_HEAD_DIMS:
         reason = (f"variant {variant!r} supports head dims {_PERSISTENT_HEAD_DIMS}, not {q.shape[-1]} (two Q "
                   f"buffers per consumer warpgroup do not fit in shared memory next to the K / V ring)")
@@ -1342,7 +1476,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             lse.fill_(float("inf"))
         return out, lse_ret
     cfg = config_for(D, variant)
-    rows_per_cta = NUM_CONSUMERS * WG_ROWS
+    rows_per_cta = rows_per_item(variant)  # 192 for persistent3 (NUM_WG = 3), else 128
     num_m = (Sq + rows_per_cta - 1) // rows_per_cta  # not triton.cdiv: a ConstexprFunction, slow on the host
     if persistent:
         sched, n_cta = persistent_schedule(num_m, B * Hq, bool(causal), int(num_sms or _num_sms(q.device)),
@@ -1363,7 +1497,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
             WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-            **({"PINGPONG": True} if cfg.get("PINGPONG") else {}), **({"POLY_EXP": poly} if poly else {}))
+            **({"PINGPONG": True} if cfg.get("PINGPONG") else {}), **({"POLY_EXP": poly} if poly else {}),
+            **({"NUM_WG": cfg["NUM_WG"]} if cfg.get("NUM_WG", 2) != 2 else {}))
         return out, lse_ret
     grid = (num_m, B * Hq)
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
@@ -1415,12 +1550,13 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["SCHED"] = sig["WRITE_LSE"] = "constexpr"
         constexprs["SCHED"] = (cfg["SCHED_CAUSAL"] if causal else 0) if sched is None else int(sched)
         constexprs["WRITE_LSE"] = bool(write_lse)
-        if cfg.get("PINGPONG") or poly_exp:
-            sig["PINGPONG"] = "constexpr"
-            constexprs["PINGPONG"] = bool(cfg.get("PINGPONG"))
-        if poly_exp:
-            sig["POLY_EXP"] = "constexpr"
-            constexprs["POLY_EXP"] = resolve_poly_exp(poly_exp, True)
+        # the trailing constexprs in the kernel's positional order; all given (a constexpr the offline build
+        # leaves out arrives as None, not as its default): PINGPONG False / POLY_EXP 0 / NUM_WG 2 compile to the
+        # code a launch without them gets
+        sig["PINGPONG"] = sig["POLY_EXP"] = sig["NUM_WG"] = "constexpr"
+        constexprs["PINGPONG"] = bool(cfg.get("PINGPONG"))
+        constexprs["POLY_EXP"] = resolve_poly_exp(poly_exp, True)
+        constexprs["NUM_WG"] = cfg.get("NUM_WG", 2)
         src = GluonASTSource(_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
     else:
         if cfg.get("OVERLAP"):
@@ -1440,7 +1576,6 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
 
 
 def _tool(name: str, data, suffix: str, *args) -> str:
-    import os
     import subprocess
     import tempfile
 
@@ -1536,16 +1671,20 @@ def _model_wait(bar, parity):
         yield
 
 
-def _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, load):
-    """The persistent kernels' producer warp in the CPU models (bf16 and fp8 share it): per item t, both warpgroups'
-    Q into buffer t % 2 once its previous reader released it, then the item's K / V blocks on the CTA-wide ring
-    (``load(kind, index, barrier, content)``: an async TMA copy that lands later)."""
+def _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, load,
+                               n_consumers: int = 2, q_stride: Optional[int] = None):
+    """The persistent kernels' producer warp in the CPU models (bf16 and fp8 share it): per item t, every consumer
+    warpgroup's Q (``n_consumers`` of them: 2, or 3 for variant="persistent3") into buffer t % 2 once its previous
+    reader released it, then the item's K / V blocks on the CTA-wide ring (``load(kind, index, barrier, content)``:
+    an async TMA copy that lands later). Q buffer of (t, w): ``q_stride * (t % 2) + w``, q_stride = n_consumers
+    as in the kernel (another value only to plant a bug in the tests)."""
+    q_stride = n_consumers if q_stride is None else q_stride
     g0 = 0
     for t, n in enumerate(n_blocks):
         qb, q_phase = t % 2, ((t // 2) & 1) ^ 1
-        for w in (0, 1):
-            yield from _model_wait(q_empty[2 * qb + w], q_phase)
-            load("q", 2 * qb + w, q_ready[2 * qb + w], (t, w))
+        for w in range(n_consumers):
+            yield from _model_wait(q_empty[q_stride * qb + w], q_phase)
+            load("q", q_stride * qb + w, q_ready[q_stride * qb + w], (t, w))
         for g in range(g0, g0 + n):
             s, empty_phase = g % stages, ((g // stages) & 1) ^ 1
             yield from _model_wait(k_empty[s], empty_phase)
@@ -1555,25 +1694,41 @@ def _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_em
         g0 += n
 
 
-def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6) -> int:
-    """CPU model of the persistent kernel's mbarrier protocol: ``_fa_producer_persistent`` and two
-    ``_fa_consumer_persistent`` warpgroups, statement for statement (waits, expect-arrives, releases, the deferred
-    O store and its ``store_wait``), run over one CTA's items (``n_blocks[t]`` key blocks each) in a random
-    interleaving, with TMA loads landing and TMA stores finishing at random later points. mbarriers as on sm_90:
-    a count, a phase counter, a transaction count, parity waits (``wait(parity)`` passes once the phase of that
-    parity completed; a fresh barrier passes parity 1). Raises AssertionError on a deadlock (no progress in
-    max_steps), on a consumer reading data of another item / block, or on a TMA write landing in a buffer that a
-    consumer still reads or that an O store still reads. Returns the number of steps taken."""
+# Planted bugs for the tests of persistent_protocol_model (the model must catch each):
+# "empty_count_2": k_empty / v_empty initialised with count 2 whatever the number of consumers (a 2-consumer
+#   leftover: with 3 warpgroups the producer refills a slot the third one still reads);
+# "q_stride_2": Q buffer index 2 * (t % 2) + w (the 2-consumer formula: with 3 warpgroups item t + 1's Q of
+#   warpgroup 0 lands in the buffer warpgroup 2 reads for item t);
+# "no_store_wait": the Q buffer handed back without waiting for the O store that reads it.
+PROTOCOL_MUTATIONS = ("empty_count_2", "q_stride_2", "no_store_wait")
+
+
+def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_steps: int = 10 ** 6,
+                              n_consumers: int = 2, mutation: Optional[str] = None) -> int:
+    """CPU model of the persistent kernel's mbarrier protocol: ``_fa_producer_persistent`` and ``n_consumers``
+    ``_fa_consumer_persistent`` warpgroups (2; 3 = variant="persistent3", ``NUM_WG``), statement for statement
+    (waits, expect-arrives, releases, the deferred O store and its ``store_wait``), run over one CTA's items
+    (``n_blocks[t]`` key blocks each) in a random interleaving, with TMA loads landing and TMA stores finishing at
+    random later points. mbarriers as on sm_90: a count, a phase counter, a transaction count, parity waits
+    (``wait(parity)`` passes once the phase of that parity completed; a fresh barrier passes parity 1). Raises
+    AssertionError on a deadlock (no progress in max_steps), on a consumer reading data of another item / block,
+    or on a TMA write landing in a buffer that a consumer still reads or that an O store still reads. Returns the
+    number of steps taken. ``mutation``: one of ``PROTOCOL_MUTATIONS`` (a planted bug, for the tests)."""
     import random
 
+    assert mutation is None or mutation in PROTOCOL_MUTATIONS, mutation
+    nc = n_consumers
+    q_stride = 2 if mutation == "q_stride_2" else nc
+    n_q = 2 * max(nc, q_stride)
     Bar = _ModelBar
     rng = random.Random(seed)
-    q_ready, q_empty = [Bar(1) for _ in range(4)], [Bar(1) for _ in range(4)]
+    q_ready, q_empty = [Bar(1) for _ in range(n_q)], [Bar(1) for _ in range(n_q)]
     k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
-    k_empty, v_empty = [Bar(2) for _ in range(stages)], [Bar(2) for _ in range(stages)]
-    bufs = {"q": [None] * 4, "k": [None] * stages, "v": [None] * stages}
+    empty_count = 2 if mutation == "empty_count_2" else nc
+    k_empty, v_empty = [Bar(empty_count) for _ in range(stages)], [Bar(empty_count) for _ in range(stages)]
+    bufs = {"q": [None] * n_q, "k": [None] * stages, "v": [None] * stages}
     held = {}  # (kind, index) -> consumers reading it
-    storing = {0: set(), 1: set()}  # Q buffers an O store of consumer w still reads
+    storing = {w: set() for w in range(nc)}  # Q buffers an O store of consumer w still reads
     pending = []  # TMA completions not yet happened
 
     def assert_free(kind, i):
@@ -1595,7 +1750,7 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
 
     def producer():
         return _model_persistent_producer(n_blocks, stages, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                          load)
+                                          load, nc, q_stride)
 
     def consumer(w):
         def use(kind, i, bar, parity, want):
@@ -1609,20 +1764,20 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
             bar.arrive()
 
         def store_wait():
-            while storing[w]:
+            while storing[w] and mutation != "no_store_wait":
                 yield
 
         g0 = 0
         for t, n in enumerate(n_blocks):
             qb = t % 2
-            qi = 2 * qb + w
+            qi = q_stride * qb + w
             yield from use("q", qi, q_ready[qi], (t // 2) & 1, (t, w))
             ks = g0 % stages
             yield from use("k", ks, k_ready[ks], (g0 // stages) & 1, (t, 0))
             yield from release("k", ks, k_empty[ks])
             yield from store_wait()
             if t > 0:
-                q_empty[2 * (1 - qb) + w].arrive()
+                q_empty[q_stride * (1 - qb) + w].arrive()
             for i in range(g0 + 1, g0 + n):
                 ks, vs = i % stages, (i - 1) % stages
                 yield from use("k", ks, k_ready[ks], (i // stages) & 1, (t, i - g0))
@@ -1645,17 +1800,19 @@ def persistent_protocol_model(n_blocks: list, stages: int, seed: int = 0, max_st
                 storing[w].discard(qi)
             pending.append(store_done)
             yield
-        yield from store_wait()
+        while storing[w]:  # the kernel's final store_wait (kept in every mutation: it ends the model)
+            yield
 
-    steps = _interleave({"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}, pending, rng,
-                        max_steps)
-    return steps
+    agents = {"producer": producer()}
+    agents.update({f"consumer{w}": consumer(w) for w in range(nc)})
+    return _interleave(agents, pending, rng, max_steps)
 
 
-def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -> str:
+def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1, n_consumers=(2, 3)) -> str:
     """CPU checks behind the persistent variants: (1) ``persistent_items`` covers every (bh, query block) exactly
     once for every schedule over a sweep of grids, (2) ``persistent_protocol_model`` finds no deadlock or buffer
-    hazard over ``trials`` random interleavings (STAGES 1-3, 1-9 items of 1-6 key blocks), (3) the
+    hazard over ``trials`` random interleavings (STAGES 1-3, 1-9 items of 1-6 key blocks) for each consumer count
+    in ``n_consumers`` (2: persistent / persistent_lpt / persistent_pingpong; 3: persistent3), (3) the
     variant="pingpong" named-barrier model (``check_pingpong_protocol``, trials / 2). Returns a summary."""
     import itertools
     import random
@@ -1672,11 +1829,14 @@ def check_persistent_schedules_and_protocol(trials: int = 3000, seed: int = 1) -
                     assert sorted(seen) == [(b, m) for b in range(num_bh) for m in range(num_m)], \
                         (num_m, num_bh, P, sched)
                     n_grids += 1
-    rng = random.Random(seed)
-    for k in range(trials):
-        persistent_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 9))], 1 + k % 3, seed=k)
+    for nc in n_consumers:
+        rng = random.Random(seed)
+        for k in range(trials):
+            persistent_protocol_model([rng.randint(1, 6) for _ in range(rng.randint(1, 9))], 1 + k % 3, seed=k,
+                                      n_consumers=nc)
     return (f"schedules: {n_grids} (grid, schedule) cases cover every work item once; protocol: {trials} random "
-            f"interleavings without deadlock or hazard; " + check_pingpong_protocol(max(trials // 2, 1), seed))
+            f"interleavings each with {', '.join(map(str, n_consumers))} consumer warpgroups without deadlock or "
+            f"hazard; " + check_pingpong_protocol(max(trials // 2, 1), seed))
 
 
 def pingpong_protocol_model(n_blocks, stages: int, n_full=(0, 0), seed: int = 0, max_steps: int = 10 ** 6):
@@ -1840,7 +2000,6 @@ def check_pingpong_protocol(trials: int = 2000, seed: int = 2) -> str:
 
 if __name__ == "__main__":  # pragma: no cover - tooling
     import argparse
-    import os
     import re
 
     ap = argparse.ArgumentParser(description="offline sm_90 compile of every Gluon attention config")
@@ -1861,7 +2020,8 @@ if __name__ == "__main__":  # pragma: no cover - tooling
         sass_of = wgmma_sass_hazards = None
     for variant in args.variants.split(","):
         for D in [int(x) for x in args.dims.split(",")]:
-            if variant in _PERSISTENT_SCHED and D not in _PERSISTENT_HEAD_DIMS:
+            if (variant in _PERSISTENT_SCHED and D not in _PERSISTENT_HEAD_DIMS) or (
+                    variant == "persistent3" and D not in _WG3_HEAD_DIMS):
                 print(f"{variant}_d{D}: not supported (config_for raises ValueError)")
                 continue
             for causal in (False, True):

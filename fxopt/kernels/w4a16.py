@@ -813,6 +813,9 @@ class W4A16Config:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
         if self.method == "dequant_matmul":
             return self.method
+        if self.method == "mma":  # session 10 (fxopt/kernels/w4a16_mma.py): block_n = warps x 16 R columns
+            return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
+                    + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
         if self.method == "gemv1":
             return (f"gemv1 bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
                     + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
@@ -976,6 +979,31 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
     return out
 
 
+# ---- session 10: tuner hook of the opt-in "mma" kernel (fxopt/kernels/w4a16_mma.py: mma.sync with the int4 codes and
+# x as register operands, Gluon, sm_80+). Built offline only so far: listed only with FXOPT_W4A16_MMA=1 until its GPU
+# test (tests/test_w4a16_mma.py, -m gpu) has passed; the tuner checks its output against the default config's first.
+_MMA_DEFAULT = "0"
+
+
+def _mma_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
+    """The "mma" candidates: M buckets up to 8, CUDA devices of compute capability >= 8.0 with Gluon, only with
+    ``FXOPT_W4A16_MMA=1``; listed last (the heuristic default does not change)."""
+    if (_m_bucket(M) > 8 or device is None or torch.device(device).type != "cuda"
+            or os.environ.get("FXOPT_W4A16_MMA", _MMA_DEFAULT) != "1"):
+        return []
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 0):
+        return []
+    try:
+        from fxopt.kernels import w4a16_mma
+    except Exception as e:  # noqa: BLE001
+        log.debug("w4a16: mma kernel unavailable (%s)", e)
+        return []
+    if not w4a16_mma.HAS_GLUON:
+        return []
+    return w4a16_mma.candidate_configs(M, N, K, group_size, num_sms)
+# ---- end of the "mma" hook
+
+
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None,
                       device=None) -> list[W4A16Config]:
@@ -1055,7 +1083,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
-            + _gemv1_configs(M, N, K, group_size, num_sms, device))
+            + _gemv1_configs(M, N, K, group_size, num_sms, device)
+            + _mma_configs(M, N, K, group_size, num_sms, device))  # "mma": opt-in, session 10
 
 
 _TUNED: dict = {}
@@ -1125,8 +1154,8 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     best, best_t = cands[0], float("inf")
     for c in cands:
         try:
-            if c.method == "gemv1" and not _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, c,
-                                                                 cands[0]):
+            if c.method in ("gemv1", "mma") and not _agrees_with_default(  # "mma": session 10, opt-in
+                    x2d, qweight, scales, zeros, group_size, bias, c, cands[0]):
                 continue
             t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c))
         except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
@@ -1297,6 +1326,41 @@ def _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Confi
     return y
 
 
+def sass_loops(compiled, loop_needs: str = ""):
+    """Offline SASS of a compiled kernel (Triton's bundled cuobjdump; no GPU): (sass text, resource usage {reg,
+    stack, shared, local}, instruction list, innermost backward-branch loops as (first, last) instruction indices).
+    ``loop_needs``: keep only loops whose body contains that opcode text (e.g. "HMMA")."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+    res = dict(zip(("reg", "stack", "shared", "local"), (int(v) for v in m.groups())))
+    found = list(re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass))
+    ins = [f_.group(2).strip() for f_ in found]
+    addrs = [int(f_.group(1), 16) for f_ in found]
+    index = {a: i for i, a in enumerate(addrs)}
+    loops = []
+    for i, op in enumerate(ins):
+        b = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if b and int(b.group(1), 16) < addrs[i] and int(b.group(1), 16) in index:
+            t = index[int(b.group(1), 16)]
+            if not loop_needs or any(loop_needs in x for x in ins[t:i + 1]):
+                loops.append((t, i))
+    loops = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] < lp[1] for o in loops if o != lp)]
+    return sass, res, ins, loops
+
+
 def gemv1_offline_report(M: int, K: int, N: int, cfg: W4A16Config, dtype: torch.dtype = torch.bfloat16,
                          group_size: int = 128, bias: bool = False, keep_sass: bool = False) -> dict:
     """Compile one "gemv1" config for sm_90 on the CPU (no GPU: ``triton.compile`` with ``GPUTarget("cuda", 90,
@@ -1306,9 +1370,6 @@ def gemv1_offline_report(M: int, K: int, N: int, cfg: W4A16Config, dtype: torch.
     ISETP / SEL / LEA run at half rate on sm_90). Arguments are specialized as the JIT would (pointers 16-byte
     aligned, ints divisible by 16 marked so)."""
     import collections
-    import re
-    import subprocess
-    import tempfile
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -1338,27 +1399,10 @@ def gemv1_offline_report(M: int, K: int, N: int, cfg: W4A16Config, dtype: torch.
             sig[p.name], consts[(i,)] = "constexpr", m["meta"][p.name]
     compiled = triton.compile(ASTSource(_w4a16_gemv1_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options=m["opts"])
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout
-    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
-    ins = [m_.group(2).strip() for m_ in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
-    addrs = [int(m_.group(1), 16) for m_ in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
-    index = {a: i for i, a in enumerate(addrs)}
-    loops = []  # innermost backward branches: the K loop
-    for i, op in enumerate(ins):
-        b = re.search(r"BRA (0x[0-9a-f]+)", op)
-        if b and int(b.group(1), 16) < addrs[i] and int(b.group(1), 16) in index:
-            loops.append((index[int(b.group(1), 16)], i))
-    loops = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] < lp[1] for o in loops if o != lp)]
+    sass, res, ins, loops = sass_loops(compiled)
     w_per_iter = bk * cfg.block_n / (32 * warps)
     alu = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "SGXT", "PLOP3", "IABS", "FLO", "POPC", "VIADD"}
-    out = dict(reg=int(res.group(1)), stack=int(res.group(2)), local=int(res.group(4)), split=split, block_k=bk,
+    out = dict(reg=res["reg"], stack=res["stack"], local=res["local"], split=split, block_k=bk,
                warps=warps, total_instr=len(ins), loops=[], **({"sass": sass} if keep_sass else {}))
     for t, e in loops:
         ops = collections.Counter((op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
@@ -1387,6 +1431,10 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
                                  **({"regs": cfg.regs} if cfg.regs else {}), **({"deq": cfg.deq} if cfg.deq else {}))
     if cfg.method == "gemv1":
         return _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg)
+    if cfg.method == "mma":  # session 10, opt-in (FXOPT_W4A16_MMA=1): fxopt/kernels/w4a16_mma.py
+        from fxopt.kernels import w4a16_mma
+
+        return w4a16_mma.launch_config(x2d, qweight, scales, zeros, group_size, bias, cfg)
     spans_groups = cfg.method == "gemv2" and cfg.block_k % group_size == 0
     if K % cfg.block_k or (group_size % cfg.block_k and not spans_groups) or cfg.block_k % 16:
         raise ValueError(f"w4a16: block_k {cfg.block_k} must be a multiple of 16 dividing group size {group_size}")
