@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -249,6 +249,27 @@ phase_s11a() {
   # ncu's text lands in $RES/profiles (results.tgz); read the stall reasons and DRAM throughput before building more.
   mkdir -p "$RES/profiles"
   OUT="$RES/profiles" timeout 560 bash benchmarks/profile_kernels.sh s11
+}
+
+phase_s11b() {
+  # session 11: the d = 64 persistent3 forward (3 consumer warpgroups; GPU tests, then its variant check against
+  # float64 and timing next to persistent: route _GLUON_FWD_VARIANT[64] = "persistent3" if every case passes and it
+  # wins the d = 64 rows), the d = 256 backward route from S = 1024 (GPU test), then the quick table with session
+  # 10's routes (d = 256 Gluon backward)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gluon_wg3.py 2>&1 | tail -3
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gluon_bwd256.py -k route 2>&1 | tail -2
+  timeout 175 env VCHECK_VARIANTS=persistent,persistent3 \
+    python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check_s11_wg3.txt" 2>&1
+  echo "variant check rc=$?"; grep -v "PASS$" "$OUT/variant_check_s11_wg3.txt" | grep -v "^\s*$" | tail -16
+  timeout 200 python3 benchmarks/attention.py --quick --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -12
+}
+
+phase_s11c() {
+  # session 11: the opt-in W4A16 mma.sync register-operand kernel (w4a16_mma.py). GPU tests, then the M <= 8 rows
+  # with its candidates listed and timed (mma_* columns): _MMA_DEFAULT = "1" if the tests pass and it wins rows
+  timeout 240 env FXOPT_W4A16_MMA=1 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_w4a16_mma.py \
+    2>&1 | tail -3
+  timeout 300 python3 benchmarks/w4a16.py --ms 1,2,4,8 --gemv1 --mma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
 }
 
 phase_largem() {
