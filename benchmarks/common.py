@@ -73,6 +73,32 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def streamed_us(fn, items, calls: int = 48, reps: int = 20) -> float:
+    """Per-call time (us) of ``fn(item)`` when calls run back to back, each on the next rotated item (weight or K/V
+    copies that together exceed L2 several times, so none is read from L2), as the layers of a model's forward pass
+    run. One CUDA graph holds ``calls`` calls;
+    its replays are timed with events. Nothing else runs between calls, in particular no L2 flush whose dirty lines
+    the timed call would have to write back."""
+    for it in items:
+        fn(it)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(items[i % len(items)])
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def bench_ms_fixed(fn, warmup: int = 10, iters: int = 100) -> float:
     """Median time of ``fn()`` in ms over a fixed number of calls: for functions that hold collectives.
 

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_ms, parse_args, write_results  # noqa: E402
+from common import bench_ms, parse_args, streamed_us, write_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -66,31 +66,6 @@ def graphed(fn, items):
         graphs.append(g)
     rot = Rot(graphs)
     return lambda: rot.next().replay()
-
-
-def streamed_us(fn, items, calls: int = 48, reps: int = 20) -> float:
-    """Per-call time of ``fn`` when calls run back to back, each on the next rotated weight copy (none of them in L2:
-    the copies total > 3x L2), as the linears of a model's forward pass do. One CUDA graph holds ``calls`` calls;
-    its replays are timed with events. Nothing else runs between calls, in particular no L2 flush whose dirty lines
-    the timed call would have to write back."""
-    for it in items:
-        fn(it)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(items[i % len(items)])
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 class Rot:
