@@ -272,6 +272,20 @@ phase_s11c() {
   timeout 300 python3 benchmarks/w4a16.py --ms 1,2,4,8 --gemv1 --mma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
 }
 
+phase_s11d() {
+  # session 11: the instruction-count cuts of session 10 (offline only until here). fp8: MMA_ROWSUM (row sum of P by
+  # a small wgmma; model 817 -> ~920 TFLOP/s) and LAZY_RESCALE: GPU tests, then fp8_rowsum_check (accuracy table +
+  # timing; MMA_ROWSUM_DEFAULT = True if accurate and >= +3% on all four rows). bf16: mma_rowsum for the persistent
+  # forward (GPU tests, then the variant check with VCHECK_ROWSUM=1)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gluon_rowsum.py 2>&1 | tail -3
+  timeout 200 python3 benchmarks/fp8_rowsum_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
+  [ -f tests/test_attention_gluon_rowsum.py ] && timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_attention_gluon_rowsum.py 2>&1 | tail -3
+  timeout 150 env VCHECK_ROWSUM=1 VCHECK_VARIANTS=persistent python3 benchmarks/gluon_attention_variant_check.py \
+    > "$OUT/variant_check_s11_rowsum.txt" 2>&1
+  echo "variant check (rowsum) rc=$?"; grep -v "PASS$" "$OUT/variant_check_s11_rowsum.txt" | grep -v "^\s*$" | tail -14
+}
+
 phase_largem() {
   # the opt-in split-K M = 256 Gluon W4A16 tiles (FXOPT_W4A16_GLUON_LARGEM=1; keep them if the test passes and the
   # M = 256 rows improve): the GPU test, then the M = 64 / 256 rows with them listed

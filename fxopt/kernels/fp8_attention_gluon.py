@@ -204,6 +204,21 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
     (default 220-224), 48 QGMMA (d 128), every main-loop step 66 MUFU.EX2; main loops (d 128, consumer 0 / 1,
     unmasked / masked): full 490 / 636 / 489 / 639 (default 489 / 635 / 489 / 639), causal 490 / 759 / 489 / 761
     (default 488 / 767 / 488 / 790).
+* ``mma_rowsum=True`` / ``lazy_rescale=True`` (opt-in, session 10, offline only; ``MMA_ROWSUM_DEFAULT`` /
+  ``LAZY_RESCALE_DEFAULT`` False, env ``FXOPT_FP8_GLUON_MMA_ROWSUM`` / ``FXOPT_FP8_GLUON_LAZY_RESCALE``; constexprs
+  ``MMA_ROWSUM`` / ``LAZY_RESCALE``; separate device functions ``_f8_consumer_x`` / ``_f8_step_x`` /
+  ``_f8_softmax_x``; not with overlap / pingpong / poly_exp / persistent: ValueError). The kernel is issue-bound
+  (session 7), so these cut instructions per step. MMA_ROWSUM: l = rowsum(P8) by a fourth async wgmma group per
+  step, P8 (the PV A operand, already in registers) x a [BLOCK_N, RS_N = 8] all-ones e4m3 tile in shared memory
+  (filled once by the prologue), accumulating into a 64 x 8 fp32 tile (4 regs / thread) that is rescaled like O;
+  l now sums the quantized P that the numerator uses. The S wait allows 2 groups in flight, the PV wait covers
+  both. LAZY_RESCALE: FA4's conditional rescale: the max moves only when a row of the warpgroup would grow by
+  more than ``LAZY_TAU`` = 2 (log2), decided per warpgroup (Gluon's scalar reduction: 5 SHFL, 2 STS / LDS, 2
+  bar.sync), and O's rescale runs in a branch after the PV wait; O is kept in units of vs_0 (the V-scale ratio
+  log2(vs_j / vs_0) is folded into the max and into P, l weights each block's sum by vs_0 / vs_j), P_SHIFT 8 ->
+  ``LAZY_SHIFT`` 6 so P <= 2^(6 + 2) = 256. Offline sm_90 (d 128, unmasked step, wg 0): default 489, rowsum 434,
+  lazy 540 taken / 476 skipped, both 488 / 424; no spills, no C75xx, 0 hazards, highest register 211-229; the
+  default builds are byte-identical (.text). Table and predictions: docs/notes_fp8_rowsum_session10.md.
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -297,6 +312,22 @@ PERSISTENT_DEFAULT = False
 # fp8 each) + 2 O staging tiles (64 x d, 16-bit) + barriers: d 128 / 4 stages 196,608 B; 5 stages would be 229,376 B
 # (fits 227 KB = 232,448 B, ``stages=5``); d 64 / 4 stages 98,304 B.
 _PERSISTENT_STAGES = {64: 4, 128: 4}
+# Opt-in (session 10, offline only): the row sum l of P on the tensor cores (module docstring "mma_rowsum"): one extra
+# async wgmma per step, P8 (the PV A operand, registers) x an all-ones [BLOCK_N, RS_N] e4m3 tile in shared memory,
+# instead of ~64 FADD per thread. l then sums the QUANTIZED P, the weights the numerator P8 V uses. Env override
+# FXOPT_FP8_GLUON_MMA_ROWSUM (0 / 1).
+MMA_ROWSUM_DEFAULT = False
+RS_N = 8  # N of the row-sum wgmma (the smallest N of an sm_90 wgmma): a 64 x 8 fp32 accumulator = 4 regs / thread
+# Opt-in (session 10, offline only): FA4's conditional rescaling (module docstring "lazy_rescale"): the running max
+# moves only when a row of the warpgroup would grow by more than LAZY_TAU (log2 units); the O rescale (64 FMUL per
+# thread) runs in a warpgroup-uniform branch. P = exp2(s c + lv - m + LAZY_SHIFT) <= 2^(LAZY_SHIFT + LAZY_TAU) = 256.
+# Env override FXOPT_FP8_GLUON_LAZY_RESCALE (0 / 1).
+LAZY_RESCALE_DEFAULT = False
+LAZY_TAU = 2.0
+LAZY_SHIFT = P_SHIFT - LAZY_TAU
+if _GLUON_IMPORT_ERROR is None:  # module-level constexprs read by the device code
+    LAZY_TAU_C = gl.constexpr(LAZY_TAU)
+    RS_N_C = gl.constexpr(RS_N)
 _SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
 
 
@@ -631,13 +662,246 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     tma.store_wait(0)
 
 
+# ---- MMA_ROWSUM / LAZY_RESCALE (session 10, opt-in; module docstring "mma_rowsum" / "lazy_rescale")
+
+
+@gluon.jit
+def _f8_softmax_x(s, m_i, l_i, c, lv, inv_w, MMA_ROWSUM: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr,
+                  SHIFT: gl.constexpr):
+    """``_f8_softmax`` for the MMA_ROWSUM / LAZY_RESCALE builds. Returns (p, m_new, l_new, alpha, need).
+
+    MMA_ROWSUM: no row sum here (the PV step's extra wgmma P8 x ones computes it); l_i is passed through.
+    LAZY (TAU in log2 units): the candidate max includes lv = log2(vs_i / vs_0) (O is kept in units of vs_0, so P
+    carries the V-scale ratio: p = exp2(s c + lv - m + SHIFT)). The running max moves only when some row of the
+    warpgroup would grow by more than TAU (``need``, a warpgroup-uniform scalar); otherwise the stale max stays and
+    alpha is exactly 1, so p <= 2^(SHIFT + TAU). The l update weights the row sum by inv_w = 2^-lv (l sums p
+    without the V-scale ratio). Without LAZY: ``_f8_softmax`` with the shift SHIFT and need = False."""
+    if LAZY:
+        m_cand = gl.maximum(m_i, gl.max(s, axis=1) * c + lv)
+        need = gl.max((m_cand > m_i + TAU).to(gl.int32), axis=0) > 0
+        m_new = gl.where(need, m_cand, m_i)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s * c - gl.expand_dims(m_use - (SHIFT + lv), 1))
+        if MMA_ROWSUM:
+            l_new = l_i
+        else:
+            l_new = l_i * alpha + gl.sum(p, axis=1) * inv_w
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s * c - gl.expand_dims(m_use - SHIFT, 1))
+        need = True
+        if MMA_ROWSUM:
+            l_new = l_i
+        else:
+            l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha, need
+
+
+@gluon.jit
+def _f8_rowsum_update(rs, r, alpha, inv_w, rs_row: gl.constexpr, LAZY: gl.constexpr):
+    """MMA_ROWSUM accumulator after the step's waits. Without LAZY the rowsum wgmma accumulated into rs (use_acc):
+    rs *= alpha, the same sequence as O. With LAZY it wrote the block's sums alone (r): rs = (rs + r inv_w) alpha."""
+    a2 = gl.expand_dims(gl.convert_layout(alpha, rs_row), 1)
+    if LAZY:
+        rs = (rs + r * inv_w) * a2
+    else:
+        rs = r * a2
+    return rs
+
+
+@gluon.jit
+def _f8_step_x(i, q_buf, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, rs, m_i, l_i,
+               vs_prev, w_prev, vs_ref_log2, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+               QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
+               rs_layout: gl.constexpr, rp_layout: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
+               MMA_ROWSUM: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr, SHIFT: gl.constexpr):
+    """``_f8_step`` (key block i >= 1) of the MMA_ROWSUM / LAZY_RESCALE builds.
+
+    MMA_ROWSUM: right after the PV_{i-1} issue, RS_{i-1} = P8_{i-1} x ones [BLOCK_N, 8] (e4m3 in shared memory,
+    filled once by the kernel prologue), a third async wgmma on the same A registers, so the S_i wait allows two
+    groups in flight and the final wait covers both PV and RS. Every column of RS is the row sum of the quantized
+    P8_{i-1}: exactly the weights the numerator P8 V uses.
+    LAZY: O is in units of vs_0 (block 0's V scale) for the whole loop; its 64 FMULs per thread run only in a
+    branch taken when ``need`` (a warpgroup-uniform scalar, after the last wait: nothing in flight at the join).
+    ``w_prev`` = the inv_w (vs_0 / vs_{i-1}) of the P carried in ``p8``."""
+    fp8: gl.constexpr = q_buf.dtype
+    c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
+    vs_i = gl.load(vs_base + (i * BLOCK_N) // QB)
+    if LAZY:
+        lv = gl.log2(vs_i) - vs_ref_log2
+        w_i = gl.exp2(-lv)
+    else:
+        lv = 0.0
+        w_i = w_prev  # unused (a loop-invariant carried value)
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    if CAST_LATE:
+        a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
+    else:
+        a8 = p8
+    jv = i - 1
+    vslot = jv % STAGES
+    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+    o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    if MMA_ROWSUM:
+        r = warpgroup_mma(gl.convert_layout(a8, rp_layout), ones_smem.permute((1, 0)), rs, use_acc=not LAZY,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+    p, m_i, l_i, alpha, need = _f8_softmax_x(s, m_i, l_i, c, lv, w_i, MMA_ROWSUM, LAZY, TAU, SHIFT)
+    if MMA_ROWSUM:
+        o, r = warpgroup_mma_wait(num_outstanding=0, deps=[o, r])
+    else:
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+    if MMA_ROWSUM:
+        rs = _f8_rowsum_update(rs, r, alpha, w_prev, gl.SliceLayout(1, rs_layout), LAZY)
+    if LAZY:
+        if need:
+            o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        vs_i = vs_prev  # O stays in units of vs_0
+    else:
+        o = o * gl.expand_dims(gl.convert_layout(alpha * (vs_prev / vs_i), orow_layout), 1)
+    if CAST_LATE:
+        p8 = p
+    else:
+        p8 = _f8_p_operand(p, fp8, p_layout, PERMUTE_K)
+    return s, o, p8, rs, m_i, l_i, vs_i, w_i
+
+
+@gluon.jit
+def _f8_consumer_x(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, ones_smem, q_bars, k_ready, k_empty,
+                   v_ready, v_empty, qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB,
+                   NKB, sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
+                   CAST_LATE: gl.constexpr, MMA_ROWSUM: gl.constexpr, LAZY: gl.constexpr):
+    """``_f8_consumer`` of the MMA_ROWSUM / LAZY_RESCALE builds (block 0, loops of ``_f8_step_x``, tail, epilogue).
+    l is either the row vector l_i (FADD row sums) or, with MMA_ROWSUM, the [64, RS_N] accumulator rs whose columns
+    are all equal (reduced once in the epilogue)."""
+    TAU: gl.constexpr = LAZY_TAU_C
+    SHIFT: gl.constexpr = 8.0 - TAU if LAZY else 8.0
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    RS_N: gl.constexpr = RS_N_C
+    out_dtype: gl.constexpr = o_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, RS_N, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    rp_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rs_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row_first = m0 + WG * ROWS
+    rows = row_first + gl.arange(0, ROWS, layout=row_layout)
+    diag_off = SEQ_K - SEQ_Q
+    n_full = SEQ_K // BLOCK_N
+    if CAUSAL:
+        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+    n_full = gl.minimum(n_full, n_blocks)
+
+    qk_scale = gl.load(qs_ptr + bh * NQB + m0 // QB) * sm_scale_log2
+    ks_base = ks_ptr + bhk * NKB
+    vs_base = vs_ptr + bhk * NKB
+
+    q_buf = q_smem.index(WG)
+    mbarrier.wait(q_bars.index(WG), 0)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    rs = gl.zeros([ROWS, RS_N], gl.float32, layout=rs_layout)
+
+    # ---- block 0 (vs_0 = the reference V scale of LAZY: lv_0 = 0, inv_w_0 = 1)
+    c0 = qk_scale * gl.load(ks_base)
+    vs_prev = gl.load(vs_base)
+    vs_ref_log2 = gl.log2(vs_prev)
+    w_prev = gl.to_tensor(1.0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        s = _f8_mask(s, 0, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
+    p, m_i, l_i, alpha, need = _f8_softmax_x(s, m_i, l_i, c0, 0.0, 1.0, MMA_ROWSUM, LAZY, TAU, SHIFT)
+    if CAST_LATE:
+        p8 = p
+    else:
+        p8 = _f8_p_operand(p, q_buf.dtype, p_layout, PERMUTE_K)
+
+    for i in range(1, n_full):
+        s, o, p8, rs, m_i, l_i, vs_prev, w_prev = _f8_step_x(
+            i, q_buf, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, rs, m_i, l_i,
+            vs_prev, w_prev, vs_ref_log2, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES,
+            CAUSAL, False, QB, s_layout, p_layout, orow_layout, rs_layout, rp_layout, PERMUTE_K, CAST_LATE,
+            MMA_ROWSUM, LAZY, TAU, SHIFT)
+    for i in range(gl.maximum(n_full, 1), n_blocks):
+        s, o, p8, rs, m_i, l_i, vs_prev, w_prev = _f8_step_x(
+            i, q_buf, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, s, o, p8, rs, m_i, l_i,
+            vs_prev, w_prev, vs_ref_log2, ks_base, vs_base, qk_scale, rows, SEQ_K, diag_off, BLOCK_N, STAGES,
+            CAUSAL, True, QB, s_layout, p_layout, orow_layout, rs_layout, rp_layout, PERMUTE_K, CAST_LATE,
+            MMA_ROWSUM, LAZY, TAU, SHIFT)
+
+    # ---- tail: O += P8_{n-1} V_{n-1} (and RS_{n-1})
+    jv = n_blocks - 1
+    vslot = jv % STAGES
+    if CAST_LATE:
+        p8 = _f8_p_operand(p8, q_buf.dtype, p_layout, PERMUTE_K)
+    mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
+    o = warpgroup_mma(p8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    if MMA_ROWSUM:
+        r = warpgroup_mma(gl.convert_layout(p8, rp_layout), ones_smem.permute((1, 0)), rs, use_acc=not LAZY,
+                          is_async=True)
+        o, r = warpgroup_mma_wait(num_outstanding=0, deps=[o, r])
+        if LAZY:
+            rs = rs + r * w_prev
+        else:
+            rs = r
+        l_i = gl.convert_layout(gl.max(rs, axis=1), row_layout)  # all RS_N columns are the same sum
+    else:
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+
+    # ---- epilogue: O * vs / l (vs = vs_{n-1}; LAZY: vs_0); 0 for rows without a visible key
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = o * gl.expand_dims(gl.convert_layout(vs_prev / l_safe, orow_layout), 1)
+    if WRITE_LSE:
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe) - SHIFT) * 0.6931471805599453)
+        gl.store(lse_ptr + bh.to(gl.int64) * SEQ_Q + rows, lse, mask=rows < SEQ_Q)
+    o_buf = o_smem.index(WG)
+    o_buf.store(o.to(out_dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row_first, 0], _as_tma_box(o_buf, o_desc))
+    tma.store_wait(0)
+
+
 @gluon.jit
 def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                      ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
                      POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
-                     PINGPONG: gl.constexpr = False, turn=None):
+                     PINGPONG: gl.constexpr = False, turn=None, MMA_ROWSUM: gl.constexpr = False,
+                     LAZY_RESCALE: gl.constexpr = False, ones=None):
+    if MMA_ROWSUM or LAZY_RESCALE:
+        _f8_consumer_x(0, o_desc, q_smem, k_smem, v_smem, o_smem, ones, q_bars, k_ready, k_empty, v_ready, v_empty,
+                       qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                       sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE,
+                       MMA_ROWSUM, LAZY_RESCALE)
+        return
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
@@ -650,7 +914,14 @@ def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
                      POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
-                     PINGPONG: gl.constexpr = False, turn=None):
+                     PINGPONG: gl.constexpr = False, turn=None, MMA_ROWSUM: gl.constexpr = False,
+                     LAZY_RESCALE: gl.constexpr = False, ones=None):
+    if MMA_ROWSUM or LAZY_RESCALE:
+        _f8_consumer_x(1, o_desc, q_smem, k_smem, v_smem, o_smem, ones, q_bars, k_ready, k_empty, v_ready, v_empty,
+                       qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                       sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE,
+                       MMA_ROWSUM, LAZY_RESCALE)
+        return
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
@@ -664,7 +935,8 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr,
                         OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False,
-                        POLY_EXP: gl.constexpr = 0):
+                        POLY_EXP: gl.constexpr = 0, MMA_ROWSUM: gl.constexpr = False,
+                        LAZY_RESCALE: gl.constexpr = False):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -708,9 +980,34 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
+    if MMA_ROWSUM or LAZY_RESCALE:
+        # the B operand of the row-sum wgmma: [RS_N, BLOCK_N] e4m3 ones (K-major after permute), read by both
+        # consumer warpgroups; written here by the default warps before the partitions start (LAZY_RESCALE alone:
+        # allocated, unused: warp_specialize takes no None arguments)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RS_N_C, BLOCK_N], fp8)
+        ones = gl.allocate_shared_memory(fp8, [RS_N_C, BLOCK_N], ones_layout)
+        if MMA_ROWSUM:
+            fill_layout: gl.constexpr = gl.BlockedLayout([1, 16], [RS_N_C // 4, 32 // (RS_N_C // 4)], [4, 1],
+                                                         [1, 0])
+            ones.store(gl.full([RS_N_C, BLOCK_N], 1.0, gl.float32, layout=fill_layout).to(fp8))
     fence_async_shared()
 
-    if OVERLAP:
+    if MMA_ROWSUM or LAZY_RESCALE:
+        gl.static_assert(not (OVERLAP or PINGPONG or POLY_EXP), "mma_rowsum / lazy_rescale: not with overlap, "
+                         "pingpong or poly_exp")
+        gl.warp_specialize([
+            (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, 0, False, None, False, None, MMA_ROWSUM, LAZY_RESCALE, ones)),
+            (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, 0, False, None, False, None, MMA_ROWSUM, LAZY_RESCALE, ones)),
+            (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif OVERLAP:
         # a [ROWS] fp32 slot per consumer warpgroup for the row-sum store that pins the PV wait (never read)
         pin = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
@@ -1035,6 +1332,47 @@ def resolve_poly_exp(poly_exp=None) -> int:
     return value
 
 
+def _resolve_switch(value, arg: str, env_name: str, default: bool) -> bool:
+    src = arg
+    if value is None:
+        env = os.environ.get(env_name, "").strip()
+        value, src = (env, env_name) if env else (default, arg.upper() + "_DEFAULT")
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "on", "yes"):
+            return True
+        if v in ("0", "false", "off", "no"):
+            return False
+    elif isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"fp8_gluon_attention: {src}={value!r} is not a boolean switch (0 / 1)")
+
+
+def resolve_mma_rowsum(mma_rowsum=None) -> bool:
+    """The MMA_ROWSUM constexpr of a launch: ``mma_rowsum`` if given, else $FXOPT_FP8_GLUON_MMA_ROWSUM if set, else
+    ``MMA_ROWSUM_DEFAULT``. ValueError for anything but a boolean (or 0 / 1, "true" / "false")."""
+    return _resolve_switch(mma_rowsum, "mma_rowsum", "FXOPT_FP8_GLUON_MMA_ROWSUM", MMA_ROWSUM_DEFAULT)
+
+
+def resolve_lazy_rescale(lazy_rescale=None) -> bool:
+    """The LAZY_RESCALE constexpr of a launch (``lazy_rescale``, $FXOPT_FP8_GLUON_LAZY_RESCALE,
+    ``LAZY_RESCALE_DEFAULT``); as ``resolve_mma_rowsum``."""
+    return _resolve_switch(lazy_rescale, "lazy_rescale", "FXOPT_FP8_GLUON_LAZY_RESCALE", LAZY_RESCALE_DEFAULT)
+
+
+def _rowsum_combo_reason(mma_rowsum: bool, lazy: bool, overlap, pingpong, poly_exp: int, persistent: bool):
+    """None, or why the MMA_ROWSUM / LAZY_RESCALE switches cannot be combined with the other options."""
+    if not (mma_rowsum or lazy):
+        return None
+    names = " + ".join(n for n, on in (("mma_rowsum", mma_rowsum), ("lazy_rescale", lazy)) if on)
+    other = [n for n, on in (("overlap", OVERLAP_DEFAULT if overlap is None else bool(overlap)),
+                             ("pingpong", PINGPONG_DEFAULT if pingpong is None else bool(pingpong)),
+                             ("poly_exp", bool(poly_exp)), ("persistent", persistent)) if on]
+    if other:
+        return f"{names} is implemented for the default (non-persistent) build only, not with {', '.join(other)}"
+    return None
+
+
 def config_for(head_dim: int) -> dict:
     block_n, stages = _CONFIGS[head_dim]
     return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
@@ -1189,7 +1527,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
                                   permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
                                   overlap: Optional[bool] = None, pingpong: Optional[bool] = None,
                                   poly_exp: Optional[int] = None, persistent: Optional[bool] = None,
-                                  num_sms: Optional[int] = None, stages: Optional[int] = None):
+                                  num_sms: Optional[int] = None, stages: Optional[int] = None,
+                                  mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
@@ -1197,10 +1536,16 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``).
     ``persistent``: None = ``PERSISTENT_DEFAULT``; True runs ``_fp8_fa3_fwd_persistent_kernel`` (not with overlap /
     pingpong); ``num_sms`` caps its grid (default: the device's SM count; small values force many items per CTA),
-    ``stages`` its ring depth (default ``_PERSISTENT_STAGES``)."""
+    ``stages`` its ring depth (default ``_PERSISTENT_STAGES``). ``mma_rowsum`` / ``lazy_rescale``: None = the
+    environment or ``MMA_ROWSUM_DEFAULT`` / ``LAZY_RESCALE_DEFAULT`` (``resolve_mma_rowsum`` /
+    ``resolve_lazy_rescale``); not with overlap / pingpong / poly_exp / persistent (ValueError)."""
     B, Hq, Sq, D = shape_q
     pe = resolve_poly_exp(poly_exp)
     pers = resolve_persistent(persistent, overlap, pingpong, num_sms, stages)
+    mr, lz = resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale)
+    combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, pers)
+    if combo is not None:
+        raise ValueError(f"fp8_gluon_attention: {combo}")
     pcfg = persistent_config_for(D, stages) if pers and D in _CONFIGS else None
     ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     pp = PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
@@ -1257,7 +1602,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         HEAD_DIM=D, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
         CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}),
-        **({"PINGPONG": True} if pp else {}), **({"POLY_EXP": pe} if pe else {}))
+        **({"PINGPONG": True} if pp else {}), **({"POLY_EXP": pe} if pe else {}),
+        **({"MMA_ROWSUM": True} if mr else {}), **({"LAZY_RESCALE": True} if lz else {}))
     return res
 
 
@@ -1272,15 +1618,21 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
                         cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
                         pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
                         persistent: Optional[bool] = None, num_sms: Optional[int] = None,
-                        stages: Optional[int] = None):
+                        stages: Optional[int] = None, mma_rowsum: Optional[bool] = None,
+                        lazy_rescale: Optional[bool] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
     Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(f"fp8_gluon_attention: {reason}")
-    resolve_poly_exp(poly_exp)  # refuse a bad value before quantizing
-    if resolve_persistent(persistent, overlap, pingpong, num_sms, stages):
+    pe = resolve_poly_exp(poly_exp)  # refuse a bad value before quantizing
+    pers = resolve_persistent(persistent, overlap, pingpong, num_sms, stages)
+    if pers:
         persistent_config_for(q.shape[-1], stages)
+    combo = _rowsum_combo_reason(resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale), overlap,
+                                 pingpong, pe, pers)
+    if combo is not None:
+        raise ValueError(f"fp8_gluon_attention: {combo}")
     _fp8._check_attn_inputs(q, k, v, scale)
     B, Hq, Sq, D = q.shape
     qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
@@ -1289,7 +1641,7 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
                                          cast_late=cast_late, overlap=overlap, pingpong=pingpong,
                                          poly_exp=poly_exp, persistent=persistent, num_sms=num_sms,
-                                         stages=stages)
+                                         stages=stages, mma_rowsum=mma_rowsum, lazy_rescale=lazy_rescale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1320,12 +1672,17 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
                     stages: Optional[int] = None, permute_k: Optional[bool] = None,
                     cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
                     pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
-                    persistent: Optional[bool] = None, sched: Optional[int] = None):
+                    persistent: Optional[bool] = None, sched: Optional[int] = None,
+                    mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG /
     POLY_EXP constexprs are passed only when set (as the launch does), so the builds without them are compiled as
     before. ``persistent=True``: ``_fp8_fa3_fwd_persistent_kernel`` (``stages`` = its ring depth, default
     ``_PERSISTENT_STAGES``; ``sched`` = the SCHED constexpr, default 1 (zigzag pairs) when causal, else 0)."""
     pe = resolve_poly_exp(poly_exp)
+    mr, lz = resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale)
+    combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, resolve_persistent(persistent, overlap, pingpong))
+    if combo is not None:
+        raise ValueError(f"fp8_gluon_attention: {combo}")
     if resolve_persistent(persistent, overlap, pingpong):
         return _compile_offline_persistent(D, causal, out_str, write_lse, arch, stages, permute_k, cast_late, pe,
                                            sched)
@@ -1342,19 +1699,17 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"],
                   "CAST_LATE": CAST_LATE_DEFAULT if cast_late is None else bool(cast_late)}
     sig = _signature(D, out_str, cfg["BLOCK_N"], pk)
-    if OVERLAP_DEFAULT if overlap is None else bool(overlap):
-        constexprs["OVERLAP"] = True
-        sig["OVERLAP"] = "constexpr"
-    if PINGPONG_DEFAULT if pingpong is None else bool(pingpong):
-        constexprs["PINGPONG"] = True
-        sig["PINGPONG"] = "constexpr"
-    if pe:
-        # ASTSource binds the signature by position: the constexprs before POLY_EXP must be present too
-        for name in ("OVERLAP", "PINGPONG"):
-            constexprs.setdefault(name, False)
+    optional = dict(OVERLAP=OVERLAP_DEFAULT if overlap is None else bool(overlap),
+                    PINGPONG=PINGPONG_DEFAULT if pingpong is None else bool(pingpong),
+                    POLY_EXP=pe, MMA_ROWSUM=mr, LAZY_RESCALE=lz)
+    if any(optional.values()):
+        # every optional constexpr explicitly: ASTSource binds by position, and Triton 3.6's ASTSource.hash keys the
+        # constants by value only (sorted by position), so a partial set would share a cache key with another
+        # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary
+        # before session 10; MMA_ROWSUM / LAZY_RESCALE likewise). The default build passes none of them.
+        constexprs.update(optional)
+        for name in optional:
             sig[name] = "constexpr"
-        constexprs["POLY_EXP"] = pe
-        sig["POLY_EXP"] = "constexpr"
         sig = {k: sig[k] for k in _fp8_fa3_fwd_kernel.arg_names if k in sig}
     src = GluonASTSource(_fp8_fa3_fwd_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
