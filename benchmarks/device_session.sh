@@ -281,7 +281,8 @@ phase_s11d() {
   timeout 200 python3 benchmarks/fp8_rowsum_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
   [ -f tests/test_attention_gluon_rowsum.py ] && timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_attention_gluon_rowsum.py 2>&1 | tail -3
-  timeout 150 env VCHECK_ROWSUM=1 VCHECK_VARIANTS=persistent python3 benchmarks/gluon_attention_variant_check.py \
+  timeout 170 env VCHECK_ROWSUM=1 VCHECK_VARIANTS=persistent,persistent3 VCHECK_TIMING_ONLY=1 \
+    python3 benchmarks/gluon_attention_variant_check.py \
     > "$OUT/variant_check_s11_rowsum.txt" 2>&1
   echo "variant check (rowsum) rc=$?"; grep -v "PASS$" "$OUT/variant_check_s11_rowsum.txt" | grep -v "^\s*$" | tail -14
 }

@@ -14,7 +14,9 @@ the float64 reference with overlap's tolerance (|out - ref| <= 2 |default - ref|
 with no visible key out = 0 / lse = +inf), on every d = 64 case with 1 / 3 / all SMs and lse off. Then
 timing of overlap, pingpong, overlap2, persistent, persistent_pingpong (and persistent_lpt, causal) in three rounds
 with the order rotated each round, the median printed per variant with the rounds' times. ``VCHECK_TIMING_ONLY=1``
-skips the correctness cases.
+skips the correctness cases. ``VCHECK_ROWSUM=1`` adds "persistent+rowsum", "persistent+rowsum-nopin" (and
+"persistent3+rowsum" with persistent3 in VCHECK_VARIANTS) to the timing rows, each checked against float64 on head 0
+of the row first (mma_rowsum, session 10; docs/notes_attention_rowsum_session10.md).
 
 ``python benchmarks/gluon_attention_variant_check.py [--quick] [--out DIR]`` (the flags are accepted for
 device_session.sh; the output is printed). ``VCHECK_VARIANTS`` (comma list, default
@@ -39,10 +41,19 @@ if "persistent_pingpong" in CHECK:  # failed bit-identity in session 10; the ker
 # VCHECK_POLY="2,4": also time variant="persistent" with poly_exp = each value (the FMA-pipe exp2 share; not
 # bit-identical, so its correctness is the GPU test test_gpu_gluon_persistent_poly_exp), as "persistent~pK".
 POLY = [int(x) for x in os.environ.get("VCHECK_POLY", "").split(",") if x.strip()]
+# VCHECK_ROWSUM=1: also time "persistent+rowsum" (mma_rowsum=True: the softmax row sum by wgmma, session 10) and
+# "persistent+rowsum-nopin" (mma_rowsum="nopin"), and "persistent3+rowsum" when persistent3 is in VCHECK_VARIANTS.
+# Not bit-identical to persistent (the rounded P is summed): correctness is tests/test_attention_gluon_rowsum.py
+# -m gpu (float64 reference); here one float64 check per timing row before it is timed.
+ROWSUM = os.environ.get("VCHECK_ROWSUM") == "1"
 
 
 def _fwd(q, k, v, causal, name):
-    """gluon_attention_fwd for a timing name: a variant, or "persistent~pK" (poly_exp=K)."""
+    """gluon_attention_fwd for a timing name: a variant, "persistent~pK" (poly_exp=K) or "<variant>+rowsum[-nopin]"."""
+    if "+rowsum" in name:
+        vr, mode = name.split("+")
+        return G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr,
+                                     mma_rowsum="nopin" if mode.endswith("-nopin") else True)
     if "~p" in name:
         vr, kk = name.split("~p")
         return G.gluon_attention_fwd(q, k, v, causal=causal, variant=vr, poly_exp=int(kk))
@@ -172,9 +183,24 @@ for D, B, H, S, causal in rows:
                                                  else []) + (
         ["persistent_lpt"] if causal and D == 128 and "persistent_lpt" in CHECK else []) + [
         f"persistent~p{kk}" for kk in POLY]
+    if ROWSUM:  # next to their base variant in the list (timing order is rotated per round anyway)
+        variants += ["persistent+rowsum", "persistent+rowsum-nopin"] + (
+            ["persistent3+rowsum"] if D in G._WG3_HEAD_DIMS and "persistent3" in CHECK else [])
     for vr in variants:
         _fwd(q, k, v, causal, vr)  # compile + one run under the hang guard
         finish_or_die(f"{vr} d{D} B{B} H{H} S{S} causal={causal}")
+    if ROWSUM:  # rowsum builds vs float64 on the first head (not bitwise), overlap's bound
+        sl = (slice(0, 1), slice(0, 1))
+        ro, rl, empty = reference(q[sl], k[sl], v[sl], causal, 1.0 / math.sqrt(D), torch.float64)
+        e_o = (_fwd(q, k, v, causal, "overlap")[0][sl].double() - ro).abs().max().item()
+        for vr in [x for x in variants if "+rowsum" in x]:
+            o_r, l_r = _fwd(q, k, v, causal, vr)
+            e_r = (o_r[sl].double() - ro).abs().max().item()
+            e_l = (l_r[sl].double() - rl)[~empty].abs().max().item() if (~empty).any() else 0.0
+            good_r = e_r <= 2 * e_o + 2e-3 and e_l < 1e-3 and not torch.isnan(o_r).any()
+            ok &= good_r
+            print(f"  d{D} S{S} causal={causal} {vr} vs float64 (head 0): err={e_r:.3g} (overlap {e_o:.3g}) "
+                  f"lse_err={e_l:.3g} {'PASS' if good_r else 'FAIL'}", flush=True)
     # three rounds, the order rotated each round, the median per variant (a fixed order favoured the first one
     # by up to 10% in session 9's attention table)
     runs = {vr: [] for vr in variants}
@@ -187,7 +213,7 @@ for D, B, H, S, causal in rows:
               f"(rounds {', '.join(f'{x:.3f}' for x in runs[vr])})", flush=True)
     print(f"d{D} B{B} H{H} S{S} causal={causal}: " + "  ".join(
         f"{vr}/overlap {t['overlap'] / t[vr]:.3f}x" for vr in t if vr != "overlap"), flush=True)
-print(f"done ({time.time() - T0:.0f} s)", flush=True)
+print(f"done ({time.time() - T0:.0f} s){'' if ok else ' (a correctness check FAILED)'}", flush=True)
 
 import sys as _s
 _s.stdout.flush()

@@ -12,6 +12,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -118,3 +119,23 @@ def attention_bwd_reference64(q, k, v, dout, causal: bool, scale: float):
     dk = (ds.transpose(-1, -2) @ qf).reshape(B, Hkv, g, Sk, D).sum(2) * scale
     dv = (p.transpose(-1, -2) @ dof).reshape(B, Hkv, g, Sk, D).sum(2)
     return out, torch.where(empty, torch.full_like(lse, float("inf")), lse), dq, dk, dv, empty
+
+
+# Gluon forward GPU tests (persistent3, mma_rowsum): random q / k / v made on the CPU generator, moved to CUDA, and the
+# error bound of tests/test_attention_kernels.py's _tol (times max(1, max |reference|)).
+GLUON_FWD_TOL = {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+GLUON_FWD_CASES = {  # name: ((B, Hq, Hkv, Sq, Sk), causal)
+    "ragged_1000": ((1, 2, 2, 1000, 1000), False),
+    "ragged_1000_causal": ((1, 2, 2, 1000, 1000), True),
+    "sq77_sk333": ((1, 2, 2, 77, 333), False),
+    "sq77_sk333_causal": ((1, 2, 2, 77, 333), True),
+    "sq300_sk100_causal_empty_rows": ((1, 2, 2, 300, 100), True),
+    "gqa_4_2_causal": ((2, 4, 2, 256, 256), True),
+    "gqa_4_2": ((2, 4, 2, 200, 520), False),
+}
+
+
+def gluon_fwd_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, h, s, D, generator=g).to(device, dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+

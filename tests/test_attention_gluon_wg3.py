@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 
+from fxopt.testing import GLUON_FWD_CASES, GLUON_FWD_TOL, gluon_fwd_inputs
+
 G = pytest.importorskip("fxopt.kernels.attention_gluon")
 
 
@@ -174,27 +176,16 @@ def test_persistent3_offline_sm90_build():
 # ---------------------------------------------------------------- GPU: against the float64 reference
 
 
-def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, h, s, D, generator=g).to("cuda", dtype)
-                 for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+_inputs = gluon_fwd_inputs
 
 
-def _tol(dtype):  # tests/test_attention_kernels.py's _tol
-    return {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}[dtype]
+def _tol(dtype):
+    return GLUON_FWD_TOL[dtype]
 
 
-GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk), causal
-    "ragged_1000": ((1, 2, 2, 1000, 1000), False),
-    "ragged_1000_causal": ((1, 2, 2, 1000, 1000), True),
-    "sq77_sk333": ((1, 2, 2, 77, 333), False),
-    "sq77_sk333_causal": ((1, 2, 2, 77, 333), True),
-    "sq300_sk100_causal_empty_rows": ((1, 2, 2, 300, 100), True),
-    "gqa_4_2_causal": ((2, 4, 2, 256, 256), True),
-    "gqa_4_2": ((2, 4, 2, 200, 520), False),
-    "s4096_causal": ((1, 2, 2, 4096, 4096), True),
-    "s4096": ((1, 1, 1, 4096, 4096), False),
-}
+GPU_CASES = {**GLUON_FWD_CASES,  # name: ((B, Hq, Hkv, Sq, Sk), causal)
+             "s4096_causal": ((1, 2, 2, 4096, 4096), True),
+             "s4096": ((1, 1, 1, 4096, 4096), False)}
 
 
 @pytest.mark.gpu

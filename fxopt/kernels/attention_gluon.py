@@ -225,6 +225,22 @@ Semantics
   bit-identical to "persistent" (other tile, other masking split): checked against the float64 reference.
   ``persistent_protocol_model(..., n_consumers=3)`` models it (and catches the planted bugs of
   ``PROTOCOL_MUTATIONS``). No ping-pong (the named-barrier turns are written for two warpgroups).
+* ``mma_rowsum`` (persistent variants incl. persistent3, opt-in, session 10, offline only so far; constexpr
+  ``MMA_ROWSUM``, module default ``MMA_ROWSUM = False``, env ``FXOPT_ATTN_GLUON_MMA_ROWSUM``): the softmax row sum
+  on the tensor cores. A [RS_N = 8, BLOCK_N] tile E^T (ones in row 0, zeros elsewhere; filled before the partitions
+  fork, 2 KB) and a 64 x 8 fp32 accumulator L per warpgroup (4 registers per thread) handled exactly like O: L *=
+  alpha_{i-1} next to O's rescale, L += P_{i-1} E issued right after PV_{i-1} with the same 16-bit register A
+  operand (one more m64n8k16 group: 8 HGMMA per step), waited for with PV (S_i's wait: <= 2 in flight); the
+  epilogue sums L's row (column 0 + exact zeros). The softmax does no FADD row sum; l is the sum of the ROUNDED P
+  that P V uses (not bit-identical to the FADD build). The overlap pin (a store that depends on every exp2) can no
+  longer store l: it stores a per-row bitwise OR of P's fp32 bits (``_fa_pin_value``; ~36 LOP3 on the ALU pipe).
+  ``mma_rowsum="nopin"`` (MMA_ROWSUM = 2) drops the pin (persistent3 never pins). Offline sm_90 (ptxas 12.8), main
+  loop per step at d = 64 (unmasked / masked): persistent 456 / 688-751 -> 438 / 682-748 (nopin 394-395 /
+  639-705), persistent3 451-452 / 682-746 -> 393 / 635-702; at d = 128 persistent 498 / 733-795 -> 503-508 /
+  735-797 (nopin 459-465 / 690-751). FADD 66 -> 0 per step; every build 0 spills, no C75xx, ``wgmma_sass_hazards``
+  0; highest register d 64 175-178 (nopin 160-172), persistent3 158-163, d 128 218-219 (nopin 217-221). The
+  builds without it are unchanged (SASS identical outside the debug sections, PTX identical but for line info).
+  docs/notes_attention_rowsum_session10.md.
 * Not done (next steps): dynamic (atomic) tile scheduler, FP8, backward.
 """
 from __future__ import annotations
@@ -456,12 +472,13 @@ def fit_exp2_poly(degree: int = 3, lo: float = -0.5, hi: float = 0.5, iters: int
 
 
 @gluon.jit
-def _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP: gl.constexpr = 0):
+def _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP: gl.constexpr = 0, ROW_SUM: gl.constexpr = True):
     """One online-softmax step on (masked) raw scores s [ROWS, BLOCK_N].
 
     Returns (p fp32, new running max in raw units, new row sum, alpha = rescale factor of the old O).
     ``POLY_EXP`` > 0 (persistent builds, opt-in): that many of every 16 per-thread exp2s by ``_exp2_poly`` on the
-    FMA pipe (masked -inf scores still give exactly 0; rows with m = -inf keep the 0 offset)."""
+    FMA pipe (masked -inf scores still give exactly 0; rows with m = -inf keep the 0 offset).
+    ``ROW_SUM=False`` (``MMA_ROWSUM`` builds): no row sum, ``l_i`` comes back unchanged (the tensor cores sum P)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf: use 0 as the offset so exp2 sees -inf (-> 0), not NaN.
     m_off = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
@@ -470,7 +487,10 @@ def _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP: gl.constexpr = 0):
         p = _exp2_mixed(s * qk_scale - gl.expand_dims(m_off, 1), POLY_EXP)
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_off, 1))  # one FFMA + MUFU.EX2 per score
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if ROW_SUM:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    else:
+        l_new = l_i
     return p, m_new, l_new, alpha
 
 
@@ -521,7 +541,8 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                      s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
                      CAST_LATE: gl.constexpr = False, PINGPONG: gl.constexpr = False, WG: gl.constexpr = 0,
-                     POLY_EXP: gl.constexpr = 0, PIN_PV: gl.constexpr = True):
+                     POLY_EXP: gl.constexpr = 0, PIN_PV: gl.constexpr = True, ones_smem=None,
+                     MMA_ROWSUM: gl.constexpr = False):
     """variant="overlap" step (key block i >= 1), FA3's order: issue S_i = Q K_i^T; O *= alpha_{i-1} (the rescale
     owed by the previous softmax, while S_i runs); issue O += P_{i-1} V_{i-1}; wait for S_i; softmax_i; store the
     new row sum l_i to the warpgroup's ``pin_buf`` (never read); wait for PV_{i-1}; P_i = 16-bit copy of p.
@@ -537,7 +558,14 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     issue, so the other warpgroup's issues follow this one's and its softmax runs under this one's GEMMs.
 
     ``PIN_PV=False`` (variant="persistent3" only): no row-sum store, ptxas waits for PV_{i-1} after the row max
-    (the pin kept 128 accumulator / operand registers live across the softmax and spilled in 160 registers)."""
+    (the pin kept 128 accumulator / operand registers live across the softmax and spilled in 160 registers).
+
+    ``MMA_ROWSUM`` (persistent builds, opt-in, session 10): ``l_i`` is the row-sum ACCUMULATOR [ROWS, RS_N] fp32 (wgmma
+    layout m64n<RS_N>), handled exactly like O: rescaled by alpha_{i-1} next to O, then L += P_{i-1} E issued right
+    after PV_{i-1} (same 16-bit A operand registers; E = ``ones_smem``^T, ones in column 0 only) and waited for
+    with it; the softmax does no row sum. S_i's wait allows 2 groups in flight (PV_{i-1} and the row sum). With
+    ``PIN_PV`` the pin store holds a bitwise OR over the fp32 bits of the step's P per row (``_fa_pin_value``):
+    it still depends on every exp2, on the ALU pipe and with ~half the instructions of the FADD row sum."""
     dtype: gl.constexpr = q_buf.dtype
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
@@ -545,26 +573,81 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
         _fa_pp_wait(WG)
     s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
     o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    if MMA_ROWSUM:
+        l_i = _fa_rowsum_rescale(l_i, alpha)
     jv = i - 1
     vs = jv % STAGES
     mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
     o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+    if MMA_ROWSUM:
+        l_i = _fa_rowsum_issue(p16, ones_smem, l_i)
     if PINGPONG:
         _fa_pp_pass(WG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    if MMA_ROWSUM:  # S_i, PV_{i-1}, L_{i-1}: <= 2 in flight means S_i is done
+        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
         s = _fa_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout)
-    p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
-    if PIN_PV:  # False: variant="persistent3" (see _fa_consumer_persistent)
-        pin_buf.store(l_i)
-    o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+    if MMA_ROWSUM:
+        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP, False)
+        if PIN_PV:
+            pin_buf.store(_fa_pin_value(p))
+        o, p16, l_i = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16, l_i])
+    else:
+        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
+        if PIN_PV:  # False: variant="persistent3" (see _fa_consumer_persistent)
+            pin_buf.store(l_i)
+        o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
     mbarrier.arrive(v_empty.index(vs), count=1)
     if CAST_LATE:  # variant="overlap2": one packed cvt per element pair (see _fa_p16)
         p16 = _fa_p16(p, dtype, p_layout)
     else:
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     return s, o, p16, alpha, m_i, l_i
+
+
+# MMA_ROWSUM (persistent builds, opt-in): the softmax row sum of P on the tensor cores, L += P E with E [BLOCK_N, RS_N]
+# = a constant tile in shared memory, ones in column 0 and zeros elsewhere, so that column 0 of the fp32 accumulator
+# L [64, RS_N] is the row sum of the 16-bit P that P V uses and the other columns are exactly 0 (the epilogue sums
+# a row: exact). RS_N = 8, the smallest N of a 16-bit wgmma (m64n8k16).
+RS_N = 8
+
+
+@gluon.jit
+def _fa_rowsum_rescale(l_acc, alpha):
+    """L *= alpha (per row), like O's deferred rescale: 4 FMUL per thread for a 64 x 8 accumulator."""
+    rs_row: gl.constexpr = gl.SliceLayout(1, l_acc.type.layout)
+    return l_acc * gl.expand_dims(gl.convert_layout(alpha, rs_row), 1)
+
+
+@gluon.jit
+def _fa_rowsum_issue(p16, ones_smem, l_acc):
+    """Issue L += P E (async wgmma m64n8k16, K = BLOCK_N) with P = the PV wgmma's 16-bit register A operand (its
+    layout re-expressed with L's accumulator as parent: the same registers, a layout conversion with no data
+    movement) and E^T = ``ones_smem`` [RS_N, BLOCK_N] (K-major like a K tile, hence the permute)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_acc.type.layout, k_width=2)
+    return warpgroup_mma(gl.convert_layout(p16, a_layout), ones_smem.permute((1, 0)), l_acc, is_async=True)
+
+
+@gluon.jit
+def _fa_or_combine(a, b):
+    return a | b
+
+
+@gluon.jit
+def _fa_pin_value(p):
+    """A per-row value that depends on every element of the step's fp32 P (bitwise OR of their bits, as fp32 bits):
+    the MMA_ROWSUM build's pin store (the row sum it replaces was the old pin). Never read."""
+    bits = gl.reduce(p.to(gl.int32, bitcast=True), 1, _fa_or_combine)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _fa_rowsum_final(l_acc, row_layout: gl.constexpr):
+    """The row sum l [ROWS] (row_layout) out of the accumulator: column 0 plus exact zeros."""
+    return gl.convert_layout(gl.sum(l_acc, axis=1), row_layout)
 
 
 # variant="pingpong": hardware named barriers (``bar.sync`` / ``bar.arrive``, 256 threads = both consumer
@@ -958,7 +1041,8 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
                             v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                            PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, NUM_WG: gl.constexpr = 2):
+                            PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, NUM_WG: gl.constexpr = 2,
+                            ones=None, MMA_ROWSUM: gl.constexpr = False):
     """Consumer warpgroup WG (of NUM_WG: 2, or 3 for variant="persistent3") of the persistent kernel: per item
     exactly the "overlap" consumer's block 0, loops (``_fa_step_overlap``), tail and epilogue, with the ring
     position offset by the CTA-wide block counter g0. NUM_WG = 3: 192-row items, no PV pin (``PIN_PV``, see
@@ -973,7 +1057,10 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     over the CTA's whole life (a warpgroup never arrives twice on the other's barrier without a sync between: two
     arrivals of one warpgroup would complete a 256-thread generation on their own). Per CTA, warpgroup 0 waits
     sum(n) + items - 1 times and warpgroup 1 passes as often; warpgroup 1 waits sum(n + 1) times, warpgroup 0 passes
-    as often: no barrier is left with partial arrivals at exit."""
+    as often: no barrier is left with partial arrivals at exit.
+
+    ``MMA_ROWSUM``: ``l_i`` is the row-sum accumulator (see ``_fa_step_overlap``), reduced to the row sum in the
+    epilogue; ``ones`` = the constant [RS_N, BLOCK_N] tile the kernel filled before the partitions started."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -985,7 +1072,12 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     diag_off = SEQ_K - SEQ_Q
     pin_buf = pin.index(WG)
-    PIN_PV: gl.constexpr = NUM_WG == 2
+    # MMA_ROWSUM == 2 (mma_rowsum="nopin"): the row-sum wgmma without the OR pin (PV waited after the row max)
+    PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
+    if MMA_ROWSUM:
+        RS_COLS: gl.constexpr = ones.shape[0]
+        rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, RS_COLS, 16])
     g0 = 0  # ring position (CTA-wide key-block counter) of the item's block 0
     for t in range(n_local):
         bh, pid_m = _fa_sched_item(t, pid, P, NUM_BH, NUM_M_BLOCKS, SCHED, CAUSAL)
@@ -1005,7 +1097,10 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         mbarrier.wait(q_ready.index(NUM_WG * qb + WG), (t // 2) & 1)
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+        if MMA_ROWSUM:  # the row-sum accumulator L [ROWS, RS_N] (m64n8 wgmma layout), zero like O
+            l_i = gl.zeros([ROWS, RS_COLS], gl.float32, layout=rs_layout)
+        else:
+            l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
@@ -1031,7 +1126,10 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         diag_sh = diag_off + g0 * BLOCK_N
         if n_full == 0:
             s = _fa_mask(s, g0 * BLOCK_N, rows, seq_k_sh, diag_sh, BLOCK_N, CAUSAL, s_layout)
-        p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
+        if MMA_ROWSUM:
+            p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP, False)
+        else:
+            p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- item t - 1's O store (from the other Q buffer) has read its shared memory: give that buffer back to
@@ -1044,27 +1142,35 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP, PIN_PV)
+                False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP, PIN_PV)
+                False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
         jv = g0 + n_blocks - 1
         vs = jv % STAGES
         o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        if MMA_ROWSUM:
+            l_i = _fa_rowsum_rescale(l_i, alpha)
         mbarrier.wait(v_ready.index(vs), (jv // STAGES) & 1)
         if PINGPONG:  # issue point n_blocks: warpgroup 1 passes back only when the CTA has another item
             _fa_pp_wait(WG)
         o = warpgroup_mma(p16, v_smem.index(vs), o, is_async=True)
+        if MMA_ROWSUM:
+            l_i = _fa_rowsum_issue(p16, ones, l_i)
         if PINGPONG:
             if WG == 0:
                 _fa_pp_pass(WG)
             else:
                 if t + 1 < n_local:
                     _fa_pp_pass(WG)
-        o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
+        if MMA_ROWSUM:
+            o, p16, l_i = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16, l_i])
+            l_i = _fa_rowsum_final(l_i, row_layout)
+        else:
+            o, p16 = warpgroup_mma_wait(num_outstanding=0, deps=[o, p16])
         mbarrier.arrive(v_empty.index(vs), count=1)
         g0 += n_blocks
 
@@ -1089,10 +1195,12 @@ def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2,
+                                ones=None, MMA_ROWSUM: gl.constexpr = False):
     _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG, ones,
+                            MMA_ROWSUM)
 
 
 @gluon.jit
@@ -1100,10 +1208,12 @@ def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr = 2,
+                                ones=None, MMA_ROWSUM: gl.constexpr = False):
     _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG, ones,
+                            MMA_ROWSUM)
 
 
 @gluon.jit
@@ -1111,11 +1221,13 @@ def _fa_consumer_persistent_wg2(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                 v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr):
+                                PINGPONG: gl.constexpr, POLY_EXP: gl.constexpr, NUM_WG: gl.constexpr,
+                                ones=None, MMA_ROWSUM: gl.constexpr = False):
     # variant="persistent3" only: the third consumer warpgroup, query rows m0 + 128 .. m0 + 191 of the 192-row tile
     _fa_consumer_persistent(2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)
+                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG, ones,
+                            MMA_ROWSUM)
 
 
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
@@ -1126,12 +1238,15 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
                                PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0,
-                               NUM_WG: gl.constexpr = 2):
+                               NUM_WG: gl.constexpr = 2, MMA_ROWSUM: gl.constexpr = False):
     """variant="persistent" / "persistent_lpt" / "persistent_pingpong" (PINGPONG) / "persistent3" (NUM_WG = 3):
     grid (P,), P <= number of SMs; CTA pid runs the work items
     ``_fa_sched_item(t, pid, ...)`` for t < ``_fa_sched_count(...)``, each exactly like one CTA of the "overlap"
     build. Shared memory: two Q buffers per consumer warpgroup (2 x NUM_WG x 64 x d), the K / V ring, the pin slots.
-    NUM_WG = 3: three consumer warpgroups (a 192-row query tile per item), no ping-pong."""
+    NUM_WG = 3: three consumer warpgroups (a 192-row query tile per item), no ping-pong. ``MMA_ROWSUM``: the
+    softmax row sums by wgmma against a constant [RS_N, BLOCK_N] tile filled here, before the partitions fork (the
+    fence orders the generic-proxy stores before the wgmma's async-proxy reads; warp_specialize's entry barrier
+    orders them before every consumer warpgroup)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)
@@ -1160,6 +1275,19 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
     pin = gl.allocate_shared_memory(gl.float32, [NUM_WG, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if MMA_ROWSUM:
+        # E^T [RS_N, BLOCK_N], K-major like a K tile: row 0 ones, rows 1 .. RS_N - 1 zeros (column 0 of L = row sum)
+        RS_COLS: gl.constexpr = 8  # = RS_N (a module global is not visible in here)
+        fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        e_rows = gl.arange(0, RS_COLS, layout=gl.SliceLayout(1, fill_layout))
+        e_val = gl.where(gl.expand_dims(e_rows, 1) == 0, 1.0, 0.0) + gl.zeros([RS_COLS, BLOCK_N], gl.float32,
+                                                                                 layout=fill_layout)
+        ones = gl.allocate_shared_memory(dtype, [RS_COLS, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([RS_COLS, BLOCK_N], dtype),
+                                         e_val.to(dtype))
+        fence_async_shared()
+    # (the partitions get ``ones if MMA_ROWSUM else MMA_ROWSUM``: without the tile a constexpr False, which adds
+    # nothing to the warp_specialize captures, so the builds without MMA_ROWSUM are unchanged)
     if NUM_WG == 3:
         # variant="persistent3": consumer warpgroups 0 (default partition), 1, 2 and the producer warp: 13 warps,
         # 16 after rounding to warpgroups; registers per SM: see _WG3_CONSUMER_REGS
@@ -1168,15 +1296,18 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
             (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
                                            SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG,
+                                           (ones if MMA_ROWSUM else MMA_ROWSUM), MMA_ROWSUM)),
             (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
                                            SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG,
+                                           (ones if MMA_ROWSUM else MMA_ROWSUM), MMA_ROWSUM)),
             (_fa_consumer_persistent_wg2, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
                                            SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG)),
+                                           WRITE_LSE, PINGPONG, POLY_EXP, NUM_WG,
+                                           (ones if MMA_ROWSUM else MMA_ROWSUM), MMA_ROWSUM)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED, NUM_WG)),
@@ -1186,11 +1317,13 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
             (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
                                            SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, PINGPONG, POLY_EXP)),
+                                           WRITE_LSE, PINGPONG, POLY_EXP, 2,
+                                           (ones if MMA_ROWSUM else MMA_ROWSUM), MMA_ROWSUM)),
             (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                            v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
                                            SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, PINGPONG, POLY_EXP)),
+                                           WRITE_LSE, PINGPONG, POLY_EXP, 2,
+                                           (ones if MMA_ROWSUM else MMA_ROWSUM), MMA_ROWSUM)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
@@ -1418,10 +1551,48 @@ def resolve_poly_exp(poly_exp, persistent: bool) -> int:
     return value
 
 
+# MMA_ROWSUM (persistent variants, opt-in, session 10): the softmax row sum by a small wgmma next to PV (see
+# _fa_step_overlap). The default when neither ``mma_rowsum=`` nor FXOPT_ATTN_GLUON_MMA_ROWSUM says otherwise.
+MMA_ROWSUM = False
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def resolve_mma_rowsum(mma_rowsum, variant: str) -> int:
+    """The MMA_ROWSUM constexpr of a launch (0 off, 1 on, 2 on without the PV pin): ``mma_rowsum`` if given (True /
+    False, or "nopin"; on needs a persistent variant: ValueError otherwise), else ``FXOPT_ATTN_GLUON_MMA_ROWSUM``
+    (1 / 0, true / false, ..., nopin) for persistent launches (other variants ignore it), else the module constant
+    ``MMA_ROWSUM``. ValueError for any other value. "nopin": no OR-of-P pin store before the PV wait (fewer
+    instructions per step, but ptxas then waits for PV_{i-1} after the row max: the exp2s no longer run under the
+    own PV; persistent3 never pins, so there it is the same build as True)."""
+    persistent = variant in _PERSISTENT_SCHED
+    src = "mma_rowsum"
+    if mma_rowsum is None:
+        env = os.environ.get("FXOPT_ATTN_GLUON_MMA_ROWSUM")
+        if not persistent:
+            return 0
+        if env is None:
+            mma_rowsum = MMA_ROWSUM
+        else:
+            src, mma_rowsum = "FXOPT_ATTN_GLUON_MMA_ROWSUM", env
+    if isinstance(mma_rowsum, str) and mma_rowsum.strip().lower() in _TRUE + _FALSE + ("nopin",):
+        word = mma_rowsum.strip().lower()
+        value = 2 if word == "nopin" else int(word in _TRUE)
+    elif isinstance(mma_rowsum, (bool, int)) and int(mma_rowsum) in (0, 1):
+        value = int(mma_rowsum)
+    else:
+        raise ValueError(f"gluon_attention_fwd: {src}={mma_rowsum!r} is not a boolean or 'nopin' (row sum of P by "
+                         f"wgmma on / off)")
+    if value and not persistent:
+        raise ValueError(f"gluon_attention_fwd: {src}=True (softmax row sum on the tensor cores) needs a persistent "
+                         f"variant {tuple(_PERSISTENT_SCHED)}, not {variant!r}")
+    return value
+
+
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
-                        write_lse: bool = True, num_sms: Optional[int] = None, poly_exp: Optional[int] = None):
+                        write_lse: bool = True, num_sms: Optional[int] = None, poly_exp: Optional[int] = None,
+                        mma_rowsum=None):
     """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
     natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
 
@@ -1436,7 +1607,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     ``poly_exp``: persistent variants only (opt-in, session 9, offline only): that many of every 16 per-thread
     softmax exp2s on the FMA pipe (``_exp2_poly``) instead of MUFU.EX2; None = ``FXOPT_ATTN_GLUON_POLY_EXP`` (applied
     to persistent launches only) or 0. Not bit-identical to poly_exp=0 (P differs by up to 2^-13.7 relative before
-    its 16-bit rounding)."""
+    its 16-bit rounding). ``mma_rowsum``: persistent variants only (opt-in, session 10): the softmax row sum by a
+    wgmma of the 16-bit P against a constant tile (``MMA_ROWSUM``); "nopin": the same without the PV pin; None =
+    ``FXOPT_ATTN_GLUON_MMA_ROWSUM`` (persistent launches only) or the module constant ``MMA_ROWSUM``. Not bit-identical to the FADD row sum (it sums the rounded
+    P that P V uses)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
     if variant in _FAILED_GPU_CHECK and os.environ.get("FXOPT_ATTN_GLUON_UNCHECKED", "0") != "1":
@@ -1444,6 +1618,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                          f"FXOPT_ATTN_GLUON_UNCHECKED=1 to run it anyway (debugging only)")
     persistent = variant in _PERSISTENT_SCHED
     poly = resolve_poly_exp(poly_exp, persistent)
+    rowsum = resolve_mma_rowsum(mma_rowsum, variant)
     if num_sms is not None and (not persistent or int(num_sms) < 1):
         raise ValueError(f"gluon_attention_fwd: num_sms={num_sms} needs a persistent variant and a value >= 1")
     if not write_lse and lse is not None:
@@ -1498,7 +1673,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
             WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
             **({"PINGPONG": True} if cfg.get("PINGPONG") else {}), **({"POLY_EXP": poly} if poly else {}),
-            **({"NUM_WG": cfg["NUM_WG"]} if cfg.get("NUM_WG", 2) != 2 else {}))
+            **({"NUM_WG": cfg["NUM_WG"]} if cfg.get("NUM_WG", 2) != 2 else {}),
+            **({"MMA_ROWSUM": rowsum} if rowsum else {}))
         return out, lse_ret
     grid = (num_m, B * Hq)
     _fa3_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m,
@@ -1530,15 +1706,18 @@ def _signature(dtype_str: str, D: int, block_n: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: str = "default",
-                    sched: Optional[int] = None, write_lse: bool = True, poly_exp: int = 0):
+                    sched: Optional[int] = None, write_lse: bool = True, poly_exp: int = 0,
+                    mma_rowsum=False):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel (asm: ttgir, ptx, cubin).
 
     Persistent variants: ``sched`` = the ``SCHED`` constexpr (default: the variant's causal schedule when causal,
-    else 0; the host uses 0 for causal launches with at most one item per SM), ``write_lse`` = ``WRITE_LSE``."""
+    else 0; the host uses 0 for causal launches with at most one item per SM), ``write_lse`` = ``WRITE_LSE``,
+    ``poly_exp`` = ``POLY_EXP``, ``mma_rowsum`` = ``MMA_ROWSUM`` (ValueError for a non-persistent variant)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config_for(D, variant)
+    rowsum = resolve_mma_rowsum(mma_rowsum, variant)
     constexprs = {"HEAD_DIM": D, "BLOCK_N": cfg["BLOCK_N"], "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D, cfg["BLOCK_N"])
@@ -1557,6 +1736,9 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         constexprs["PINGPONG"] = bool(cfg.get("PINGPONG"))
         constexprs["POLY_EXP"] = resolve_poly_exp(poly_exp, True)
         constexprs["NUM_WG"] = cfg.get("NUM_WG", 2)
+        if rowsum:  # left out otherwise: the exact constexpr set of the builds before MMA_ROWSUM existed
+            sig["MMA_ROWSUM"] = "constexpr"
+            constexprs["MMA_ROWSUM"] = rowsum
         src = GluonASTSource(_fa3_fwd_persistent_kernel, signature=sig, constexprs=constexprs)
     else:
         if cfg.get("OVERLAP"):
