@@ -269,7 +269,7 @@ phase_s11c() {
   # with its candidates listed and timed (mma_* columns): _MMA_DEFAULT = "1" if the tests pass and it wins rows
   timeout 240 env FXOPT_W4A16_MMA=1 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_w4a16_mma.py \
     2>&1 | tail -3
-  timeout 300 python3 benchmarks/w4a16.py --ms 1,2,4,8 --gemv1 --mma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
+  timeout 300 python3 benchmarks/w4a16.py --ms 1,2,4,8,16 --gemv1 --mma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
 }
 
 phase_s11d() {

@@ -79,7 +79,7 @@ class Rot:
 
 def time_method(x, ours, calls: int, t_bf: float, method: str = "gemv1") -> dict:
     """Best streamed time of one method's candidates ("gemv1": ``K4.candidate_configs`` lists them for M <= 4 on
-    CUDA; "mma": for M <= 8 with ``FXOPT_W4A16_MMA=1``), each first compared with the op's own output on the same
+    CUDA; "mma": for M <= 16 with ``FXOPT_W4A16_MMA=1``), each first compared with the op's own output on the same
     weights (a wrong config is reported, not timed). Columns ``<method>_us`` / ``_x_vs_bf16`` / ``_config`` /
     ``_rel_err``."""
     M, K = x.shape
@@ -114,7 +114,7 @@ def main():
         p.add_argument("--gemv1", action="store_true", help="for M <= 4 also time every \"gemv1\" candidate (checked "
                        "against the op's output first) and add gemv1_* columns; writes *_gemv1.*")
         p.add_argument("--mma", action="store_true", help="list the opt-in \"mma\" candidates (FXOPT_W4A16_MMA=1, "
-                       "fxopt/kernels/w4a16_mma.py) and for M <= 8 time each (mma_* columns); writes *_mma.*")
+                       "fxopt/kernels/w4a16_mma.py) and for M <= 16 time each (mma_* columns); writes *_mma.*")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     if args.gemv1:  # the opt-in "gemv1" candidates (fxopt.kernels.w4a16._GEMV1_DEFAULT) are listed only with this
@@ -157,7 +157,7 @@ def main():
             row["config"] = cfg.label()
             if args.gemv1 and M <= 4:
                 row.update(time_method(x, ours, calls, t_bf, "gemv1"))
-            if args.mma and M <= 8:
+            if args.mma and M <= 16:
                 row.update(time_method(x, ours, calls, t_bf, "mma"))
             rows.append(row)
             print(f"[{time.time() - t0:6.1f}s] K={K} N={N} M={M}: fxopt {t_ours:.1f} us, bf16 {t_bf:.1f}, "
