@@ -21,7 +21,21 @@ case "${1:-default}" in
     prof w4_m1_gemv1_28672 "_w4a16_gemv1_kernel" w4a16:1:8192:28672:gemv1:1:128:7:4:1
     prof w4_m1_gemv1_8192 "_w4a16_gemv1_kernel" w4a16:1:8192:8192:gemv1:1:256:16:4:1
     prof fp8_fwd_d128 "_fp8_fa3_fwd_kernel" fp8:4:16:4096:128:0
-    prof bwd_d128 "_fa3_bwd_kernel" bwd:4:16:4096:128:0
+    # the Gluon backward (variant 3 = _fa3_bwd_kernel_v1) with per-instruction stall samples and the real clock:
+    # docs/notes_attention_bwd_issue_session10.md (read the samples on MEMBAR.ALL.CTA, WARPGROUP.DEPBAR,
+    # SYNCS.PHASECHK and BAR.SYNC)
+    timeout 120 ncu --clock-control none -k regex:_fa3_bwd_kernel_v1 --launch-skip 1 --launch-count 1 $SECTIONS \
+      --section ComputeWorkloadAnalysis --section SourceCounters \
+      --metrics sm__cycles_elapsed.avg.per_second,smsp__issue_active.avg.pct_of_peak_sustained_active \
+      --import-source no -o "$OUT/ncu_bwd_v3" python3 benchmarks/profile_kernels.py bwd:4:16:4096:128:0 \
+      > "$OUT/ncu_bwd_d128_log.txt" 2>&1
+    echo "== bwd_d128: rc=$?"
+    if [ -f "$OUT/ncu_bwd_v3.ncu-rep" ]; then
+      ncu -i "$OUT/ncu_bwd_v3.ncu-rep" > "$OUT/ncu_bwd_d128.txt" 2>&1
+      ncu -i "$OUT/ncu_bwd_v3.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_bwd_v3_sass.csv" 2>&1
+      rm -f "$OUT/ncu_bwd_v3.ncu-rep"
+      grep -E "Duration|SM Frequency|Issue Slots Busy|Warp Cycles Per Issued|No Eligible" "$OUT/ncu_bwd_d128.txt" | head -8
+    fi
     prof fwd_d64 "_fa3_fwd_persistent_kernel" attn:4:32:4096:64:0
     ;;
   w4stalls)

@@ -307,6 +307,20 @@ tile 4 s + 2 r + c; 32 KB each per slot), STAGES = 2. Per step and warpgroup w (
   instructions in the step loop (~450-460 in the causal masked loop), 0 LDL / STL. Design notes and GPU plan:
   docs/notes_attention_bwd256_session9.md.
 
+Issue-slot model of variant 3 at d = 128 (session 10; ``sass_step_loops`` / ``bwd_step_model``; no kernel change)
+-----------------------------------------------------------------------------------------------------------------
+Step loop per consumer warp (bf16, offline): 391-423 instructions unmasked, 580-595 masked (the causal FSEL and
+its index math); 32 HGMMA (24 SS m64n64k16 = S^T, dP^T, dQ; 8 RS m64n128k16 = dV, dK), 32 MUFU.EX2, 32 FFMA,
+32 FADD, 32 FMUL, 32 F2FP.PACK_AB (already two values each), 16 LDS.64 (lse2, delta), 4 STSM, 16 REDG.F32x2,
+5 BAR.SYNC, 3 mbarrier waits + 3 arrives, 1 MEMBAR.ALL.CTA + proxy fence, ~90-96 uniform-datapath ops (wgmma
+descriptors), 0 SHFL, 0 LDL / STL. Producer warp: 78-80 per step. Per CTA step on one SM: tensor 2560 cycles,
+shared-memory port 2564 (wgmma operands 2048: the SS N = 64 GEMMs read 128 B/clk, the port's limit), MUFU 512,
+issue 796-876 per sub-partition, against ~5,670 measured (447 TFLOP/s at S = 4096; ~5,200-5,400 after the
+preprocess / convert launches, the wave tail and the per-CTA prologue): no resource is above ~50%, issue is ~15%.
+The kernel is latency / serialisation-bound (three wgmma drains per step in lockstep across the warpgroups), not
+issue-bound, so no instruction cut was built: it would move a ~15% resource. Notes and the GPU profile to run:
+docs/notes_attention_bwd_issue_session10.md.
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -1469,6 +1483,116 @@ def sass_summary(c) -> dict:
             "setmaxnreg": sorted(set(re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))),
             "max_reg_index": max(regs) if regs else None,
             "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue-slot / resource model of one CTA step from offline SASS (session 10; docs/notes_attention_bwd_issue_session10.md)
+# ----------------------------------------------------------------------------------------------------------------
+
+# instruction classes of the step-loop census, first match wins (predicate guards are stripped first)
+_SASS_CLASSES = (
+    ("hgmma", r"HGMMA"), ("mufu_ex2", r"MUFU\.EX2"), ("mufu_other", r"MUFU"), ("ffma", r"FFMA\b"),
+    ("fmul", r"FMUL\b"), ("fadd", r"FADD\b"), ("fsel_fsetp", r"F(?:SEL|SETP|MNMX)\b"), ("f2fp", r"F2FP"),
+    ("f2f", r"F2F\b|F2F\."), ("redg", r"REDG|RED\b"), ("atom", r"ATOM"), ("bar", r"BAR\.(?:SYNC|ARV|RED)"),
+    ("warpgroup", r"WARPGROUP"), ("syncs", r"SYNCS"), ("fence_membar", r"FENCE|MEMBAR"), ("lds", r"LDS|LDSM"),
+    ("sts", r"STS|STSM"), ("local", r"LDL|STL"), ("shfl", r"SHFL"), ("tma", r"UTMA|UBLKCP"),
+    ("move", r"U?MOV\b|U?MOV\.|R2UR|S2UR|UR2R|S2R|CS2R"), ("control", r"BRA|WARPSYNC|BSSY|BSYNC|ELECT|NOP|EXIT"),
+    ("uniform_int", r"U[A-Z]"), ("int_addr", r"IMAD|IADD|LEA|LOP|SHF|ISETP|SEL|IABS|I2F|F2I|VIADD|IMNMX|PLOP|P2R|"
+                                             r"R2P|FLO|POPC|VOTE|PRMT"))
+
+
+def sass_step_loops(sass: str, min_len: int = 30) -> list:
+    """Innermost loops of sm_90 SASS text (``cuobjdump -sass``): a conditional backward ``BRA`` whose body (target ..
+    branch, address order) holds ``min_len`` instructions or more and no other such loop. The out-of-line mbarrier
+    retry blocks end in an unconditional ``BRA`` back into the loop and are not loops here. Per loop: ``start`` /
+    ``end`` addresses, ``n`` instructions (per warp and iteration: one issue slot each), ``classes`` (counts per
+    ``_SASS_CLASSES`` name, ``other:OPCODE`` for the rest), ``hgmma`` (count per shape, e.g. ``64x64x16``) and
+    ``hgmma_ss`` / ``hgmma_rs`` (A operand from shared memory / registers)."""
+    import collections
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    cand = []
+    for addr, text in ins:
+        m = re.match(r"@!?U?P\w+\s+BRA\s+(?:`\(\S+\)\s*)?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if len(body) >= min_len:
+                cand.append((int(m.group(1), 16), addr, body))
+    out = []
+    for lo, hi, body in cand:
+        if any((o_lo, o_hi) != (lo, hi) and lo <= o_lo and o_hi <= hi for o_lo, o_hi, _ in cand):
+            continue  # not innermost
+        classes, shapes = collections.Counter(), collections.Counter()
+        ss = rs = 0
+        for t in body:
+            t2 = re.sub(r"^@!?U?P\w+\s+", "", t)
+            name = next((n for n, r in _SASS_CLASSES if re.match(r, t2)), "other:" + t2.split()[0])
+            classes[name] += 1
+            m = re.match(r"HGMMA\.(\d+x\d+x\d+)\S*\s+R\d+,\s*(\S+)", t2)
+            if m:
+                shapes[m.group(1)] += 1
+                if m.group(2).startswith("gdesc"):
+                    ss += 1
+                else:
+                    rs += 1
+        out.append(dict(start=lo, end=hi, n=len(body), classes=dict(classes), hgmma=dict(shapes), hgmma_ss=ss,
+                        hgmma_rs=rs))
+    return out
+
+
+def bwd_step_model(consumer_loops, producer_n: int = 0, tflops: Optional[float] = None, clock_ghz: float = 1.83,
+                   sms: int = 132, flop_per_clk_sm: int = 4096, mufu_per_clk_sm: int = 16, smem_b_per_clk: int = 128,
+                   tma_bytes_per_step: int = 2 * 64 * 128 * 2 + 2 * 64 * 4, warps_per_wg: int = 4,
+                   dtype_bytes: int = 2) -> dict:
+    """Cycles per CTA step on one SM (1 CTA per SM: two consumer warpgroups of 4 warps, one warp of each per SM
+    sub-partition, plus the producer warp on sub-partition 0) for each resource, from the step-loop census
+    (``sass_step_loops``) of the two consumer warpgroups' copies of one loop kind (``consumer_loops``: 2 dicts)
+    and the producer loop length. Resources:
+
+    * ``tensor``: sum over the HGMMA of both warpgroups of 64 N K 2 FLOP / ``flop_per_clk_sm`` (H200 dense bf16:
+      989 TFLOP/s / 132 SMs / 1.83 GHz = 4096);
+    * ``smem``: bytes through the 128 B/clk shared-memory port: wgmma operands (A = 64 x K from smem for SS, B = N x
+      K, read once per warpgroup instruction), the TMA writes of the step's Q / dO / lse2 / delta, STSM (512 B per
+      warp instruction), one wavefront per LDS;
+    * ``mufu``: MUFU.EX2 lanes / 16 per clk per SM;
+    * ``issue``: instructions per sub-partition (both consumer warps' loops + the producer's on sub-partition 0),
+      one per clk;
+    * ``fp32``: FFMA / FADD / FMUL / FSEL-class warp instructions per sub-partition (32 lanes per clk);
+    * ``red_bytes``: fp32 reduction payload per step (REDG.F32x2: 8 B per lane).
+
+    With ``tflops`` (measured, FLOPs as the benchmark counts them = the HGMMA FLOPs of a full step) also
+    ``measured`` cycles per step = step FLOPs / (tflops / sms) * clock, each resource's share of it and the L2
+    reduction rate over the chip."""
+    assert len(consumer_loops) == 2, "one step-loop census per consumer warpgroup"
+    flop = smem = mufu = redg_lanes = 0.0
+    issue = fp32 = 0
+    for lp in consumer_loops:
+        c = lp["classes"]
+        for shape, cnt in lp["hgmma"].items():
+            m, n, k = (int(x) for x in shape.split("x"))
+            flop += cnt * m * n * k * 2
+            smem += cnt * n * k * dtype_bytes  # B operand, every HGMMA
+        ks = {int(s.split("x")[2]) for s in lp["hgmma"]} or {16}
+        smem += lp["hgmma_ss"] * 64 * max(ks) * dtype_bytes  # A operand of the SS ones
+        smem += c.get("sts", 0) * warps_per_wg * 512 + c.get("lds", 0) * warps_per_wg * smem_b_per_clk
+        mufu += c.get("mufu_ex2", 0) * warps_per_wg * 32
+        redg_lanes += c.get("redg", 0) * warps_per_wg * 32
+        issue += lp["n"]
+        fp32 += sum(c.get(x, 0) for x in ("ffma", "fmul", "fadd", "fsel_fsetp"))
+    smem += tma_bytes_per_step
+    res = dict(step_flop=flop, tensor=flop / flop_per_clk_sm, smem=smem / smem_b_per_clk,
+               mufu=mufu / mufu_per_clk_sm, issue=issue + producer_n, issue_consumers=issue, fp32=fp32,
+               red_bytes=redg_lanes * 8)
+    if tflops:
+        cyc = flop / (tflops * 1e12 / sms) * clock_ghz * 1e9
+        res["measured"] = cyc
+        for key in ("tensor", "smem", "mufu", "issue", "fp32"):
+            res[f"{key}_share"] = res[key] / cyc
+        res["red_tb_per_s"] = res["red_bytes"] * sms / (cyc / (clock_ghz * 1e9)) / 1e12
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------------------
