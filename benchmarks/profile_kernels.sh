@@ -24,8 +24,9 @@ case "${1:-default}" in
     # the Gluon backward (variant 3 = _fa3_bwd_kernel_v1) with per-instruction stall samples and the real clock:
     # docs/notes_attention_bwd_issue_session10.md (read the samples on MEMBAR.ALL.CTA, WARPGROUP.DEPBAR,
     # SYNCS.PHASECHK and BAR.SYNC)
-    timeout 120 ncu --clock-control none -k regex:_fa3_bwd_kernel_v1 --launch-skip 1 --launch-count 1 $SECTIONS \
-      --section ComputeWorkloadAnalysis --section SourceCounters \
+    timeout 120 ncu --clock-control none -k regex:_fa3_bwd_kernel_v1 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters \
       --metrics sm__cycles_elapsed.avg.per_second,smsp__issue_active.avg.pct_of_peak_sustained_active \
       --import-source no -o "$OUT/ncu_bwd_v3" python3 benchmarks/profile_kernels.py bwd:4:16:4096:128:0 \
       > "$OUT/ncu_bwd_d128_log.txt" 2>&1
