@@ -72,34 +72,48 @@ def test_split_is_one_wave_and_balanced():
 
 
 def test_candidate_configs():
-    for M in (1, 2, 4, 8):
+    for M in (1, 2, 4, 8, 9, 12, 16):
+        tiles, bm = (KM._TILES, 8) if M <= 8 else (KM._TILES16, 16)
         cs = KM.candidate_configs(M, 8192, 8192, 128)
-        assert len(cs) == len(KM._TILES) and all(c.method == "mma" for c in cs)
-        for c in cs:
+        assert len(cs) == len(tiles) and all(c.method == "mma" for c in cs)
+        for c, (cpw, warps, prefetch, pdl) in zip(cs, tiles):
             mc = KM.to_mma_config(c)
-            assert mc.block_n == c.block_n and c.block_m == 8 and c.block_k == 128
-            assert KM.cdiv(8192, c.block_n) * c.split_k <= KM._RESIDENT[(mc.cols_per_warp, mc.warps, mc.prefetch)] * 132
+            assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl) == (cpw, warps, prefetch, pdl)
+            assert mc.block_n == c.block_n and c.block_m == bm and c.block_k == 128
+            assert KM._geometry(M, 8192, 128, mc)[0] == bm
+            # one wave: column tiles x splits fit the resident CTA slots of this BM's register count
+            assert KM.cdiv(8192, c.block_n) * c.split_k <= KM._resident(bm, cpw, warps, prefetch) * 132
             assert c.label() == mc.label() and c.label().startswith(f"mma bn{c.block_n} bk128 sk{c.split_k}")
-    assert KM.candidate_configs(9, 8192, 8192, 128) == []
+    # M = 9..16: R = 4 only (64 columns per warp), with BM 16's residency (255 registers: 8 warps per SM)
+    assert {KM.to_mma_config(c).cols_per_warp for c in KM.candidate_configs(16, 8192, 8192, 128)} == {64}
+    assert KM._resident(16, 64, 4, 1) == 2 and KM._resident(8, 64, 4, 1) == 3
+    assert KM.candidate_configs(17, 8192, 8192, 128) == [] and KM.candidate_configs(0, 8192, 8192, 128) == []
     assert {c.block_k for c in KM.candidate_configs(1, 4096, 4096, 32)} == {32}
+    assert {c.block_k for c in KM.candidate_configs(16, 4096, 4096, 64)} == {64}
     assert {c.block_k for c in KM.candidate_configs(1, 200, 4096, -1)} == {128}
+    # M = 9..16: tiles needing masked loads spill at R = 4 and are not listed (M <= 8 lists them all)
+    assert [c.block_n for c in KM.candidate_configs(16, 4096 + 128, 4096, 128)] == [128, 64, 128]
+    assert KM.candidate_configs(16, 2200, 4096, 128) == [] and KM.candidate_configs(16, 4096, 4200, -1) == []
+    assert len(KM.candidate_configs(8, 2200, 4200, -1)) == len(KM._TILES)
 
 
 def test_tuner_hook_is_opt_in(monkeypatch):
-    """Listed only with FXOPT_W4A16_MMA=1, for M buckets <= 8 on CUDA devices (sm_80+), after every other candidate;
+    """Listed only with FXOPT_W4A16_MMA=1, for M buckets <= 16 on CUDA devices (sm_80+), after every other candidate;
     without the switch the candidate list is unchanged."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")  # keep the Gluon wgmma candidates (own rules) out of this test
     monkeypatch.delenv("FXOPT_W4A16_MMA", raising=False)
-    base = {M: K4.candidate_configs(M, 8192, 8192, 128, device="cuda") for M in (1, 4, 8, 16)}
+    base = {M: K4.candidate_configs(M, 8192, 8192, 128, device="cuda") for M in (1, 4, 8, 9, 16, 17, 32)}
     assert not any(c.method == "mma" for cs in base.values() for c in cs)
     monkeypatch.setenv("FXOPT_W4A16_MMA", "1")
     for M, before in base.items():
         after = K4.candidate_configs(M, 8192, 8192, 128, device="cuda")
         mma = [c for c in after if c.method == "mma"]
         assert after[:len(before)] == before and after[len(before):] == mma
-        assert bool(mma) == (M <= 8 and KM.HAS_GLUON), M
+        assert bool(mma) == (M <= 16 and KM.HAS_GLUON), M
+        if mma:
+            assert mma == KM.candidate_configs(M, 8192, 8192, 128, K4._NUM_SMS_DEFAULT), M
     for dev in (None, "cpu"):
         assert not any(c.method == "mma" for c in K4.candidate_configs(1, 8192, 8192, 128, device=dev))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
@@ -261,6 +275,15 @@ def test_tile_arithmetic_emulation(dtype, group):
 
 
 # ------------------------------------------------------------------------------------------------ offline build
+def _assert_register_only_loop(r, max_reg, max_per_weight):
+    assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= max_reg, r
+    assert len(r["loops"]) == 1
+    lp = r["loops"][0]
+    assert lp["ops"].get("HMMA", 0) > 0 and lp["smem"] == 0
+    assert not any(lp["ops"].get(op, 0) for op in ("LDS", "STS", "BAR", "SHFL", "LDSM", "LDL", "STL"))
+    assert lp["per_weight"] < max_per_weight, lp
+
+
 def test_offline_sm90_build():
     """The first M = 1 candidate compiles for sm_90 on the CPU without spills; its K loop has HMMA and no
     shared-memory traffic, barrier or shuffle (both operands come from registers), and runs well under gemv1's 3.08
@@ -270,13 +293,29 @@ def test_offline_sm90_build():
             "c = KM.to_mma_config(KM.candidate_configs(1, 8192, 8192, 128)[0])\n"
             "r = KM.offline_report(1, 8192, 8192, c)\n"
             "print(json.dumps(r))\n")
+    _assert_register_only_loop(offline_build_json(code), 128, 2.0)
+
+
+def test_offline_sm90_build_m16():
+    """M = 16 (two n8 tiles, BM = 16), the first listed candidate (R = 4: 64 columns per warp, ``_TILES16``): no
+    stack / local (no spill), register operands only, under 2.0 SASS instructions per weight (1.90 offline with
+    Triton 3.6; the R = 2 tile of M <= 8 costs 2.34 here and spills 24 bytes), and exactly the register count that
+    ``_RESIDENT16`` assumes (255: 8 warps per SM)."""
+    code = ("import json, torch\n"
+            "from fxopt.kernels import w4a16_mma as KM\n"
+            "c = KM.to_mma_config(KM.candidate_configs(16, 8192, 8192, 128)[0])\n"
+            "r = KM.offline_report(16, 8192, 8192, c)\n"
+            "r['cpw'], r['warps'] = c.cols_per_warp, c.warps\n"
+            "print(json.dumps(r))\n")
     r = offline_build_json(code)
-    assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= 128
-    assert len(r["loops"]) == 1
+    _assert_register_only_loop(r, 255, 2.0)
     lp = r["loops"][0]
-    assert lp["ops"].get("HMMA", 0) > 0 and lp["smem"] == 0
-    assert not any(lp["ops"].get(op, 0) for op in ("LDS", "STS", "BAR", "SHFL", "LDSM"))
-    assert lp["per_weight"] < 2.0, lp
+    # both n-tiles reuse one unpack: the A conversion (3 SHF + 4 LOP3 per packed word) is not doubled
+    words_per_iter = 2 * (128 // 8) * r["cpw"] // 32  # per thread: 2 K tiles x (BK / 8 rows x 16 R columns) / 32
+    assert lp["ops"]["LOP3"] <= 4 * words_per_iter * 1.05, lp["ops"]
+    # residency assumed by the split rule: registers rounded up to 8 per thread, 64K per SM, 64 warps at most
+    regs = -(-r["reg"] // 8) * 8
+    assert KM._resident(16, r["cpw"], r["warps"], 1) == min(65536 // (regs * 32 * r["warps"]), 64 // r["warps"])
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -291,26 +330,58 @@ def _gpu_mma_or_skip():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [128, -1])
 def test_gpu_mma_matches_reference(dtype, group_size):
-    """Every listed candidate plus split 1, M = 1, 2, 4, 8 (and 16: two n8 tiles), bias off and on, a partial column
-    tile (N = 2112 + 24) and, per channel, a partial K tile (K = 4200); three launches each; the split-K workspace
-    and counters are back at zero afterwards."""
+    """Every listed candidate of M's bucket (none at M > 8 on this ragged shape: see
+    ``test_gpu_mma_m16_listed_candidates``), the default tile (R = 2; at M > 8 it runs BM = 16) with split 1 and,
+    for M > 8, an R = 4 tile with split 1 (masked loads); M = 1, 2, 4, 8 and 9, 12, 16 (BM = 16: two n8 tiles; 9 and
+    12 with clamped B rows), bias off and on, a partial column tile (N = 2112 + 24 + 64: also partial for the
+    256-column tiles) and, per channel, a partial K tile (K = 4200); three launches each; the split-K workspace and
+    counters are back at zero afterwards."""
     _gpu_mma_or_skip()
     K = 4096 if group_size == 128 else 4200
-    N = 2112 + 24
+    N = 2112 + 24 + 64
     qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=21)
     gs = K if group_size == -1 else group_size
-    for M in (1, 2, 4, 8, 16):
+    for M in (1, 2, 4, 8, 9, 12, 16):
         gen = torch.Generator().manual_seed(M)
         x = torch.randn(M, K, generator=gen).to(dtype).cuda()
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
-        cfgs = [KM.to_mma_config(c) for c in KM.candidate_configs(min(M, 8), N, K, gs)]
+        cfgs = [KM.to_mma_config(c) for c in KM.candidate_configs(M, N, K, gs)]
         cfgs.append(KM.MmaConfig(split_k=1))
+        if M > 8:
+            cfgs.append(KM.MmaConfig(cols_per_warp=64, warps=2, split_k=1))
         for cfg in cfgs:
             for b in (None, bias):
                 ref = reference(x, qweight, scales, zeros, G, b)
                 for _ in range(3):
                     y = KM.w4a16_mma(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
                     assert y.dtype == dtype and y.shape == (M, N)
+                    assert_close_to_ref(y, ref, dtype)
+        torch.cuda.synchronize()
+        assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
+        assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mma_m16_listed_candidates(dtype):
+    """M = 9, 12, 16 with every listed BM = 16 candidate (R = 4, automatic split-K) on a shape they divide (the
+    ragged shapes of ``test_gpu_mma_matches_reference`` list none at M > 8), bias off and on, three launches each;
+    the split-K workspace and counters are back at zero afterwards."""
+    _gpu_mma_or_skip()
+    K, N = 4096, 2048
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=51)
+    for M in (9, 12, 16):
+        gen = torch.Generator().manual_seed(50 + M)
+        x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+        bias = torch.randn(N, generator=gen).to(dtype).cuda()
+        cands = KM.candidate_configs(M, N, K, 128)
+        assert len(cands) == len(KM._TILES16) and all(c.split_k > 1 for c in cands)
+        for c in cands:
+            for b in (None, bias):
+                ref = reference(x, qweight, scales, zeros, G, b)
+                for _ in range(3):
+                    y = KM.launch_config(x, qweight, scales, zeros, 128, b, c)
+                    assert y.shape == (M, N)
                     assert_close_to_ref(y, ref, dtype)
         torch.cuda.synchronize()
         assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
@@ -331,13 +402,15 @@ def test_gpu_mma_small_groups_and_strided_x(group_size):
 
 @pytest.mark.gpu
 def test_gpu_mma_through_the_tuner(monkeypatch):
-    """With FXOPT_W4A16_MMA=1 the op's tuner lists, checks and may pick "mma"; the op stays correct."""
+    """With FXOPT_W4A16_MMA=1 the op's tuner lists, checks and may pick "mma" (M = 1 and M = 16); the op stays
+    correct."""
     _gpu_mma_or_skip()
     monkeypatch.setenv("FXOPT_W4A16_MMA", "1")
     K, N = 4096, 4096
     qweight, scales, zeros, G = make_packed(K, N, 128, torch.bfloat16, "cuda", seed=41)
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16).cuda()
-    cands = K4.candidate_configs(1, N, K, 128, device=x.device, dtype=x.dtype)
-    assert any(c.method == "mma" for c in cands)
-    y = K4.w4a16_matmul(x, qweight, scales, zeros, 128)
-    assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.bfloat16)
+    for M in (1, 16):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16).cuda()
+        cands = K4.candidate_configs(M, N, K, 128, device=x.device, dtype=x.dtype)
+        assert any(c.method == "mma" for c in cands)
+        y = K4.w4a16_matmul(x, qweight, scales, zeros, 128)
+        assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.bfloat16)

@@ -986,9 +986,9 @@ _MMA_DEFAULT = "0"
 
 
 def _mma_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
-    """The "mma" candidates: M buckets up to 8, CUDA devices of compute capability >= 8.0 with Gluon, only with
+    """The "mma" candidates: M buckets up to 16, CUDA devices of compute capability >= 8.0 with Gluon, only with
     ``FXOPT_W4A16_MMA=1``; listed last (the heuristic default does not change)."""
-    if (_m_bucket(M) > 8 or device is None or torch.device(device).type != "cuda"
+    if (_m_bucket(M) > 16 or device is None or torch.device(device).type != "cuda"
             or os.environ.get("FXOPT_W4A16_MMA", _MMA_DEFAULT) != "1"):
         return []
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 0):

@@ -1,7 +1,7 @@
 """W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+ (opt-in, session 10).
 
 Status: built offline for sm_90 only (no GPU run yet). The tuner lists it only with ``FXOPT_W4A16_MMA=1``
-(``fxopt.kernels.w4a16._mma_configs``), as method "mma".
+(``fxopt.kernels.w4a16._mma_configs``), as method "mma", for M buckets <= 16.
 
 Why. The one-launch CUDA-core kernel "gemv1" (``fxopt/kernels/w4a16.py``) is issue-bound at M = 1 on the H200
 (3.08 SASS instructions per weight: one LOP3 and one FFMA per weight plus shifts; session 9 note, section 6). Here
@@ -48,6 +48,15 @@ element and tile. Chosen over dequantizing in 16 bits (``sub`` + ``mul`` per two
 weight, half the budget) and over ``q - z`` in the A operand (0.5 per weight); zeros may be fractional (applied in
 fp32). Exactness: (OFFSET + q) x is exact in fp32 (8 + 8 or 11 + 11 significant bits); the only roundings are the
 fp32 sums and the fold, against the reference's rounding of (q - z) s.
+
+M = 9..16 (BM = 16, two n8 tiles). ``mma_v2`` issues both n-tiles' HMMAs from one A fragment, so the unpack (3 SHF
++ 4 LOP3 per word) is shared, and x is loaded once per K tile for both (16 tokens x 16 bytes per lane and chunk).
+What doubles is per token: the x registers (32 per buffer at BK = 128) and their pair PRMTs, the xsum HMMAs (one per
+K step and n-tile), the accumulator (8 R fp32 per thread) and the fold (2 FFMA per accumulator element and tile:
+0.25 per weight at any R). At R = 2 that is 2.30-2.34 SASS instructions per weight and, with two x buffers, 168
+registers plus 24 bytes of stack (ptxas spills five loop-invariant addresses to stay at 3 CTAs per SM). R = 4 (64
+columns per warp) spreads the per-token costs over twice the weights: 1.90 per weight (fp16 1.87), 255 registers, no
+stack, 8 warps per SM; the M = 9..16 candidates (``_TILES16``) are all R = 4.
 
 Grid and reduction: program (pid_n, pid_k) = BN = 16 R W columns x a K slice of TILES_PER_SPLIT tiles; each warp owns
 16 R columns and the whole tile K (no cross-warp reduction). Split-K as gemv1: relaxed fp32 atomics into the
@@ -407,11 +416,24 @@ class MmaConfig:
 
 
 # Resident CTAs per SM of each listed tile, from the offline sm_90 register counts (``offline_report``, bf16 and
-# fp16, M = 1..8, K tile 128, PDL or not): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3; 128 x 256
-# -> 2; 132 (rounded to 136) x 128 -> 3. (cols_per_warp, warps, prefetch) -> CTAs; sizes the split-K grid.
+# fp16, K tile 128, PDL or not). BM = 8 (M = 1..8): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3;
+# 128 x 256 -> 2; 132 (rounded to 136) x 128 -> 3. BM = 16 (M = 9..16, R = 4): 255 registers -> 8 warps per SM, i.e.
+# 2 CTAs of 4 warps, 4 of 2, 8 of 1. (cols_per_warp, warps, prefetch) -> CTAs; sizes the split-K grid.
 _RESIDENT = {(32, 4, 1): 4, (64, 4, 1): 3, (32, 8, 1): 2, (32, 4, 2): 3}
+_RESIDENT16 = {(64, 4, 1): 2, (64, 2, 1): 4, (64, 1, 1): 8}
 # The tuner's candidates (cols_per_warp, warps, prefetch, pdl) for M <= 8 (BM = 8).
 _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, False), (32, 4, 1, True))
+# ... and for M = 9..16 (BM = 16: two n8 tiles). Only R = 4 (64 columns per warp): at BM = 16 the per-token costs
+# (x loads and pair PRMTs, the xsum HMMAs) double while the A unpack is shared by both n-tiles, and R = 4 spreads
+# them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
+# per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
+_TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
+
+
+def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int) -> int:
+    """Resident CTAs per SM of a tile (the tables above; 4 / 2 for one not listed at BM 8 / 16)."""
+    table = _RESIDENT16 if bm == 16 else _RESIDENT
+    return table.get((cols_per_warp, warps, prefetch), 2 if bm == 16 else 4)
 
 
 def _geometry(M: int, K: int, group_size: int, cfg: MmaConfig) -> tuple[int, int, int, int]:
@@ -495,8 +517,8 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _RESIDENT.get((cfg.cols_per_warp, W, cfg.prefetch),
-                                                                              4), _num_sms(x.device))
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch),
+                                          _num_sms(x.device))
     split, tps = _split(K, bk, split_k)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if split > 1:
@@ -523,20 +545,23 @@ def to_mma_config(cfg) -> MmaConfig:
 
 
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list:
-    """The "mma" candidates (as ``W4A16Config``) for M <= 8: the ``_TILES`` list, each with the one-wave split."""
+    """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
+    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), each with the one-wave split."""
     from fxopt.kernels.w4a16 import W4A16Config
 
-    if M > 8:
+    if not 1 <= M <= 16:
         return []
     group = K if group_size == -1 else group_size
     out = []
-    for cpw, warps, prefetch, pdl in _TILES:
+    for cpw, warps, prefetch, pdl in (_TILES if M <= 8 else _TILES16):
         cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl)
         try:
             bm, bk, R, W = _geometry(M, K, group, cfg)
         except ValueError:
             continue
-        split = choose_split(cdiv(N, cfg.block_n), cdiv(K, bk), _RESIDENT[(cpw, warps, prefetch)], num_sms)
+        if bm == 16 and (N % cfg.block_n or K % bk):
+            continue  # masked loads at R = 4, BM = 16 spill (56-528 B of stack offline): not listed
+        split = choose_split(cdiv(N, cfg.block_n), cdiv(K, bk), _resident(bm, cpw, warps, prefetch), num_sms)
         out.append(W4A16Config(block_m=bm, block_n=cfg.block_n, block_k=bk, split_k=split, num_warps=warps,
                                num_stages=1, method="mma", pdl=pdl, prefetch=prefetch))
     return out
@@ -561,8 +586,7 @@ def compile_offline(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype =
     group = K if group_size == -1 else group_size
     bm, bk, R, W = _geometry(M, K, group, cfg)
     n_tiles = cdiv(N, cfg.block_n)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _RESIDENT.get((cfg.cols_per_warp, W, cfg.prefetch),
-                                                                              4))
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch))
     split, tps = _split(K, bk, split_k)
     m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias, split, cfg.pdl)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
