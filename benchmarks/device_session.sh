@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -285,6 +285,16 @@ phase_s11d() {
     python3 benchmarks/gluon_attention_variant_check.py \
     > "$OUT/variant_check_s11_rowsum.txt" 2>&1
   echo "variant check (rowsum) rc=$?"; grep -v "PASS$" "$OUT/variant_check_s11_rowsum.txt" | grep -v "^\s*$" | tail -14
+}
+
+phase_s11e() {
+  # session 11: where the step time goes, by leaving one stage out (timing-only ablation builds; results wrong by
+  # design, gated by environment variables): the Gluon backward at d = 128 (variant 3: dQ reductions, the fence,
+  # the dQ wgmma, exp2, the warpgroup exchange; docs/notes_attention_bwd_issue_session10.md says how to read them)
+  # and the fp8 forward (exp2, row max, rescale, PV, QK, P cast)
+  timeout 250 env FXOPT_ATTN_AUTOTUNE=0 python3 benchmarks/gluon_bwd_ablation.py --out "$RES" 2>&1 | grep -v Warn | tail -16
+  [ -f benchmarks/fp8_ablation.py ] && timeout 250 python3 benchmarks/fp8_ablation.py --out "$RES" 2>&1 | grep -v Warn \
+    | tail -16
 }
 
 phase_largem() {

@@ -321,6 +321,23 @@ The kernel is latency / serialisation-bound (three wgmma drains per step in lock
 issue-bound, so no instruction cut was built: it would move a ~15% resource. Notes and the GPU profile to run:
 docs/notes_attention_bwd_issue_session10.md.
 
+Timing ablations (session 11; ``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``, RESULTS WRONG, timing only)
+-------------------------------------------------------------------------------------------------------
+To split the ~54% of the variant-3 step the issue model above does not explain, ``ABLATE`` (a bit mask, default 0 =
+the real kernel; ``ABLATE_BITS``) leaves one stage out: 1 = the dQ reductions are predicated on an opaque zero
+(``_red_add_v2_off``: ptxas branches over them, so no memory traffic, while the dQ wgmma and its wait stay; a sink
+that ignores the values let ptxas delete the dQ wgmma), 2 = no ``fence_async_shared`` after the dS^T store (SASS
+MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), 4 = no dQ wgmma / wait / reductions, 8 = no exp2 (P^T = the exponent, the FFMA
+stays), 16 = no ds_bar wait (the arrives stay; nothing waits on them, so no deadlock: the ring and end_bar still
+pace the warpgroups). ``gluon_attention_bwd(..., ablate=mask)`` needs ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1`` (else
+ValueError) and the split-dQ kernel; the op never passes it. ``compile_offline(..., ablate=mask)`` builds them
+(it now passes TURNS and ABLATE explicitly: an offline compile binds no defaults). With ABLATE = 0 every routed build
+(d = 128 variants 0-4, bf16 / fp16, causal or not; d = 64 variant 3; d = 256) is SASS byte-identical to before.
+Offline (bf16, full; per step loop and warp): 1: 420 / 411 instructions (+15 BRA), 2: 403 / 389 (no MEMBAR /
+FENCE), 4: 331 / 328 (16 SS + 8 RS HGMMA), 8: 373 / 359 (no MUFU; 8 B more stack, none in the loops), 16: 403 / 389
+(one TRYWAIT fewer), against 405 / 391; no C75xx, no wgmma hazard, no LDL / STL in any step loop. GPU timing:
+``benchmarks/gluon_bwd_ablation.py``; notes: docs/notes_attention_bwd_issue_session10.md ("Session 11").
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -393,6 +410,17 @@ VARIANTS = (0, 1, 2, 3, 4)  # gluon_attention_bwd(variant=...): 0 default, 1 spl
                             # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in; measured 1-2% slower)
 _VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
 _SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
+# Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``; session 11). Every
+# bit leaves the results WRONG: ``gluon_attention_bwd(..., ablate=mask)`` needs the env var below and the op never
+# passes it. bit -> what the build leaves out (per step and consumer warpgroup).
+ABLATE_BITS = {
+    1: "dQ global reductions (16 REDG.F32x2; the dQ wgmma and its wait stay)",
+    2: "proxy fence after the dS^T store (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)",
+    4: "dQ wgmma, its wait and its reductions",
+    8: "exp2 (32 MUFU.EX2; P^T = the exponent, same FFMA)",
+    16: "wait on ds_bar (the other warpgroup's dS^T publication; the arrives stay)",
+}
+ABLATE_ENV = "FXOPT_ATTN_GLUON_BWD_ABLATE_OK"
 
 
 
@@ -728,16 +756,29 @@ def _red_add_v2(ptrs, vals):
 
 
 @gluon.jit
+def _red_add_v2_off(ptrs, vals, off):
+    # ABLATE bit 1 (timing only): ``_red_add_v2`` predicated on ``off != 0``, with ``off`` = 0 at run time but opaque
+    # to the compiler (``it >> 30``): the dQ wgmma, its wait and the issue slots of the 16 reductions stay, no
+    # reduction reaches memory. (A sink that ignores the values lets ptxas delete the dQ wgmma: tried.)
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred %pabl;\n\tsetp.ne.s32 %pabl, $6, 0;\n\t@%pabl red.global.add.v2.f32 [$2], {$4, $5};\n\t}"
+        "\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;",
+        "=r,=r,l,l,f,f,r,r", [ptrs.to(gl.int64), vals, off], dtype=gl.int32, is_pure=False, pack=2)
+
+
+@gluon.jit
 def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                  q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                  s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
                  dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False,
-                 TURNS: gl.constexpr = False):
+                 TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0):
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
-    named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass."""
+    named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass.
+    ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
+    ``ABLATE_BITS`` and "Timing ablations" in the module docstring."""
     dtype: gl.constexpr = q_smem.dtype
     HALF: gl.constexpr = HEAD_DIM // 2
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -778,7 +819,10 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
         keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
         st = gl.where(keep, st, float("-inf"))
     lse2 = lse_smem.index(s).load(col_layout)
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if (ABLATE & 8) != 0:  # timing only: no exp2 (no MUFU), P^T = the exponent (same FFMA, same data flow)
+        pt = st * qk_scale - gl.expand_dims(lse2, 0)
+    else:
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     p16 = gl.convert_layout(pt.to(dtype), op_layout)
     dv = warpgroup_mma(p16, do_buf, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
@@ -794,7 +838,8 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     # waited for its own dQ wgmma). store -> proxy fence (each thread) -> barrier of this warpgroup's 128 threads
     # (all stores done) -> one arrive (release) on ds_bar[p] (count 2: one per warpgroup).
     ds_smem.index(2 * p + WG).store(ds16)
-    fence_async_shared()
+    if (ABLATE & 2) == 0:  # bit 2 (timing only): no proxy fence (SASS MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)
+        fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(ds_bar.index(p), count=1)
 
@@ -813,25 +858,35 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
         mbarrier.arrive(do_empty.index(s), count=1)
 
     # ---- dQ[:, WG half] = dS (all 128 keys) K[:, WG half]: both warpgroups' dS^T tiles must be in smem
-    mbarrier.wait(ds_bar.index(p), ds_phase)
+    if (ABLATE & 16) == 0:  # bit 16 (timing only): no wait for the other warpgroup's dS^T (arrives stay)
+        mbarrier.wait(ds_bar.index(p), ds_phase)
     if TURNS:  # issue point 2 of the step (after the ds_bar wait: both dS^T halves are in smem)
         _fa_pp_wait(WG)
-    dq = warpgroup_mma(ds_smem.index(2 * p).permute((1, 0)), k_smem.index(zero).slice(WG * HALF, HALF, dim=1),
-                       gl.zeros([64, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_smem.index(2 * p + 1).permute((1, 0)),
-                       k_smem.index(1 + zero).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+    if (ABLATE & 4) == 0:  # bit 4 (timing only): no dQ wgmma and no reductions
+        dq = warpgroup_mma(ds_smem.index(2 * p).permute((1, 0)), k_smem.index(zero).slice(WG * HALF, HALF, dim=1),
+                           gl.zeros([64, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * p + 1).permute((1, 0)),
+                           k_smem.index(1 + zero).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
     if TURNS:
         _fa_pp_pass(WG)
     if DK_IN_FLIGHT:
-        dk, d16, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, d16, dq])
+        if (ABLATE & 4) == 0:
+            dk, d16, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, d16, dq])
+        else:
+            dk, d16 = warpgroup_mma_wait(num_outstanding=0, deps=[dk, d16])
         mbarrier.arrive(q_empty.index(s), count=1)  # dK (last reader of Q) is done
-    else:
+    elif (ABLATE & 4) == 0:
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
 
     # ---- 64 x d/2 fp32 -> workspace, 2 floats per red (16 REDG.F32x2 per thread at d = 128)
-    rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, dq_layout))
-    cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
-    _red_add_v2(dq_row_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq)
+    if (ABLATE & 4) == 0:
+        rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, dq_layout))
+        cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
+        if (ABLATE & 1) == 0:
+            _red_add_v2(dq_row_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq)
+        else:  # bit 1 (timing only): the dQ wgmma and its wait stay, the reductions are predicated off
+            _red_add_v2_off(dq_row_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
+                            gl.zeros([64, HALF], gl.int32, dq_layout) + zero)
     return dk, dv
 
 
@@ -840,7 +895,8 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
+                     ABLATE: gl.constexpr = 0):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -867,13 +923,13 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
             it += 1
 
     if TURNS:  # variant 4: warpgroup 0 takes back the turn warpgroup 1 passed after its last issue point (or,
@@ -900,11 +956,12 @@ def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
+                     ABLATE: gl.constexpr = 0):
     _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
 
 
 @gluon.jit
@@ -912,11 +969,12 @@ def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
+                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
+                     ABLATE: gl.constexpr = 0):
     _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                      b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
 
 
 @gluon.jit
@@ -924,7 +982,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
                        qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr,
-                       EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False):
+                       EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -974,11 +1032,11 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
         (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)),
         (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
                                 b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS)),
+                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -1315,6 +1373,25 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
     return None
 
 
+def _check_ablate(ablate, variant: int, head_dim) -> int:
+    """``ablate`` of ``gluon_attention_bwd`` / ``compile_offline`` as an int; 0 passes always. Anything else is a
+    timing-only build with wrong results: only with ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``, only bits of
+    ``ABLATE_BITS``, only for the split-dQ kernel (variants 1-4 at d in ``_VARIANT_DIMS``)."""
+    import os
+
+    if ablate is None or ablate == 0:
+        return 0
+    if os.environ.get(ABLATE_ENV) != "1":
+        raise ValueError(f"gluon_attention_bwd: ablate={ablate!r} is a timing-only ablation, results are wrong "
+                         f"(set {ABLATE_ENV}=1 to run it anyway)")
+    if not isinstance(ablate, int) or ablate < 0 or ablate & ~sum(ABLATE_BITS):
+        raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
+    if variant == 0 or (head_dim is not None and head_dim not in _VARIANT_DIMS):
+        raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}), "
+                         f"got variant {variant}, d = {head_dim}")
+    return int(ablate)
+
+
 def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
     D = t.shape[-1]
     block = [1, 1, rows, D if cols is None else cols]
@@ -1330,7 +1407,7 @@ def _vec_desc(t: torch.Tensor):
 
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                        checked: bool = False, variant: int = 0):
+                        checked: bool = False, variant: int = 0, ablate: int = 0):
     """FA3-style backward -> (dq, dk, dv), contiguous, dtypes of q / k / v. Raises ValueError when unsupported
     (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check).
 
@@ -1341,9 +1418,13 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     d = 64 and 128 (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
     d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
     ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
-    (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8)."""
+    (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).
+
+    ``ablate`` (TIMING ONLY, the results are wrong): a bit mask of ``ABLATE_BITS`` for the split-dQ kernel
+    (variants 1-4, d = 64 / 128); refused unless the environment has ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
+    ablate = _check_ablate(ablate, variant, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else None)
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd: {reason}")
@@ -1386,7 +1467,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
                                  DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4)),
-                                 TURNS=(variant == 4), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                                 TURNS=(variant == 4), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+                                 **({"ABLATE": ablate} if ablate else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK)
         return dq, dk, dv
@@ -1429,10 +1511,14 @@ def _signature(dtype_str: str, D: int):
             "PRODUCER_REGS": "constexpr"}
 
 
-def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0):
+def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0,
+                    ablate: int = 0):
     """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first, 4: 3 + warpgroup
     turns; D = 256: the d = 256
-    kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel."""
+    kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel. ``ablate``: the
+    ``ABLATE`` constexpr of the split-dQ kernel (0 = the real kernel; other masks are timing-only builds, gated
+    like ``gluon_attention_bwd``'s). The split-dQ kernel always gets TURNS and ABLATE explicitly here: an offline
+    compile does not apply a constexpr's default (it would be None)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1454,9 +1540,10 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
         constexprs["EARLY_DK"] = variant in (3, 4)
-        if variant == 4:  # variants 1-3 leave TURNS at its default (False): their builds are unchanged
-            sig["TURNS"] = "constexpr"
-            constexprs["TURNS"] = True
+        sig["TURNS"] = "constexpr"
+        constexprs["TURNS"] = variant == 4
+        sig["ABLATE"] = "constexpr"
+        constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
         kern = _fa3_bwd_kernel_v1
     else:
         kern = _fa3_bwd_kernel
