@@ -219,6 +219,42 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_att
   ``LAZY_SHIFT`` 6 so P <= 2^(6 + 2) = 256. Offline sm_90 (d 128, unmasked step, wg 0): default 489, rowsum 434,
   lazy 540 taken / 476 skipped, both 488 / 424; no spills, no C75xx, 0 hazards, highest register 211-229; the
   default builds are byte-identical (.text). Table and predictions: docs/notes_fp8_rowsum_session10.md.
+* ``ablate=MASK`` (TIMING ONLY, the results are WRONG; session 10; constexpr ``ABLATE``, bits ``ABLATE_BITS``;
+  launches need $FXOPT_FP8_GLUON_ABLATE_OK=1, ValueError "timing-only ablation, results are wrong" otherwise; only
+  the default build: not with persistent / overlap / pingpong / poly_exp / mma_rowsum / lazy_rescale /
+  cast_late=False). Asks what the ~2,500-cycle step (against ~1,024 tensor-core, ~1,056 MUFU and ~980 issue cycles
+  in the model) waits on, by timing builds whose main-loop step (``_f8_step``, both loops; block 0, the tail and the
+  epilogue unchanged) leaves one part out while the rest of the data flow stays alive: 1: no exp2 (P = s c - m + 8,
+  alpha = 1 + max(m_i - m, -1/2): no MUFU); 2: no row max (m = 8 c, a per-block scalar: no FMNMX, 4 SHFL fewer);
+  4: no O rescale; 8: no PV wgmma (the e4m3 P tile is stored (4 STSM) to a never-read 2 x 64 x BLOCK_N shared tile
+  instead, so the cast stays; S waited for with nothing else in flight); 16: no QK^T wgmma (S_i := the fp32
+  P_{i-1}, loop state, so nothing downstream becomes loop-invariant); 32: no e4m3 cast (the PV A operand is a
+  constant e4m3 1.0 tile; P then only feeds l, and is no longer carried); 64: no row sum (l = l alpha). The K / V
+  mbarrier waits and releases stay, so the producer runs as before. ``ABLATE`` = 0 (or not passed): every build
+  byte-identical (.text) to before (16 builds: d 64 / 128 x causal x lse, fp16, the plain build, poly_exp 2,
+  mma_rowsum, rowsum + lazy, pingpong, overlap, persistent). Offline sm_90 (ptxas 12.8), d 128 / 64 x causal or
+  not, masks 0, 1, 2, 4, 8, 16, 32, 64, 7, 24, 71: STACK 0, LOCAL 0, no C75xx, zero ``wgmma_sass_hazards``. Per-step
+  census (``ablate_census``; d 128 full bf16, wg 0 unmasked step; n: wg0 unmasked / masked, wg1 unmasked / masked):
+
+  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
+  mask  n                    MUFU  FMNMX  FMUL  FADD  F2FP   QGMMA  STSM  highest reg
+  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
+  0     489/635/489/639      67    68     74    70    32     8      0     220
+  1     433/564/433/563      1     70     74    72    32     8      0     221
+  2     416/553/416/552      67    0      73    69    32     8      0     221
+  4     413/552/413/556      66    68     3     70    32     8      0     219
+  8     475/621/475/626      67    68     74    70    32     4      4     210
+  16    475/690/475/689      67    68     74    70    32     4      0     200
+  32    454/593/452/597      67    68     74    70    0      8      0     180
+  64    419/556/419/555      67    68     76    4     32     8      0     218
+  7     278/407/278/407      0     2      2     71    32     8      0     219
+  71    208/337/208/337      0     2      4     5     32     8      0     204
+  24    461/670/462/670      67    68     74    70    32     0      4     193
+  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
+
+  (``python -m fxopt.kernels.fp8_attention_gluon --ablate 0,1,2,4,8,16,32,64,7,71,24`` prints it for every
+  config; MUFU = 66 EX2 + 1 RCP of vs_prev / vs_i.) ``benchmarks/fp8_ablation.py`` times them on the H200 and
+  converts to cycles per step; docs/notes_fp8_rowsum_session10.md ("Ablation builds") reads the results.
 * Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
   against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
   below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
@@ -256,6 +292,10 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
         @staticmethod
         def jit(fn=None, **_kw):
             return fn if fn is not None else (lambda f: f)
+
+        @staticmethod
+        def constexpr_function(fn):
+            return fn
 
     gluon = _Stub()
     triton = _Stub()
@@ -329,6 +369,14 @@ if _GLUON_IMPORT_ERROR is None:  # module-level constexprs read by the device co
     LAZY_TAU_C = gl.constexpr(LAZY_TAU)
     RS_N_C = gl.constexpr(RS_N)
 _SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
+# TIMING-ONLY ablation builds (session 10; module docstring "ablate"): constexpr ABLATE, a bit mask of parts of the
+# main-loop step to leave out. The results are WRONG; the launch needs $FXOPT_FP8_GLUON_ABLATE_OK=1. 0 = every build
+# byte-identical to before.
+ABLATE_BITS = {1: "exp2", 2: "rowmax", 4: "rescale", 8: "pv", 16: "qk", 32: "cast", 64: "rowsum"}
+ABLATE_ALL = sum(ABLATE_BITS)
+ABLATE_ENV = "FXOPT_FP8_GLUON_ABLATE_OK"
+if _GLUON_IMPORT_ERROR is None:
+    ABLATE_ALL_C = gl.constexpr(ABLATE_ALL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -401,21 +449,41 @@ def _f8_p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, PERMUTE_K: gl.co
     return gl.convert_layout(p8, p_layout)
 
 
+@gluon.constexpr_function
+def _ablates(ablate, bit):
+    """ABLATE (timing-only builds): is ``bit`` of the mask set? ``ablate`` is None when the kernel's ABLATE
+    constexpr is not passed (offline builds without it), 0 when a launch leaves it at its default."""
+    return bool(ablate) and (int(ablate) & int(bit)) != 0
+
+
 @gluon.jit
-def _f8_softmax(s, m_i, l_i, c, POLY_EXP: gl.constexpr = 0):
+def _f8_softmax(s, m_i, l_i, c, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr = 0):
     """Online-softmax step on raw fp8-dot scores s; c = qs * ks_j * scale * log2(e) > 0.
 
     m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha).
     POLY_EXP > 0: that many of every 16 per-thread exp2s by the FMA-pipe polynomial (masked -inf scores still give
-    exactly 0; alpha stays on MUFU)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    if POLY_EXP:  # (None when the kernel's POLY_EXP is not passed, as for every build without it)
-        p = _exp2_mixed(s * c - gl.expand_dims(m_use - 8.0, 1), POLY_EXP)
+    exactly 0; alpha stays on MUFU).
+    ABLATE (timing only, WRONG results; module docstring "ablate"): bit 2 replaces the row max by a per-block scalar
+    (no FMNMX / SHFL), bit 1 drops both exp2s (P = s c - m + 8 and alpha = 1 + max(m_i - m, -1/2): no MUFU), bit 64
+    drops the row sum (l = l alpha)."""
+    if _ablates(ABLATE, 2):
+        m_new = gl.zeros_like(m_i) + c * 8.0
     else:
-        p = gl.exp2(s * c - gl.expand_dims(m_use - 8.0, 1))  # one FFMA + MUFU.EX2 per score; 8.0 = P_SHIFT
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if _ablates(ABLATE, 1):
+        alpha = 1.0 + gl.maximum(m_i - m_use, -0.5)
+        p = s * c - gl.expand_dims(m_use - 8.0, 1)
+    else:
+        alpha = gl.exp2(m_i - m_use)
+        if POLY_EXP:  # (None when the kernel's POLY_EXP is not passed, as for every build without it)
+            p = _exp2_mixed(s * c - gl.expand_dims(m_use - 8.0, 1), POLY_EXP)
+        else:
+            p = gl.exp2(s * c - gl.expand_dims(m_use - 8.0, 1))  # one FFMA + MUFU.EX2 per score; 8.0 = P_SHIFT
+    if _ablates(ABLATE, 64):
+        l_new = l_i * alpha
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
 
@@ -442,7 +510,8 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
              QB: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, orow_layout: gl.constexpr,
              PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, turn=None, WG: gl.constexpr = 0,
-             PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0):
+             PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr = 0,
+             sink=None):
     """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
     branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
 
@@ -450,8 +519,17 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     issue and the PV_{i-1} issue (while QK_i runs), and the fp32 P_i is returned in its place.
 
     PINGPONG: the QK_i + PV_{i-1} issue group is the warpgroup's i-th turn (``_pp_wait`` before the QK_i issue,
-    ``_pp_arrive`` right after the PV_{i-1} issue); nothing else changes."""
+    ``_pp_arrive`` right after the PV_{i-1} issue); nothing else changes.
+
+    ABLATE (timing only, WRONG results, CAST_LATE builds; module docstring "ablate"): bit 16: no QK_i wgmma, S_i :=
+    the fp32 P_{i-1} (loop state, so nothing downstream is loop-invariant); bit 32: no e4m3 cast, the PV A operand is
+    a constant e4m3 tile; bit 8: no PV wgmma, the e4m3 A operand is stored to the warpgroup's ``sink`` tile in
+    shared memory instead (keeps the cast alive), S waited for with nothing else in flight; bit 4: no O rescale;
+    bits 1 / 2 / 64 in ``_f8_softmax``. The mbarrier waits / releases of K and V stay, so the producer runs as
+    before."""
     fp8: gl.constexpr = q_buf.dtype
+    NO_QK: gl.constexpr = _ablates(ABLATE, 16)
+    NO_PV: gl.constexpr = _ablates(ABLATE, 8)
     # block scales of key block i (issued before the waits so their latency hides behind them)
     c = qk_scale * gl.load(ks_base + (i * BLOCK_N) // QB)
     vs_i = gl.load(vs_base + (i * BLOCK_N) // QB)
@@ -459,28 +537,45 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
     if PINGPONG:
         _pp_wait(turn, WG, i)
-    s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
+    if NO_QK:
+        s = p8
+    else:
+        s = warpgroup_mma(q_buf, k_smem.index(ks).permute((1, 0)), s, use_acc=False, is_async=True)
     if CAST_LATE:
-        a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
+        if _ablates(ABLATE, 32):
+            # e4m3 1.0 (0x38) everywhere (gl.full has no fp8 constants: int8 bit pattern, bitcast)
+            a8 = gl.full([p8.shape[0], p8.shape[1]], 0x38, gl.int8, layout=p_layout).to(fp8, bitcast=True)
+        else:
+            a8 = _f8_p_operand(p8, fp8, p_layout, PERMUTE_K)
     else:
         a8 = p8
     jv = i - 1
     vslot = jv % STAGES
     mbarrier.wait(v_ready.index(vslot), (jv // STAGES) & 1)
-    o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
+    if NO_PV:
+        sink.store(a8)
+    else:
+        o = warpgroup_mma(a8, v_smem.index(vslot).permute((1, 0)), o, is_async=True)
     if PINGPONG:
         _pp_arrive(turn, WG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    if NO_QK:
+        pass
+    elif NO_PV:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
         s = _f8_mask(s, i * BLOCK_N, rows, SEQ_K, diag_off, BLOCK_N, CAUSAL, s_layout, PERMUTE_K)
-    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c, POLY_EXP)
+    p, m_i, l_i, alpha = _f8_softmax(s, m_i, l_i, c, POLY_EXP, ABLATE)
     # deps=[o] only: Triton 3.6 cannot lower an 8-bit tensor as a wait dependency ("Unexpected bitwidth in
     # WGMMAWaitGroupOp: 8"); ptxas itself keeps P8's registers untouched while the wgmma that reads them runs.
-    o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+    if not NO_PV:
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
     mbarrier.arrive(v_empty.index(vslot), count=1)
     # O was in units of vs_{i-1}; after this it is in units of vs_i (the PV_i about to be added)
-    o = o * gl.expand_dims(gl.convert_layout(alpha * (vs_prev / vs_i), orow_layout), 1)
+    if not _ablates(ABLATE, 4):
+        o = o * gl.expand_dims(gl.convert_layout(alpha * (vs_prev / vs_i), orow_layout), 1)
     if CAST_LATE:
         p8 = p
     else:
@@ -542,7 +637,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
                  sm_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr,
                  CAST_LATE: gl.constexpr, OVERLAP: gl.constexpr = False, pin=None, PINGPONG: gl.constexpr = False,
-                 turn=None, POLY_EXP: gl.constexpr = 0):
+                 turn=None, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr = 0, sink=None):
     ROWS: gl.constexpr = q_smem.type.shape[1]
     out_dtype: gl.constexpr = o_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -619,18 +714,22 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
         mbarrier.arrive(v_empty.index(vslot), count=1)
     else:
+        if _ablates(ABLATE, 8):
+            sink_buf = sink.index(WG)  # ABLATE bit 8: the e4m3 P tile goes here instead of into the PV wgmma
+        else:
+            sink_buf = None
         for i in range(1, n_full):
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, False, QB, s_layout, p_layout,
                                                    orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG,
-                                                   POLY_EXP)
+                                                   POLY_EXP, ABLATE, sink_buf)
         for i in range(gl.maximum(n_full, 1), n_blocks):
             s, o, p8, m_i, l_i, vs_prev = _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s,
                                                    o, p8, m_i, l_i, vs_prev, ks_base, vs_base, qk_scale, rows, SEQ_K,
                                                    diag_off, BLOCK_N, STAGES, CAUSAL, True, QB, s_layout, p_layout,
                                                    orow_layout, PERMUTE_K, CAST_LATE, turn, WG, PINGPONG,
-                                                   POLY_EXP)
+                                                   POLY_EXP, ABLATE, sink_buf)
 
         # ---- tail: O += P8_{n-1} V_{n-1}
         jv = n_blocks - 1
@@ -895,7 +994,7 @@ def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
                      POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
                      PINGPONG: gl.constexpr = False, turn=None, MMA_ROWSUM: gl.constexpr = False,
-                     LAZY_RESCALE: gl.constexpr = False, ones=None):
+                     LAZY_RESCALE: gl.constexpr = False, ones=None, ABLATE: gl.constexpr = 0, sink=None):
     if MMA_ROWSUM or LAZY_RESCALE:
         _f8_consumer_x(0, o_desc, q_smem, k_smem, v_smem, o_smem, ones, q_bars, k_ready, k_empty, v_ready, v_empty,
                        qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
@@ -905,7 +1004,7 @@ def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
     _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
-                 POLY_EXP)
+                 POLY_EXP, ABLATE, sink)
 
 
 @gluon.jit
@@ -915,7 +1014,7 @@ def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
                      WRITE_LSE: gl.constexpr, QB: gl.constexpr, PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr,
                      POLY_EXP: gl.constexpr = 0, OVERLAP: gl.constexpr = False, pin=None,
                      PINGPONG: gl.constexpr = False, turn=None, MMA_ROWSUM: gl.constexpr = False,
-                     LAZY_RESCALE: gl.constexpr = False, ones=None):
+                     LAZY_RESCALE: gl.constexpr = False, ones=None, ABLATE: gl.constexpr = 0, sink=None):
     if MMA_ROWSUM or LAZY_RESCALE:
         _f8_consumer_x(1, o_desc, q_smem, k_smem, v_smem, o_smem, ones, q_bars, k_ready, k_empty, v_ready, v_empty,
                        qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
@@ -925,7 +1024,7 @@ def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_
     _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
                  ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K, CAST_LATE, OVERLAP, pin, PINGPONG, turn,
-                 POLY_EXP)
+                 POLY_EXP, ABLATE, sink)
 
 
 @gluon.jit
@@ -936,7 +1035,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAST_LATE: gl.constexpr,
                         OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False,
                         POLY_EXP: gl.constexpr = 0, MMA_ROWSUM: gl.constexpr = False,
-                        LAZY_RESCALE: gl.constexpr = False):
+                        LAZY_RESCALE: gl.constexpr = False, ABLATE: gl.constexpr = 0):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     fp8: gl.constexpr = q_desc.dtype
     out_dtype: gl.constexpr = o_desc.dtype
@@ -1032,6 +1131,24 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                                 qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
                                 sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
                                 CAST_LATE, POLY_EXP, False, turn, True, turn)),
+            (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif _ablates(ABLATE, ABLATE_ALL_C):
+        # TIMING ONLY (module docstring "ablate"): parts of the step left out, results wrong. ``sink``: one e4m3
+        # [ROWS, BLOCK_N] tile per consumer warpgroup, written instead of the PV wgmma by bit 8, never read
+        gl.static_assert(CAST_LATE and not (OVERLAP or PINGPONG or POLY_EXP),
+                         "ablate: cast_late builds without overlap / pingpong / poly_exp only")
+        sink = gl.allocate_shared_memory(fp8, [2, ROWS, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        gl.warp_specialize([
+            (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, 0, False, None, False, None, False, False, None, ABLATE, sink)),
+            (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                                qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                                sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB, PERMUTE_K,
+                                CAST_LATE, 0, False, None, False, None, False, False, None, ABLATE, sink)),
             (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1373,6 +1490,33 @@ def _rowsum_combo_reason(mma_rowsum: bool, lazy: bool, overlap, pingpong, poly_e
     return None
 
 
+def resolve_ablate(ablate=None, *, check_env: bool = True, overlap=None, pingpong=None, poly_exp: int = 0,
+                   persistent: bool = False, mma_rowsum: bool = False, lazy_rescale: bool = False,
+                   cast_late=None) -> int:
+    """The ABLATE constexpr of a launch (TIMING ONLY; module docstring "ablate"): 0 for None / 0; otherwise a
+    nonzero int whose bits are in ``ABLATE_BITS``. ValueError for anything else, for a nonzero mask without
+    $FXOPT_FP8_GLUON_ABLATE_OK=1 (``check_env``; offline builds pass False: they produce no results), and for a mask
+    combined with persistent / overlap / pingpong / poly_exp / mma_rowsum / lazy_rescale or cast_late=False."""
+    if ablate is None or (isinstance(ablate, int) and not isinstance(ablate, bool) and ablate == 0):
+        return 0
+    if isinstance(ablate, bool) or not isinstance(ablate, int) or ablate < 0 or ablate & ~ABLATE_ALL:
+        raise ValueError(f"fp8_gluon_attention: ablate={ablate!r} is not a bit mask of {ABLATE_BITS}")
+    if check_env and os.environ.get(ABLATE_ENV, "").strip() != "1":
+        raise ValueError(f"fp8_gluon_attention: ablate={ablate}: timing-only ablation, results are wrong; set "
+                         f"{ABLATE_ENV}=1 to run it")
+    other = [n for n, on in (("persistent", persistent),
+                             ("overlap", OVERLAP_DEFAULT if overlap is None else bool(overlap)),
+                             ("pingpong", PINGPONG_DEFAULT if pingpong is None else bool(pingpong)),
+                             ("poly_exp", bool(poly_exp)), ("mma_rowsum", mma_rowsum),
+                             ("lazy_rescale", lazy_rescale),
+                             ("cast_late=False", not (CAST_LATE_DEFAULT if cast_late is None else bool(cast_late))))
+             if on]
+    if other:
+        raise ValueError(f"fp8_gluon_attention: ablate={ablate} is implemented for the default build only (cast_late, "
+                         f"non-persistent), not with {', '.join(other)}")
+    return ablate
+
+
 def config_for(head_dim: int) -> dict:
     block_n, stages = _CONFIGS[head_dim]
     return dict(BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=_MAXNREG,
@@ -1528,7 +1672,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
                                   overlap: Optional[bool] = None, pingpong: Optional[bool] = None,
                                   poly_exp: Optional[int] = None, persistent: Optional[bool] = None,
                                   num_sms: Optional[int] = None, stages: Optional[int] = None,
-                                  mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None):
+                                  mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None,
+                                  ablate: Optional[int] = None):
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
@@ -1538,7 +1683,9 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     pingpong); ``num_sms`` caps its grid (default: the device's SM count; small values force many items per CTA),
     ``stages`` its ring depth (default ``_PERSISTENT_STAGES``). ``mma_rowsum`` / ``lazy_rescale``: None = the
     environment or ``MMA_ROWSUM_DEFAULT`` / ``LAZY_RESCALE_DEFAULT`` (``resolve_mma_rowsum`` /
-    ``resolve_lazy_rescale``); not with overlap / pingpong / poly_exp / persistent (ValueError)."""
+    ``resolve_lazy_rescale``); not with overlap / pingpong / poly_exp / persistent (ValueError). ``ablate``: a
+    TIMING-ONLY bit mask (``ABLATE_BITS``; the results are wrong), only with $FXOPT_FP8_GLUON_ABLATE_OK=1 and the
+    default build (``resolve_ablate``)."""
     B, Hq, Sq, D = shape_q
     pe = resolve_poly_exp(poly_exp)
     pers = resolve_persistent(persistent, overlap, pingpong, num_sms, stages)
@@ -1546,6 +1693,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, pers)
     if combo is not None:
         raise ValueError(f"fp8_gluon_attention: {combo}")
+    ab = resolve_ablate(ablate, overlap=overlap, pingpong=pingpong, poly_exp=pe, persistent=pers, mma_rowsum=mr,
+                        lazy_rescale=lz, cast_late=cast_late)
     pcfg = persistent_config_for(D, stages) if pers and D in _CONFIGS else None
     ov = OVERLAP_DEFAULT if overlap is None else bool(overlap)
     pp = PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
@@ -1603,7 +1752,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
         QB=QBLOCK, PERMUTE_K=pk, CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
         CAST_LATE=cl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **({"OVERLAP": True} if ov else {}),
         **({"PINGPONG": True} if pp else {}), **({"POLY_EXP": pe} if pe else {}),
-        **({"MMA_ROWSUM": True} if mr else {}), **({"LAZY_RESCALE": True} if lz else {}))
+        **({"MMA_ROWSUM": True} if mr else {}), **({"LAZY_RESCALE": True} if lz else {}),
+        **({"ABLATE": ab} if ab else {}))
     return res
 
 
@@ -1619,9 +1769,12 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
                         pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
                         persistent: Optional[bool] = None, num_sms: Optional[int] = None,
                         stages: Optional[int] = None, mma_rowsum: Optional[bool] = None,
-                        lazy_rescale: Optional[bool] = None):
+                        lazy_rescale: Optional[bool] = None, ablate: Optional[int] = None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize with fp8_attention.py's kernels, then run the
-    Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run."""
+    Gluon fp8 kernel. Raises ValueError (with the reason) for inputs it cannot run. ``ablate``: TIMING ONLY (wrong
+    results), see ``fp8_gluon_attention_quantized``."""
+    if ablate:
+        resolve_ablate(ablate)  # the environment gate first (the combinations are checked below)
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(f"fp8_gluon_attention: {reason}")
@@ -1629,10 +1782,12 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     pers = resolve_persistent(persistent, overlap, pingpong, num_sms, stages)
     if pers:
         persistent_config_for(q.shape[-1], stages)
-    combo = _rowsum_combo_reason(resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale), overlap,
-                                 pingpong, pe, pers)
+    mr, lz = resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale)
+    combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, pers)
     if combo is not None:
         raise ValueError(f"fp8_gluon_attention: {combo}")
+    resolve_ablate(ablate, overlap=overlap, pingpong=pingpong, poly_exp=pe, persistent=pers, mma_rowsum=mr,
+                   lazy_rescale=lz, cast_late=cast_late)
     _fp8._check_attn_inputs(q, k, v, scale)
     B, Hq, Sq, D = q.shape
     qq, qs, kq, ks, vt, vs = fp8_gluon_quantize(q, k, v, hadamard, seed)
@@ -1641,7 +1796,8 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
                                          scale=scale, out=out, return_lse=return_lse, permute_k=permute_k,
                                          cast_late=cast_late, overlap=overlap, pingpong=pingpong,
                                          poly_exp=poly_exp, persistent=persistent, num_sms=num_sms,
-                                         stages=stages, mma_rowsum=mma_rowsum, lazy_rescale=lazy_rescale)
+                                         stages=stages, mma_rowsum=mma_rowsum, lazy_rescale=lazy_rescale,
+                                         ablate=ablate)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1673,16 +1829,21 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
                     cast_late: Optional[bool] = None, overlap: Optional[bool] = None,
                     pingpong: Optional[bool] = None, poly_exp: Optional[int] = None,
                     persistent: Optional[bool] = None, sched: Optional[int] = None,
-                    mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None):
+                    mma_rowsum: Optional[bool] = None, lazy_rescale: Optional[bool] = None,
+                    ablate: Optional[int] = None):
     """Compile one config for sm_<arch> without a GPU; returns triton's CompiledKernel. The OVERLAP / PINGPONG /
     POLY_EXP constexprs are passed only when set (as the launch does), so the builds without them are compiled as
     before. ``persistent=True``: ``_fp8_fa3_fwd_persistent_kernel`` (``stages`` = its ring depth, default
-    ``_PERSISTENT_STAGES``; ``sched`` = the SCHED constexpr, default 1 (zigzag pairs) when causal, else 0)."""
+    ``_PERSISTENT_STAGES``; ``sched`` = the SCHED constexpr, default 1 (zigzag pairs) when causal, else 0).
+    ``ablate``: the timing-only ABLATE mask (``resolve_ablate`` without the environment gate: nothing runs here)."""
     pe = resolve_poly_exp(poly_exp)
     mr, lz = resolve_mma_rowsum(mma_rowsum), resolve_lazy_rescale(lazy_rescale)
     combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, resolve_persistent(persistent, overlap, pingpong))
     if combo is not None:
         raise ValueError(f"fp8_gluon_attention: {combo}")
+    ab = resolve_ablate(ablate, check_env=False, overlap=overlap, pingpong=pingpong, poly_exp=pe,
+                        persistent=resolve_persistent(persistent, overlap, pingpong), mma_rowsum=mr,
+                        lazy_rescale=lz, cast_late=cast_late)
     if resolve_persistent(persistent, overlap, pingpong):
         return _compile_offline_persistent(D, causal, out_str, write_lse, arch, stages, permute_k, cast_late, pe,
                                            sched)
@@ -1701,12 +1862,12 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     sig = _signature(D, out_str, cfg["BLOCK_N"], pk)
     optional = dict(OVERLAP=OVERLAP_DEFAULT if overlap is None else bool(overlap),
                     PINGPONG=PINGPONG_DEFAULT if pingpong is None else bool(pingpong),
-                    POLY_EXP=pe, MMA_ROWSUM=mr, LAZY_RESCALE=lz)
+                    POLY_EXP=pe, MMA_ROWSUM=mr, LAZY_RESCALE=lz, ABLATE=ab)
     if any(optional.values()):
         # every optional constexpr explicitly: ASTSource binds by position, and Triton 3.6's ASTSource.hash keys the
         # constants by value only (sorted by position), so a partial set would share a cache key with another
         # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary
-        # before session 10; MMA_ROWSUM / LAZY_RESCALE likewise). The default build passes none of them.
+        # before session 10; MMA_ROWSUM / LAZY_RESCALE / ABLATE likewise). The default build passes none of them.
         constexprs.update(optional)
         for name in optional:
             sig[name] = "constexpr"
@@ -1758,18 +1919,21 @@ def sass_summary(c) -> dict:
             "wgmma_serialized": "C7512" in ptxas or "serialized" in ptxas}
 
 
+ABLATE_LOOP_MARKER = r"GMMA|FFMA"  # the consumer steps of every ABLATE build (the producer loop has neither)
 _SASS_CLASSES = (("QGMMA", r"QGMMA"), ("MUFU.EX2", r"MUFU\.EX2"), ("MUFU", r"MUFU"), ("F2FP", r"F2FP"),
                  ("PRMT", r"PRMT"), ("LOP3", r"LOP3"), ("SHF", r"SHF\."), ("SHFL", r"SHFL"), ("SEL", r"SEL"),
                  ("FMUL", r"FMUL"), ("FFMA", r"FFMA"), ("FADD", r"FADD"), ("FMNMX", r"FMNMX"),
                  ("WARPGROUP", r"WARPGROUP"), ("SYNCS", r"SYNCS"), ("BAR", r"BAR\."))
 
 
-def main_loops(sass: str) -> list[dict]:
+def main_loops(sass: str, marker: str = "GMMA") -> list[dict]:
     """Innermost loops of the sm_90 SASS (nvdisasm text) that issue wgmma: one dict per loop, in address order,
     with the instruction count ``n`` and counts by opcode class (``_SASS_CLASSES``, first match; the rest under
     "other"). For this kernel: consumer 0's unmasked and masked loops, then consumer 1's. A loop is the address
     range from a predicated backward branch's target to the branch (ptxas places the mbarrier try-wait retries out
-    of line, with an unconditional branch back into the loop: not counted)."""
+    of line, with an unconditional branch back into the loop: not counted). ``marker``: the regex an instruction of
+    the loop must match (default: a wgmma; the ABLATE census uses ``ABLATE_LOOP_MARKER``, since an 8|16 build's
+    step has no wgmma left)."""
     import re
 
     i = sass.find("\n.text.")
@@ -1793,7 +1957,7 @@ def main_loops(sass: str) -> list[dict]:
         m = re.match(r"@!?P\d+ BRA `\((\.L_x_\d+)\)", op)  # predicated: a loop's back edge
         if m and labels.get(m.group(1), addr + 1) < addr:
             body = [o for a, o in ins if labels[m.group(1)] <= a <= addr]
-            if any("GMMA" in o for o in body):
+            if any(re.search(marker, o) for o in body):
                 found.append((labels[m.group(1)], addr, body))
     inner = [f for f in found if not any(g[0] >= f[0] and g[1] <= f[1] and g[:2] != f[:2] for g in found)]
     out = []
@@ -1804,6 +1968,30 @@ def main_loops(sass: str) -> list[dict]:
             key = next((k for k, pat in _SASS_CLASSES if re.search(pat, op.split(" ")[0])), "other")
             counts[key] = counts.get(key, 0) + 1
         out.append(counts)
+    return out
+
+
+def ablate_census(sass: str) -> list[dict]:
+    """Per-step SASS census of an ABLATE build (or any build): ``main_loops`` with ``ABLATE_LOOP_MARKER`` (consumer
+    0 unmasked / masked, consumer 1 unmasked / masked), reduced to the classes the ablations remove: ``n`` (all
+    instructions of the step), MUFU (all MUFU; MUFU.EX2 separately), FMNMX, FMUL, FFMA, FADD, SHFL, F2FP, PRMT,
+    QGMMA, WARPGROUP (arrive / commit / waits) and STSM (the bit-8 sink)."""
+    out = []
+    for lp in main_loops(sass, ABLATE_LOOP_MARKER):
+        row = {k: lp.get(k, 0) for k in ("n", "MUFU.EX2", "FMNMX", "FMUL", "FFMA", "FADD", "SHFL", "F2FP", "PRMT",
+                                         "QGMMA", "WARPGROUP")}
+        row["MUFU"] = lp.get("MUFU.EX2", 0) + lp.get("MUFU", 0)
+        out.append(row)
+    # STSM is not one of _SASS_CLASSES: count it over the same address ranges
+    import re
+
+    i = sass.find("\n.text.")
+    j = sass.find("\t.section", i)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass[i:j if j > 0 else None])]
+    for row, lp in zip(out, main_loops(sass, ABLATE_LOOP_MARKER)):
+        lo, hi = int(lp["start"], 16), int(lp["end"], 16)
+        row["STSM"] = sum(1 for a, op in ins if lo <= a <= hi and "STSM" in op)
     return out
 
 
@@ -1984,9 +2172,28 @@ if __name__ == "__main__":  # pragma: no cover - tooling
                     help="build the persistent kernel instead (permute_k + cast_late; --stages = its ring depth)")
     ap.add_argument("--stages", type=int, default=None, help="persistent ring depth (default _PERSISTENT_STAGES)")
     ap.add_argument("--protocol", action="store_true", help="only the CPU check of the persistent barrier protocol")
+    ap.add_argument("--ablate", default=None,
+                    help="comma-separated ABLATE masks (timing-only builds, e.g. 0,1,2,4,8,16,32,7,24): build each "
+                         "(bf16, no lse) and print its per-step SASS census")
     args = ap.parse_args()
     if args.protocol:
         print(check_persistent_protocol())
+        raise SystemExit(0)
+    if args.ablate is not None:
+        for D in [int(x) for x in args.dims.split(",")]:
+            for causal in (False, True):
+                for ab in [int(x, 0) for x in args.ablate.split(",")]:
+                    tag = f"d{D}_{'causal' if causal else 'full'}_ablate{ab}"
+                    c = compile_offline(D, causal, ablate=ab)
+                    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+                    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", use)
+                    sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+                    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+                    print(f"{tag}: {m.group(0) if m else use.strip()}  "
+                          f"max_reg={sass_summary(c)['max_reg_index']}  wgmma_hazards={len(wgmma_sass_hazards(sass))}  "
+                          f"ptxas_C75xx={sorted(set(re.findall(r'C75[0-9][0-9]', ptxas)))}", flush=True)
+                    for lp in ablate_census(sass):
+                        print("    ", lp)
         raise SystemExit(0)
     if args.persistent:
         for D in [int(x) for x in args.dims.split(",")]:
