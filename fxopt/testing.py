@@ -139,3 +139,22 @@ def gluon_fwd_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=0, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(B, h, s, D, generator=g).to(device, dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
 
+
+def cubin_text_sha(cubin: bytes) -> str:
+    """sha256 over the names and bytes of a cubin's ``.text.*`` sections (ELF64): the machine code only, so two
+    builds that differ in line info or metadata compare equal (the byte-identity checks of the offline builds)."""
+    import hashlib
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stro = secs[shstrndx][4]
+    h = hashlib.sha256()
+    for s in secs:
+        name = cubin[stro + s[0]: cubin.index(b"\0", stro + s[0])]
+        if name.startswith(b".text."):
+            h.update(name)
+            h.update(cubin[s[4]: s[4] + s[5]])
+    return h.hexdigest()
+

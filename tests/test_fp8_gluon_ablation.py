@@ -94,17 +94,7 @@ from fxopt.kernels.w4a16_gluon import wgmma_sass_hazards
 
 OPTIONAL = dict(OVERLAP=False, PINGPONG=False, POLY_EXP=0, MMA_ROWSUM=False, LAZY_RESCALE=False, ABLATE=0)
 
-def text_sha(cubin):
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    stro = secs[shstrndx][4]
-    h = hashlib.sha256()
-    for s in secs:
-        name = cubin[stro + s[0]: cubin.index(b"\0", stro + s[0])]
-        if name.startswith(b".text."):
-            h.update(name); h.update(cubin[s[4]: s[4] + s[5]])
-    return h.hexdigest()
+from fxopt.testing import cubin_text_sha as text_sha
 
 def build(ablate, explicit_zero=False):
     if explicit_zero:  # ABLATE = 0 (and every other optional constexpr at its off value) passed explicitly
