@@ -180,6 +180,13 @@ STACK 0, LOCAL 0, 0 hazards; the async build keeps DEPBAR.LE gsb0 0x1 and no C75
 builds keep the C7512 of their measured non-split builds). Every other build is byte-identical (``split_k`` None / 1
 never selects it; ``SPLIT_CHUNKED`` defaults to False).
 
+Census and cycle model (session 10, offline; ``docs/notes_w4a16_gluon_census_session10.md``): ``sass_census``
+counts per K tile and warp the consumer / producer loops of a build's SASS by class (HGMMA shapes, integer ALU, half2,
+LDS, sync, uniform, TMA), ``tile_cycle_model`` turns it into cycles per CTA tile per SM for tensor / issue / ALU /
+smem / DRAM / L2 against a measured time, ``offline_census`` builds a config and counts it. Verdict for the picked
+configs: issue <= 0.54 and integer ALU <= 0.43 of the measured tile time at M = 16-256, so the dequantization is not
+the bound; the highest resource is the L2 -> SM feed of the re-read x tile (0.47-0.90 under an assumed 27.5 B/clk/SM).
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -1730,6 +1737,171 @@ def loop_profile(sass: str) -> list[dict]:
         cnt = collections.Counter((op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
                                   for op in ops)
         out.append(dict(static=i - t + 1, dynamic=len(ops), ops=dict(cnt.most_common())))
+    return out
+
+
+# ---- session 10: instruction census and per-tile cycle model (pure Python on SASS text; no GPU, no kernel change) ----
+# Opcode classes of the census (first token of the opcode, predicate stripped). "alu": the integer ALU pipe, assumed
+# half rate on sm_90 (64 lanes / clk / SM = 2 issue cycles per warp instruction on its SMSP); "imad": IMAD on the
+# FMA-heavy pipe, also assumed half rate; "half2" (HADD2 / HMUL2 / HFMA2, bf16x2 / f16x2) and "fp32" (FFMA / FADD /
+# FMUL) assumed full rate (1 cycle per warp instruction); "uniform": the uniform datapath (descriptor math), which
+# takes an issue slot but no vector pipe.
+_CENSUS_CLASSES = {
+    "hgmma": ("HGMMA", "QGMMA"),
+    "alu": ("LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "SGXT", "PLOP3", "VIADD", "VIADDMNMX", "IABS",
+            "FLO", "POPC", "IMNMX", "BMSK", "LOP"),
+    "imad": ("IMAD",),
+    "half2": ("HADD2", "HMUL2", "HFMA2"),
+    "fp32": ("FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP"),
+    "cvt": ("F2F", "F2FP", "I2F", "F2I", "I2FP"),
+    "smem": ("LDS", "LDSM", "STS"),
+    "gmem": ("LDG", "STG", "RED", "ATOM", "ATOMG", "LDC"),
+    "tma": ("UTMALDG", "UTMASTG", "UBLKCP"),
+    "sync": ("SYNCS", "BAR", "MEMBAR", "FENCE", "WARPGROUP", "DEPBAR", "WARPSYNC"),
+    "branch": ("BRA", "BRX", "RET", "CALL"),
+}
+
+
+def _census_class(opcode: str) -> str:
+    for cls, names in _CENSUS_CLASSES.items():
+        if opcode in names:
+            return cls
+    if opcode.startswith("U") or opcode == "R2UR":
+        return "uniform"
+    return "other"
+
+
+def sass_census(sass: str) -> dict:
+    """Per-K-tile instruction census of a warp-specialized W4A16 build from its SASS text (``sass_of``): the consumer
+    loops (innermost backward branches over HGMMA / QGMMA, as ``loop_profile``: ``dynamic`` = one non-final K tile,
+    i.e. without straight-line regions a forward predicated branch skips) and the producer loop (the innermost loop
+    issuing ``UTMALDG``, without HGMMA). Every count is per warp and per loop iteration (= one K tile of the CTA).
+    Returns ``{"consumers": [...], "producer": {...} or None}``; each entry has ``total``, the classes of
+    ``_CENSUS_CLASSES`` (plus "uniform" and "other"), ``hgmma_shapes`` ({"64x64x16": 8}) and ``ops`` (opcode
+    counts). Pure Python: testable on hand-made SASS."""
+    import collections
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*?);", sass)]
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, op) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            loops.append((index[int(m.group(1), 16)], i))
+
+    def innermost(pred):
+        sel = [(t, i) for t, i in loops if pred([x for _, x in ins[t:i + 1]])]
+        return [(t, i) for t, i in sel if not any(t <= t2 and i2 < i and (t2, i2) != (t, i) for t2, i2 in sel)]
+
+    def count(t, i):
+        skipped = set()
+        for k in range(t, i):
+            m = re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", ins[k][1])
+            if m and int(m.group(1), 16) in index and k < index[int(m.group(1), 16)] <= i:
+                body = ins[k + 1:index[int(m.group(1), 16)]]
+                if not any(("GMMA" in x or "BRA" in x) for _, x in body):
+                    skipped.update(range(k + 1, index[int(m.group(1), 16)]))
+        ops = [(op.split(None, 1)[1] if op.startswith("@") else op) for k, (_, op) in enumerate(ins[t:i + 1], t)
+               if k not in skipped]
+        names = collections.Counter(op.split()[0].split(".")[0] for op in ops)
+        out = dict(total=len(ops), static=i - t + 1, **{c: 0 for c in list(_CENSUS_CLASSES) + ["uniform", "other"]})
+        for name, n in names.items():
+            out[_census_class(name)] += n
+        out["hgmma_shapes"] = dict(collections.Counter(
+            m.group(1) for op in ops for m in [re.match(r"[HQ]GMMA\.(\d+x\d+x\d+)", op)] if m))
+        out["ops"] = dict(names.most_common())
+        return out
+
+    no_exit = lambda body: not any("EXIT" in x for x in body)  # noqa: E731 - not a retry stub / dispatch loop
+    consumers = [count(t, i) for t, i in innermost(lambda b: any("GMMA" in x for x in b) and no_exit(b))]
+    prod = innermost(lambda b: any("UTMALDG" in x for x in b) and not any("GMMA" in x for x in b) and no_exit(b))
+    return dict(consumers=consumers, producer=count(*prod[0]) if prod else None)
+
+
+# Machine figures of the per-tile model (H200, sm_90). Tensor: dense bf16 wgmma at 4096 FLOP / clk / SM (989 TFLOP/s
+# at 1.83 GHz x 132 SMs). DRAM: 4.2 TB/s (the anchors' 1 GiB device copy, 4.23 TB/s). L2 -> SM: 27.5 B / clk / SM
+# (about 6.6 TB/s over 132 SMs at 1.83 GHz), scaled from a public H100 PCIe microbenchmark (5.5 TB/s over 114 SMs at
+# 1.755 GHz; chipsandcheese, 2023): the least certain figure. Shared memory: 128 B / clk / SM.
+_MODEL_TENSOR_FLOP_PER_CLK = 4096
+_MODEL_DRAM_TBPS = 4.2
+_MODEL_L2_B_PER_CLK = 27.5
+_MODEL_SMEM_B_PER_CLK = 128
+
+
+def tile_cycle_model(census: dict, M: int, K: int, N: int, cfg: dict, us: Optional[float] = None,
+                     num_sms: int = _NUM_SMS_DEFAULT, ghz: float = _MODEL_GHZ, t0_us: Optional[float] = None,
+                     split_k: Optional[int] = None) -> dict:
+    """Cycles per CTA tile iteration (one K tile of 128 for the CTA's [BM, BN] output tile) per SM, per resource, from
+    a ``sass_census`` of the build, against the measured time per tile when ``us`` (the op's measured time per call)
+    is given. Resources (each a lower bound on the tile time if it were the only limit):
+
+    * ``tensor``: 2 BM BN 128 / 4096 (BM = the wgmma N: rows past M are computed too);
+    * ``issue``: the busiest SMSP issues its 2 consumer warps' loop instructions (one warp of each consumer
+      warpgroup per SMSP) plus the producer warp's (1 instruction / clk / SMSP);
+    * ``alu``: 2 warps x 2 clk per integer-ALU instruction (half-rate assumption); ``fma``: 2 warps x (half2 +
+      fp32 + 2 x IMAD) clk;
+    * ``smem``: TMA writes of the stage + each consumer's wgmma B reads (the whole x tile, BM x 128 bf16) + the
+      consumers' shared loads of packed words, scales and zeros, at 128 B / clk;
+    * ``dram``: the packed tile, scale and zero rows (x assumed L2-resident) at this SM's share of 4.2 TB/s
+      (active SMs = min(CTAs, SMs));
+    * ``l2``: all the stage's bytes (x included: every N tile re-reads it) at 27.5 B / clk / SM.
+
+    Measured: ``tile_clk = (us - t0) * ghz * 1e3 / (K tiles per CTA x waves)``, t0 (fixed cost: the x-prep launch
+    and gap ~1.5 us + ring fill ~1 us, + ~1 us of split-K tail; session 7 breakdown) by default 2.5 us (+1 with
+    split-K). ``split_k`` None: as ``gluon_w4a16_mm`` (``_split_for``; BM > 64 async and 128-accumulator tiles run
+    without split-K). ``frac`` = resource cycles / measured tile cycles; ``bound`` = the largest."""
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], GROUP
+    k_tiles = K // bk
+    n_tiles = cdiv(M, bm) * (N // bn)
+    if split_k is None:
+        split_k = cfg.get("split_k")
+    if split_k is None:
+        regs = _REGS.get(cfg.get("regs") or "default")
+        split_k = 1 if _split_epilogue_spills(bm, bn, *regs) else _split_for(n_tiles, k_tiles, num_sms)
+    tps = cdiv(k_tiles, split_k)
+    split_k = cdiv(k_tiles, tps)
+    ctas = n_tiles * split_k
+    waves = cdiv(ctas, num_sms)
+    active = min(ctas, num_sms)
+    cons = census["consumers"]
+    c = {k: sum(x[k] for x in cons) / len(cons) for k in ("total", "alu", "imad", "half2", "fp32", "smem")}
+    p = census["producer"] or {"total": 0, "alu": 0}
+    stage = bm * bk * 2 + (bk // 8) * bn * 4 + 2 * bn * 2  # x tile + packed tile + scale and zero rows
+    w_bytes = (bk // 8) * bn * 4 + 2 * bn * 2
+    lds_bytes = (bk // 8) * bn * 4 + 2 * bn * 2  # both consumers' halves of the packed tile, scales, zeros
+    res = dict(
+        tensor=2 * bm * bn * bk / _MODEL_TENSOR_FLOP_PER_CLK,
+        issue=2 * c["total"] + p["total"],
+        alu=2 * 2 * c["alu"] + 2 * p["alu"],
+        fma=2 * (c["half2"] + c["fp32"] + 2 * c["imad"]),
+        smem=(stage + 2 * bm * bk * 2 + lds_bytes) / _MODEL_SMEM_B_PER_CLK,
+        dram=w_bytes / (_MODEL_DRAM_TBPS * 1e12 / active / (ghz * 1e9)),
+        l2=stage / _MODEL_L2_B_PER_CLK,
+    )
+    out = dict(M=M, K=K, N=N, block_m=bm, block_n=bn, split_k=split_k, ctas=ctas, waves=waves,
+               tiles_per_cta=tps, stage_bytes=stage, weight_bytes=w_bytes,
+               clk={k: round(v, 1) for k, v in res.items()}, bound_model=max(res, key=res.get))
+    if us is not None:
+        t0 = t0_us if t0_us is not None else 2.5 + (1.0 if split_k > 1 else 0.0)
+        tile_clk = (us - t0) * ghz * 1e3 / (tps * waves)
+        out.update(us=us, t0_us=t0, tile_clk=round(tile_clk, 1),
+                   frac={k: round(v / tile_clk, 3) for k, v in res.items()})
+    return out
+
+
+def offline_census(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", split: bool = True,
+                   bias: bool = False) -> dict:
+    """``sass_census`` of the offline sm_90 build of ``cfg`` (``compile_offline``; no GPU), plus the PTX ``maxnreg``
+    and the number of ``DEPBAR.LE gsb0, 0x1`` (wgmma kept asynchronous)."""
+    import re
+
+    c = compile_offline(M, K, N, cfg, dtype, split=split, bias=bias)
+    sass = sass_of(c)
+    out = sass_census(sass)
+    m = re.search(r"\.maxnreg (\d+)", c.asm["ptx"])
+    out.update(maxnreg=int(m.group(1)) if m else None, depbar_le1=sass.count("DEPBAR.LE gsb0, 0x1"))
     return out
 
 
