@@ -192,7 +192,6 @@ integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
