@@ -140,6 +140,29 @@ def gluon_fwd_inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=0, device="cuda"):
     return tuple(torch.randn(B, h, s, D, generator=g).to(device, dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
 
 
+def gluon_fwd_reference(q, k, v, causal: bool):
+    """The float64 forward of q / k / v: (out, lse, finite-lse row mask, error bound ``GLUON_FWD_TOL`` x max(1,
+    max |out|))."""
+    from fxopt.kernels.attention import attention_reference
+
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
+                                       is_causal=causal, return_lse=True)
+    return ref, ref_lse, torch.isfinite(ref_lse), GLUON_FWD_TOL[q.dtype] * max(1.0, ref.abs().max().item())
+
+
+def assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, tag=""):
+    """A Gluon forward's (out, lse) against ``gluon_fwd_reference``: no NaN, max error within ``lim``, lse finite on
+    exactly the rows with a visible key (+inf elsewhere, where out is 0), lse within 1e-3."""
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= lim, f"{tag}: max abs error {err:.3e} > {lim:.3e}"
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert bool(torch.isposinf(lse[~fin]).all())  # rows with no visible key: +inf, never NaN
+    assert (out[~fin] == 0).all()
+    if fin.any():
+        assert (lse.double() - ref_lse)[fin].abs().max() < 1e-3
+
+
 def cubin_text_sha(cubin: bytes) -> str:
     """sha256 over the names and bytes of a cubin's ``.text.*`` sections (ELF64): the machine code only, so two
     builds that differ in line info or metadata compare equal (the byte-identity checks of the offline builds)."""

@@ -10,7 +10,7 @@ causal or not, ragged Sq / Sk, GQA, rows with no visible key, num_sms 1 / 3 / al
 import pytest
 import torch
 
-from fxopt.testing import GLUON_FWD_CASES, GLUON_FWD_TOL, gluon_fwd_inputs
+from fxopt.testing import GLUON_FWD_CASES, assert_gluon_fwd_close, gluon_fwd_inputs, gluon_fwd_reference
 
 G = pytest.importorskip("fxopt.kernels.attention_gluon")
 
@@ -118,10 +118,6 @@ def test_mma_rowsum_offline_sm90_build():
 _inputs = gluon_fwd_inputs
 
 
-def _tol(dtype):
-    return GLUON_FWD_TOL[dtype]
-
-
 GPU_CASES = {**GLUON_FWD_CASES,  # name: ((B, Hq, Hkv, Sq, Sk), causal)
              "s2048_causal": ((1, 2, 2, 2048, 2048), True)}
 GPU_VARIANTS = [("persistent", 64), ("persistent", 128), ("persistent3", 64)]
@@ -139,27 +135,15 @@ def _skip_unless_sm90():
 def test_gpu_mma_rowsum_matches_float64(name, variant, D, dtype, monkeypatch):
     _skip_unless_sm90()
     monkeypatch.delenv(ENV, raising=False)
-    from fxopt.kernels.attention import attention_reference
-
     (B, Hq, Hkv, Sq, Sk), causal = GPU_CASES[name]
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype)
-    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
-                                       is_causal=causal, return_lse=True)
-    fin = torch.isfinite(ref_lse)
-    lim = _tol(dtype) * max(1.0, ref.abs().max().item())
+    ref, ref_lse, fin, lim = gluon_fwd_reference(q, k, v, causal)
     outs = {}
     for num_sms in (None, 3, 1):  # 1 / 3 SMs: many items per CTA (the accumulator re-zeroed per item)
         out, lse = outs[num_sms] = G.gluon_attention_fwd(q, k, v, causal=causal, variant=variant, num_sms=num_sms,
                                                          mma_rowsum=True)
         torch.cuda.synchronize()
-        assert not torch.isnan(out).any()
-        err = (out.double() - ref).abs().max().item()
-        assert err <= lim, f"num_sms={num_sms}: max abs error {err:.3e} > {lim:.3e}"
-        assert torch.equal(torch.isfinite(lse), fin)
-        assert bool(torch.isposinf(lse[~fin]).all())  # rows with no visible key: +inf, never NaN
-        assert (out[~fin] == 0).all()
-        if fin.any():
-            assert (lse.double() - ref_lse)[fin].abs().max() < 1e-3
+        assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, f"num_sms={num_sms}")
     for n in (3, 1):  # the arithmetic of a tile does not depend on the CTA that runs it
         assert torch.equal(outs[n][0], outs[None][0]) and torch.equal(outs[n][1], outs[None][1]), n
     # "nopin" only moves ptxas's PV wait (no pin store): the same arithmetic, bit for bit
