@@ -134,7 +134,7 @@ def attention_rows(d, S, causal, bwd=True):
     row = {"d": d, "S": S, "B": B, "H": H, "causal": causal}
     # the two forwards fxopt has, each on its own: the Triton-language kernel and the Gluon (FA3-style) one;
     # "fxopt" is whichever flash_attention_triton routes to (the Gluon one at the head dims in _GLUON_HEAD_DIMS)
-    gv = A._GLUON_FWD_VARIANT.get(d, "default")  # the build the op routes to at this head dim
+    gv = A._gluon_fwd_variant(d, causal, S)  # the build the op routes to at this head dim and length
     t = _time_set({
         "fxopt": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
         "triton": _triton_only(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal)),

@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -295,6 +295,24 @@ phase_s11e() {
   timeout 250 env FXOPT_ATTN_AUTOTUNE=0 python3 benchmarks/gluon_bwd_ablation.py --out "$RES" 2>&1 | grep -v Warn | tail -16
   [ -f benchmarks/fp8_ablation.py ] && timeout 250 python3 benchmarks/fp8_ablation.py --out "$RES" 2>&1 | grep -v Warn \
     | tail -16
+}
+
+phase_s11f() {
+  # session 11, last call: the d = 64 route rule for persistent3 (timing at 16k tokens per batch, S = 1k-16k, causal
+  # and not, against persistent; correctness was checked in s11b), then the backward ablation of s11e
+  timeout 230 env VCHECK_TIMING_ONLY=1 VCHECK_D64_SWEEP=1 VCHECK_BUDGET_S=190 VCHECK_VARIANTS=persistent,persistent3 \
+    python3 benchmarks/gluon_attention_variant_check.py > "$OUT/variant_check_s11_d64sweep.txt" 2>&1
+  echo "d64 sweep rc=$?"; grep "x$\|x  " "$OUT/variant_check_s11_d64sweep.txt" | tail -12
+  timeout 250 env FXOPT_ATTN_AUTOTUNE=0 python3 benchmarks/gluon_bwd_ablation.py --out "$RES" 2>&1 | grep -v Warn | tail -16
+}
+
+phase_s11g() {
+  # session 11: the ablations put the dQ global reductions at 30-34% of the backward step (bit 1), so the dQ
+  # reducer-warp kernel (attention_gluon_bwd_dqw.py, from docs/patches/exp-dqw.patch) is timed against variant 3;
+  # then the op-level persistent3 route test at d = 64 and the dqw GPU tests
+  timeout 200 python3 benchmarks/gluon_bwd_dqw_check.py --out "$RES" 2>&1 | grep -v Warn | tail -20
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gluon_wg3.py -k op_routes 2>&1 | tail -3
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/test_attention_gluon_bwd_dqw.py 2>&1 | tail -4
 }
 
 phase_largem() {

@@ -172,8 +172,11 @@ rows = ((128, 4, 16, 4096, False), (128, 4, 16, 4096, True), (128, 1, 16, 16384,
         (64, 4, 32, 4096, False), (64, 4, 32, 4096, True))
 if "persistent3" in CHECK:  # d = 64 at 16k tokens per batch (the rows of the cuDNN comparison), after the others
     rows += ((64, 1, 32, 16384, False), (64, 1, 32, 16384, True))
+if os.environ.get("VCHECK_D64_SWEEP") == "1":  # the d = 64 route rule's rows: 16k tokens per batch, S = 1k-16k
+    rows = tuple((64, 16384 // S, 32, S, c) for S in (1024, 2048, 4096, 8192, 16384) for c in (False, True))
+BUDGET = float(os.environ.get("VCHECK_BUDGET_S", "140"))
 for D, B, H, S, causal in rows:
-    if time.time() - T0 > 140:
+    if time.time() - T0 > BUDGET:
         print(f"d{D} B{B} H{H} S{S} causal={causal}: skipped (time budget)", flush=True)
         continue
     q, k, v = _inputs(B, H, H, S, S, D, torch.bfloat16)

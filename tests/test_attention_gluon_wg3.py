@@ -215,3 +215,27 @@ def test_gpu_persistent3_refuses_other_head_dims():
         G.gluon_attention_fwd(q, k, v, variant="persistent3")
     assert math.isfinite(G.gluon_attention_fwd(q[..., :64].contiguous(), k[..., :64].contiguous(),
                                                 v[..., :64].contiguous(), variant="persistent3")[1].sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq,causal", [(2100, False), (8200, True)])
+def test_gpu_op_routes_persistent3(Sq, causal, monkeypatch):
+    """The op (``flash_attention_triton``) at d = 64 from the routed lengths runs persistent3 (``_gluon_fwd_variant``)
+    and matches the float64 reference; with FXOPT_ATTN_GLUON_PERSISTENT3=0 it runs "persistent", also correct."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward runs on sm_90 only")
+    from fxopt.kernels import attention as A
+
+    if 64 not in A._GLUON_HEAD_DIMS:
+        pytest.skip("d = 64 is not routed to the Gluon forward here (FXOPT_ATTN_GLUON_DIMS)")
+    q, k, v = _inputs(1, 2, 1, Sq, Sq, 64, torch.bfloat16)  # GQA 2:1, ragged against 192-row items
+    ref, ref_lse, fin, lim = gluon_fwd_reference(q, k, v, causal)
+    seen = []
+    real = G.gluon_attention_fwd
+    monkeypatch.setattr(G, "gluon_attention_fwd", lambda *a, **kw: seen.append(kw["variant"]) or real(*a, **kw))
+    for switch, want in (("1", "persistent3"), ("0", "persistent")):
+        monkeypatch.setenv("FXOPT_ATTN_GLUON_PERSISTENT3", switch)
+        out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        assert seen[-1] == want and not A._GLUON_FAILED
+        assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, want)

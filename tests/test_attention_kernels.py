@@ -617,8 +617,8 @@ def test_gluon_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(GLUON_CASES))
 def test_gpu_gluon_forward(name, dtype, D, monkeypatch):
-    """The op's Gluon route at every routed head dim (the build of ``_GLUON_FWD_VARIANT``: persistent at d = 64 /
-    128) against the float64 reference, lse included, then gradients through the op; a head dim not in
+    """The op's Gluon route at every routed head dim (the build of ``_gluon_fwd_variant``: persistent at d = 64 /
+    128, persistent3 at d = 64 from Sq = 2048 non-causal) against the float64 reference, lse included, then gradients through the op; a head dim not in
     ``_GLUON_HEAD_DIMS`` (FXOPT_ATTN_GLUON_DIMS) is routed here by the test alone."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is routed on sm_90 only")
@@ -648,6 +648,20 @@ def test_gpu_gluon_forward(name, dtype, D, monkeypatch):
     A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, is_causal=causal).backward(do.double())
     for got, want in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
         _assert_close(got, want, dtype, scale=2)
+
+
+def test_gluon_forward_variant_rule(monkeypatch):
+    """d = 64 runs persistent3 only where it was faster on the H200 (Sq >= 2048 non-causal, >= 8192 causal); the
+    switch FXOPT_ATTN_GLUON_PERSISTENT3=0 keeps "persistent"; other head dims keep their build."""
+    monkeypatch.delenv("FXOPT_ATTN_GLUON_PERSISTENT3", raising=False)
+    assert A._gluon_fwd_variant(64, False, 1024) == "persistent"
+    assert A._gluon_fwd_variant(64, False, 2048) == "persistent3"
+    assert A._gluon_fwd_variant(64, True, 4096) == "persistent"
+    assert A._gluon_fwd_variant(64, True, 8192) == "persistent3"
+    assert A._gluon_fwd_variant(128, False, 16384) == A._GLUON_FWD_VARIANT[128] != "persistent3"
+    assert A._gluon_fwd_variant(256, True, 16384) == A._GLUON_FWD_VARIANT[256]
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_PERSISTENT3", "0")
+    assert A._gluon_fwd_variant(64, False, 16384) == "persistent"
 
 
 def test_gluon_bwd_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):

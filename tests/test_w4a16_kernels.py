@@ -295,8 +295,8 @@ def test_candidate_configs_gluon_rules(monkeypatch):
         g = [c for c in cs if c.method == "gluon"]
         assert g, M
         assert cs[0] == K4.candidate_configs(M, 2048, 1024, 128)[0]  # same default as before
-        # the device-free list, then gluon, then (M <= 4 on CUDA) gemv1
-        cs = [c for c in cs if c.method != "gemv1"]
+        # the device-free list, then gluon, then (M <= 4 on CUDA) gemv1, then (M <= 16) mma
+        cs = [c for c in cs if c.method not in ("gemv1", "mma")]
         assert cs[:len(cs) - len(g)] == K4.candidate_configs(M, 2048, 1024, 128)
         for c in g:
             assert c.block_k == 128 and c.kc in (32, 64) and c.split_k == 0

@@ -97,16 +97,16 @@ def test_candidate_configs():
     assert len(KM.candidate_configs(8, 2200, 4200, -1)) == len(KM._TILES)
 
 
-def test_tuner_hook_is_opt_in(monkeypatch):
-    """Listed only with FXOPT_W4A16_MMA=1, for M buckets <= 16 on CUDA devices (sm_80+), after every other candidate;
-    without the switch the candidate list is unchanged."""
+def test_tuner_hook_switch(monkeypatch):
+    """Listed by default (FXOPT_W4A16_MMA=0 takes it off), for M buckets <= 16 on CUDA devices (sm_80+), after every
+    other candidate; with the switch off the candidate list is the one without it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")  # keep the Gluon wgmma candidates (own rules) out of this test
-    monkeypatch.delenv("FXOPT_W4A16_MMA", raising=False)
+    monkeypatch.setenv("FXOPT_W4A16_MMA", "0")
     base = {M: K4.candidate_configs(M, 8192, 8192, 128, device="cuda") for M in (1, 4, 8, 9, 16, 17, 32)}
     assert not any(c.method == "mma" for cs in base.values() for c in cs)
-    monkeypatch.setenv("FXOPT_W4A16_MMA", "1")
+    monkeypatch.delenv("FXOPT_W4A16_MMA", raising=False)  # the default lists it
     for M, before in base.items():
         after = K4.candidate_configs(M, 8192, 8192, 128, device="cuda")
         mma = [c for c in after if c.method == "mma"]

@@ -1100,7 +1100,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
         try:
             gluon_attention_fwd(q, k, v, causal=bool(is_causal), scale=sm_scale, out=o, lse=lse, checked=True,
-                                variant=_GLUON_FWD_VARIANT.get(D, "default"))
+                                variant=_gluon_fwd_variant(D, bool(is_causal), q.shape[2]))
             return (o, lse) if return_lse else o
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernel runs
             _GLUON_FAILED.add((q.device, q.dtype, D, bool(is_causal)))
@@ -1154,6 +1154,23 @@ _GLUON_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_DIMS",
 # check (GQA, Sq != Sk, bshd strides, no-lse) and faster at d = 128: 620 / 571 / 635 / 621 against 601 / 544 / 618 /
 # 618 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal (session 9, variant_check_persistent.txt).
 _GLUON_FWD_VARIANT = {64: "persistent", 128: "persistent", 256: "default"}
+# d = 64 from these query lengths (non-causal / causal) runs "persistent3" (three consumer warpgroups, 192-row items):
+# every case of the variant check passed against float64 and its 19 GPU tests passed (session 11). At 16k tokens per
+# batch, H = 32, S = 1k / 2k / 4k / 8k / 16k, over "overlap": non-causal persistent 1.138 / 1.062 / 1.034 / 0.990 /
+# 0.997x, persistent3 1.107 / 1.090 / 1.048 / 1.089 / 1.082x; causal persistent 1.023 / 1.137 / 1.065 / 1.032 /
+# 0.997x, persistent3 0.674 / 0.761 / 1.002 / 1.038 / 1.045x (benchmarks/results/gluon/variant_check_s11_d64sweep.txt).
+# Short causal rows lose: a 192-row item spends more of its steps on the diagonal's masked blocks.
+# FXOPT_ATTN_GLUON_PERSISTENT3=0 keeps d = 64 on "persistent".
+_PERSISTENT3_MIN_SQ = {False: 2048, True: 8192}
+
+
+def _gluon_fwd_variant(D: int, causal: bool, Sq: int) -> str:
+    """The Gluon forward build the op runs for head dim ``D`` (see ``_GLUON_FWD_VARIANT`` and ``_PERSISTENT3_MIN_SQ``)."""
+    variant = _GLUON_FWD_VARIANT.get(D, "default")
+    if (D == 64 and variant == "persistent" and Sq >= _PERSISTENT3_MIN_SQ[bool(causal)]
+            and os.environ.get("FXOPT_ATTN_GLUON_PERSISTENT3", "1") != "0"):
+        return "persistent3"
+    return variant
 
 
 @functools.lru_cache(maxsize=None)
@@ -1197,6 +1214,13 @@ _GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BW
 # slower, session 10). d = 64: the split-dQ variant 3 (FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel
 # for an A/B). d = 256: one kernel whatever the variant.
 _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64", "3")), 128: 3, 256: 0}
+# d = 128 runs variant 3 with FA3's dQ path (``attention_gluon_bwd_dqw``: dQ -> shared memory -> a reducer warp's
+# vector reductions) since session 11: the timing-only ablations put the dQ global reductions at 30-34% of the step
+# (benchmarks/results/gluon_bwd_ablation.md), and dqw was correct on 4 / 4 check cases and 12 GPU tests (dK / dV
+# bit-identical to variant 3) and 1.05-1.07x faster: 467 / 421 / 482 / 483 against 443 / 394 / 449 / 452 TFLOP/s
+# (S = 4k / 4k causal / 16k / 16k causal; benchmarks/results/gluon/gluon_bwd_dqw_check.md).
+# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3.
+_GLUON_BWD_DQW_DIMS = (128,)
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
 # against 348 / 246 TFLOP/s), unlike the op-level table of session 7.
@@ -1421,7 +1445,8 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                                dq_config=None):
     """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. On sm_90 at the head dims of
     ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap, contiguous tensors) it runs the Gluon FA3-style
-    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT[d]``) instead of the Triton kernels.
+    backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT[d]``; ``attention_gluon_bwd_dqw`` at the head dims
+    of ``_GLUON_BWD_DQW_DIMS``) instead of the Triton kernels.
     ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) bypass the autotuner;
     ``dkdv_config["SPLIT_D"]`` forces the head-dim-split dK/dV kernel on or off (default: ``_use_split_d``)."""
     _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
@@ -1433,6 +1458,11 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         from fxopt.kernels.attention_gluon_bwd import gluon_attention_bwd
 
         try:
+            if q.shape[-1] in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
+                from fxopt.kernels.attention_gluon_bwd_dqw import gluon_attention_bwd_dqw
+
+                return gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale,
+                                               checked=True)
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
                                        variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0))
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run

@@ -979,15 +979,17 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
     return out
 
 
-# ---- session 10: tuner hook of the opt-in "mma" kernel (fxopt/kernels/w4a16_mma.py: mma.sync with the int4 codes and
-# x as register operands, Gluon, sm_80+). Built offline only so far: listed only with FXOPT_W4A16_MMA=1 until its GPU
-# test (tests/test_w4a16_mma.py, -m gpu) has passed; the tuner checks its output against the default config's first.
-_MMA_DEFAULT = "0"
+# ---- tuner hook of the "mma" kernel (fxopt/kernels/w4a16_mma.py: mma.sync with the int4 codes and x as register
+# operands, Gluon, sm_80+). Listed by default since session 11: its GPU test passed on the H200 (9 cases) and the tuner
+# picked it on 12 of the 16 rows at M = 1-8 (benchmarks/results/w4a16_subset_gemv1_mma.md: M = 2 / 4 at 8192^2 from
+# 1.81x to 2.34x / 2.1x bf16). FXOPT_W4A16_MMA=0 takes it off the list; the tuner checks its output against the
+# default config's before timing it.
+_MMA_DEFAULT = "1"
 
 
 def _mma_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device) -> list[W4A16Config]:
-    """The "mma" candidates: M buckets up to 16, CUDA devices of compute capability >= 8.0 with Gluon, only with
-    ``FXOPT_W4A16_MMA=1``; listed last (the heuristic default does not change)."""
+    """The "mma" candidates: M buckets up to 16, CUDA devices of compute capability >= 8.0 with Gluon, unless
+    ``FXOPT_W4A16_MMA=0``; listed last (the heuristic default does not change)."""
     if (_m_bucket(M) > 16 or device is None or torch.device(device).type != "cuda"
             or os.environ.get("FXOPT_W4A16_MMA", _MMA_DEFAULT) != "1"):
         return []
