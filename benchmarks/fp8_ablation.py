@@ -95,6 +95,7 @@ def _case_tensors(G, S):
 def _warm_worker(jobs):
     """Spawned: launch each (kwargs, causal) once on the S = 4096 case so that Triton's disk cache holds it."""
     os.environ["FXOPT_FP8_GLUON_ABLATE_OK"] = "1"
+    os.environ["FXOPT_FP8_GLUON_UNCHECKED"] = "1"
     import fxopt.kernels.fp8_attention_gluon as G
 
     done = []
@@ -218,6 +219,7 @@ def main():
         print("fp8_ablation: needs a CUDA GPU (sm_90); nothing to do on this machine")
         return 2
     os.environ["FXOPT_FP8_GLUON_ABLATE_OK"] = "1"  # this script's launches are timing-only on purpose
+    os.environ["FXOPT_FP8_GLUON_UNCHECKED"] = "1"  # and time the mma_rowsum build, refused since its failed check
     import fxopt.kernels.fp8_attention_gluon as G
 
     STATE["env"] = env_info()
