@@ -10,7 +10,13 @@
   fully-masked-row and growing-score inputs.
 * One offline sm_90 build pair (skipped without the bundled ptxas / cuobjdump): no spills, no C75xx, no wgmma
   hazards, the FADDs of the row sum gone (MMA_ROWSUM), 4 more QGMMA per step, the O-rescale FMULs in a branch
-  (LAZY), and the default build byte-identical (.text) to one compiled with the two constexprs passed as False.
+  (LAZY), the default build byte-identical (.text) to one compiled with the two constexprs passed as False, and
+  every 32-bit word of the prologue's all-ones e4m3 tile provably 0x38383838 in the SASS (``ones_fill_words``).
+  Session 11's H200 failure of MMA_ROWSUM was that tile: the fp32 splat 1.0 cast to e4m3 became
+  ``cvt.rn.satfinite.e4m3x2.f32`` + ``mov.b32 {%rs, %rs}``, which ptxas 12.8 compiles to ONE
+  ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R4, R3, R3, R0`` (bits 31:16 of the result = bits 15:0 of C = R0, the
+  thread id, never set to the packed pair), so keys 4j + 2 had weight e4m3(tid) (up to 448, or NaN) and keys
+  4j + 3 weight 0; ``test_ones_fill_checker`` replays those SASS lines.
 * GPU (sm_90): each switch against float64 (RMSE within 1.05 x the default build's + 1e-4), fully masked rows 0 with
   lse +inf, ragged Sq / Sk, GQA.
 """
@@ -229,6 +235,89 @@ def test_emulation_fully_masked_rows():
 # --------------------------------------------------------------------------------------- offline sm_90 build
 
 
+def ones_fill_words(ptx: str, sass: str) -> list:
+    """The four 32-bit words the MMA_ROWSUM prologue stores into the all-ones e4m3 tile (one ``STS.128`` per
+    thread): for each, the constant it provably holds ("0x38383838" = four e4m3 1.0) or the SASS instruction that
+    last defined its register otherwise. The store is found by the shared-memory offset of the PTX's first
+    ``st.shared.v4.b32`` (the tile fill: the kernel's only 16-byte shared store before the partitions fork); each
+    source register is traced back through register copies within its basic block."""
+    import re
+
+    m = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+\+(\d+)\]", ptx)
+    assert m, "no st.shared.v4.b32 in the PTX"
+    off = int(m.group(1))
+    lines = sass.splitlines()
+    pat = re.compile(r"STS\.128 \[[^\]]*\+0x%x\], R(\d+)\b" % off)
+    hits = [i for i, ln in enumerate(lines) if pat.search(ln)]
+    assert len(hits) == 1, (off, hits)
+    ins = re.compile(r"/\*[0-9a-f]+\*/\s+(@!?U?P[T\d]+\s+)?([A-Z0-9_.]+)\s+([^;]*);")
+
+    def width(op):
+        return 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+
+    def define(reg, start):
+        for i in range(start - 1, -1, -1):
+            ln = lines[i]
+            if re.match(r"^\.L_x_\d+:", ln.strip()):
+                return f"R{reg}: defined before label {ln.strip()}"
+            g = ins.search(ln)
+            if not g or g.group(2).startswith(("ST", "SYNCS", "BAR", "BRA", "WARPGROUP", "FENCE", "MEMBAR", "NOP")):
+                continue
+            args = [a.strip().replace(".reuse", "") for a in g.group(3).split(",")]
+            d = re.fullmatch(r"R(\d+)", args[0])
+            if not d or not int(d.group(1)) <= reg < int(d.group(1)) + width(g.group(2)):
+                continue
+            text = ln.split("*/", 1)[1].strip().rstrip(";").strip()
+            if g.group(1) or int(d.group(1)) != reg:
+                return text  # predicated or a wide definition: not a known constant
+            src = None
+            if g.group(2) == "IMAD.MOV.U32" and args[1:3] == ["RZ", "RZ"]:
+                src = args[3]
+            elif g.group(2) == "MOV":
+                src = args[1]
+            if src is None:
+                return text
+            if re.fullmatch(r"0x[0-9a-f]+", src):
+                return src
+            c = re.fullmatch(r"R(\d+)", src)
+            return define(int(c.group(1)), i) if c else text
+        return f"R{reg}: no definition"
+
+    first = int(pat.search(lines[hits[0]]).group(1))
+    return [define(first + w, hits[0]) for w in range(4)]
+
+
+def test_ones_fill_checker():
+    """``ones_fill_words`` on the prologue of the session-11 MMA_ROWSUM build (ptxas 12.8 SASS, abridged) and of
+    the fixed one: the miscompiled F2FP merge is reported, the constant fill is accepted."""
+    bad_ptx = "\tst.shared.v4.b32 \t[%r1041+147456], {%r1042, %r1042, %r1042, %r1042};\n"
+    bad_sass = """.L_x_0:
+        /*87d0*/                   IMAD.MOV.U32 R3, RZ, RZ, 0x3f800000 ;
+        /*8810*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R4, R3, R3, R0 ;
+        /*8850*/                   IMAD R3, R2, 0x8, R211 ;
+        /*8860*/                   IMAD.MOV.U32 R5, RZ, RZ, R4.reuse ;
+        /*8880*/                   IMAD.MOV.U32 R6, RZ, RZ, R4 ;
+        /*88a0*/                   IMAD.MOV.U32 R7, RZ, RZ, R4 ;
+        /*8b00*/              @!UP1 SYNCS.EXCH.64 URZ, [UR5+0x24590], UR16 ;
+        /*8b10*/                   STS.128 [R3+UR5+0x24000], R4 ;
+"""
+    words = ones_fill_words(bad_ptx, bad_sass)
+    assert all(w.startswith("F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R4, R3, R3, R0") for w in words), words
+    good_ptx = "\tst.shared.v4.b32 \t[%r1040+147456], {943208504, 943208504, 943208504, 943208504};\n"
+    good_sass = """.L_x_0:
+        /*8300*/                   IMAD.MOV.U32 R6, RZ, RZ, 0x38383838 ;
+        /*8330*/                   IMAD.MOV.U32 R5, RZ, RZ, 0x38383838 ;
+        /*83d0*/                   IMAD.MOV.U32 R7, RZ, RZ, 0x38383838 ;
+        /*8800*/                   IMAD.MOV.U32 R4, RZ, RZ, 0x38383838 ;
+        /*8810*/                   LDS.64 R6, [R9] ;
+        /*8b00*/                   STS.128 [R3+UR5+0x24000], R4 ;
+"""
+    words = ones_fill_words(good_ptx, good_sass)
+    assert words[:2] == ["0x38383838"] * 2 and words[2:] == ["LDS.64 R6, [R9]"] * 2, words  # a clobber is seen
+    assert ones_fill_words(good_ptx, good_sass.replace("        /*8810*/                   LDS.64 R6, [R9] ;\n",
+                                                       "")) == ["0x38383838"] * 4
+
+
 _BUILD_CODE = r'''
 import hashlib, json, re, struct
 import triton.experimental.gluon._runtime as R
@@ -264,7 +353,8 @@ def build(D, causal, mr, lz, explicit_off=False):
     return dict(reg=int(m.group(1)), stack=int(m.group(2)), local=int(m.group(4)), sha=text_sha(c.asm["cubin"]),
                 max_reg=ss["max_reg_index"], c75=sorted(set(re.findall(r"C75[0-9][0-9]", ptxas))),
                 hazards=len(wgmma_sass_hazards(sass)),
-                loops=[{k: lp.get(k, 0) for k in ("n", "MUFU.EX2", "FADD", "FMUL", "QGMMA")} for lp in G.main_loops(sass)])
+                loops=[{k: lp.get(k, 0) for k in ("n", "MUFU.EX2", "FADD", "FMUL", "QGMMA")} for lp in G.main_loops(sass)],
+                ones_fill=ones_fill_words(c.asm["ptx"], sass) if mr else None)
 
 out = {}
 for D, causal, mr, lz, ex in CASES:
@@ -280,13 +370,16 @@ def test_offline_sm90_rowsum_builds():
 
     cases = [(128, False, False, False, False), (128, False, False, False, True), (128, False, True, False, False),
              (128, False, True, True, False)]
-    res = offline_build_json(f"CASES = {cases!r}\n" + _BUILD_CODE)
+    import inspect
+
+    res = offline_build_json(f"CASES = {cases!r}\n" + inspect.getsource(ones_fill_words) + _BUILD_CODE)
     base, off = res["128_0_0_0_0"], res["128_0_0_0_1"]
     assert off["sha"] == base["sha"]  # the default build does not depend on the new parameters
     for key in ("128_0_1_0_0", "128_0_1_1_0"):
         r = res[key]
         assert r["stack"] == 0 and r["local"] == 0, r  # no spills
         assert r["c75"] == [] and r["hazards"] == 0, r
+        assert r["ones_fill"] == ["0x38383838"] * 4, r["ones_fill"]  # the all-ones e4m3 tile really is all ones
         assert r["max_reg"] < G._CONSUMER_REGS
         assert len(r["loops"]) == len(base["loops"]) == 4
         for lp, lb in zip(r["loops"], base["loops"]):

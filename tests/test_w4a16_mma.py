@@ -36,7 +36,8 @@ def test_rejects_bad_inputs_and_configs():
         KM.w4a16_mma(x, qweight, scales, zeros, 128, bias=torch.randn(63).half())
     for bad, what in ((KM.MmaConfig(warps=3), "warps"), (KM.MmaConfig(cols_per_warp=48), "cols_per_warp"),
                       (KM.MmaConfig(prefetch=3), "prefetch"), (KM.MmaConfig(block_k=256), "block_k"),
-                      (KM.MmaConfig(split_k=-1), "split_k")):
+                      (KM.MmaConfig(split_k=-1), "split_k"), (KM.MmaConfig(l2_ahead=1), "l2_ahead"),
+                      (KM.MmaConfig(l2_ahead=17), "l2_ahead")):
         with pytest.raises(ValueError, match=what):
             KM.w4a16_mma(x, qweight, scales, zeros, 128, config=bad)
     with pytest.raises(ValueError, match="CUDA device|gluon"):  # valid arguments, but CPU tensors
@@ -74,11 +75,15 @@ def test_split_is_one_wave_and_balanced():
 def test_candidate_configs():
     for M in (1, 2, 4, 8, 9, 12, 16):
         tiles, bm = (KM._TILES, 8) if M <= 8 else (KM._TILES16, 16)
+        l2 = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
         cs = KM.candidate_configs(M, 8192, 8192, 128)
-        assert len(cs) == len(tiles) and all(c.method == "mma" for c in cs)
-        for c, (cpw, warps, prefetch, pdl) in zip(cs, tiles):
+        assert len(cs) == len(tiles) + len(l2) and all(c.method == "mma" for c in cs)
+        # the session-10 tiles first, unchanged (no L2 prefetch), then their L2-prefetch variants (session 11)
+        for c, (cpw, warps, prefetch, pdl, l2_ahead) in zip(cs, [t + (0,) for t in tiles] + list(l2)):
             mc = KM.to_mma_config(c)
-            assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl) == (cpw, warps, prefetch, pdl)
+            assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl, mc.l2_ahead) == (cpw, warps, prefetch, pdl,
+                                                                                      l2_ahead)
+            assert c.prefetch == prefetch and c.l2_ahead == l2_ahead and c.label() == mc.label()
             assert mc.block_n == c.block_n and c.block_m == bm and c.block_k == 128
             assert KM._geometry(M, 8192, 128, mc)[0] == bm
             # one wave: column tiles x splits fit the resident CTA slots of this BM's register count
@@ -92,9 +97,9 @@ def test_candidate_configs():
     assert {c.block_k for c in KM.candidate_configs(16, 4096, 4096, 64)} == {64}
     assert {c.block_k for c in KM.candidate_configs(1, 200, 4096, -1)} == {128}
     # M = 9..16: tiles needing masked loads spill at R = 4 and are not listed (M <= 8 lists them all)
-    assert [c.block_n for c in KM.candidate_configs(16, 4096 + 128, 4096, 128)] == [128, 64, 128]
+    assert [c.block_n for c in KM.candidate_configs(16, 4096 + 128, 4096, 128)] == [128, 64, 128, 128, 128]
     assert KM.candidate_configs(16, 2200, 4096, 128) == [] and KM.candidate_configs(16, 4096, 4200, -1) == []
-    assert len(KM.candidate_configs(8, 2200, 4200, -1)) == len(KM._TILES)
+    assert len(KM.candidate_configs(8, 2200, 4200, -1)) == len(KM._TILES) + len(KM._TILES_L2)
 
 
 def test_tuner_hook_switch(monkeypatch):
@@ -318,6 +323,50 @@ def test_offline_sm90_build_m16():
     assert KM._resident(16, r["cpw"], r["warps"], 1) == min(65536 // (regs * 32 * r["warps"]), 64 // r["warps"])
 
 
+def test_offline_sm90_l2_prefetch_census():
+    """Session 11. The session-10 M = 1 pick (bn128 w4 pdl, 128 registers) keeps tile t + 1's loads within 19-36
+    instructions of their first use (the compiler sinks them into the ``if t + 1 < t_end`` fold), so one DRAM latency
+    per two K tiles is exposed; its L2-prefetch variants (``_TILES_L2``) build with the same 128 registers (4 CTAs per
+    SM), no stack, the same 20 LDG = 288 bytes per thread per loop iteration (2 tiles x (4 x 16 B words + 4 x 16 B x
+    + 2 x 8 B scale / zero)), plus one ``prefetch.global.L2`` (CCTL.E.PF2) per K tile, and under 1.9 instructions per
+    weight (1.785 offline against 1.68)."""
+    code = ("import json, torch\n"
+            "from fxopt.kernels import w4a16_mma as KM\n"
+            "cs = [KM.to_mma_config(c) for c in KM.candidate_configs(1, 8192, 8192, 128)]\n"
+            "base = [c for c in cs if c.pdl and c.l2_ahead == 0 and c.cols_per_warp == 32 and c.warps == 4][0]\n"
+            "out = dict(base=KM.offline_report(1, 8192, 8192, base))\n"
+            "for c in cs:\n"
+            "    if c.l2_ahead:\n"
+            "        out[c.label()] = KM.offline_report(1, 8192, 8192, c)\n"
+            "print(json.dumps(out))\n")
+    out = offline_build_json(code)
+    base = out.pop("base")
+    assert len(out) == len(KM._TILES_L2)
+    cb = base["census"]
+    assert cb["l2_prefetch"] == 0 and cb["ldg"] == 20 and cb["ldg_bytes"] == 2 * (4 * 16 + 4 * 16 + 2 * 8)
+    assert cb["min_lead"] < 60  # the exposed latency that motivates the L2 prefetch (19 offline)
+    for label, r in out.items():
+        _assert_register_only_loop(r, 128, 1.9)
+        c = r["census"]
+        assert c["l2_prefetch"] == 2, (label, c)  # one per K tile, two tiles per iteration
+        assert (c["ldg"], c["ldg_bytes"]) == (cb["ldg"], cb["ldg_bytes"]), (label, c)
+        assert r["loops"][0]["instr"] - base["loops"][0]["instr"] <= 32, label
+        assert sum(w["forced"] for w in c["waits"]) == c["ldg_bytes"]  # every load retired once per iteration
+
+
+def test_offline_sm90_l2_prefetch_m16():
+    """The M = 9..16 L2-prefetch tile (bn128 w2, R = 4) keeps 255 registers (8 warps per SM, ``_RESIDENT16``) and no
+    stack, with one CCTL.E.PF2 per K tile (16 word rows x 2 lines + 2 = 34 lines: two per warp and tile)."""
+    code = ("import json, torch\n"
+            "from fxopt.kernels import w4a16_mma as KM\n"
+            "c = [KM.to_mma_config(c) for c in KM.candidate_configs(16, 8192, 8192, 128) if c.l2_ahead][0]\n"
+            "r = KM.offline_report(16, 8192, 8192, c)\n"
+            "print(json.dumps(r))\n")
+    r = offline_build_json(code)
+    _assert_register_only_loop(r, 255, 2.05)
+    assert r["census"]["l2_prefetch"] == 4, r["census"]
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 def _gpu_mma_or_skip():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
@@ -375,7 +424,7 @@ def test_gpu_mma_m16_listed_candidates(dtype):
         x = torch.randn(M, K, generator=gen).to(dtype).cuda()
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
         cands = KM.candidate_configs(M, N, K, 128)
-        assert len(cands) == len(KM._TILES16) and all(c.split_k > 1 for c in cands)
+        assert len(cands) == len(KM._TILES16) + len(KM._TILES16_L2) and all(c.split_k > 1 for c in cands)
         for c in cands:
             for b in (None, bias):
                 ref = reference(x, qweight, scales, zeros, G, b)
@@ -414,3 +463,35 @@ def test_gpu_mma_through_the_tuner(monkeypatch):
         assert any(c.method == "mma" for c in cands)
         y = K4.w4a16_matmul(x, qweight, scales, zeros, 128)
         assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
+    """Session 11: the L2-prefetch tiles (``_TILES_L2`` at M = 1, 4; ``_TILES16_L2`` at M = 16) against the float64
+    reference, on ragged shapes (N = 2200: partial column tiles; per channel K = 4200: a partial K tile) and on a K of
+    two tiles (the prefetch distance runs past the split: clamped addresses), with the automatic split, split 1 and
+    an odd split (tiles per split not a multiple of the unroll), bias off / on; workspace and counters back at zero."""
+    _gpu_mma_or_skip()
+    N = 2200
+    for K in ((4096 if group_size == 128 else 4200), 256):
+        qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=61)
+        for M in (1, 4, 16):
+            gen = torch.Generator().manual_seed(60 + M)
+            x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+            bias = torch.randn(N, generator=gen).to(dtype).cuda()
+            tiles = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
+            for cpw, warps, prefetch, pdl, l2 in tiles:
+                for sk in (0, 1, 3):
+                    cfg = KM.MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2,
+                                       split_k=sk)
+                    for b in (None, bias):
+                        ref = reference(x, qweight, scales, zeros, G, b)
+                        for _ in range(2):
+                            y = KM.w4a16_mma(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
+                            assert y.dtype == dtype and y.shape == (M, N)
+                            assert_close_to_ref(y, ref, dtype)
+            torch.cuda.synchronize()
+            assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
+            assert int(K4._COUNTERS[x.device].abs().sum()) == 0

@@ -807,7 +807,8 @@ class W4A16Config:
     kc: int = 0  # "gluon" only: K columns per dequantized wgmma chunk
     regs: str = ""  # "gluon" only: "async" = the register split that keeps wgmma asynchronous (w4a16_gluon.py)
     deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
-    prefetch: int = 1  # "gemv1" only: K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
+    prefetch: int = 1  # "gemv1" / "mma": K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
+    l2_ahead: int = 0  # "mma" only: K-tile distance of the prefetch.global.L2 of the weights (0: none)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
@@ -815,7 +816,8 @@ class W4A16Config:
             return self.method
         if self.method == "mma":  # session 10 (fxopt/kernels/w4a16_mma.py): block_n = warps x 16 R columns
             return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
-                    + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
+                    + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
+                    + (f" l2a{self.l2_ahead}" if self.l2_ahead else ""))
         if self.method == "gemv1":
             return (f"gemv1 bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
                     + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))

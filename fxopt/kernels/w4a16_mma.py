@@ -68,6 +68,13 @@ loop unrolled by two over two register buffers; 2: three buffers, unrolled by th
 a ring rotated by copies cost 2.32 instead of 1.67 instructions per weight offline). ``pdl``: programmatic dependent
 launch (dependents launched at entry; weights of the first tiles loaded before ``griddepcontrol.wait``, x /
 workspace / counters after).
+
+Session 11 (``load_census``, docs/notes_w4a16_mma_session10.md, "Session 11"): the SASS defeats the register
+prefetch for every other tile (ptxas / LLVM sink tile t + 1's loads into the ``if t + 1 < t_end`` fold: issued 19-36
+instructions before use; prefetch 2 retires all three tiles' loads at one wait, 3 instructions after the last), so a
+DRAM latency is exposed per two K tiles. ``L2_AHEAD`` (``MmaConfig.l2_ahead`` = ``W4A16Config.l2_ahead``, label
+``l2a4``) adds ``prefetch.global.L2`` of the words / scales / zeros of the tiles L2_AHEAD ahead (one
+CCTL.E.PF2 per warp and K tile at R = 2): no registers, no scoreboard, same results bit for bit (loads unchanged).
 """
 from __future__ import annotations
 
@@ -178,6 +185,34 @@ if HAS_GLUON:
         return words, s, z
 
     @gluon.jit
+    def _l2_prefetch(t, t_last, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk, stride_sg, GROUP_SIZE: gl.constexpr,
+                     BK: gl.constexpr, R: gl.constexpr, W: gl.constexpr):
+        """``prefetch.global.L2`` of K tile min(t, t_last): every 128-byte line of the warp's packed words (BK/8 rows
+        x 64 R bytes) and of its scale and zero rows, one line per lane (at R = 2, BK = 128: 16 + 2 lines, one
+        instruction per warp and tile). Fire and forget: no register, no scoreboard, so the bytes in flight are not
+        bounded by the register buffers (session 11 note). Rows / columns past K / N are clamped (in bounds)."""
+        KPT: gl.constexpr = BK // 8
+        LPW: gl.constexpr = (R + 1) // 2  # 128-byte lines per warp and packed row (64 R bytes)
+        NQ: gl.constexpr = KPT * LPW
+        NL: gl.constexpr = NQ + 2  # + the scale and the zero line
+        pf: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+        idx = gl.arange(0, 32 * W, layout=pf)
+        lane = idx % 32
+        col0 = pid_n * (16 * R * W) + (idx // 32) * (16 * R)
+        t = gl.minimum(t, t_last)
+        g = (t * BK) // GROUP_SIZE
+        for ch in gl.static_range((NL + 31) // 32):
+            j = (lane + 32 * ch) % NL
+            row = gl.minimum(t * KPT + j // LPW, KP - 1)
+            col = gl.minimum(col0 + (j % LPW) * 32, N - 1)
+            qa = (qw_ptr + row * stride_qk + col).to(gl.int64)
+            sa = (s_ptr + g * stride_sg + gl.minimum(col0, N - 1)).to(gl.int64)
+            za = (z_ptr + g * stride_sg + gl.minimum(col0, N - 1)).to(gl.int64)
+            addr = gl.where(j < NQ, qa, gl.where(j == NQ, sa, za))
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _x_loads(t, x_ptrs, kp_x, KP, BK: gl.constexpr, MASK_K: gl.constexpr):
         """K tile t's activations [BM, BK/8, 8] (K past the end reads as 0). Rows >= M were pointed at row M - 1
         by the caller: an mma column depends only on its own B column, and those output columns are not stored,
@@ -215,7 +250,7 @@ if HAS_GLUON:
         stride_xm, stride_qk, stride_sg, stride_ym,
         GROUP_SIZE: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, W: gl.constexpr,
         HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, MASK_M: gl.constexpr, MASK_N: gl.constexpr,
-        MASK_K: gl.constexpr, USE_GDC: gl.constexpr, PREFETCH: gl.constexpr,
+        MASK_K: gl.constexpr, USE_GDC: gl.constexpr, PREFETCH: gl.constexpr, L2_AHEAD: gl.constexpr,
         w_layout: gl.constexpr, x_layout: gl.constexpr, sz_layout: gl.constexpr,
     ):
         """y[M <= BM, N] = x @ dequant(W)^T (+ bias): program (pid_n, pid_k) = columns [pid_n BN, + BN) x K tiles
@@ -257,10 +292,18 @@ if HAS_GLUON:
         if USE_GDC:  # only the weights (never written by the previous kernel) are read before this wait
             _gdc_wait()
         ax = _x_loads(t_first, x_ptrs, kp_x, KP, BK, MASK_K)
+        if L2_AHEAD > 0:  # tiles t_start + PREFETCH + 1 .. t_start + L2_AHEAD - 1 (the loop prefetches the rest)
+            for u in gl.static_range(PREFETCH + 1, L2_AHEAD):
+                _l2_prefetch(t_start + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk, stride_sg,
+                             GROUP_SIZE, BK, R, W)
         if PREFETCH == 1:
             # two register buffers, the loop unrolled by two so that they swap roles without register copies:
             # tile t + 1's loads are issued before tile t is computed, tile t + 2's before tile t + 1
             for t in range(t_start, t_end, 2):
+                if L2_AHEAD > 0:  # into L2, L2_AHEAD tiles ahead of the computed one (this iteration's two)
+                    for u in gl.static_range(2):
+                        _l2_prefetch(t + L2_AHEAD + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk,
+                                     stride_sg, GROUP_SIZE, BK, R, W)
                 t1 = gl.minimum(t + 1, t_end - 1)
                 bq, b_s, b_z = _w_loads(t1, q_ptrs, s_ptrs, z_ptrs, kp_w, n_w, n_sz, N, KP, stride_qk, stride_sg,
                                         GROUP_SIZE, BK, MASK_N, MASK_K)
@@ -282,6 +325,10 @@ if HAS_GLUON:
                                     GROUP_SIZE, BK, MASK_N, MASK_K)
             bx = _x_loads(t1, x_ptrs, kp_x, KP, BK, MASK_K)
             for t in range(t_start, t_end, 3):
+                if L2_AHEAD > 0:
+                    for u in gl.static_range(3):
+                        _l2_prefetch(t + L2_AHEAD + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk,
+                                     stride_sg, GROUP_SIZE, BK, R, W)
                 t2 = gl.minimum(t + 2, t_end - 1)
                 cq, c_s, c_z = _w_loads(t2, q_ptrs, s_ptrs, z_ptrs, kp_w, n_w, n_sz, N, KP, stride_qk, stride_sg,
                                         GROUP_SIZE, BK, MASK_N, MASK_K)
@@ -397,7 +444,8 @@ class MmaConfig:
     """``warps`` per CTA; ``cols_per_warp`` = 16 R weight columns per warp (16, 32 or 64: R mma row tiles);
     ``split_k`` = K splits (0: one wave over the GPU, ``choose_split``); ``prefetch`` = K tiles of loads kept in
     flight ahead of the one computed (1 or 2); ``block_k`` = K tile (32, 64 or 128; capped at the group size);
-    ``pdl`` = programmatic dependent launch (sm_90)."""
+    ``pdl`` = programmatic dependent launch (sm_90); ``l2_ahead`` = 0 or the K-tile distance (> prefetch, <= 16) at
+    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``, session 11)."""
 
     warps: int = 4
     cols_per_warp: int = 32
@@ -405,6 +453,7 @@ class MmaConfig:
     prefetch: int = 1
     block_k: int = 128
     pdl: bool = False
+    l2_ahead: int = 0
 
     @property
     def block_n(self) -> int:
@@ -412,7 +461,8 @@ class MmaConfig:
 
     def label(self) -> str:
         return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.warps}"
-                + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
+                + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
+                + (f" l2a{self.l2_ahead}" if self.l2_ahead else ""))
 
 
 # Resident CTAs per SM of each listed tile, from the offline sm_90 register counts (``offline_report``, bf16 and
@@ -428,6 +478,10 @@ _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, Fa
 # them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
 # per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
+# Session 11, listed after those: the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps,
+# prefetch, pdl, l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight).
+_TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
+_TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
 
 def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int) -> int:
@@ -446,6 +500,8 @@ def _geometry(M: int, K: int, group_size: int, cfg: MmaConfig) -> tuple[int, int
         raise ValueError(f"w4a16_mma: cols_per_warp must be 16, 32 or 64 (16 R), got {cfg.cols_per_warp}")
     if cfg.prefetch not in (1, 2):
         raise ValueError(f"w4a16_mma: prefetch must be 1 or 2 K tiles, got {cfg.prefetch}")
+    if cfg.l2_ahead and not cfg.prefetch < cfg.l2_ahead <= 16:
+        raise ValueError(f"w4a16_mma: l2_ahead must be 0 or in (prefetch, 16], got {cfg.l2_ahead}")
     if cfg.block_k not in (32, 64, 128):
         raise ValueError(f"w4a16_mma: block_k must be 32, 64 or 128, got {cfg.block_k}")
     if cfg.split_k < 0:
@@ -490,7 +546,7 @@ def _check(x, qweight, scales, zeros, group_size, bias, cfg: MmaConfig):
 def _meta(M, K, N, group, bm, bk, R, W, cfg: MmaConfig, has_bias: bool, split: int, pdl: bool) -> dict:
     meta = dict(GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=has_bias, USE_SPLIT=split > 1,
                 MASK_M=M != bm, MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl,
-                PREFETCH=cfg.prefetch, **_layouts(bm, bk, R, W))
+                PREFETCH=cfg.prefetch, L2_AHEAD=cfg.l2_ahead, **_layouts(bm, bk, R, W))
     opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}))
     return dict(meta=meta, opts=opts)
 
@@ -541,20 +597,22 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
 def to_mma_config(cfg) -> MmaConfig:
     """W4A16Config(method="mma") -> MmaConfig: num_warps = warps, block_n = warps x cols_per_warp."""
     return MmaConfig(warps=cfg.num_warps, cols_per_warp=cfg.block_n // cfg.num_warps, split_k=cfg.split_k,
-                     prefetch=cfg.prefetch, block_k=cfg.block_k, pdl=cfg.pdl)
+                     prefetch=cfg.prefetch, block_k=cfg.block_k, pdl=cfg.pdl, l2_ahead=cfg.l2_ahead)
 
 
 def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list:
     """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
-    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), each with the one-wave split."""
+    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then their L2-prefetch variants
+    (``_TILES_L2`` / ``_TILES16_L2``, session 11), each with the one-wave split."""
     from fxopt.kernels.w4a16 import W4A16Config
 
     if not 1 <= M <= 16:
         return []
     group = K if group_size == -1 else group_size
     out = []
-    for cpw, warps, prefetch, pdl in (_TILES if M <= 8 else _TILES16):
-        cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl)
+    tiles = [t + (0,) for t in (_TILES if M <= 8 else _TILES16)] + list(_TILES_L2 if M <= 8 else _TILES16_L2)
+    for cpw, warps, prefetch, pdl, l2_ahead in tiles:
+        cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2_ahead)
         try:
             bm, bk, R, W = _geometry(M, K, group, cfg)
         except ValueError:
@@ -563,7 +621,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             continue  # masked loads at R = 4, BM = 16 spill (56-528 B of stack offline): not listed
         split = choose_split(cdiv(N, cfg.block_n), cdiv(K, bk), _resident(bm, cpw, warps, prefetch), num_sms)
         out.append(W4A16Config(block_m=bm, block_n=cfg.block_n, block_k=bk, split_k=split, num_warps=warps,
-                               num_stages=1, method="mma", pdl=pdl, prefetch=prefetch))
+                               num_stages=1, method="mma", pdl=pdl, prefetch=prefetch, l2_ahead=l2_ahead))
     return out
 
 
@@ -619,6 +677,59 @@ def compile_offline(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype =
 _ALU = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "SGXT", "PLOP3", "IABS", "FLO", "POPC", "VIADD"}
 
 
+def load_census(sass: str) -> dict:
+    """Bytes in flight of the K loop from the SASS with its control bits (sm_90 encoding: bits 105-125 of each
+    128-bit instruction = stall, yield, write / read scoreboard, wait mask, reuse). The loop body is run twice in
+    order (the second pass is the steady state): every LDG adds its bytes to its write scoreboard; an instruction
+    whose wait mask names a scoreboard retires all loads counted on it. Per wait that retires loads: the bytes it
+    forces (per thread), the bytes then in flight (issued, not retired) and the lead = instructions since the forced
+    loads were issued (min over them). ``CCTL.E.PF2`` = ``prefetch.global.L2`` (no scoreboard) are counted apart."""
+    import re
+
+    rows = []
+    lines = sass.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* (0x[0-9a-f]{16}) \*/", line)
+        hi = re.search(r"^\s*/\* (0x[0-9a-f]{16}) \*/", lines[i + 1])
+        if m and hi:
+            h = int(hi.group(1), 16) >> 41
+            rows.append((int(m.group(1), 16), m.group(2).rstrip(" ;"), (h >> 5) & 7, (h >> 11) & 0x3F))
+    index = {a: k for k, (a, *_r) in enumerate(rows)}
+    loops = []
+    for k, (a, op, _, _) in enumerate(rows):
+        b = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if b and int(b.group(1), 16) < a and int(b.group(1), 16) in index:
+            t = index[int(b.group(1), 16)]
+            if any("HMMA" in r[1] for r in rows[t:k + 1]):
+                loops.append((t, k))
+    loops = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] < lp[1] for o in loops if o != lp)]
+    if not loops:
+        return {}
+    t0, t1 = loops[0]
+    body = rows[t0:t1 + 1]
+    n = len(body)
+    pending, waits = {}, []
+    ldg = [int(re.search(r"LDG\.E(?:\.(\d+))?", op).group(1) or 32) // 8 for _, op, _, _ in body
+           if re.match(r"(@!?U?P\w+\s+)?LDG\.E", op)]
+    for rnd in range(2):
+        for k, (_, op, wb, wait) in enumerate(body):
+            if wait:
+                forced = [x for sb in range(6) if wait >> sb & 1 for x in pending.get(sb, [])]
+                if rnd == 1 and forced:
+                    waits.append(dict(at=k, forced=sum(b for _, b in forced),
+                                      in_flight=sum(b for v in pending.values() for _, b in v),
+                                      lead=min((k - j) % n for j, _ in forced)))
+                for sb in range(6):
+                    if wait >> sb & 1:
+                        pending[sb] = []
+            m = re.match(r"(@!?U?P\w+\s+)?LDG\.E(?:\.(\d+))?", op)
+            if m and wb != 7:
+                pending.setdefault(wb, []).append((k, int(m.group(2) or 32) // 8))
+    return dict(loop_instr=n, ldg=len(ldg), ldg_bytes=sum(ldg), l2_prefetch=sum("CCTL.E.PF2" in r[1] for r in body),
+                waits=waits, min_lead=min((w["lead"] for w in waits), default=None),
+                max_in_flight=max((w["in_flight"] for w in waits), default=0))
+
+
 def offline_report(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype = torch.bfloat16,
                    group_size: int = 128, bias: bool = False, keep_sass: bool = False) -> dict:
     """Compile for sm_90 on the CPU (``compile_offline``) and summarize: registers, stack / local bytes (spills),
@@ -632,6 +743,7 @@ def offline_report(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype = 
 
     compiled, geo = compile_offline(M, K, N, cfg, dtype, group_size, bias)
     sass, res, ins, loops = sass_loops(compiled, loop_needs="HMMA")
+    census = load_census(sass)
 
     def opcode(op):
         return (op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
@@ -642,6 +754,7 @@ def offline_report(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype = 
     out = dict(reg=res["reg"], stack=res["stack"], shared=res["shared"], local=res["local"],
                split=geo["split"], block_k=geo["bk"], total_instr=len(ins),
                total_ops=dict(collections.Counter(opcode(op) for op in ins).most_common()), loops=[],
+               census=census,
                **({"sass": sass} if keep_sass else {}))
     for t, e in loops:
         ops = collections.Counter(opcode(op) for op in ins[t:e + 1])
