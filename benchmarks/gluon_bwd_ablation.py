@@ -10,6 +10,9 @@ means something. The step time it saves says what that stage costs on the critic
     8   exp2 (no MUFU.EX2; P^T = the exponent)
     16  wait on the other warpgroup's dS^T publication (ds_bar); 17 = 1 | 16
 
+``--variant`` 1-4 only: variant 5 (dQ through shared memory, ``DQW``) has no REDG dQ path to ablate, so
+``gluon_attention_bwd`` refuses ``ablate`` with it (mask 0 would time the real variant-5 kernel).
+
 Shapes: d = 128, H = 16, 16k tokens (B = 16384 / S), S in {4096, 16384}, causal and not, bf16. Per (shape,
 ablation) the median of ``triton.testing.do_bench`` medians over ``--rounds`` rounds; each round runs the ablations
 in a rotated order. TFLOP/s counts the FULL backward's FLOPs (10 B H S^2 d, halved for causal) whatever the

@@ -1,5 +1,7 @@
 """Gluon attention backward at d = 128: variant 3 (the op's route) against the dQ-through-smem kernel
-(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``: dQ -> shared memory -> a reducer warp's v4 reductions).
+(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``: dQ -> shared memory -> a reducer warp's v4 reductions; since
+session 12 that is ``gluon_attention_bwd(..., variant=5)``, the constexpr ``DQW`` of variant 3's kernel, with the
+same offline SASS as the session-11 separate kernel).
 
 1. correctness of both against the float64 backward (``fxopt.testing.attention_bwd_reference64``) on 4 cases (bf16 /
    fp16, causal or not, GQA, ragged); dK / dV of dqw must be bit-identical to variant 3 (same per-warpgroup

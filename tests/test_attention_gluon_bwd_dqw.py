@@ -1,9 +1,10 @@
 """Gluon attention backward at d = 128 with dQ through shared memory and a reducer warp
-(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; the op's backward at d = 128 since session 11).
+(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; the op's backward at d = 128 since session 11; since session 12
+variant 5 of ``attention_gluon_bwd``, the constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``).
 
 CPU: the protocol model of the new barriers (random interleavings; six planted bugs must each be caught), the host
-checks, one offline sm_90 build (skipped without Triton's bundled ptxas / cuobjdump) with its per-step census and
-cycle model. GPU (``-m gpu``, sm_90 only): against the float64 backward on the cases of
+checks (including variant 5's d = 128 / ablation refusals), one offline sm_90 build (skipped without Triton's bundled
+ptxas / cuobjdump) with its per-step census and cycle model. GPU (``-m gpu``, sm_90 only): against the float64 backward on the cases of
 tests/test_attention_gluon_bwd_v4.py, and dK / dV bit-identical to variant 3."""
 import math
 
@@ -51,6 +52,24 @@ def test_dqw_host_checks():
     assert DQW.DQ_BUFFERS == 2 and DQW.HEAD_DIM == 128
 
 
+def test_dqw_is_variant5(monkeypatch):
+    """The dQ-through-smem kernel is ``gluon_attention_bwd(..., variant=5)``: d = 128 only (ValueError naming the head
+    dim at d = 64, on the host and offline), never an ablation base, and its config is variant 3's plus NB /
+    REDUCER_WARPS."""
+    assert GB.DQW_VARIANT == 5 and 5 in GB.VARIANTS
+    cfg3, cfg5 = GB.config_for(128, 3), DQW.config_dqw()
+    assert cfg5 == dict(cfg3, NB=2, REDUCER_WARPS=1) and cfg5["PRODUCER_REGS"] == DQW.REDUCER_REGS == 24
+    q64 = torch.randn(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="head dim 128, got 64"):
+        GB.gluon_attention_bwd(q64, q64, q64, q64, q64, torch.zeros(1, 2, 8), variant=5)
+    with pytest.raises(ValueError, match="head dim 128, got 64"):
+        GB.compile_offline(64, False, "bf16", variant=5)
+    monkeypatch.setenv(GB.ABLATE_ENV, "1")
+    q = torch.randn(1, 2, 8, 128)
+    with pytest.raises(ValueError, match="split-dQ kernel"):
+        GB.gluon_attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 8), variant=5, ablate=1)
+
+
 def test_dqw_offline_build_census():
     """One offline build (bf16, non-causal): no wgmma serialisation (C75xx), no wgmma register hazard, shared memory
     within 232,448 B, variant 3's stack (8 B); the consumer step loops have no REDG and no local memory, the same
@@ -65,6 +84,7 @@ import fxopt.kernels.attention_gluon_bwd_dqw as DQW
 from fxopt.kernels.attention_gluon import _tool
 from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
 c = DQW.compile_offline(False, "bf16")
+assert c.metadata.name == "_fa3_bwd_kernel_v1", c.metadata.name   # the folded kernel (DQW switch on)
 use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
 ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
 sass = sass_of(c)

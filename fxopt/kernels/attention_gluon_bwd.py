@@ -338,6 +338,27 @@ FENCE), 4: 331 / 328 (16 SS + 8 RS HGMMA), 8: 373 / 359 (no MUFU; 8 B more stack
 (one TRYWAIT fewer), against 405 / 391; no C75xx, no wgmma hazard, no LDL / STL in any step loop. GPU timing:
 ``benchmarks/gluon_bwd_ablation.py``; notes: docs/notes_attention_bwd_issue_session10.md ("Session 11").
 
+Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; the op's d = 128 route)
+---------------------------------------------------------------------------------------------------------------------
+FA3's dQ path, built in session 11 as a separate kernel and folded into this one in session 12; the design note
+(why, shared-memory layout, bank conflicts, barrier protocol, offline census) is the docstring of
+``attention_gluon_bwd_dqw``, which keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(...,
+variant=5)``), its CPU protocol model and its step census. d = 128 only (``DQW_HEAD_DIM``: the dQ tile is a
+warpgroup's [64, 64] fp32 column half; variant 5 at d = 64 is a ValueError). What the switch changes:
+* kernel: ``dq_smem`` fp32 [2 NB, 8, 8, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
+  (after ``end_bar``; initialised after ``ds_bar``); a fourth partition ``_bwd_dq_reducer`` (REDUCER_WARPS warps at
+  the producer's 24 registers) appended to the ``warp_specialize`` list with a constexpr-conditional tuple ``+``.
+* consumer: no per-head ``dq_row_ptr``; the consumers get None for ``SQ_PAD`` / ``dq_ptr`` (and variants 1-4 None
+  for the dQ tiles and barriers): None is no warp_specialize capture, so both builds capture what they use, in the
+  order the separate kernels did.
+* step (``_bwd_step_v1``): after the dQ wgmma's ``wait(0)``, instead of the 16 REDG.F32x2: wait ``dq_empty[b]``,
+  store the tile, thread barrier, arrive ``dq_full[b]`` (b = it % NB).
+Fold check (session 12, offline sm_90a, Triton 3.6's bundled ptxas, fresh cache): the SASS (``cuobjdump -sass``,
+instruction and control words) is byte-identical modulo the kernel name, with the same shared memory and
+``--dump-resource-usage`` line, for variant 5 (bf16 / fp16, causal or not) against the separate
+``_fa3_bwd_kernel_dqw`` and for every other build of this module against before the fold (variants 0-4 at d = 64
+and 128, causal or not, variant 3 fp16, variant 3 with each ABLATE mask, d = 256).
+
 Semantics
 ---------
 * q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
@@ -405,9 +426,14 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
-VARIANTS = (0, 1, 2, 3, 4)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
-                            # 3 split-dQ + dK issued before the dS^T publication (the op's route),
-                            # 4 = 3 + named-barrier turns between the consumer warpgroups (opt-in; measured 1-2% slower)
+VARIANTS = (0, 1, 2, 3, 4, 5)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
+    # 3 split-dQ + dK issued before the dS^T publication, 4 = 3 + named-barrier turns between the consumer
+    # warpgroups (opt-in; measured 1-2% slower), 5 = 3 + dQ through shared memory and a reducer warp (``DQW``;
+    # d = 128 only; the op's route at d = 128, through attention_gluon_bwd_dqw)
+DQW_VARIANT = 5
+DQW_HEAD_DIM = 128      # the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 = 64 columns)
+DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
+REDUCER_WARPS = 1
 _VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
 _SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
 # Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``; session 11). Every
@@ -772,11 +798,15 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                  s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
                  dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False,
-                 TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0):
+                 TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False,
+                 dq_smem=None, dq_full=None, dq_empty=None, NB: gl.constexpr = 2):
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
     named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass.
+    ``DQW`` (variant 5, with EARLY_DK, d = 128): the step ends with dQ_w into ``dq_smem`` (guarded by ``dq_empty`` /
+    ``dq_full``, NB buffers) instead of the 16 REDG.F32x2; ``dq_row_ptr`` is unused (None). See
+    ``attention_gluon_bwd_dqw``.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
     ``ABLATE_BITS`` and "Timing ablations" in the module docstring."""
     dtype: gl.constexpr = q_smem.dtype
@@ -878,8 +908,16 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     elif (ABLATE & 4) == 0:
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
 
+    if DQW:  # ---- dQ_w -> dq_smem tile 2 b + WG (the reducer partition issues the global reductions)
+        b = it % NB
+        mbarrier.wait(dq_empty.index(b), ((it // NB) & 1) ^ 1)  # the first use of a buffer passes (parity 1)
+        # [64 rows, 64 cols] -> (row // 8, col // 8, row % 8, col % 8): see "Bank conflicts" in attention_gluon_bwd_dqw
+        dq4 = gl.permute(gl.reshape(dq, [8, 8, 8, 8]), (0, 2, 1, 3))
+        dq_smem.index(2 * b + WG).store(dq4)
+        gl.thread_barrier()   # the warpgroup's 128 threads' stores are done
+        mbarrier.arrive(dq_full.index(b), count=1)
     # ---- 64 x d/2 fp32 -> workspace, 2 floats per red (16 REDG.F32x2 per thread at d = 128)
-    if (ABLATE & 4) == 0:
+    elif (ABLATE & 4) == 0:
         rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, dq_layout))
         cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
         if (ABLATE & 1) == 0:
@@ -892,11 +930,11 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
 
 @gluon.jit
 def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                     dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                     ABLATE: gl.constexpr = 0):
+                     ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -918,18 +956,23 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
             _fa_pp_pass(WG)
     it = 0
     for g in range(GROUP):
-        dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * HEAD_DIM
+        if DQW:  # SQ_PAD and dq_ptr are None (not even captured): the reducer owns the workspace
+            dq_row_ptr = dq_ptr
+        else:
+            dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * HEAD_DIM
         for mb in range(m_lo, m_full):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, dq_smem, dq_full,
+                                  dq_empty, NB)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
-                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
+                                  dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, dq_smem, dq_full,
+                                  dq_empty, NB)
             it += 1
 
     if TURNS:  # variant 4: warpgroup 0 takes back the turn warpgroup 1 passed after its last issue point (or,
@@ -953,28 +996,75 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
 
 @gluon.jit
 def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                         ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                     ABLATE: gl.constexpr = 0):
+                         DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
+                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
     _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
+                     ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                     dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)
 
 
 @gluon.jit
 def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                         ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                         ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                     ABLATE: gl.constexpr = 0):
+                         DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
+                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
     _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                     ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                     b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)
+                     ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                     dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)
+
+
+@gluon.jit
+def _red_add_v4(ptrs, vals):
+    # ``red.global.add.v4.f32`` (sm_90, PTX >= 8.1; SASS REDG.E.ADD.F32x4): one per 4 consecutive register elements
+    # of this thread; in the reducer's BlockedLayout (size_per_thread [1, 4]) those are 4 consecutive columns of one
+    # row, so only the first address ($4) is used. 16-byte alignment: the workspace is 256-byte aligned, rows are
+    # 512 B, columns 4-aligned.
+    gl.inline_asm_elementwise(
+        "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;"
+        "\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64), vals], dtype=gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
+    """Variant 5 (DQW) only, d = 128. Per step: wait dq_full[b]; [64, 128] fp32 (two [64, 64] column halves) from
+    dq_smem -> red.global.add.v4.f32 into the workspace rows of the step's query block; thread_barrier; release
+    dq_empty[b]. One flat loop over the (g, m) steps (few loop-carried registers: the partition runs with 24).
+    NB and the warp count come from ``dq_smem`` and the partition (no constexpr arguments: this partition is
+    appended to the kernel's list with a tuple ``+``, which unwraps constexprs)."""
+    NB: gl.constexpr = dq_smem.shape[0] // 2
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    # a slice [1, 8 (col // 8), 8 (row % 8), 8 (col % 8)] of one 8-row group: lanes 0-7 read 4 rows x 32 B = 128 B
+    # contiguous (conflict-free LDS.128); one warp covers 4 chunks x 4 rows, so 4 LDS.128 per thread and slice
+    red_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 4, 4, 2],
+                                                warps_per_cta=[1, NUM_WARPS, 1, 1], order=[3, 2, 1, 0])
+    l3: gl.constexpr = gl.SliceLayout(0, red_layout)
+    j = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+    cl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    offs = gl.expand_dims(gl.expand_dims(gl.expand_dims(j * 8, 1), 2) + gl.expand_dims(gl.expand_dims(rl * 128, 0), 2)
+                          + gl.expand_dims(gl.expand_dims(cl, 0), 1), 0)
+    n_steps = n_m - m_lo
+    for it in range(GROUP * n_steps):
+        g = it // n_steps
+        mb = m_lo + (it - g * n_steps)
+        buf = it % NB
+        mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
+        base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * 128
+        for w in gl.static_range(2):
+            tile = dq_smem.index(2 * buf + w)
+            for rh in gl.static_range(8):
+                vals = tile.slice(rh, 1, dim=0).load(red_layout)
+                _red_add_v4(base + (rh * 8 * 128 + 64 * w) + offs, vals)
+        gl.thread_barrier()   # its loads have returned (their values fed the reductions)
+        mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
@@ -982,7 +1072,8 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
                        qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr,
-                       EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0):
+                       EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0,
+                       DQW: gl.constexpr = False, NB: gl.constexpr = 2, REDUCER_WARPS: gl.constexpr = 1):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -1010,6 +1101,11 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)  # [2 p + WG]: 2 buffers x 2 warpgroups
+    if DQW:  # fp32 dQ tiles [2 b + WG], unswizzled "chunk-transposed" [row // 8, col // 8, row % 8, col % 8]
+        dq_layout_s: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NB, 8, 8, 8, 8], dq_layout_s)
+    else:  # None: no partition argument (the capture lists stay variant 1-4's)
+        dq_smem: gl.constexpr = None
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1017,6 +1113,12 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if DQW:
+        dq_full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    else:
+        dq_full: gl.constexpr = None
+        dq_empty: gl.constexpr = None
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
@@ -1025,24 +1127,36 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
         mbarrier.init(do_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)  # one arrive per consumer warpgroup and use
+    if DQW:
+        for i in gl.static_range(NB):
+            mbarrier.init(dq_full.index(i), count=2)   # one arrive per consumer warpgroup
+            mbarrier.init(dq_empty.index(i), count=1)  # the reducer
     mbarrier.init(end_bar, count=2)
     fence_async_shared()
 
+    # The consumers' arguments: DQW passes None for SQ_PAD / dq_ptr, variants 1-4 None for the dQ tiles and their
+    # barriers; a None is no capture, so each build's partitions capture what they use, in the order of the separate
+    # kernels before the fold. (The argument tuples are literals: a tuple assigned to a name turns its constexprs
+    # into tensors.) DQW adds the reducer warp(s) to warpgroup 2, at the producer's register budget.
     gl.warp_specialize([
-        (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                                b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)),
-        (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                                b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE)),
+        (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                dq_empty, b, hk, n0, H, GROUP, None if DQW else SQ_PAD, m_lo, m_full, n_m, qk_scale,
+                                SEQ_Q, SEQ_K, None if DQW else dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES,
+                                DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)),
+        (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                dq_empty, b, hk, n0, H, GROUP, None if DQW else SQ_PAD, m_lo, m_full, n_m, qk_scale,
+                                SEQ_Q, SEQ_K, None if DQW else dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES,
+                                DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
                          b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
+    ] + ([(_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m))] if DQW else []),
+        [4, 1] + ([REDUCER_WARPS] if DQW else []),
+        [CONSUMER_REGS, PRODUCER_REGS] + ([PRODUCER_REGS] if DQW else []))  # default partition = consumer 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1318,8 +1432,19 @@ def config_for(head_dim: int, variant: int = 0) -> dict:
     """Kernel meta-parameters for a head dim and ``gluon_attention_bwd`` variant (also used by the offline compile
     check): the split-dQ kernel (variants 1-4 at a head dim of ``_VARIANT_DIMS``) has its own ring depth."""
     split = variant != 0 and head_dim in _VARIANT_DIMS
-    return dict(STAGES=_SPLIT_STAGES[head_dim] if split else _STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
-                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+    cfg = dict(STAGES=_SPLIT_STAGES[head_dim] if split else _STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
+               CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
+    if variant == DQW_VARIANT and head_dim == DQW_HEAD_DIM:  # the reducer shares warpgroup 2's budget (24)
+        cfg.update(NB=DQ_BUFFERS, REDUCER_WARPS=REDUCER_WARPS)
+    return cfg
+
+
+def _check_variant(variant, head_dim) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == DQW_VARIANT and head_dim is not None and head_dim not in (DQW_HEAD_DIM, 256):
+        raise ValueError(f"gluon_attention_bwd: variant {DQW_VARIANT} (dQ through shared memory) needs head dim "
+                         f"{DQW_HEAD_DIM}, got {head_dim}")
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -1376,7 +1501,7 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
 def _check_ablate(ablate, variant: int, head_dim) -> int:
     """``ablate`` of ``gluon_attention_bwd`` / ``compile_offline`` as an int; 0 passes always. Anything else is a
     timing-only build with wrong results: only with ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``, only bits of
-    ``ABLATE_BITS``, only for the split-dQ kernel (variants 1-4 at d in ``_VARIANT_DIMS``)."""
+    ``ABLATE_BITS``, only for the split-dQ kernel with its REDG dQ path (variants 1-4 at d in ``_VARIANT_DIMS``)."""
     import os
 
     if ablate is None or ablate == 0:
@@ -1386,7 +1511,7 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
                          f"(set {ABLATE_ENV}=1 to run it anyway)")
     if not isinstance(ablate, int) or ablate < 0 or ablate & ~sum(ABLATE_BITS):
         raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
-    if variant == 0 or (head_dim is not None and head_dim not in _VARIANT_DIMS):
+    if variant in (0, DQW_VARIANT) or (head_dim is not None and head_dim not in _VARIANT_DIMS):
         raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}), "
                          f"got variant {variant}, d = {head_dim}")
     return int(ablate)
@@ -1414,17 +1539,19 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
-    named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower). Variants 1-4 exist for
-    d = 64 and 128 (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
+    named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower); 5 = variant 3 with dQ
+    through shared memory and a reducer warp (``DQW``, d = 128 only, ValueError at d = 64; the op's route at d = 128
+    through ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``). Variants 1-4 exist for d = 64 and 128 (d = 64:
+    GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
     d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
     ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
     (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).
 
     ``ablate`` (TIMING ONLY, the results are wrong): a bit mask of ``ABLATE_BITS`` for the split-dQ kernel
     (variants 1-4, d = 64 / 128); refused unless the environment has ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``."""
-    if variant not in VARIANTS:
-        raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
-    ablate = _check_ablate(ablate, variant, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else None)
+    head_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else None
+    _check_variant(variant, head_dim)
+    ablate = _check_ablate(ablate, variant, head_dim)
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd: {reason}")
@@ -1466,9 +1593,11 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                  sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4)),
+                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4, DQW_VARIANT)),
                                  TURNS=(variant == 4), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-                                 **({"ABLATE": ablate} if ablate else {}))
+                                 **({"ABLATE": ablate} if ablate else {}),
+                                 **(dict(DQW=True, NB=cfg["NB"], REDUCER_WARPS=cfg["REDUCER_WARPS"])
+                                    if variant == DQW_VARIANT else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK)
         return dq, dk, dv
@@ -1514,14 +1643,15 @@ def _signature(dtype_str: str, D: int):
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0,
                     ablate: int = 0):
     """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first, 4: 3 + warpgroup
-    turns; D = 256: the d = 256
+    turns, 5: 3 + dQ through shared memory (DQW, D = 128); D = 256: the d = 256
     kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel. ``ablate``: the
     ``ABLATE`` constexpr of the split-dQ kernel (0 = the real kernel; other masks are timing-only builds, gated
-    like ``gluon_attention_bwd``'s). The split-dQ kernel always gets TURNS and ABLATE explicitly here: an offline
-    compile does not apply a constexpr's default (it would be None)."""
+    like ``gluon_attention_bwd``'s). The split-dQ kernel always gets TURNS, ABLATE, DQW, NB and REDUCER_WARPS
+    explicitly here: an offline compile does not apply a constexpr's default (it would be None)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    _check_variant(variant, D)
     cfg = config_for(D, variant)
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
@@ -1539,11 +1669,15 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["DK_IN_FLIGHT"] = "constexpr"
         sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
-        constexprs["EARLY_DK"] = variant in (3, 4)
+        constexprs["EARLY_DK"] = variant in (3, 4, DQW_VARIANT)
         sig["TURNS"] = "constexpr"
         constexprs["TURNS"] = variant == 4
         sig["ABLATE"] = "constexpr"
         constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
+        for name in ("DQW", "NB", "REDUCER_WARPS"):
+            sig[name] = "constexpr"
+        constexprs.update(DQW=variant == DQW_VARIANT, NB=cfg.get("NB", DQ_BUFFERS),
+                          REDUCER_WARPS=cfg.get("REDUCER_WARPS", REDUCER_WARPS))
         kern = _fa3_bwd_kernel_v1
     else:
         kern = _fa3_bwd_kernel

@@ -2,10 +2,19 @@
 
 The op's backward at d = 128 since session 11 (``attention._GLUON_BWD_DQW_DIMS``; ``FXOPT_ATTN_GLUON_BWD_DQW=0`` turns it
 off): correct on the H200 (12 GPU tests, dK / dV bit-identical to variant 3) and 1.05-1.07x variant 3, after the
-ablations put the dQ global reductions at 30-34% of the step. Everything not listed here is variant 3 of
-``attention_gluon_bwd`` (``_fa3_bwd_kernel_v1`` with ``EARLY_DK``): same producer, preprocess, convert, tiles, ring,
-dS^T exchange (``ds_bar``), end_bar and epilogue; the consumer's order of wgmma, waits and arrives is unchanged up to
-the dQ wgmma's ``wait(0)``.
+ablations put the dQ global reductions at 30-34% of the step.
+
+Where the kernel lives (session 12): this module holds no Gluon code. The kernel is variant 5 of
+``attention_gluon_bwd``: ``_fa3_bwd_kernel_v1`` with ``EARLY_DK`` and the constexpr switch ``DQW`` (plus ``NB``,
+``REDUCER_WARPS``); the step's dQ end is the ``if DQW`` branch of ``_bwd_step_v1``, the reducer partition is
+``attention_gluon_bwd._bwd_dq_reducer`` (``_red_add_v4``). In session 11 it was a separate kernel
+(``_fa3_bwd_kernel_dqw`` with its own step / consumers) duplicating variant 3; the fold was accepted because the offline
+sm_90a SASS of the folded build is byte-identical to that kernel's (modulo the kernel name; bf16 / fp16, causal or
+not) and every other build of ``attention_gluon_bwd`` kept its SASS (see "Variant 5" in its docstring). This module
+keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(..., variant=5)`` after the d = 128
+check), ``gluon_dqw_supported``, ``compile_offline``, the barrier-protocol model and the step census. Everything not
+listed below is variant 3: same producer, preprocess, convert, tiles, ring, dS^T exchange (``ds_bar``), end_bar and
+epilogue; the consumer's order of wgmma, waits and arrives is unchanged up to the dQ wgmma's ``wait(0)``.
 
 Why
 ---
@@ -17,8 +26,8 @@ global reductions off the MMA warps: the consumers write dQ to shared memory and
 fp32 workspace. This kernel does the same with per-thread ``red.global.add.v4.f32`` (Gluon 3.6 exposes no TMA
 reduce for Hopper; a ``cp.reduce.async.bulk.tensor`` by inline PTX would be the next step).
 
-What changes against variant 3 (``_fa3_bwd_kernel_dqw``)
-------------------------------------------------------
+What ``DQW`` changes against variant 3
+--------------------------------------
 * shared memory: ``dq_smem`` fp32 [NB * 2, 8, 8, 8, 8]: buffer b, column half w (written by consumer warpgroup w)
   is tile 2 b + w (a [64, 64] fp32 tile, 16 KB, in the "chunk-transposed" order below); NB = ``DQ_BUFFERS`` = 2
   (double buffer): 165,328 + 65,536 + barriers = 230,960 B of 232,448.
@@ -70,6 +79,7 @@ consumers' other barriers, so variant 3's argument for the ring, ds_bar and end_
 
 Offline build (Triton 3.6, ptxas 12.8, sm_90a; bf16 = fp16; ``compile_offline``; census ``dqw_step_model``)
 ------------------------------------------------------------------------------------------------------------
+(Measured on the separate kernel; the folded build has the same SASS.)
       build    STACK  spill st/ld  smem (B)  C75xx  hazards  consumer step loops        reducer  producer
       full       8      8 / 8      230,960    -       0      402 / 399, 0 LDL/STL       244 (1 LDL)   76
       causal    40     76 / 56     230,960    -       0      570 / 402 / 567 / 398, 0   252 (1 LDL)   76
@@ -89,298 +99,25 @@ Kernel end: the reducer finishes its last step's reductions and exits; the kerne
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import torch
 
 from . import attention_gluon_bwd as GB
-from .attention_gluon_bwd import (  # noqa: F401 - re-exported helpers
-    BLOCK_M, BLOCK_N, LOG2E, WG_KEYS, _GLUON_IMPORT_ERROR, _bwd_dq_convert, _bwd_preprocess, _bwd_producer,
-    _desc, _split_k_layout, _vec_desc, gluon_bwd_supported)
+from .attention_gluon_bwd import (  # noqa: F401 - re-exported (the kernel and its helpers live there)
+    BLOCK_M, BLOCK_N, DQ_BUFFERS, DQW_VARIANT, LOG2E, REDUCER_WARPS, WG_KEYS, _GLUON_IMPORT_ERROR, _bwd_dq_convert,
+    _bwd_dq_reducer, _bwd_preprocess, _bwd_producer, _fa3_bwd_kernel_v1, _red_add_v4, gluon_bwd_supported)
 
 logger = logging.getLogger(__name__)
 
-if _GLUON_IMPORT_ERROR is None:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-else:  # pragma: no cover - keep the module importable without Gluon
-    gluon = GB.gluon
-    triton = GB.triton
-    gl = None
-
-from .attention_gluon import _as_tma_box, _gl_dtype  # noqa: E402
-
-HEAD_DIM = 128
-DQ_BUFFERS = 2          # dQ tiles in shared memory (double buffer)
-REDUCER_WARPS = 1
-REDUCER_REGS = 24       # setmaxnreg of warpgroup 2 (producer + reducer), as variant 3's producer
+HEAD_DIM = GB.DQW_HEAD_DIM      # 128
+REDUCER_REGS = GB._PRODUCER_REGS  # 24: setmaxnreg of warpgroup 2 (producer + reducer), as variant 3's producer
 SMEM_LIMIT = 232_448    # bytes per CTA on sm_90
 
 
-@gluon.jit
-def _red_add_v4(ptrs, vals):
-    # ``red.global.add.v4.f32`` (sm_90, PTX >= 8.1): one per 4 consecutive register elements of this thread; in the
-    # reducer's BlockedLayout (size_per_thread [1, 4]) those are 4 consecutive columns of one row, so only the first
-    # address ($4) is used. 16-byte alignment: the workspace is 256-byte aligned, rows are 512 B, columns 4-aligned.
-    gl.inline_asm_elementwise(
-        "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;"
-        "\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
-        "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64), vals], dtype=gl.int32, is_pure=False, pack=4)
-
-
-@gluon.jit
-def _bwd_step_dqw(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
-                  q_ready, q_empty, do_ready, do_empty, ds_bar, dq_smem, dq_full, dq_empty, dk, dv, keys,
-                  qk_scale, diag_off, STAGES: gl.constexpr, MASKED: gl.constexpr, NB: gl.constexpr,
-                  s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr):
-    """``attention_gluon_bwd._bwd_step_v1`` with EARLY_DK (variant 3), statement for statement, except the end:
-    dQ_w goes to ``dq_smem`` (guarded by dq_empty / dq_full) instead of 16 REDG.F32x2."""
-    dtype: gl.constexpr = q_smem.dtype
-    HALF: gl.constexpr = 64
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    s = it % STAGES
-    ready_phase = (it // STAGES) & 1
-    p = it % 2
-    ds_phase = (it // 2) & 1
-    q_buf = q_smem.index(s)
-    do_buf = do_smem.index(s)
-    zero = it >> 30   # opaque 0: K / V descriptors recomputed per step (variant 3's spill fix)
-    k_mine = k_smem.index(WG + zero)
-    v_mine = v_smem.index(WG + zero)
-
-    mbarrier.wait(q_ready.index(s), ready_phase)
-    st = warpgroup_mma(k_mine, q_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(s), ready_phase)
-    dpt = warpgroup_mma(v_mine, do_buf.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
-                        use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
-    if MASKED:
-        qpos = mb * 64 + gl.arange(0, 64, layout=col_layout)
-        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
-        st = gl.where(keep, st, float("-inf"))
-    lse2 = lse_smem.index(s).load(col_layout)
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    p16 = gl.convert_layout(pt.to(dtype), op_layout)
-    dv = warpgroup_mma(p16, do_buf, dv, is_async=True)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
-    delta = delta_smem.index(s).load(col_layout)
-    dst = pt * (dpt - gl.expand_dims(delta, 0))
-    ds16 = dst.to(dtype)
-    d16 = gl.convert_layout(ds16, op_layout)
-    dk = warpgroup_mma(d16, q_buf, dk, is_async=True)
-
-    ds_smem.index(2 * p + WG).store(ds16)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(ds_bar.index(p), count=1)
-
-    dv, dk, p16, d16 = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p16, d16])
-    mbarrier.arrive(q_empty.index(s), count=1)
-    mbarrier.arrive(do_empty.index(s), count=1)
-
-    mbarrier.wait(ds_bar.index(p), ds_phase)
-    dq = warpgroup_mma(ds_smem.index(2 * p).permute((1, 0)), k_smem.index(zero).slice(WG * HALF, HALF, dim=1),
-                       gl.zeros([64, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_smem.index(2 * p + 1).permute((1, 0)),
-                       k_smem.index(1 + zero).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-
-    # ---- dQ_w -> dq_smem tile 2 b + WG (the reducer issues the global reductions)
-    b = it % NB
-    mbarrier.wait(dq_empty.index(b), ((it // NB) & 1) ^ 1)
-    # [64 rows, 64 cols] -> (row // 8, col // 8, row % 8, col % 8): see "Bank conflicts" in the module docstring
-    dq4 = gl.permute(gl.reshape(dq, [8, 8, 8, 8]), (0, 2, 1, 3))
-    dq_smem.index(2 * b + WG).store(dq4)
-    gl.thread_barrier()
-    mbarrier.arrive(dq_full.index(b), count=1)
-    return dk, dv
-
-
-@gluon.jit
-def _bwd_consumer_dqw(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, STAGES: gl.constexpr, NB: gl.constexpr):
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 64, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 128, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 64, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-
-    v_buf = v_smem.index(WG)
-    keys = n0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    diag_off = SEQ_K - SEQ_Q
-    dk = gl.zeros([64, 128], gl.float32, acc_layout)
-    dv = gl.zeros([64, 128], gl.float32, acc_layout)
-
-    mbarrier.wait(kv_bar, 0)
-    it = 0
-    for g in range(GROUP):
-        for mb in range(m_lo, m_full):
-            dk, dv = _bwd_step_dqw(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
-                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dq_smem, dq_full, dq_empty, dk, dv,
-                                   keys, qk_scale, diag_off, STAGES, True, NB, s_layout, op_layout, dq_layout)
-            it += 1
-        for mb in range(m_full, n_m):
-            dk, dv = _bwd_step_dqw(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
-                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dq_smem, dq_full, dq_empty, dk, dv,
-                                   keys, qk_scale, diag_off, STAGES, False, NB, s_layout, op_layout, dq_layout)
-            it += 1
-
-    mbarrier.arrive(end_bar, count=1)
-    mbarrier.wait(end_bar, 0)
-    k_buf = k_smem.index(WG)
-    dk = dk * (qk_scale * 0.6931471805599453)
-    k_buf.store(dk.to(dtype))
-    v_buf.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(k_buf, dk_desc))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + WG * 64, 0], _as_tma_box(v_buf, dv_desc))
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _bwd_consumer_dqw_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                          dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                          dk_desc, dv_desc, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer_dqw(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, STAGES, NB)
-
-
-@gluon.jit
-def _bwd_consumer_dqw_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                          dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                          dk_desc, dv_desc, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer_dqw(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, STAGES, NB)
-
-
-@gluon.jit
-def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m,
-                    NB: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Per step: wait dq_full[b]; [64, 128] fp32 (two [64, 64] column halves) from dq_smem -> red.global.add.v4.f32
-    into the workspace rows of the step's query block; thread_barrier; release dq_empty[b]. One flat loop over the
-    (g, m) steps (few loop-carried registers: the partition runs with 32)."""
-    # a slice [1, 8 (col // 8), 8 (row % 8), 8 (col % 8)] of one 8-row group: lanes 0-7 read 4 rows x 32 B = 128 B
-    # contiguous (conflict-free LDS.128); one warp covers 4 chunks x 4 rows, so 4 LDS.128 per thread and slice
-    red_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 4, 4, 2],
-                                                warps_per_cta=[1, NUM_WARPS, 1, 1], order=[3, 2, 1, 0])
-    l3: gl.constexpr = gl.SliceLayout(0, red_layout)
-    j = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
-    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
-    cl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
-    offs = gl.expand_dims(gl.expand_dims(gl.expand_dims(j * 8, 1), 2) + gl.expand_dims(gl.expand_dims(rl * 128, 0), 2)
-                          + gl.expand_dims(gl.expand_dims(cl, 0), 1), 0)
-    n_steps = n_m - m_lo
-    for it in range(GROUP * n_steps):
-        g = it // n_steps
-        mb = m_lo + (it - g * n_steps)
-        buf = it % NB
-        mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
-        base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * 128
-        for w in gl.static_range(2):
-            tile = dq_smem.index(2 * buf + w)
-            for rh in gl.static_range(8):
-                vals = tile.slice(rh, 1, dim=0).load(red_layout)
-                _red_add_v4(base + (rh * 8 * 128 + 64 * w) + offs, vals)
-        gl.thread_barrier()
-        mbarrier.arrive(dq_empty.index(buf), count=1)
-
-
-@gluon.jit
-def _fa3_bwd_kernel_dqw(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
-                        qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NB: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_WARPS: gl.constexpr):
-    dtype: gl.constexpr = q_desc.dtype
-    pid_n = gl.program_id(0)
-    bhk = gl.program_id(1)
-    HKV = H // GROUP
-    b = bhk // HKV
-    hk = bhk % HKV
-    n0 = pid_n * 128
-    n_m = gl.cdiv(SEQ_Q, 64)
-    m_lo = 0
-    m_full = 0
-    if CAUSAL:
-        diag_off = SEQ_K - SEQ_Q
-        m_lo = gl.minimum(gl.maximum(n0 - diag_off, 0) // 64, n_m)
-        m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + 127 - diag_off, 0), 64), m_lo), n_m)
-
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64], gl.float32)
-    k_layout: gl.constexpr = _split_k_layout(128, dtype, 2)
-    # fp32 dQ tiles: XOR swizzle of 32-byte chunks by row % 8 (module docstring: conflict-free STS.64 / LDS.128)
-    dq_layout_s: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
-    k_smem = gl.allocate_shared_memory(dtype, [2, 64, 128], k_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, 64, 128], tile_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, 128], tile_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, 128], tile_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NB, 8, 8, 8, 8], dq_layout_s)  # [2 b + WG]
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_bar.index(i), count=2)
-    for i in gl.static_range(NB):
-        mbarrier.init(dq_full.index(i), count=2)   # one arrive per consumer warpgroup
-        mbarrier.init(dq_empty.index(i), count=1)  # the reducer
-    mbarrier.init(end_bar, count=2)
-    fence_async_shared()
-
-    gl.warp_specialize([
-        (_bwd_consumer_dqw_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                 ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                                 dq_full, dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                 dk_desc, dv_desc, STAGES, NB)),
-        (_bwd_consumer_dqw_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                 ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar,
-                                 dq_full, dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                 dk_desc, dv_desc, STAGES, NB)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                         kv_bar, q_ready, q_empty, do_ready, do_empty,
-                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                         dk_desc, dv_desc, 128, STAGES, CAUSAL)),
-        (_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m,
-                           NB, REDUCER_WARPS)),
-    ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-
-
 def config_dqw() -> dict:
-    cfg = GB.config_for(HEAD_DIM, 3)
-    cfg.update(NB=DQ_BUFFERS, REDUCER_WARPS=REDUCER_WARPS, PRODUCER_REGS=REDUCER_REGS)
-    return cfg
+    """``attention_gluon_bwd.config_for(128, 5)``: variant 3's meta-parameters plus NB / REDUCER_WARPS."""
+    return GB.config_for(HEAD_DIM, DQW_VARIANT)
 
 
 def gluon_dqw_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -394,59 +131,21 @@ def gluon_dqw_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
 def gluon_attention_bwd_dqw(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
                             checked: bool = False):
-    """Variant 3 of ``gluon_attention_bwd`` with FA3's dQ path (dQ -> shared memory -> reducer warps -> vector
+    """Variant 3 of ``gluon_attention_bwd`` with FA3's dQ path (dQ -> shared memory -> reducer warp -> vector
     reductions) -> (dq, dk, dv), contiguous, dtypes of q / k / v. d = 128 only. Raises ValueError when unsupported
-    (``gluon_dqw_supported`` gives the reason). The op's backward at d = 128 (``_GLUON_BWD_DQW_DIMS``)."""
+    (``gluon_dqw_supported`` gives the reason). The op's backward at d = 128 (``_GLUON_BWD_DQW_DIMS``).
+    Same launches as ``gluon_attention_bwd(..., variant=5)``, which it calls."""
     reason = None if checked else gluon_dqw_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd_dqw: {reason}")
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    dq = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
-    if B * Hq * Sq == 0 or Sk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    n_m = (Sq + BLOCK_M - 1) // BLOCK_M
-    sq_pad = n_m * BLOCK_M
-    lse2 = torch.empty((B * Hq * sq_pad,), device=q.device, dtype=torch.float32)
-    delta = torch.empty_like(lse2)
-    dq_acc = torch.empty((B * Hq * sq_pad * D,), device=q.device, dtype=torch.float32)
-    _bwd_preprocess[(n_m, B * Hq)](out, dout, lse, delta, lse2, dq_acc, *out.stride()[:3], *dout.stride()[:3],
-                                   lse.stride(0), lse.stride(1), Hq, Sq, sq_pad, HEAD_DIM=D, BLOCK=GB._PRE_BLOCK)
-    cfg = config_dqw()
-    k_layout = _split_k_layout(D, _gl_dtype(k.dtype), 4)
-    grid = ((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)
-    _fa3_bwd_kernel_dqw[grid](_desc(q, BLOCK_M), _desc(k, WG_KEYS, layout=k_layout), _desc(v, WG_KEYS),
-                              _desc(dout, BLOCK_M), _desc(dk, WG_KEYS, layout=k_layout), _desc(dv, WG_KEYS),
-                              _vec_desc(lse2), _vec_desc(delta), dq_acc,
-                              sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
-                              STAGES=cfg["STAGES"], CAUSAL=bool(causal), NB=cfg["NB"],
-                              CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                              REDUCER_WARPS=cfg["REDUCER_WARPS"], num_warps=cfg["num_warps"],
-                              maxnreg=cfg["maxnreg"])
-    _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
-                                   HEAD_DIM=D, BLOCK=GB._PRE_BLOCK)
-    return dq, dk, dv
+    return GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale, checked=True,
+                                  variant=DQW_VARIANT)
 
 
 def compile_offline(causal: bool, dtype_str: str = "bf16", arch: int = 90):
-    """Offline sm_<arch> build of ``_fa3_bwd_kernel_dqw`` (no GPU) -> triton CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = config_dqw()
-    sig = GB._signature(dtype_str, HEAD_DIM)
-    sig.pop("HEAD_DIM")
-    for name in ("NB", "REDUCER_WARPS"):
-        sig[name] = "constexpr"
-    constexprs = {"STAGES": cfg["STAGES"], "CAUSAL": bool(causal), "NB": cfg["NB"],
-                  "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"],
-                  "REDUCER_WARPS": cfg["REDUCER_WARPS"]}
-    src = GluonASTSource(_fa3_bwd_kernel_dqw, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
+    """Offline sm_<arch> build of the dQ-through-smem kernel (``_fa3_bwd_kernel_v1`` with DQW; no GPU) -> triton
+    CompiledKernel. = ``attention_gluon_bwd.compile_offline(128, causal, dtype_str, arch, variant=5)``."""
+    return GB.compile_offline(HEAD_DIM, causal, dtype_str, arch, variant=DQW_VARIANT)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,13 +159,13 @@ DQW_BUGS = ("reducer_no_wait", "consumer_no_empty_wait", "parity_nb1", "full_cou
 
 def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0, tma_delay: int = 3,
                        max_ticks: int = 10 ** 6, bug: str = "") -> int:
-    """One CTA of ``_fa3_bwd_kernel_dqw`` at the level of barriers and buffer accesses: the producer (K / V once, then
-    Q / dO of ``n_steps`` query blocks into ring slot it % stages after the release of the slot's previous use), the
-    two consumer warpgroups (``_bwd_step_dqw``: q_ready / do_ready waits, S^T / dP^T / dV / dK reading Q, dO, K_w,
-    V_w; dS^T into ds[p][w], arrive ds_bar[p]; wait(0), Q / dO released; ds_bar wait; dQ reading both dS^T tiles and
-    K_0, K_1; then wait dq_empty[b] (parity (u & 1) ^ 1), write dQ tile (b, w), arrive dq_full[b]), the end_bar
-    meeting and the dK / dV staging into K_w / V_w, and the reducer (wait dq_full[b] with parity u & 1, read both
-    tiles of buffer b over several ticks, reduce, arrive dq_empty[b]).
+    """One CTA of variant 5 (``_fa3_bwd_kernel_v1`` with DQW) at the level of barriers and buffer accesses: the
+    producer (K / V once, then Q / dO of ``n_steps`` query blocks into ring slot it % stages after the release of the
+    slot's previous use), the two consumer warpgroups (``_bwd_step_v1`` with DQW: q_ready / do_ready waits, S^T /
+    dP^T / dV / dK reading Q, dO, K_w, V_w; dS^T into ds[p][w], arrive ds_bar[p]; wait(0), Q / dO released; ds_bar
+    wait; dQ reading both dS^T tiles and K_0, K_1; then wait dq_empty[b] (parity (u & 1) ^ 1), write dQ tile (b, w),
+    arrive dq_full[b]), the end_bar meeting and the dK / dV staging into K_w / V_w, and the reducer (wait dq_full[b]
+    with parity u & 1, read both tiles of buffer b over several ticks, reduce, arrive dq_empty[b]).
 
     mbarriers are modelled with completed-phase counts. The ring, ds_bar and end_bar waits are checked by use
     number (as in ``attention_gluon_bwd.v4_protocol_model``). The dq_full / dq_empty waits are modelled as the
@@ -667,7 +366,7 @@ def check_dqw_protocol(trials: int = 300, seed: int = 0) -> str:
 
 
 def dqw_step_model(sass: str, tflops: Optional[float] = None) -> dict:
-    """Census of the step loops of a ``_fa3_bwd_kernel_dqw`` build (``sass``: cuobjdump text) and the cycles per CTA
+    """Census of the step loops of a variant-5 (DQW) build (``sass``: cuobjdump text) and the cycles per CTA
     step of ``attention_gluon_bwd.bwd_step_model`` on the two unmasked consumer loops, corrected for this kernel:
 
     * the consumer's 16 STS.64 per warp (the dQ tile) move 256 B per warp instruction, not the 512 B of an STSM
