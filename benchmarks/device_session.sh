@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -340,6 +340,16 @@ phase_s12c() {
   timeout 200 python3 benchmarks/fp8_rowsum_check.py --out "$RES" 2>&1 | grep -v Warn | tail -16
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_w4a16_mma.py -k "l2_prefetch" 2>&1 | tail -3
   timeout 150 python3 benchmarks/w4a16.py --ms 1,4,16 --mma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
+}
+
+phase_s12d() {
+  # session 12: variant 5 (dQ reducer warp) at d = 64, built offline in session 11: GPU tests (d = 64 and 128), the
+  # kernel check against variant 3, then through the op against the Triton backward (route d = 64 to Gluon variant 5
+  # if it wins the rows: _GLUON_BWD_HEAD_DIMS / _GLUON_BWD_DQW_DIMS defaults)
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_attention_gluon_bwd_dqw.py 2>&1 | tail -3
+  timeout 200 python3 benchmarks/gluon_bwd_dqw_check.py --dims 64 --out "$RES" 2>&1 | grep -v Warn | tail -12
+  timeout 220 env FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256 FXOPT_ATTN_GLUON_BWD_DQW_DIMS=64,128 python3 benchmarks/attention.py \
+    --shapes 64x2048,64x4096,64x16384 --tag d64dqw --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -10
 }
 
 phase_largem() {

@@ -1,11 +1,13 @@
-"""Gluon attention backward at d = 128 with dQ through shared memory and a reducer warp
+"""Gluon attention backward at d = 128 (and d = 64) with dQ through shared memory and a reducer warp
 (``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; the op's backward at d = 128 since session 11; since session 12
-variant 5 of ``attention_gluon_bwd``, the constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``).
+variant 5 of ``attention_gluon_bwd``, the constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; d = 64 since session 12, not
+routed).
 
-CPU: the protocol model of the new barriers (random interleavings; six planted bugs must each be caught), the host
-checks (including variant 5's d = 128 / ablation refusals), one offline sm_90 build (skipped without Triton's bundled
-ptxas / cuobjdump) with its per-step census and cycle model. GPU (``-m gpu``, sm_90 only): against the float64 backward on the cases of
-tests/test_attention_gluon_bwd_v4.py, and dK / dV bit-identical to variant 3."""
+CPU: the protocol model of the new barriers (random interleavings; six planted bugs must each be caught; d = 64 uses
+the same buffers and phases), the host checks (variant 5 at d = 64 / 128, refusals of other head dims and of
+ablations), one offline sm_90 build per head dim (skipped without Triton's bundled ptxas / cuobjdump) with its
+per-step census and cycle model. GPU (``-m gpu``, sm_90 only): against the float64 backward on the cases of
+tests/test_attention_gluon_bwd_v4.py at d = 128 and d = 64, and dK / dV bit-identical to variant 3."""
 import math
 
 import pytest
@@ -19,7 +21,8 @@ GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
 
 def test_dqw_protocol_random_interleavings():
     assert "without deadlock" in DQW.check_dqw_protocol(trials=300)
-    for n, stages, nb in ((0, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 2), (12, 1, 2), (12, 3, 1), (13, 2, 2)):
+    for n, stages, nb in ((0, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 2), (12, 1, 2), (12, 3, 1), (13, 2, 2),
+                          (0, 4, 2), (3, 4, 2), (13, 4, 2), (17, 4, 1)):   # 4 stages: the d = 64 ring
         for seed in range(8):
             DQW.dqw_protocol_model(n, stages, nb=nb, seed=seed, tma_delay=seed % 5)
 
@@ -43,80 +46,127 @@ def test_dqw_protocol_catches_planted_bugs(bug):
                    for m in caught), caught[:2]
 
 
-def test_dqw_host_checks():
-    q = torch.randn(1, 2, 8, 128)
-    reason = DQW.gluon_dqw_supported(q, q, q, q, q, torch.zeros(1, 2, 8))
-    assert reason is not None     # CPU tensors (or no Gluon): a reason, never None
-    with pytest.raises(ValueError, match="gluon_attention_bwd_dqw"):
-        DQW.gluon_attention_bwd_dqw(q, q, q, q, q, torch.zeros(1, 2, 8))
-    assert DQW.DQ_BUFFERS == 2 and DQW.HEAD_DIM == 128
+def test_dqw_host_checks(monkeypatch):
+    for d in (64, 128):
+        q = torch.randn(1, 2, 8, d)
+        reason = DQW.gluon_dqw_supported(q, q, q, q, q, torch.zeros(1, 2, 8))
+        assert reason is not None     # CPU tensors (or no Gluon): a reason, never None
+        with pytest.raises(ValueError, match="gluon_attention_bwd_dqw"):
+            DQW.gluon_attention_bwd_dqw(q, q, q, q, q, torch.zeros(1, 2, 8))
+    assert DQW.DQ_BUFFERS == 2 and DQW.HEAD_DIM == 128 and DQW.HEAD_DIMS == (64, 128)
+    # the head-dim rule of the dqw entry on its own (the generic checks pass): d = 64 / 128 yes, 256 / 32 no
+    monkeypatch.setattr(DQW, "gluon_bwd_supported", lambda *a, **k: None)
+    for d, ok in ((64, True), (128, True), (256, False), (32, False)):
+        q = torch.randn(1, 2, 8, d)
+        reason = DQW.gluon_dqw_supported(q, q, q, q, q, torch.zeros(1, 2, 8))
+        assert (reason is None) == ok, (d, reason)
+        if not ok:
+            assert f"head dim {d}" in reason, reason
 
 
 def test_dqw_is_variant5(monkeypatch):
-    """The dQ-through-smem kernel is ``gluon_attention_bwd(..., variant=5)``: d = 128 only (ValueError naming the head
-    dim at d = 64, on the host and offline), never an ablation base, and its config is variant 3's plus NB /
+    """The dQ-through-smem kernel is ``gluon_attention_bwd(..., variant=5)``: d = 64 or 128 (ValueError naming the
+    head dim otherwise, on the host and offline; d = 256 runs the d = 256 kernel for every variant, as before, but the
+    dqw entry refuses it), never an ablation base, and its config is variant 3's (d = 64: 4 ring stages) plus NB /
     REDUCER_WARPS."""
     assert GB.DQW_VARIANT == 5 and 5 in GB.VARIANTS
-    cfg3, cfg5 = GB.config_for(128, 3), DQW.config_dqw()
-    assert cfg5 == dict(cfg3, NB=2, REDUCER_WARPS=1) and cfg5["PRODUCER_REGS"] == DQW.REDUCER_REGS == 24
-    q64 = torch.randn(1, 2, 8, 64)
-    with pytest.raises(ValueError, match="head dim 128, got 64"):
+    for d, stages in ((128, 2), (64, 4)):
+        cfg3, cfg5 = GB.config_for(d, 3), DQW.config_dqw(d)
+        assert cfg5 == dict(cfg3, NB=2, REDUCER_WARPS=1) and cfg5["PRODUCER_REGS"] == DQW.REDUCER_REGS == 24
+        assert cfg5["STAGES"] == stages, cfg5
+    assert DQW.config_dqw() == GB.config_for(128, 5)
+    assert "NB" not in GB.config_for(256, 5)     # d = 256: its own kernel, no dQ tiles
+    GB._check_variant(5, 64)                      # no refusal at d = 64 any more
+    GB._check_variant(5, 256)
+    q32 = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="head dim 64 or 128, got 32"):
+        GB.gluon_attention_bwd(q32, q32, q32, q32, q32, torch.zeros(1, 2, 8), variant=5)
+    with pytest.raises(ValueError, match="head dim 64 or 128, got 32"):
+        GB.compile_offline(32, False, "bf16", variant=5)
+    q64 = torch.randn(1, 2, 8, 64)   # d = 64 passes the variant check and fails on the CPU tensors
+    with pytest.raises(ValueError) as exc:
         GB.gluon_attention_bwd(q64, q64, q64, q64, q64, torch.zeros(1, 2, 8), variant=5)
-    with pytest.raises(ValueError, match="head dim 128, got 64"):
-        GB.compile_offline(64, False, "bf16", variant=5)
+    assert "head dim" not in str(exc.value) and ("CUDA" in str(exc.value) or "unavailable" in str(exc.value))
+    for bad in (256, 32):
+        with pytest.raises(ValueError, match=f"head dim {bad}"):
+            DQW.config_dqw(bad)
+        with pytest.raises(ValueError, match=f"head dim {bad}"):
+            DQW.compile_offline(False, "bf16", head_dim=bad)
     monkeypatch.setenv(GB.ABLATE_ENV, "1")
-    q = torch.randn(1, 2, 8, 128)
-    with pytest.raises(ValueError, match="split-dQ kernel"):
-        GB.gluon_attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 8), variant=5, ablate=1)
+    for d in (64, 128):
+        q = torch.randn(1, 2, 8, d)
+        with pytest.raises(ValueError, match="split-dQ kernel"):
+            GB.gluon_attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 8), variant=5, ablate=1)
 
 
-def test_dqw_offline_build_census():
-    """One offline build (bf16, non-causal): no wgmma serialisation (C75xx), no wgmma register hazard, shared memory
-    within 232,448 B, variant 3's stack (8 B); the consumer step loops have no REDG and no local memory, the same
-    HGMMA / MUFU / MEMBAR counts as variant 3 and 16 STS.64 more; the reducer loop has 64 LDS.128 + 64 REDG.F32x4 per
-    step; setmaxnreg 240 for the consumers and 24 for warpgroup 2 as variant 3; the cycle model at variant 3's
-    measured 447 TFLOP/s: tensor 2560, smem port 2564 + 512 cycles."""
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_dqw_offline_build_census(head_dim):
+    """One offline build per head dim (bf16, non-causal) and variant 3's at the same head dim: no wgmma serialisation
+    (C75xx), no wgmma register hazard, shared memory = variant 3's + the 2 x 2 dQ tiles [64, d / 2] fp32 (+ 4
+    mbarriers), within 232,448 B; stack 8 B (d = 128, as variant 3) / 16 B (d = 64: 12 B of spills outside the
+    step loops, consumer 0's prologue and the reducer's loop-invariant address; variant 3: 0). The consumer step loops
+    have no REDG and no local memory, variant 3's HGMMA / MUFU / LDS / MEMBAR counts, d / 8 STS.64 more (the dQ tile),
+    1 BAR.SYNC and 2 SYNCS more; the reducer loop has d / 2 LDS.128 + d / 2 REDG.F32x4 per step; setmaxnreg 240 for
+    the consumers and 24 for warpgroup 2 as variant 3; the cycle model at variant 3's d = 128 447 TFLOP/s: tensor as
+    variant 3's (2560 / 1280 cycles per CTA step), smem port variant 3's + the STS.64 and LDS.128 bytes."""
     from fxopt.testing import offline_build_json
 
-    code = """
+    code = f"""
 import json, re
+import fxopt.kernels.attention_gluon_bwd as GB
 import fxopt.kernels.attention_gluon_bwd_dqw as DQW
 from fxopt.kernels.attention_gluon import _tool
 from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
-c = DQW.compile_offline(False, "bf16")
+c = DQW.compile_offline(False, "bf16", head_dim={head_dim})
 assert c.metadata.name == "_fa3_bwd_kernel_v1", c.metadata.name   # the folded kernel (DQW switch on)
 use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
 ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
 sass = sass_of(c)
 r = DQW.dqw_step_model(sass, tflops=447.0)
+c3 = GB.compile_offline({head_dim}, False, "bf16", variant=3)
+loops3 = [lp for lp in GB.sass_step_loops(sass_of(c3)) if lp["hgmma"]]
+m3 = GB.bwd_step_model(loops3, 0)
 print(json.dumps(dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)), smem=c.metadata.shared,
+                      smem3=c3.metadata.shared,
                       c75=sorted(set(re.findall(r"C75\\d\\d", ptxas))), hazards=len(wgmma_sass_hazards(sass)),
                       f32x4=len(re.findall(r"REDG\\.E\\.ADD\\.F32x4", sass)),
                       f32x2=len(re.findall(r"REDG\\.E\\.ADD\\.F32x2", sass)),
-                      sts64=len(re.findall(r"\\bSTS\\.64\\b", sass)),
                       maxreg=sorted(set(re.findall(r"USETMAXREG\\S* (?:UP\\d, )?(0x[0-9a-f]+)", sass))),
-                      consumer=r["consumer"], reducer=r["reducer"], model=r["model"])))
+                      consumer=r["consumer"], reducer=r["reducer"], model=r["model"], consumer3=loops3,
+                      model3=dict(tensor=m3["tensor"], smem=m3["smem"]))))
 """
     rep = offline_build_json(code)
+    half = head_dim // 2
     assert not rep["c75"] and rep["hazards"] == 0, rep
-    assert rep["smem"] <= DQW.SMEM_LIMIT and rep["smem"] >= 165_328 + 4 * 16384, rep["smem"]
-    assert rep["stack"] <= 8, rep["stack"]
-    assert rep["f32x2"] == 0 and rep["f32x4"] == 64, rep
+    dq_tiles = 2 * 2 * 64 * half * 4
+    assert rep["smem3"] + dq_tiles <= rep["smem"] <= rep["smem3"] + dq_tiles + 128, (rep["smem"], rep["smem3"])
+    assert rep["smem"] <= DQW.SMEM_LIMIT, rep["smem"]
+    assert rep["stack"] <= {128: 8, 64: 16}[head_dim], rep["stack"]
+    assert rep["f32x2"] == 0 and rep["f32x4"] == half, rep
     assert "0xf0" in rep["maxreg"] and "0x18" in rep["maxreg"] and "0xe8" not in rep["maxreg"], rep["maxreg"]
-    assert len(rep["consumer"]) == 2
-    for lp in rep["consumer"]:
-        c = lp["classes"]
-        assert lp["hgmma"] == {"64x64x16": 24, "64x128x16": 8}, lp["hgmma"]
+    assert len(rep["consumer"]) == 2 and len(rep["consumer3"]) == 2
+    for lp, lp3 in zip(rep["consumer"], rep["consumer3"]):
+        c, c3 = lp["classes"], lp3["classes"]
+        assert lp["hgmma"] == lp3["hgmma"], (lp["hgmma"], lp3["hgmma"])
+        assert lp["hgmma"] == ({"64x64x16": 24, "64x128x16": 8} if head_dim == 128
+                               else {"64x64x16": 16, "64x32x16": 8}), lp["hgmma"]
         assert not c.get("redg") and not c.get("local"), c
-        for name, want in (("mufu_ex2", 32), ("lds", 16), ("sts", 20), ("fence_membar", 2), ("bar", 6),
-                           ("syncs", 8)):
-            assert c.get(name) == want, (name, c)
-        assert 380 <= lp["n"] <= 440, lp["n"]
+        assert c3.get("redg") == half // 4, c3          # variant 3: d / 8 REDG.F32x2 per thread and step
+        for name in ("mufu_ex2", "lds", "fence_membar"):
+            assert c.get(name) == c3.get(name), (name, c, c3)
+        assert c["mufu_ex2"] == 32 and c["lds"] == 16 and c["fence_membar"] == 2, c
+        assert c.get("sts") == c3.get("sts") + half // 4, (c, c3)   # + the dQ tile's STS.64
+        assert c.get("bar") == c3.get("bar") + 1 and c.get("syncs") == c3.get("syncs") + 2, (c, c3)
+        assert abs(lp["n"] - lp3["n"]) <= 24, (lp["n"], lp3["n"])
     rc = rep["reducer"]["classes"]
-    assert rc.get("lds") == 64 and rc.get("redg") == 64 and not rc.get("hgmma") and rc.get("local", 0) <= 2, rc
-    m = rep["model"]
-    assert m["tensor"] == 2560 and abs(m["smem"] - (2564 + 512)) <= 64 and m["red_bytes"] == 64 * 128 * 4, m
-    assert m["issue_share"] < 0.25 and m["smem_share"] < 0.6, m
+    assert rc.get("lds") == half and rc.get("redg") == half and not rc.get("hgmma") and rc.get("local", 0) <= 2, rc
+    m, m3 = rep["model"], rep["model3"]
+    assert m["tensor"] == m3["tensor"] == 2560 * head_dim // 128, (m, m3)
+    extra = 2 * 4 * (half // 4) * 256 / 128 + half * 512 / 128    # consumers' STS.64 + the reducer's LDS.128
+    assert abs(m["smem"] - (m3["smem"] + extra)) <= 64, (m["smem"], m3["smem"], extra)
+    assert m["red_bytes"] == 64 * head_dim * 4, m
+    if head_dim == 128:   # shares of the measured d = 128 step (447 TFLOP/s is a d = 128 figure)
+        assert m["issue_share"] < 0.25 and m["smem_share"] < 0.6, m
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,32 +192,34 @@ GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk, causal, dtype): the cases of tests/test_at
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("name", list(GPU_CASES))
-def test_gpu_dqw_matches_float64_and_v3(name):
-    """dQ against the float64 backward (and variant 3, same bound: both use fp32 reductions in a run-dependent
-    order); dK / dV bit-identical to variant 3 (the consumer's arithmetic up to the dQ wgmma is variant 3's)."""
+def test_gpu_dqw_matches_float64_and_v3(name, head_dim):
+    """dQ against the float64 backward (and variant 3 at the same head dim, same bound: both use fp32 reductions in a
+    run-dependent order); dK / dV bit-identical to variant 3 (the consumer's arithmetic up to the dQ wgmma is
+    variant 3's). d = 64: variant 3 is the split-dQ kernel at d = 64 (64-byte-swizzle K tile, 4 ring stages)."""
     if DQW._GLUON_IMPORT_ERROR is not None:
         pytest.skip(DQW._GLUON_IMPORT_ERROR)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs sm_90")
     B, Hq, Hkv, Sq, Sk, causal, dtype = GPU_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(4321)
-    q, dout = (torch.randn(B, Hq, Sq, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, Sk, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    scale = 1.0 / math.sqrt(128)
+    q, dout = (torch.randn(B, Hq, Sq, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Sk, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    scale = 1.0 / math.sqrt(head_dim)
     out, lse, rdq, rdk, rdv, empty = attention_bwd_reference64(q, k, v, dout, causal, scale)
     out, lse = out.to(dtype), lse.float()
     dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
     dq, dk, dv = DQW.gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=causal)
     torch.cuda.synchronize()
-    assert torch.equal(dk, dk3) and torch.equal(dv, dv3), name
+    assert torch.equal(dk, dk3) and torch.equal(dv, dv3), (name, head_dim)
     for got, want, t in ((dq, rdq, q), (dk, rdk, k), (dv, rdv, v)):
         assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()
         assert not torch.isnan(got).any()
         lim = TOL[dtype] * 2 * max(1.0, want.abs().max().item())
         err = (got.double() - want).abs().max().item()
-        assert err <= lim, (name, err, lim)
+        assert err <= lim, (name, head_dim, err, lim)
     lim = TOL[dtype] * 2 * max(1.0, rdq.abs().max().item())
-    assert (dq.double() - dq3.double()).abs().max().item() <= lim, name
+    assert (dq.double() - dq3.double()).abs().max().item() <= lim, (name, head_dim)
     if empty.any():  # rows with no visible key get exactly zero dq
         assert (dq[empty.unsqueeze(-1).expand_as(dq)] == 0).all()

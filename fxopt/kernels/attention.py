@@ -1219,8 +1219,11 @@ _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64",
 # (benchmarks/results/gluon_bwd_ablation.md), and dqw was correct on 4 / 4 check cases and 12 GPU tests (dK / dV
 # bit-identical to variant 3) and 1.05-1.07x faster: 467 / 421 / 482 / 483 against 443 / 394 / 449 / 452 TFLOP/s
 # (S = 4k / 4k causal / 16k / 16k causal; benchmarks/results/gluon/gluon_bwd_dqw_check.md).
-# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3.
-_GLUON_BWD_DQW_DIMS = (128,)
+# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3. d = 64 builds too (offline, session 11) but is not GPU-checked:
+# FXOPT_ATTN_GLUON_BWD_DQW_DIMS=64,128 (read once, at import) together with FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256
+# runs it through the op for an A/B.
+_GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW_DIMS", "128").split(",")
+                            if d.strip())
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
 # against 348 / 246 TFLOP/s), unlike the op-level table of session 7.

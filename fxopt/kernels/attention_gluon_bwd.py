@@ -343,16 +343,20 @@ Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bw
 FA3's dQ path, built in session 11 as a separate kernel and folded into this one in session 12; the design note
 (why, shared-memory layout, bank conflicts, barrier protocol, offline census) is the docstring of
 ``attention_gluon_bwd_dqw``, which keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(...,
-variant=5)``), its CPU protocol model and its step census. d = 128 only (``DQW_HEAD_DIM``: the dQ tile is a
-warpgroup's [64, 64] fp32 column half; variant 5 at d = 64 is a ValueError). What the switch changes:
-* kernel: ``dq_smem`` fp32 [2 NB, 8, 8, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
+variant=5)``), its CPU protocol model and its step census. d = 128 (routed) and d = 64 (session 12, built offline,
+not GPU-checked yet; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32 column half. What the switch
+changes:
+* kernel: ``dq_smem`` fp32 [2 NB, 8, d / 16, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
   (after ``end_bar``; initialised after ``ds_bar``); a fourth partition ``_bwd_dq_reducer`` (REDUCER_WARPS warps at
   the producer's 24 registers) appended to the ``warp_specialize`` list with a constexpr-conditional tuple ``+``.
 * consumer: no per-head ``dq_row_ptr``; the consumers get None for ``SQ_PAD`` / ``dq_ptr`` (and variants 1-4 None
   for the dQ tiles and barriers): None is no warp_specialize capture, so both builds capture what they use, in the
   order the separate kernels did.
-* step (``_bwd_step_v1``): after the dQ wgmma's ``wait(0)``, instead of the 16 REDG.F32x2: wait ``dq_empty[b]``,
-  store the tile, thread barrier, arrive ``dq_full[b]`` (b = it % NB).
+* step (``_bwd_step_v1``): after the dQ wgmma's ``wait(0)``, instead of the 16 (d = 64: 8) REDG.F32x2: wait
+  ``dq_empty[b]``, store the tile, thread barrier, arrive ``dq_full[b]`` (b = it % NB).
+* d = 64 (session 12): the same code, HEAD_DIM-generic (tile [8, d / 16, 8, 8], the reducer reads the head dim off
+  ``dq_smem``'s shape); geometry, budget and census in "Head dim 64" of ``attention_gluon_bwd_dqw``. Every other
+  build (variant 5 at d = 128, variants 0-4 at d = 64 / 128, d = 256) kept its SASS byte for byte.
 Fold check (session 12, offline sm_90a, Triton 3.6's bundled ptxas, fresh cache): the SASS (``cuobjdump -sass``,
 instruction and control words) is byte-identical modulo the kernel name, with the same shared memory and
 ``--dump-resource-usage`` line, for variant 5 (bf16 / fp16, causal or not) against the separate
@@ -429,9 +433,10 @@ _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the p
 VARIANTS = (0, 1, 2, 3, 4, 5)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
     # 3 split-dQ + dK issued before the dS^T publication, 4 = 3 + named-barrier turns between the consumer
     # warpgroups (opt-in; measured 1-2% slower), 5 = 3 + dQ through shared memory and a reducer warp (``DQW``;
-    # d = 128 only; the op's route at d = 128, through attention_gluon_bwd_dqw)
+    # d = 64 / 128; the op's route at d = 128, through attention_gluon_bwd_dqw)
 DQW_VARIANT = 5
-DQW_HEAD_DIM = 128      # the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 = 64 columns)
+DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
+DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; not GPU-checked yet)
 DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
 REDUCER_WARPS = 1
 _VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
@@ -804,8 +809,9 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
     named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass.
-    ``DQW`` (variant 5, with EARLY_DK, d = 128): the step ends with dQ_w into ``dq_smem`` (guarded by ``dq_empty`` /
-    ``dq_full``, NB buffers) instead of the 16 REDG.F32x2; ``dq_row_ptr`` is unused (None). See
+    ``DQW`` (variant 5, with EARLY_DK, d = 64 / 128): the step ends with dQ_w into ``dq_smem`` (guarded by
+    ``dq_empty`` / ``dq_full``, NB buffers) instead of the REDG.F32x2 (16 at d = 128, 8 at d = 64); ``dq_row_ptr`` is
+    unused (None). See
     ``attention_gluon_bwd_dqw``.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
     ``ABLATE_BITS`` and "Timing ablations" in the module docstring."""
@@ -911,8 +917,8 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     if DQW:  # ---- dQ_w -> dq_smem tile 2 b + WG (the reducer partition issues the global reductions)
         b = it % NB
         mbarrier.wait(dq_empty.index(b), ((it // NB) & 1) ^ 1)  # the first use of a buffer passes (parity 1)
-        # [64 rows, 64 cols] -> (row // 8, col // 8, row % 8, col % 8): see "Bank conflicts" in attention_gluon_bwd_dqw
-        dq4 = gl.permute(gl.reshape(dq, [8, 8, 8, 8]), (0, 2, 1, 3))
+        # [64 rows, HALF cols] -> (row // 8, col // 8, row % 8, col % 8): "Bank conflicts" in attention_gluon_bwd_dqw
+        dq4 = gl.permute(gl.reshape(dq, [8, 8, HALF // 8, 8]), (0, 2, 1, 3))
         dq_smem.index(2 * b + WG).store(dq4)
         gl.thread_barrier()   # the warpgroup's 128 threads' stores are done
         mbarrier.arrive(dq_full.index(b), count=1)
@@ -1025,7 +1031,7 @@ def _red_add_v4(ptrs, vals):
     # ``red.global.add.v4.f32`` (sm_90, PTX >= 8.1; SASS REDG.E.ADD.F32x4): one per 4 consecutive register elements
     # of this thread; in the reducer's BlockedLayout (size_per_thread [1, 4]) those are 4 consecutive columns of one
     # row, so only the first address ($4) is used. 16-byte alignment: the workspace is 256-byte aligned, rows are
-    # 512 B, columns 4-aligned.
+    # 512 B (d = 128) / 256 B (d = 64), columns 4-aligned.
     gl.inline_asm_elementwise(
         "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;"
         "\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
@@ -1034,22 +1040,28 @@ def _red_add_v4(ptrs, vals):
 
 @gluon.jit
 def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
-    """Variant 5 (DQW) only, d = 128. Per step: wait dq_full[b]; [64, 128] fp32 (two [64, 64] column halves) from
-    dq_smem -> red.global.add.v4.f32 into the workspace rows of the step's query block; thread_barrier; release
+    """Variant 5 (DQW) only, d = 64 / 128. Per step: wait dq_full[b]; [64, d] fp32 (two [64, d / 2] column halves)
+    from dq_smem -> red.global.add.v4.f32 into the workspace rows of the step's query block; thread_barrier; release
     dq_empty[b]. One flat loop over the (g, m) steps (few loop-carried registers: the partition runs with 24).
-    NB and the warp count come from ``dq_smem`` and the partition (no constexpr arguments: this partition is
-    appended to the kernel's list with a tuple ``+``, which unwraps constexprs)."""
+    NB, the head dim and the warp count come from ``dq_smem`` ([2 NB, 8, d / 16, 8, 8]) and the partition (no
+    constexpr arguments: this partition is appended to the kernel's list with a tuple ``+``, which unwraps
+    constexprs)."""
     NB: gl.constexpr = dq_smem.shape[0] // 2
+    CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
+    HALF: gl.constexpr = 8 * CHUNKS
+    HEAD_DIM: gl.constexpr = 2 * HALF
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    # a slice [1, 8 (col // 8), 8 (row % 8), 8 (col % 8)] of one 8-row group: lanes 0-7 read 4 rows x 32 B = 128 B
-    # contiguous (conflict-free LDS.128); one warp covers 4 chunks x 4 rows, so 4 LDS.128 per thread and slice
+    # a slice [1, CHUNKS (col // 8), 8 (row % 8), 8 (col % 8)] of one 8-row group: lanes 0-7 read 4 rows x 32 B =
+    # 128 B contiguous (conflict-free LDS.128); one warp covers 4 chunks x 4 rows, so CHUNKS / 2 LDS.128 per thread
+    # and slice (4 at d = 128, 2 at d = 64)
     red_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 4, 4, 2],
                                                 warps_per_cta=[1, NUM_WARPS, 1, 1], order=[3, 2, 1, 0])
     l3: gl.constexpr = gl.SliceLayout(0, red_layout)
-    j = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    j = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
     rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
     cl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
-    offs = gl.expand_dims(gl.expand_dims(gl.expand_dims(j * 8, 1), 2) + gl.expand_dims(gl.expand_dims(rl * 128, 0), 2)
+    offs = gl.expand_dims(gl.expand_dims(gl.expand_dims(j * 8, 1), 2)
+                          + gl.expand_dims(gl.expand_dims(rl * HEAD_DIM, 0), 2)
                           + gl.expand_dims(gl.expand_dims(cl, 0), 1), 0)
     n_steps = n_m - m_lo
     for it in range(GROUP * n_steps):
@@ -1057,12 +1069,12 @@ def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD,
         mb = m_lo + (it - g * n_steps)
         buf = it % NB
         mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
-        base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * 128
+        base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * HEAD_DIM
         for w in gl.static_range(2):
             tile = dq_smem.index(2 * buf + w)
             for rh in gl.static_range(8):
                 vals = tile.slice(rh, 1, dim=0).load(red_layout)
-                _red_add_v4(base + (rh * 8 * 128 + 64 * w) + offs, vals)
+                _red_add_v4(base + (rh * 8 * HEAD_DIM + HALF * w) + offs, vals)
         gl.thread_barrier()   # its loads have returned (their values fed the reductions)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
@@ -1103,7 +1115,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)  # [2 p + WG]: 2 buffers x 2 warpgroups
     if DQW:  # fp32 dQ tiles [2 b + WG], unswizzled "chunk-transposed" [row // 8, col // 8, row % 8, col % 8]
         dq_layout_s: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NB, 8, 8, 8, 8], dq_layout_s)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NB, 8, HEAD_DIM // 16, 8, 8], dq_layout_s)
     else:  # None: no partition argument (the capture lists stay variant 1-4's)
         dq_smem: gl.constexpr = None
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1434,7 +1446,7 @@ def config_for(head_dim: int, variant: int = 0) -> dict:
     split = variant != 0 and head_dim in _VARIANT_DIMS
     cfg = dict(STAGES=_SPLIT_STAGES[head_dim] if split else _STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-    if variant == DQW_VARIANT and head_dim == DQW_HEAD_DIM:  # the reducer shares warpgroup 2's budget (24)
+    if variant == DQW_VARIANT and head_dim in DQW_HEAD_DIMS:  # the reducer shares warpgroup 2's budget (24)
         cfg.update(NB=DQ_BUFFERS, REDUCER_WARPS=REDUCER_WARPS)
     return cfg
 
@@ -1442,9 +1454,9 @@ def config_for(head_dim: int, variant: int = 0) -> dict:
 def _check_variant(variant, head_dim) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == DQW_VARIANT and head_dim is not None and head_dim not in (DQW_HEAD_DIM, 256):
+    if variant == DQW_VARIANT and head_dim is not None and head_dim not in DQW_HEAD_DIMS + (256,):
         raise ValueError(f"gluon_attention_bwd: variant {DQW_VARIANT} (dQ through shared memory) needs head dim "
-                         f"{DQW_HEAD_DIM}, got {head_dim}")
+                         f"64 or 128, got {head_dim}")
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -1540,8 +1552,9 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
     named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower); 5 = variant 3 with dQ
-    through shared memory and a reducer warp (``DQW``, d = 128 only, ValueError at d = 64; the op's route at d = 128
-    through ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``). Variants 1-4 exist for d = 64 and 128 (d = 64:
+    through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 through
+    ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; d = 64 built offline, not GPU-checked yet). Variants 1-4
+    exist for d = 64 and 128 (d = 64:
     GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
     d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
     ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
@@ -1643,7 +1656,7 @@ def _signature(dtype_str: str, D: int):
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0,
                     ablate: int = 0):
     """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first, 4: 3 + warpgroup
-    turns, 5: 3 + dQ through shared memory (DQW, D = 128); D = 256: the d = 256
+    turns, 5: 3 + dQ through shared memory (DQW, D = 64 / 128); D = 256: the d = 256
     kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel. ``ablate``: the
     ``ABLATE`` constexpr of the split-dQ kernel (0 = the real kernel; other masks are timing-only builds, gated
     like ``gluon_attention_bwd``'s). The split-dQ kernel always gets TURNS, ABLATE, DQW, NB and REDUCER_WARPS

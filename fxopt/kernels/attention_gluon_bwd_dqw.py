@@ -1,4 +1,5 @@
-"""Gluon attention backward at d = 128 with FA3's dQ path: dQ through shared memory, global reductions by a reducer.
+"""Gluon attention backward at d = 128 (and 64) with FA3's dQ path: dQ through shared memory, global reductions by a
+reducer warp.
 
 The op's backward at d = 128 since session 11 (``attention._GLUON_BWD_DQW_DIMS``; ``FXOPT_ATTN_GLUON_BWD_DQW=0`` turns it
 off): correct on the H200 (12 GPU tests, dK / dV bit-identical to variant 3) and 1.05-1.07x variant 3, after the
@@ -95,6 +96,37 @@ Offline build (Triton 3.6, ptxas 12.8, sm_90a; bf16 = fp16; ``compile_offline``;
 
 Kernel end: the reducer finishes its last step's reductions and exits; the kernel boundary orders them before the
 ``_bwd_dq_convert`` launch.
+
+Head dim 64 (session 12; built and censused offline, NOT GPU-checked yet, not routed)
+------------------------------------------------------------------------------------
+The same code, written HEAD_DIM-generically (at d = 128 every expression evaluates as before: SASS byte-identical):
+* dQ columns per warpgroup: d / 2 = 32 (the split kernel's dQ half at d = 64, ``dq`` [64, 32] fp32 = 16 registers
+  per consumer thread, was 32 at d = 128).
+* tile: [64, 32] fp32 = 8 KB in the chunk-transposed order [row // 8, col // 8, row % 8, col % 8] = [8, 4, 8, 8]
+  (``dq_smem`` [2 NB, 8, d / 16, 8, 8]); the consumer's 8 STS.64 per thread and step (one 8-column chunk of 8 rows
+  per warp instruction) are conflict-free as at d = 128 (each (row // 8, chunk) block is 256 contiguous bytes; the
+  row-group stride is 1 KB instead of 2 KB). NB = 2 (double buffer, same barriers, counts and parities: the
+  protocol model applies unchanged; ``check_dqw_protocol`` also runs the d = 64 ring depth of 4 stages).
+* shared memory: variant 3's d = 64 build (K 16 KB + V 16 KB + dS^T 32 KB + 4 stages x 16.5 KB = 133,648 B) + 2 x 2
+  x 8 KB of dQ tiles + 4 mbarriers = 166,512 B of 232,448 (NB = 4 would also fit: ~199.3 KB; not needed while the
+  reducer keeps up, see the census).
+* reducer: reads the head dim off ``dq_smem``'s shape (d / 16 chunks); per 8-row group and column half one [1, 4, 8,
+  8] slice = 2 LDS.128 + 2 ``red.global.add.v4.f32`` per thread (lanes 0-7: 4 rows x 32 B contiguous in smem; in
+  global memory each warp instruction covers 4 rows x the 128-byte column half); per step 32 LDS.128 + 32 REDG.F32x4
+  (d = 128: 64 + 64), the same 16 KB of fp32 reductions as variant 3's 2 x 4 warps x 8 REDG.F32x2.
+Offline (Triton 3.6, ptxas 12.8, sm_90a; bf16 = fp16; test_dqw_offline_build_census[64]):
+      build       STACK  spill st/ld  smem (B)  C75xx  hazards  consumer step loops, 0 LDL/STL   reducer
+      d64 full      16     12 / 12    166,512    -       0      375 / 371                        146 (1 LDL)
+      d64 causal    16     12 / 12    166,512    -       0      539 / 376 / 533 / 370            147 (1 LDL)
+  (variant 3 at d = 64: step loops 374 / 363 full, 553 / 390 / 546 / 383 causal: the REDG address math is gone.)
+  (variant 3 d = 64: 0 B stack, 133,648 / 133,664 B.) The 12 B of spills are outside the consumer step loops: 2 values
+  of consumer warpgroup 0 stored before its loop and reloaded in its epilogue, and 1 loop-invariant reducer value (1
+  LDL per reducer step, as the d = 128 reducer's). Per consumer step loop against variant 3 at d = 64: the same 24
+  HGMMA (16 m64n64k16 + 8 m64n32k16), 32 MUFU.EX2, 16 LDS, MEMBAR / fence; no REDG (variant 3: 8 REDG.F32x2), 8
+  STS.64 more, 1 BAR.SYNC and 2 SYNCS more; setmaxnreg 240 / 24 as variant 3. Cycle model (``dqw_step_model``) per
+  CTA step: tensor 1,280, shared-memory port 1,924 (variant 3's + 128 STS.64 + 128 LDS.128 cycles), reducer loop 146
+  instructions against ~375 per consumer warp. Whether it gains at d = 64 what it gains at d = 128 is for the GPU:
+  ``benchmarks/gluon_bwd_dqw_check.py --dims 64`` and ``pytest -m gpu tests/test_attention_gluon_bwd_dqw.py``.
 """
 from __future__ import annotations
 
@@ -110,21 +142,24 @@ from .attention_gluon_bwd import (  # noqa: F401 - re-exported (the kernel and i
 
 logger = logging.getLogger(__name__)
 
-HEAD_DIM = GB.DQW_HEAD_DIM      # 128
+HEAD_DIM = GB.DQW_HEAD_DIM      # 128: the routed head dim (the default of config_dqw / compile_offline)
+HEAD_DIMS = GB.DQW_HEAD_DIMS    # (64, 128): head dims the kernel builds for (d = 64: session 12, not GPU-checked yet)
 REDUCER_REGS = GB._PRODUCER_REGS  # 24: setmaxnreg of warpgroup 2 (producer + reducer), as variant 3's producer
 SMEM_LIMIT = 232_448    # bytes per CTA on sm_90
 
 
-def config_dqw() -> dict:
-    """``attention_gluon_bwd.config_for(128, 5)``: variant 3's meta-parameters plus NB / REDUCER_WARPS."""
-    return GB.config_for(HEAD_DIM, DQW_VARIANT)
+def config_dqw(head_dim: int = HEAD_DIM) -> dict:
+    """``attention_gluon_bwd.config_for(head_dim, 5)``: variant 3's meta-parameters plus NB / REDUCER_WARPS."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"config_dqw: head dim {head_dim} not supported (only {HEAD_DIMS})")
+    return GB.config_for(head_dim, DQW_VARIANT)
 
 
 def gluon_dqw_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
     """None if ``gluon_attention_bwd_dqw`` can run these inputs, else a one-line reason."""
     reason = gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
-    if reason is None and q.shape[-1] != HEAD_DIM:
-        reason = f"head dim {q.shape[-1]} not supported by the dQ-through-smem kernel (only {HEAD_DIM})"
+    if reason is None and q.shape[-1] not in HEAD_DIMS:
+        reason = f"head dim {q.shape[-1]} not supported by the dQ-through-smem kernel (only {HEAD_DIMS})"
     return reason
 
 
@@ -132,7 +167,7 @@ def gluon_attention_bwd_dqw(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                             lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
                             checked: bool = False):
     """Variant 3 of ``gluon_attention_bwd`` with FA3's dQ path (dQ -> shared memory -> reducer warp -> vector
-    reductions) -> (dq, dk, dv), contiguous, dtypes of q / k / v. d = 128 only. Raises ValueError when unsupported
+    reductions) -> (dq, dk, dv), contiguous, dtypes of q / k / v. d = 64 or 128. Raises ValueError when unsupported
     (``gluon_dqw_supported`` gives the reason). The op's backward at d = 128 (``_GLUON_BWD_DQW_DIMS``).
     Same launches as ``gluon_attention_bwd(..., variant=5)``, which it calls."""
     reason = None if checked else gluon_dqw_supported(dout, q, k, v, out, lse, causal, scale)
@@ -142,10 +177,12 @@ def gluon_attention_bwd_dqw(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                                   variant=DQW_VARIANT)
 
 
-def compile_offline(causal: bool, dtype_str: str = "bf16", arch: int = 90):
+def compile_offline(causal: bool, dtype_str: str = "bf16", arch: int = 90, head_dim: int = HEAD_DIM):
     """Offline sm_<arch> build of the dQ-through-smem kernel (``_fa3_bwd_kernel_v1`` with DQW; no GPU) -> triton
-    CompiledKernel. = ``attention_gluon_bwd.compile_offline(128, causal, dtype_str, arch, variant=5)``."""
-    return GB.compile_offline(HEAD_DIM, causal, dtype_str, arch, variant=DQW_VARIANT)
+    CompiledKernel. = ``attention_gluon_bwd.compile_offline(head_dim, causal, dtype_str, arch, variant=5)``."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"compile_offline: head dim {head_dim} not supported (only {HEAD_DIMS})")
+    return GB.compile_offline(head_dim, causal, dtype_str, arch, variant=DQW_VARIANT)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -349,13 +386,13 @@ def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0
 
 
 def check_dqw_protocol(trials: int = 300, seed: int = 0) -> str:
-    """``dqw_protocol_model`` over random interleavings: 0-9 query blocks, 1-3 ring stages, 1-2 dQ buffers, TMA
-    delays 0-6."""
+    """``dqw_protocol_model`` over random interleavings: 0-9 query blocks, 1-4 ring stages (d = 128 runs 2, d = 64
+    runs 4), 1-2 dQ buffers, TMA delays 0-6."""
     import random
 
     rng = random.Random(seed)
     for k in range(trials):
-        dqw_protocol_model(rng.randint(0, 9), 1 + k % 3, nb=1 + k % 2, seed=k, tma_delay=rng.randint(0, 6))
+        dqw_protocol_model(rng.randint(0, 9), 1 + k % 4, nb=1 + (k // 4) % 2, seed=k, tma_delay=rng.randint(0, 6))
     return (f"dQ-through-smem protocol: {trials} random interleavings without deadlock, parity mismatch, buffer "
             f"hazard or lost dQ contribution")
 
