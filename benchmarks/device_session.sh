@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -350,6 +350,14 @@ phase_s12d() {
   timeout 200 python3 benchmarks/gluon_bwd_dqw_check.py --dims 64 --out "$RES" 2>&1 | grep -v Warn | tail -12
   timeout 220 env FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256 FXOPT_ATTN_GLUON_BWD_DQW_DIMS=64,128 python3 benchmarks/attention.py \
     --shapes 64x2048,64x4096,64x16384 --tag d64dqw --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -10
+}
+
+phase_s12e() {
+  # session 12: where the d = 256 backward's step goes (timing-only ablation bits of _fa3_bwd_kernel_d256, added
+  # offline in session 11; a dQ reducer-warp path there needs shared memory the kernel does not have: worth it only
+  # if bit 1 saves a large share of the step)
+  timeout 280 env FXOPT_ATTN_AUTOTUNE=0 python3 benchmarks/gluon_bwd_ablation.py --dim 256 --out "$RES" 2>&1 \
+    | grep -v Warn | tail -16
 }
 
 phase_largem() {

@@ -21,11 +21,20 @@ spread evenly; the preprocess / convert launches (~1% at 16k tokens) are inside 
 differences. The clock is the SM clock nvidia-smi reports while a batch of backward launches runs (else
 ``torch.cuda.clock_rate()``, else 1.83 GHz); the json says which.
 
+``--dim 256`` (session 13): the same ablations of the d = 256 kernel ``_fa3_bwd_kernel_d256`` (64 keys per CTA,
+the head dim of dK / dV / dQ split between the consumer warpgroups; ``ABLATE_BITS_D256``: 1 = its 32 REDG.F32x2 per
+step and warpgroup predicated off, 2 = the proxy fence after the P^T / dS^T stores, 4 = the dQ wgmma + wait +
+reductions, 8 = exp2, 16 = the x_bar wait for the other warpgroup's P^T / dS^T halves). Every variant runs that
+kernel at d = 256, so ``--variant`` does not matter there. H = 2048 / d = 8, 16k tokens, the same S, rounds,
+rotation and clock method; CTA steps count 64-key blocks. Output ``gluon_bwd_ablation_d256.{json,md}`` (d = 128
+keeps ``gluon_bwd_ablation.{json,md}``).
+
 A hang (an ablation that breaks the barrier protocol) must not eat the device call: every launch re-arms a
 ``faulthandler`` watchdog (``--launch-timeout``, compile included) that dumps the stacks and exits the process;
 results are written after every measurement.
 
     python benchmarks/gluon_bwd_ablation.py --out $OUT            # < 3 minutes on an H200
+    python benchmarks/gluon_bwd_ablation.py --dim 256 --out $OUT  # d = 256
 """
 from __future__ import annotations
 
@@ -45,7 +54,7 @@ from common import arm_watchdog, env_info, markdown_table, save_state  # noqa: E
 
 import torch  # noqa: E402
 
-NAME = "gluon_bwd_ablation"
+NAME = "gluon_bwd_ablation"  # d = 128; d = 256: NAME + "_d256"
 STATE = {"env": None, "args": None, "clock": None, "rows": [], "summary": [], "notes": []}
 
 
@@ -59,17 +68,19 @@ def _args():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms of timed calls per measurement)")
     p.add_argument("--launch-timeout", type=float, default=90.0)
-    p.add_argument("--variant", type=int, default=3)
+    p.add_argument("--variant", type=int, default=3, help="d = 128 only (d = 256 runs its one kernel for any)")
+    p.add_argument("--dim", type=int, default=128, choices=(128, 256), help="head dim (H = 2048 / dim)")
     return p.parse_args()
 
 
-def cta_steps(S: int, B: int, Hkv: int, group: int, causal: bool) -> int:
-    """Query-block steps over all CTAs of ``_fa3_bwd_kernel_v1`` (Sq = Sk = S): per 128-key block n0 the CTA walks
-    query blocks m_lo .. n_m - 1 (causal: m_lo = n0 // 64) of each of the ``group`` query heads."""
+def cta_steps(S: int, B: int, Hkv: int, group: int, causal: bool, block_n: int = 128) -> int:
+    """Query-block steps over all CTAs of ``_fa3_bwd_kernel_v1`` (``block_n`` = 128) or ``_fa3_bwd_kernel_d256``
+    (``block_n`` = 64) with Sq = Sk = S: per key block n0 the CTA walks query blocks m_lo .. n_m - 1 (causal:
+    m_lo = n0 // 64) of each of the ``group`` query heads."""
     n_m = math.ceil(S / 64)
     total = 0
-    for nb in range(math.ceil(S / 128)):
-        m_lo = min(max(nb * 128, 0) // 64, n_m) if causal else 0
+    for nb in range(math.ceil(S / block_n)):
+        m_lo = min(max(nb * block_n, 0) // 64, n_m) if causal else 0
         total += (n_m - m_lo) * group
     return total * B * Hkv
 
@@ -119,8 +130,14 @@ def measure_clock(fn) -> dict:
     return res
 
 
-def _save(out):
-    save_state(out, NAME, STATE, "Gluon attention backward (d = 128, variant 3): timing-only ablations",
+def _out_name(dim: int) -> str:
+    return NAME if dim == 128 else f"{NAME}_d{dim}"
+
+
+def _save(out, dim: int = 128):
+    what = "variant 3" if dim == 128 else "_fa3_bwd_kernel_d256"
+    title = f"Gluon attention backward (d = {dim}, {what}): timing-only ablations"
+    save_state(out, _out_name(dim), STATE, title,
                [("Per ablation (median over rounds)", "summary"), ("Every measurement", "rows")])
 
 
@@ -143,8 +160,10 @@ def main():
         return 1
     masks = [int(x) for x in args.ablate.split(",") if x.strip()]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    STATE["notes"].append("ablate bits: " + "; ".join(f"{b}: {t}" for b, t in GB.ABLATE_BITS.items()))
-    D, H = 128, 16
+    D, H = args.dim, 2048 // args.dim
+    bits = GB.ABLATE_BITS_D256 if D == 256 else GB.ABLATE_BITS
+    block_n = GB.D256_BLOCK_N if D == 256 else GB.BLOCK_N
+    STATE["notes"].append("ablate bits: " + "; ".join(f"{b}: {t}" for b, t in bits.items()))
     shapes = [(int(S), c) for S in args.seqs.split(",") for c in (False, True)]
     times = {}  # (S, causal, mask) -> [ms per round]
     inputs = {}
@@ -178,13 +197,13 @@ def main():
                 ms = float(triton.testing.do_bench(fn, warmup=5, rep=args.rep_ms, return_mode="median"))
                 times.setdefault((S, causal, mask), []).append(ms)
                 STATE["rows"].append(dict(round=r, S=S, causal=causal, ablate=mask, ms=ms))
-                _save(args.out)
+                _save(args.out, D)
         print(f"round {r} done ({time.time() - t_start:.0f} s)", flush=True)
     arm_watchdog(120)
     for S, causal in shapes:
         B = 16384 // S
         flops = 10.0 * B * H * S * S * D * (0.5 if causal else 1.0)
-        steps = cta_steps(S, B, H, 1, causal)
+        steps = cta_steps(S, B, H, 1, causal, block_n)
         base = statistics.median(times[(S, causal, 0)]) if (S, causal, 0) in times else None
         base_cyc = base * 1e-3 * ghz * 1e9 * sms / steps if base else None
         for mask in masks:
@@ -196,14 +215,14 @@ def main():
                 tflops=flops / (ms * 1e-3) / 1e12, cycles_per_step=cyc,
                 saved_cycles=(base_cyc - cyc) if base_cyc else None,
                 saved_pct=100 * (base - ms) / base if base else None,
-                what="real kernel" if mask == 0 else " + ".join(GB.ABLATE_BITS[b] for b in GB.ABLATE_BITS if mask & b)))
+                what="real kernel" if mask == 0 else " + ".join(bits[b] for b in bits if mask & b)))
     STATE["notes"].append(f"clock {ghz:.3f} GHz ({STATE['clock']['source']}), {sms} SMs; cycles per CTA step = "
                           "time x clock x SMs / CTA steps (one CTA per SM; preprocess / convert included)")
     STATE["notes"].append(f"total {time.time() - t_start:.0f} s")
-    _save(args.out)
+    _save(args.out, D)
     print(markdown_table([{k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if k != "what"}
                           for row in STATE["summary"]]))
-    print(f"wrote {args.out}/{NAME}.json and .md ({time.time() - t_start:.0f} s)", flush=True)
+    print(f"wrote {args.out}/{_out_name(D)}.json and .md ({time.time() - t_start:.0f} s)", flush=True)
     return 0
 
 

@@ -5,7 +5,9 @@ GPU correctness test here: the GPU side is ``benchmarks/gluon_bwd_ablation.py`` 
 CPU: the gate (no ablation without ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``, only known bits, only the split-dQ kernel),
 ABLATE = 0 as every entry point's default, and the offline sm_90 builds (Triton's bundled ptxas; skipped without
 it): each bit builds without new spills, serialisation warnings or wgmma hazards, and removes exactly the
-instruction class it names from the step loops."""
+instruction class it names from the step loops. d = 256 (session 13): the same gate and bits for
+``_fa3_bwd_kernel_d256`` (any variant: every variant runs it), and its offline builds (bit 1 jumps over every
+REDG, bit 4 removes them with the dQ HGMMA, bit 8 the MUFU.EX2)."""
 import inspect
 
 import pytest
@@ -14,8 +16,8 @@ import torch
 GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
 
 
-def _cpu_inputs():
-    q, k, v, dout, out = (torch.randn(1, 2, 64, 128) for _ in range(5))
+def _cpu_inputs(d: int = 128):
+    q, k, v, dout, out = (torch.randn(1, 2, 64, d) for _ in range(5))
     return dout, q, k, v, out, torch.randn(1, 2, 64)
 
 
@@ -43,13 +45,36 @@ def test_ablate_gate(monkeypatch):
         GB.compile_offline(128, False, "bf16", variant=3, ablate=4)
 
 
+def test_ablate_gate_d256(monkeypatch):
+    """d = 256: the same gate and bits; every variant (the op runs the d = 256 kernel for all) takes a mask."""
+    monkeypatch.delenv(GB.ABLATE_ENV, raising=False)
+    for variant in (0, 3, 5):
+        with pytest.raises(ValueError, match="timing-only ablation, results are wrong"):
+            GB.gluon_attention_bwd(*_cpu_inputs(256), variant=variant, ablate=1)
+    with pytest.raises(ValueError, match="timing-only"):
+        GB.compile_offline(256, False, "bf16", ablate=1)
+    monkeypatch.setenv(GB.ABLATE_ENV, "1")
+    for bad in (32, -1, 1.0):
+        with pytest.raises(ValueError, match="bit mask"):
+            GB.gluon_attention_bwd(*_cpu_inputs(256), ablate=bad)
+    with pytest.raises(ValueError, match="split-dQ kernel"):   # d = 96: no kernel with an ablation
+        GB.gluon_attention_bwd(*_cpu_inputs(96), variant=3, ablate=1)
+    for variant in (0, 3, 5):
+        for mask in (0, 1, 31):  # passes the ablation check, fails later on the CPU inputs
+            with pytest.raises(ValueError) as e:
+                GB.gluon_attention_bwd(*_cpu_inputs(256), variant=variant, ablate=mask)
+            assert "ablation" not in str(e.value) and "bit mask" not in str(e.value), e.value
+            assert "CUDA" in str(e.value), e.value
+
+
 def test_ablate_default_is_the_real_kernel():
     """Every JIT function on the path takes ABLATE = 0 by default (what the op's launch binds: it never passes it),
     and the offline compile passes 0 explicitly (an offline compile does not bind defaults); the bits are the five
     of the brief."""
-    assert sorted(GB.ABLATE_BITS) == [1, 2, 4, 8, 16]
+    assert sorted(GB.ABLATE_BITS) == [1, 2, 4, 8, 16] == sorted(GB.ABLATE_BITS_D256)
     for f in (GB._fa3_bwd_kernel_v1, GB._bwd_consumer_v1_wg0, GB._bwd_consumer_v1_wg1, GB._bwd_consumer_v1,
-              GB._bwd_step_v1):
+              GB._bwd_step_v1, GB._fa3_bwd_kernel_d256, GB._bwd_consumer_d256_wg0, GB._bwd_consumer_d256_wg1,
+              GB._bwd_consumer_d256, GB._bwd_step_d256):
         fn = getattr(f, "fn", f)
         assert inspect.signature(fn).parameters["ABLATE"].default == 0, fn.__name__
     import fxopt.kernels.attention as A
@@ -134,3 +159,57 @@ print(json.dumps(rep))
                       "fence_membar", "syncs"):
                 if k in want:
                     assert c.get(k) == want.get(k), (mask, k, c.get(k), want.get(k))
+
+
+def test_ablation_offline_builds_d256():
+    """bf16, d = 256, non-causal: the real kernel and bits 1, 4, 8. Per step loop of each consumer warpgroup: the real
+    kernel has 44 HGMMA (32 m64n32k16 = S^T, dP^T; 12 m64n128k16 = dV, dK, dQ), 16 MUFU.EX2 and 32 REDG.F32x2; bit 1
+    keeps every HGMMA and REDG instruction but each REDG lies inside a short predicated forward branch (jumped over:
+    no reduction reaches memory); bit 4 drops the 4 dQ HGMMA and every REDG; bit 8 every MUFU.EX2 (the FFMA stays).
+    No stack, no local memory in the loops, no C75xx, no wgmma hazard."""
+    from fxopt.testing import offline_build_json
+
+    code = """
+import json, re
+import fxopt.kernels.attention_gluon_bwd as GB
+from fxopt.kernels.attention_gluon import _tool
+from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
+rep = {}
+for mask in (0, 1, 4, 8):
+    c = GB.compile_offline(256, False, "bf16", ablate=mask)
+    sass = sass_of(c)
+    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
+    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
+    ins = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)
+    spans = []
+    for a, t in ins:
+        m = re.match(r"@!?P\\d\\s+BRA\\s+(?:`\\(\\S+\\)\\s*)?(0x[0-9a-f]+)", t.strip())
+        if m and 0 < int(m.group(1), 16) - int(a, 16) <= 0x100:  # short hops (interleaved pairs here)
+            spans.append((int(a, 16), int(m.group(1), 16)))
+    skipped = sum(1 for a, t in ins if "REDG" in t and any(lo < int(a, 16) < hi for lo, hi in spans))
+    loops = [lp for lp in GB.sass_step_loops(sass) if lp["hgmma"]]
+    rep[mask] = dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)),
+                     c75=sorted(set(re.findall(r"C75\\d\\d", ptxas))), hazards=len(wgmma_sass_hazards(sass)),
+                     redg=len(re.findall(r"REDG", sass)), redg_skipped=skipped, loops=loops)
+print(json.dumps(rep))
+"""
+    rep = offline_build_json(code, FXOPT_ATTN_GLUON_BWD_ABLATE_OK="1")
+    base = rep["0"]
+    assert base["redg"] == 64 and base["redg_skipped"] == 0, (base["redg"], base["redg_skipped"])
+    assert rep["1"]["redg"] == 64 and rep["1"]["redg_skipped"] == 64, rep["1"]["redg_skipped"]
+    assert rep["4"]["redg"] == 0 and rep["8"]["redg"] == 64
+    for mask, r in rep.items():
+        assert not r["c75"] and r["hazards"] == 0 and r["stack"] == 0, (mask, r["c75"], r["hazards"], r["stack"])
+        assert len(r["loops"]) == 2, (mask, [lp["n"] for lp in r["loops"]])
+        for lp, lp0 in zip(r["loops"], base["loops"]):
+            c, c0 = lp["classes"], lp0["classes"]
+            assert not c.get("local"), (mask, c)
+            assert lp["hgmma"] == ({"64x32x16": 32, "64x128x16": 8} if mask == "4"
+                                   else {"64x32x16": 32, "64x128x16": 12}), (mask, lp["hgmma"])
+            assert c.get("redg", 0) == (0 if mask == "4" else 32), (mask, c.get("redg"))
+            assert c.get("mufu_ex2", 0) == (0 if mask == "8" else 16), (mask, c.get("mufu_ex2"))
+            assert c["ffma"] == c0["ffma"] and c["f2fp"] == c0["f2fp"], (mask, c, c0)
+            if mask == "1":
+                assert c["control"] >= c0["control"] + 16, (c["control"], c0["control"])  # the branches
+            elif mask != "0":
+                assert lp["n"] < lp0["n"], (mask, lp["n"], lp0["n"])

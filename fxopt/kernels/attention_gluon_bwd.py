@@ -338,6 +338,53 @@ FENCE), 4: 331 / 328 (16 SS + 8 RS HGMMA), 8: 373 / 359 (no MUFU; 8 B more stack
 (one TRYWAIT fewer), against 405 / 391; no C75xx, no wgmma hazard, no LDL / STL in any step loop. GPU timing:
 ``benchmarks/gluon_bwd_ablation.py``; notes: docs/notes_attention_bwd_issue_session10.md ("Session 11").
 
+Timing ablations at d = 256 (session 13; ``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``, RESULTS WRONG, timing only)
+------------------------------------------------------------------------------------------------------------------
+The same bits, gate (``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``) and host check (``_check_ablate``: at d = 256 any variant,
+since every variant runs this kernel), ``ABLATE_BITS_D256``: 1 = the 32 REDG.F32x2 per step and warpgroup predicated
+on the opaque zero (``_red_add_v2_off``; each REDG is jumped over, the dQ wgmma and its wait stay), 2 = no proxy fence
+after the P^T / dS^T stores, 4 = no dQ wgmma / wait / reductions, 8 = no exp2, 16 = no x_bar wait (the other
+warpgroup's P^T / dS^T halves; the arrives stay, nothing else waits on x_bar, so no deadlock). ABLATE = 0 builds
+(bf16 / fp16, causal or not) are SASS byte-identical to before, as are every other build of this module (variants
+0-5 at d = 128, 3 / 5 at d = 64, the d = 128 ablations). Offline census (bf16, ptxas 12.8 sm_90a; ``sass_step_loops``
+per step loop and warp, both warpgroups' copies; causal = masked / unmasked loop; per step and warpgroup 32
+m64n32k16 HGMMA (S^T, dP^T) + 12 m64n128k16 (dV 4, dK 4, dQ 4) unless noted; ``bwd_step_model`` with
+``tma_bytes_per_step`` = 2 x 64 x 256 x 2 + 512: tensor / smem / issue cycles per CTA step of 64 keys):
+
+      ABLATE  full loop n  causal loops n          HGMMA   MUFU.EX2  REDG.F32x2           max reg  tensor/smem/issue
+      0       403 / 397    453 / 404, 460 / 411    32+12   16        32                   R215     2560 / 3268 / 800
+      1       466 / 460    486 / 436, 494 / 444    32+12   16        32 jumped (+31 BRA)  R215     2560 / 3268 / 926
+      2       401 / 395    451 / 402, 458 / 409    32+12   16        32 (no MEMBAR/FENCE) R215     2560 / 3268 / 796
+      4       339 / 331    388 / 338, 380 / 330    32+8    16         0                   R189     2048 / 2884 / 670
+      8       387 / 381    437 / 388, 444 / 395    32+12    0        32                   R215     2560 / 3268 / 768
+      16      401 / 395    451 / 402, 458 / 409    32+12   16        32 (1 SYNCS fewer)   R215     2560 / 3268 / 796
+      17      463 / 457    483 / 433, 491 / 441    32+12   16        32 jumped            R215     2560 / 3268 / 920
+
+  (no stack, no C75xx, no wgmma hazard, no LDL / STL in any step loop; smem 230,880 / 230,896 B full / causal;
+  causal max reg R227 (1: R224, 4: R201). REDG / MUFU / HGMMA totals over the kernel: 64 / 32 / 88 full, 128 / 64 /
+  176 causal, bit 4: 0 REDG and 80 / 160 HGMMA, bit 8: 0 MUFU.) The model's per-step shared-memory port (3268
+  cycles: the 40 SS HGMMA read their A and B operands; 64 KB of Q / dO TMA writes) exceeds the tensor time (2560),
+  unlike d = 128 (2564 / 2560); at the measured 274-316 TFLOP/s a 64-key CTA step takes ~8,000-9,200 cycles (1.83
+  GHz), i.e. tensor ~28-32%, shared-memory port ~35-41%: latency-bound as at d = 128 (issue = both consumer
+  warps of a sub-partition). GPU timing: ``python benchmarks/gluon_bwd_ablation.py --dim 256 --out $OUT``.
+
+Design note, not built: a d = 256 dQ reducer-warp path (variant 5's ``DQW`` for this kernel; build it only if bit 1
+saves enough on the GPU: that saving bounds what the path can gain). Per step warpgroup w owns dQ[64 queries, 128 w ..
+128 w + 127] fp32 = 64 registers per thread and a 32 KB tile (both warpgroups: the CTA's whole [64, 256] block,
+64 KB; variant 5 at d = 128: 2 x 16 KB). Shared memory: K 32 + V 32 + 2 stages x (Q 32 + dO 32 + 0.5) + P^T 16 +
+dS^T 16 KB = 230,880 B of 232,448: ~1.5 KB free, so not even one [64, 64] fp32 chunk (16 KB) fits as the kernel
+stands. Ways to make room, none free: (a) STAGES 2 -> 1 frees 64.5 KB: room for one whole tile per warpgroup (NB = 1,
+64 KB) or for two [64, 64] chunks per warpgroup (NB = 2) with dQ issued as two N = 64 wgmma halves (32 registers
+each, the reducer draining one chunk while the other is written), at the cost of the Q / dO prefetch across steps
+(the producer could only refill after both warpgroups' dK / dV wait(0)); (b) alias the P^T buffer pt[p] (dead after
+the wait(0) that retires dV, until step it + 2 rewrites it): 8 KB per warpgroup = a [64, 32] fp32 chunk, i.e. four
+handoffs per step and warpgroup, each a dq_full / dq_empty round trip: serialises on the reducer; (c) a [32, 128]
+query-row half per handoff has the same 16 KB size problem. Reduction work: 64 KB per 64-key CTA step at ~8,500
+cycles (7.7 B/clk; variant 5 at d = 128: 32 KB per ~5,500, 6 B/clk), i.e. 128 ``red.global.add.v4.f32`` per step
+for one reducer warp (the tile stored chunk-transposed as at d = 128, ``attention_gluon_bwd_dqw``): one warp at the
+producer's 24 registers suffices, as at d = 128. Barriers: dq_full[b] (count 2) / dq_empty[b] (count 1) per buffer
+as variant 5; with NB = 1 the second warpgroup's store waits for the reducer to drain the previous step's tile.
+
 Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; the op's d = 128 route)
 ---------------------------------------------------------------------------------------------------------------------
 FA3's dQ path, built in session 11 as a separate kernel and folded into this one in session 12; the design note
@@ -450,6 +497,14 @@ ABLATE_BITS = {
     4: "dQ wgmma, its wait and its reductions",
     8: "exp2 (32 MUFU.EX2; P^T = the exponent, same FFMA)",
     16: "wait on ds_bar (the other warpgroup's dS^T publication; the arrives stay)",
+}
+# The same bits at d = 256 (``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``; session 13), per step and warpgroup:
+ABLATE_BITS_D256 = {
+    1: "dQ global reductions (32 REDG.F32x2; the dQ wgmma and its wait stay)",
+    2: "proxy fence after the P^T / dS^T stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)",
+    4: "dQ wgmma, its wait and its reductions",
+    8: "exp2 (16 MUFU.EX2; P^T = the exponent, same FFMA)",
+    16: "wait on x_bar (the other warpgroup's P^T / dS^T publication; the arrives stay)",
 }
 ABLATE_ENV = "FXOPT_ATTN_GLUON_BWD_ABLATE_OK"
 
@@ -1224,9 +1279,11 @@ def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                    ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr, qk_scale,
                    diag_off, STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
-                   acc_layout: gl.constexpr, op_layout: gl.constexpr):
+                   acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0):
     """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
-    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order."""
+    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order.
+    ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
+    ``ABLATE_BITS_D256`` and "Timing ablations at d = 256" in the module docstring."""
     dtype: gl.constexpr = q_smem.dtype
     OTHER: gl.constexpr = 1 - WG
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
@@ -1258,7 +1315,10 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
         keep = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos + diag_off, 0)
         st = gl.where(keep, st, float("-inf"))
     lse2 = lse_smem.index(s).slice(WG * 32, 32).load(col_layout)
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if (ABLATE & 8) != 0:  # bit 8 (timing only): no exp2 (no MUFU), P^T = the exponent (same FFMA, same data flow)
+        pt = st * qk_scale - gl.expand_dims(lse2, 0)
+    else:
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     p16 = pt.to(dtype)
     pt_smem.index(p).slice(WG * 32, 32, dim=1).store(p16)   # publish P^T_w (made visible below)
     # ---- dV_w += P^T_w dO[own queries, own columns]: register A operand, K = 32
@@ -1274,11 +1334,13 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
     # ---- publish dS^T_w: buffers of step it - 2 are free (x_bar argument as variant 1); store -> proxy fence ->
     # barrier of this warpgroup's 128 threads -> one arrive on x_bar[p] (count 2: one per warpgroup)
     ds_smem.index(p).slice(WG * 32, 32, dim=1).store(ds16)
-    fence_async_shared()
+    if (ABLATE & 2) == 0:  # bit 2 (timing only): no proxy fence (SASS MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)
+        fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(x_bar.index(p), count=1)
     # ---- the other warpgroup's P^T / dS^T halves: dV_w, dK_w over the other 32 queries (A from shared memory)
-    mbarrier.wait(x_bar.index(p), x_phase)
+    if (ABLATE & 16) == 0:  # bit 16 (timing only): no wait for the other warpgroup's halves (the arrives stay)
+        mbarrier.wait(x_bar.index(p), x_phase)
     dv = warpgroup_mma(pt_smem.index(p).slice(OTHER * 32, 32, dim=1), do_smem.index(qt + 2 * OTHER + WG), dv,
                        is_async=True)
     dk = warpgroup_mma(ds_smem.index(p).slice(OTHER * 32, 32, dim=1), q_smem.index(qt + 2 * OTHER + WG), dk,
@@ -1288,13 +1350,18 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
     mbarrier.arrive(q_empty.index(s), count=1)    # Q and dO of slot s: last read by this warpgroup
     mbarrier.arrive(do_empty.index(s), count=1)
     # ---- dQ[:, own columns] = dS K[:, own columns]: A = (dS^T)^T (transposed view of both halves), K = 64 keys
-    dq = warpgroup_mma(ds_smem.index(p).permute((1, 0)), k_smem.index(WG + zero),
-                       gl.zeros([64, 128], gl.float32, acc_layout), use_acc=False, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    # ---- 64 x 128 fp32 -> workspace [.., SQ_PAD, 256], 2 floats per red (32 REDG.F32x2 per thread)
-    rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-    cols = WG * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, acc_layout))
-    _red_add_v2(dq_row_ptr + gl.expand_dims(rows * 256, 1) + gl.expand_dims(cols, 0), dq)
+    if (ABLATE & 4) == 0:  # bit 4 (timing only): no dQ wgmma, no wait, no reductions
+        dq = warpgroup_mma(ds_smem.index(p).permute((1, 0)), k_smem.index(WG + zero),
+                           gl.zeros([64, 128], gl.float32, acc_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+        # ---- 64 x 128 fp32 -> workspace [.., SQ_PAD, 256], 2 floats per red (32 REDG.F32x2 per thread)
+        rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        cols = WG * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, acc_layout))
+        if (ABLATE & 1) == 0:
+            _red_add_v2(dq_row_ptr + gl.expand_dims(rows * 256, 1) + gl.expand_dims(cols, 0), dq)
+        else:  # bit 1 (timing only): the dQ wgmma and its wait stay, the reductions are predicated off (opaque 0)
+            _red_add_v2_off(dq_row_ptr + gl.expand_dims(rows * 256, 1) + gl.expand_dims(cols, 0), dq,
+                            gl.zeros([64, 128], gl.int32, acc_layout) + zero)
     return dk, dv
 
 
@@ -1302,7 +1369,7 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
 def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES: gl.constexpr):
+                       dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
@@ -1321,12 +1388,12 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
         for mb in range(m_lo, m_full):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
-                                    qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout)
+                                    qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout, ABLATE)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
-                                    qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout)
+                                    qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout, ABLATE)
             it += 1
 
     # ---- epilogue: both warpgroups read all of K / V (S^T, dP^T) until their last step; meet on end_bar (count 2,
@@ -1348,29 +1415,29 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
 def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                           dk_desc, dv_desc, STAGES: gl.constexpr):
+                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
     _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES)
+                       dk_desc, dv_desc, STAGES, ABLATE)
 
 
 @gluon.jit
 def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                           dk_desc, dv_desc, STAGES: gl.constexpr):
+                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
     _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES)
+                       dk_desc, dv_desc, STAGES, ABLATE)
 
 
 @gluon.jit
 def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
                          qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)  # causal: low key blocks see the most query blocks and run first
     bhk = gl.program_id(1)
@@ -1423,11 +1490,11 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
         (_bwd_consumer_d256_wg0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                                   b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                  dk_desc, dv_desc, STAGES)),
+                                  dk_desc, dv_desc, STAGES, ABLATE)),
         (_bwd_consumer_d256_wg1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                                   b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                  dk_desc, dv_desc, STAGES)),
+                                  dk_desc, dv_desc, STAGES, ABLATE)),
         (_bwd_producer_d256, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -1513,7 +1580,8 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
 def _check_ablate(ablate, variant: int, head_dim) -> int:
     """``ablate`` of ``gluon_attention_bwd`` / ``compile_offline`` as an int; 0 passes always. Anything else is a
     timing-only build with wrong results: only with ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``, only bits of
-    ``ABLATE_BITS``, only for the split-dQ kernel with its REDG dQ path (variants 1-4 at d in ``_VARIANT_DIMS``)."""
+    ``ABLATE_BITS`` (``ABLATE_BITS_D256``: the same bits), only for a kernel with a REDG dQ path: the split-dQ kernel
+    (variants 1-4 at d in ``_VARIANT_DIMS``) or the d = 256 kernel (any variant: every variant runs it)."""
     import os
 
     if ablate is None or ablate == 0:
@@ -1523,9 +1591,11 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
                          f"(set {ABLATE_ENV}=1 to run it anyway)")
     if not isinstance(ablate, int) or ablate < 0 or ablate & ~sum(ABLATE_BITS):
         raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
+    if head_dim == 256:  # _fa3_bwd_kernel_d256 whatever the variant
+        return int(ablate)
     if variant in (0, DQW_VARIANT) or (head_dim is not None and head_dim not in _VARIANT_DIMS):
-        raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}), "
-                         f"got variant {variant}, d = {head_dim}")
+        raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}) "
+                         f"or the d = 256 kernel, got variant {variant}, d = {head_dim}")
     return int(ablate)
 
 
@@ -1561,7 +1631,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).
 
     ``ablate`` (TIMING ONLY, the results are wrong): a bit mask of ``ABLATE_BITS`` for the split-dQ kernel
-    (variants 1-4, d = 64 / 128); refused unless the environment has ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``."""
+    (variants 1-4, d = 64 / 128) or the d = 256 kernel (any variant; ``ABLATE_BITS_D256``); refused unless the
+    environment has ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``."""
     head_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else None
     _check_variant(variant, head_dim)
     ablate = _check_ablate(ablate, variant, head_dim)
@@ -1593,7 +1664,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             _desc(dout, D256_QROWS, D256_HALF), _desc(dk, D256_BLOCK_N, D256_HALF), _desc(dv, D256_BLOCK_N, D256_HALF),
             _vec_desc(lse2), _vec_desc(delta), dq_acc, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
             STAGES=cfg["STAGES"], CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
-            PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+            PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+            **({"ABLATE": ablate} if ablate else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK, num_warps=pre_warps)
         return dq, dk, dv
@@ -1645,7 +1717,7 @@ def _signature(dtype_str: str, D: int):
                 "dk_desc": td(D256_BLOCK_N, D256_HALF), "dv_desc": td(D256_BLOCK_N, D256_HALF), "lse_desc": vd,
                 "delta_desc": vd, "dq_ptr": "*fp32", "qk_scale": "fp32", "H": "i32", "GROUP": "i32",
                 "SEQ_Q": "i32", "SEQ_K": "i32", "SQ_PAD": "i32", "STAGES": "constexpr", "CAUSAL": "constexpr",
-                "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
+                "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr", "ABLATE": "constexpr"}
     return {"q_desc": td(BLOCK_M), "k_desc": td(WG_KEYS), "v_desc": td(WG_KEYS), "do_desc": td(BLOCK_M),
             "dk_desc": td(WG_KEYS), "dv_desc": td(WG_KEYS), "lse_desc": vd, "delta_desc": vd, "dq_ptr": "*fp32",
             "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "SQ_PAD": "i32",
@@ -1659,8 +1731,9 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     turns, 5: 3 + dQ through shared memory (DQW, D = 64 / 128); D = 256: the d = 256
     kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel. ``ablate``: the
     ``ABLATE`` constexpr of the split-dQ kernel (0 = the real kernel; other masks are timing-only builds, gated
-    like ``gluon_attention_bwd``'s). The split-dQ kernel always gets TURNS, ABLATE, DQW, NB and REDUCER_WARPS
-    explicitly here: an offline compile does not apply a constexpr's default (it would be None)."""
+    like ``gluon_attention_bwd``'s; at D = 256 the d = 256 kernel's ``ABLATE``). The split-dQ kernel always gets
+    TURNS, ABLATE, DQW, NB and REDUCER_WARPS explicitly here, the d = 256 kernel ABLATE: an offline compile does not
+    apply a constexpr's default (it would be None)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1669,8 +1742,9 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D)
-    if D == 256:  # one kernel for every variant
+    if D == 256:  # one kernel for every variant; ABLATE explicit (an offline compile binds no defaults)
         constexprs.pop("HEAD_DIM")
+        constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
         src = GluonASTSource(_fa3_bwd_kernel_d256, signature=sig, constexprs=constexprs)
         return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
