@@ -123,6 +123,57 @@ def attention_bwd_reference64(q, k, v, dout, causal: bool, scale: float):
 
 # Gluon forward GPU tests (persistent3, mma_rowsum): random q / k / v made on the CPU generator, moved to CUDA, and the
 # error bound of tests/test_attention_kernels.py's _tol (times max(1, max |reference|)).
+# The Gluon backward's GPU cases (B, Hq, Hkv, Sq, Sk, causal, dtype) and tolerance (times 2 for gradients, scaled by
+# max(1, max |reference|)), shared by the tests of its variants.
+GLUON_BWD_TOL = {torch.bfloat16: 2.5e-2, torch.float16: 3e-3}
+GLUON_BWD_CASES = {
+    "S200_nc_bf16": (2, 2, 2, 200, 200, False, torch.bfloat16),
+    "S200_c_fp16": (2, 2, 2, 200, 200, True, torch.float16),
+    "S2048_nc_bf16": (1, 4, 4, 2048, 2048, False, torch.bfloat16),
+    "S2048_c_bf16": (1, 4, 4, 2048, 2048, True, torch.bfloat16),
+    "S4096_c_bf16_gqa4:2": (1, 4, 2, 4096, 4096, True, torch.bfloat16),
+    "gqa8:1_S333_nc_fp16": (1, 8, 1, 333, 333, False, torch.float16),
+    "ragged_S2100_c_gqa4:2": (1, 4, 2, 2100, 2100, True, torch.bfloat16),
+    "causal_Sq100_Sk300": (1, 2, 2, 100, 300, True, torch.bfloat16),
+    "causal_Sq300_Sk100_empty_rows": (1, 2, 2, 300, 100, True, torch.float16),
+    "Sq1_Sk50": (2, 2, 2, 1, 50, False, torch.bfloat16),
+    "S64_c": (1, 2, 2, 64, 64, True, torch.bfloat16),
+}
+
+
+def assert_gluon_bwd_variant(run, case, head_dim: int, tag=""):
+    """A Gluon backward build ``run(dout, q, k, v, out, lse, causal=) -> (dq, dk, dv)`` on ``case`` (an entry of
+    ``GLUON_BWD_CASES``) against variant 3 and the float64 backward: dK / dV bit-identical to variant 3 (the builds
+    checked with it keep variant 3's per-warpgroup arithmetic), dq / dk / dv within ``GLUON_BWD_TOL`` of float64
+    (shape, dtype, contiguous, no NaN), dQ within the same bound of variant 3's (both add fp32 partials in a
+    run-dependent order), and exactly zero dq on rows with no visible key."""
+    import math
+
+    from fxopt.kernels.attention_gluon_bwd import gluon_attention_bwd
+
+    B, Hq, Hkv, Sq, Sk, causal, dtype = case
+    gen = torch.Generator(device="cuda").manual_seed(4321)
+    q, dout = (torch.randn(B, Hq, Sq, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Sk, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    out, lse, rdq, rdk, rdv, empty = attention_bwd_reference64(q, k, v, dout, causal, 1.0 / math.sqrt(head_dim))
+    out, lse = out.to(dtype), lse.float()
+    dq3, dk3, dv3 = gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
+    dq, dk, dv = run(dout, q, k, v, out, lse, causal=causal)
+    torch.cuda.synchronize()
+    assert torch.equal(dk, dk3) and torch.equal(dv, dv3), tag
+    tol = GLUON_BWD_TOL[dtype]
+    for got, want, t in ((dq, rdq, q), (dk, rdk, k), (dv, rdv, v)):
+        assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()
+        assert not torch.isnan(got).any()
+        lim = tol * 2 * max(1.0, want.abs().max().item())
+        err = (got.double() - want).abs().max().item()
+        assert err <= lim, (tag, err, lim)
+    lim = tol * 2 * max(1.0, rdq.abs().max().item())
+    assert (dq.double() - dq3.double()).abs().max().item() <= lim, tag
+    if empty.any():  # rows with no visible key get exactly zero dq
+        assert (dq[empty.unsqueeze(-1).expand_as(dq)] == 0).all()
+
+
 GLUON_FWD_TOL = {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 GLUON_FWD_CASES = {  # name: ((B, Hq, Hkv, Sq, Sk), causal)
     "ragged_1000": ((1, 2, 2, 1000, 1000), False),

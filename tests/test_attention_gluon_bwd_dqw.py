@@ -8,12 +8,11 @@ the same buffers and phases), the host checks (variant 5 at d = 64 / 128, refusa
 ablations), one offline sm_90 build per head dim (skipped without Triton's bundled ptxas / cuobjdump) with its
 per-step census and cycle model. GPU (``-m gpu``, sm_90 only): against the float64 backward on the cases of
 tests/test_attention_gluon_bwd_v4.py at d = 128 and d = 64, and dK / dV bit-identical to variant 3."""
-import math
 
 import pytest
 import torch
 
-from fxopt.testing import attention_bwd_reference64
+from fxopt.testing import GLUON_BWD_CASES, assert_gluon_bwd_variant
 
 DQW = pytest.importorskip("fxopt.kernels.attention_gluon_bwd_dqw")
 GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
@@ -173,22 +172,7 @@ print(json.dumps(dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)), smem=
 # GPU: against the float64 backward and variant 3
 # ----------------------------------------------------------------------------------------------------------------
 
-TOL = {torch.bfloat16: 2.5e-2, torch.float16: 3e-3}  # tests/test_attention_gluon_bwd_v4.py
-
-GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk, causal, dtype): the cases of tests/test_attention_gluon_bwd_v4.py
-    "S200_nc_bf16": (2, 2, 2, 200, 200, False, torch.bfloat16),
-    "S200_c_fp16": (2, 2, 2, 200, 200, True, torch.float16),
-    "S2048_nc_bf16": (1, 4, 4, 2048, 2048, False, torch.bfloat16),
-    "S2048_c_bf16": (1, 4, 4, 2048, 2048, True, torch.bfloat16),
-    "S2048_nc_fp16": (1, 4, 4, 2048, 2048, False, torch.float16),
-    "S4096_c_bf16_gqa4:2": (1, 4, 2, 4096, 4096, True, torch.bfloat16),
-    "gqa8:1_S333_nc_fp16": (1, 8, 1, 333, 333, False, torch.float16),
-    "ragged_S2100_c_gqa4:2": (1, 4, 2, 2100, 2100, True, torch.bfloat16),
-    "causal_Sq100_Sk300": (1, 2, 2, 100, 300, True, torch.bfloat16),
-    "causal_Sq300_Sk100_empty_rows": (1, 2, 2, 300, 100, True, torch.float16),
-    "Sq1_Sk50": (2, 2, 2, 1, 50, False, torch.bfloat16),
-    "S64_c": (1, 2, 2, 64, 64, True, torch.bfloat16),
-}
+GPU_CASES = {**GLUON_BWD_CASES, "S2048_nc_fp16": (1, 4, 4, 2048, 2048, False, torch.float16)}
 
 
 @pytest.mark.gpu
@@ -202,24 +186,4 @@ def test_gpu_dqw_matches_float64_and_v3(name, head_dim):
         pytest.skip(DQW._GLUON_IMPORT_ERROR)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs sm_90")
-    B, Hq, Hkv, Sq, Sk, causal, dtype = GPU_CASES[name]
-    gen = torch.Generator(device="cuda").manual_seed(4321)
-    q, dout = (torch.randn(B, Hq, Sq, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, Sk, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    scale = 1.0 / math.sqrt(head_dim)
-    out, lse, rdq, rdk, rdv, empty = attention_bwd_reference64(q, k, v, dout, causal, scale)
-    out, lse = out.to(dtype), lse.float()
-    dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
-    dq, dk, dv = DQW.gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=causal)
-    torch.cuda.synchronize()
-    assert torch.equal(dk, dk3) and torch.equal(dv, dv3), (name, head_dim)
-    for got, want, t in ((dq, rdq, q), (dk, rdk, k), (dv, rdv, v)):
-        assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()
-        assert not torch.isnan(got).any()
-        lim = TOL[dtype] * 2 * max(1.0, want.abs().max().item())
-        err = (got.double() - want).abs().max().item()
-        assert err <= lim, (name, head_dim, err, lim)
-    lim = TOL[dtype] * 2 * max(1.0, rdq.abs().max().item())
-    assert (dq.double() - dq3.double()).abs().max().item() <= lim, (name, head_dim)
-    if empty.any():  # rows with no visible key get exactly zero dq
-        assert (dq[empty.unsqueeze(-1).expand_as(dq)] == 0).all()
+    assert_gluon_bwd_variant(DQW.gluon_attention_bwd_dqw, GPU_CASES[name], head_dim, (name, head_dim))

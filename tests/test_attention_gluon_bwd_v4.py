@@ -5,12 +5,11 @@ CPU: the CPU model of the protocol (random interleavings) and its mutation check
 (Triton's bundled ptxas, no GPU; skipped without it): variant 4 as variant 3 plus exactly the turn instructions, and
 variant 3 unchanged. GPU (``-m gpu``, sm_90 only): dK / dV bit-identical to variant 3, dQ against the float64
 backward (its fp32 atomics make it run-to-run non-deterministic in the last bits, in variant 3 as well)."""
-import math
 
 import pytest
 import torch
 
-from fxopt.testing import attention_bwd_reference64
+from fxopt.testing import GLUON_BWD_CASES, assert_gluon_bwd_variant
 
 GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
 
@@ -119,25 +118,8 @@ print(json.dumps(rep))
 # GPU: variant 4 against variant 3 and the float64 backward
 # ----------------------------------------------------------------------------------------------------------------
 
-TOL = {torch.bfloat16: 2.5e-2, torch.float16: 3e-3}  # tests/test_attention_kernels.py, times 2 for gradients
-
-GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk, causal, dtype)
-    "S200_nc_bf16": (2, 2, 2, 200, 200, False, torch.bfloat16),
-    "S200_c_fp16": (2, 2, 2, 200, 200, True, torch.float16),
-    "S2048_nc_bf16": (1, 4, 4, 2048, 2048, False, torch.bfloat16),
-    "S2048_c_bf16": (1, 4, 4, 2048, 2048, True, torch.bfloat16),
-    "S4096_c_bf16_gqa4:2": (1, 4, 2, 4096, 4096, True, torch.bfloat16),
-    "gqa8:1_S333_nc_fp16": (1, 8, 1, 333, 333, False, torch.float16),
-    "ragged_S2100_c_gqa4:2": (1, 4, 2, 2100, 2100, True, torch.bfloat16),
-    "causal_Sq100_Sk300": (1, 2, 2, 100, 300, True, torch.bfloat16),
-    "causal_Sq300_Sk100_empty_rows": (1, 2, 2, 300, 100, True, torch.float16),
-    "Sq1_Sk50": (2, 2, 2, 1, 50, False, torch.bfloat16),
-    "S64_c": (1, 2, 2, 64, 64, True, torch.bfloat16),
-}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", list(GLUON_BWD_CASES))
 def test_gpu_v4_matches_v3_and_float64(name):
     """dK / dV: bit-identical to variant 3 (only the wgmma issue order between the warpgroups changes; each
     warpgroup's dK_w / dV_w is accumulated in its registers in the same order). dQ: both variants' fp32 atomics
@@ -147,24 +129,5 @@ def test_gpu_v4_matches_v3_and_float64(name):
         pytest.skip(GB._GLUON_IMPORT_ERROR)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs sm_90")
-    B, Hq, Hkv, Sq, Sk, causal, dtype = GPU_CASES[name]
-    gen = torch.Generator(device="cuda").manual_seed(4321)
-    q, dout = (torch.randn(B, Hq, Sq, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, Sk, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    scale = 1.0 / math.sqrt(128)
-    out, lse, rdq, rdk, rdv, empty = attention_bwd_reference64(q, k, v, dout, causal, scale)
-    out, lse = out.to(dtype), lse.float()
-    dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
-    dq4, dk4, dv4 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=4)
-    torch.cuda.synchronize()
-    assert torch.equal(dk4, dk3) and torch.equal(dv4, dv3), name
-    for got, want, t in ((dq4, rdq, q), (dk4, rdk, k), (dv4, rdv, v)):
-        assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()
-        assert not torch.isnan(got).any()
-        lim = TOL[dtype] * 2 * max(1.0, want.abs().max().item())
-        err = (got.double() - want).abs().max().item()
-        assert err <= lim, (name, err, lim)
-    lim = TOL[dtype] * 2 * max(1.0, rdq.abs().max().item())
-    assert (dq4.double() - dq3.double()).abs().max().item() <= lim, name
-    if empty.any():  # rows with no visible key get exactly zero dq
-        assert (dq4[empty.unsqueeze(-1).expand_as(dq4)] == 0).all()
+    assert_gluon_bwd_variant(lambda *a, **kw: GB.gluon_attention_bwd(*a, variant=4, **kw), GLUON_BWD_CASES[name],
+                             128, name)

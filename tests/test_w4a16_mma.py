@@ -368,6 +368,23 @@ def test_offline_sm90_l2_prefetch_m16():
 
 
 # ------------------------------------------------------------------------------------------------ GPU
+def _assert_configs_match(x, packed, group_size, bias, cfgs, repeats):
+    """Every config, without and with bias, ``repeats`` launches each (split-K workspace reuse): dtype, shape and
+    the float64 dequantized reference; afterwards the split-K workspace and counters are back at zero."""
+    qweight, scales, zeros, G = packed
+    M, N = x.shape[0], bias.shape[0]
+    for cfg in cfgs:
+        for b in (None, bias):
+            ref = reference(x, qweight, scales, zeros, G, b)
+            for _ in range(repeats):
+                y = KM.w4a16_mma(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
+                assert y.dtype == x.dtype and y.shape == (M, N)
+                assert_close_to_ref(y, ref, x.dtype)
+    torch.cuda.synchronize()
+    assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
+    assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+
+
 def _gpu_mma_or_skip():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs a CUDA device of compute capability >= 8.0")
@@ -398,16 +415,7 @@ def test_gpu_mma_matches_reference(dtype, group_size):
         cfgs.append(KM.MmaConfig(split_k=1))
         if M > 8:
             cfgs.append(KM.MmaConfig(cols_per_warp=64, warps=2, split_k=1))
-        for cfg in cfgs:
-            for b in (None, bias):
-                ref = reference(x, qweight, scales, zeros, G, b)
-                for _ in range(3):
-                    y = KM.w4a16_mma(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
-                    assert y.dtype == dtype and y.shape == (M, N)
-                    assert_close_to_ref(y, ref, dtype)
-        torch.cuda.synchronize()
-        assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
-        assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+        _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=3)
 
 
 @pytest.mark.gpu
@@ -482,16 +490,6 @@ def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
             x = torch.randn(M, K, generator=gen).to(dtype).cuda()
             bias = torch.randn(N, generator=gen).to(dtype).cuda()
             tiles = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
-            for cpw, warps, prefetch, pdl, l2 in tiles:
-                for sk in (0, 1, 3):
-                    cfg = KM.MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2,
-                                       split_k=sk)
-                    for b in (None, bias):
-                        ref = reference(x, qweight, scales, zeros, G, b)
-                        for _ in range(2):
-                            y = KM.w4a16_mma(x, qweight, scales, zeros, group_size, bias=b, config=cfg)
-                            assert y.dtype == dtype and y.shape == (M, N)
-                            assert_close_to_ref(y, ref, dtype)
-            torch.cuda.synchronize()
-            assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
-            assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+            cfgs = [KM.MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2, split_k=sk)
+                    for cpw, warps, prefetch, pdl, l2 in tiles for sk in (0, 1, 3)]
+            _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=2)

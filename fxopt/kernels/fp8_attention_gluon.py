@@ -1689,6 +1689,13 @@ def _k_desc(kq: torch.Tensor, block_n: int, permute_k: bool):
     return _desc(kq, _k_block(block_n, D, True), shape=[rows // 16, 2, 4, 2, D], strides=[16 * D, 2 * D, 4 * D, D, 1])
 
 
+def _refuse_failed_builds(mma_rowsum: bool) -> None:
+    """ValueError for a build that failed its H200 check (``MMA_ROWSUM_FAILED``) unless $FXOPT_FP8_GLUON_UNCHECKED=1."""
+    if mma_rowsum and os.environ.get(UNCHECKED_ENV, "0") != "1":
+        raise ValueError(f"fp8_gluon_attention: mma_rowsum {MMA_ROWSUM_FAILED}; set {UNCHECKED_ENV}=1 to run it "
+                         "anyway (debugging / timing only)")
+
+
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
                                   is_causal=False, scale=None, out=None, return_lse=False, lse=None,
                                   permute_k: Optional[bool] = None, cast_late: Optional[bool] = None,
@@ -1716,9 +1723,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, pers)
     if combo is not None:
         raise ValueError(f"fp8_gluon_attention: {combo}")
-    if mr and os.environ.get(UNCHECKED_ENV, "0") != "1":
-        raise ValueError(f"fp8_gluon_attention: mma_rowsum {MMA_ROWSUM_FAILED}; set {UNCHECKED_ENV}=1 to run it "
-                         "anyway (debugging / timing only)")
+    _refuse_failed_builds(mr)
     ab = resolve_ablate(ablate, overlap=overlap, pingpong=pingpong, poly_exp=pe, persistent=pers, mma_rowsum=mr,
                         lazy_rescale=lz, cast_late=cast_late)
     pcfg = persistent_config_for(D, stages) if pers and D in _CONFIGS else None
@@ -1812,6 +1817,7 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     combo = _rowsum_combo_reason(mr, lz, overlap, pingpong, pe, pers)
     if combo is not None:
         raise ValueError(f"fp8_gluon_attention: {combo}")
+    _refuse_failed_builds(mr)  # before quantizing
     resolve_ablate(ablate, overlap=overlap, pingpong=pingpong, poly_exp=pe, persistent=pers, mma_rowsum=mr,
                    lazy_rescale=lz, cast_late=cast_late)
     _fp8._check_attn_inputs(q, k, v, scale)
