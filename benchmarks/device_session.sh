@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -358,6 +358,28 @@ phase_s12e() {
   # if bit 1 saves a large share of the step)
   timeout 280 env FXOPT_ATTN_AUTOTUNE=0 python3 benchmarks/gluon_bwd_ablation.py --dim 256 --out "$RES" 2>&1 \
     | grep -v Warn | tail -16
+}
+
+phase_s12f() {
+  # session 12: s12a found variant 5 failing to compile at run time (GROUP = 1 arrives as a constexpr; the op fell
+  # back to the Triton backward, so the d = 128 table measured Triton). After the fix: the route test, the dqw GPU
+  # tests (d = 64 and 128), the d = 128 table again, and the d = 64 op A/B (Gluon variant 5 against Triton)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernels.py -k "gpu_gluon_backward_route" \
+    2>&1 | tail -3
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_attention_gluon_bwd_dqw.py 2>&1 | tail -3
+  timeout 170 python3 benchmarks/attention.py --shapes 128x512,128x1024,128x2048,128x4096,128x8192,128x16384 \
+    --tag d128_s12 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -13
+  timeout 130 env FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256 FXOPT_ATTN_GLUON_BWD_DQW_DIMS=64,128 python3 benchmarks/attention.py \
+    --shapes 64x2048,64x4096,64x16384 --tag d64dqw --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -7
+}
+
+phase_s12g() {
+  # session 12, last call: the op's backward route test at d = 128 and 64 (variant 5 at both since the fix; first
+  # config of each Triton tuner), then the d = 64 table with d = 64 routed to variant 5 from S = 4096
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_attention_kernels.py \
+    -k "gpu_gluon_backward_route" 2>&1 | tail -3
+  timeout 170 python3 benchmarks/attention.py --shapes 64x512,64x1024,64x2048,64x4096,64x8192,64x16384 \
+    --tag d64_s12 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -13
 }
 
 phase_largem() {

@@ -168,6 +168,27 @@ print(json.dumps(dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)), smem=
         assert m["issue_share"] < 0.25 and m["smem_share"] < 0.6, m
 
 
+def test_dqw_builds_with_the_launchers_constexpr_ones():
+    """At run time Triton's launcher turns an int argument equal to 1 into the constexpr 1; GROUP = 1 (no GQA) and
+    H = 1 are the common case. Session 12's H200 run found variant 5 failing to compile there ('int' object has no
+    attribute '_flatten_ir': a partition list built with "+" unwrapped the constexpr), while its offline builds,
+    all-i32, passed. Variant 5 builds at d = 64 and 128 with H and GROUP as constexpr 1, and with GROUP alone."""
+    from fxopt.testing import offline_build_json
+
+    code = """
+import json
+import fxopt.kernels.attention_gluon_bwd as GB
+names = []
+for d, causal, ones in ((128, False, ("H", "GROUP")), (64, True, ("GROUP",))):
+    c = GB.compile_offline(d, causal, "bf16", variant=5, ones=ones)
+    names.append(c.metadata.name)
+print(json.dumps(dict(names=names)))
+"""
+    assert offline_build_json(code)["names"] == ["_fa3_bwd_kernel_v1"] * 2
+    with pytest.raises(ValueError, match="not an i32 argument"):
+        GB.compile_offline(128, False, "bf16", variant=5, ones=("HEAD_DIM",))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: against the float64 backward and variant 3
 # ----------------------------------------------------------------------------------------------------------------

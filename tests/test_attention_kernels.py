@@ -681,11 +681,18 @@ def test_gluon_bwd_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", [n for n in GLUON_CASES if not GLUON_CASES[n][2]])
-def test_gpu_gluon_backward_route(name, dtype, monkeypatch):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_gluon_backward_route(name, dtype, head_dim, monkeypatch):
+    """The op's backward at d = 128 and 64 (variant 5, the dQ reducer warp, at both since session 12): routed above
+    the length floor, correct against float64 and not fallen back (session 12 found the routed build failing to
+    compile at run time, silently replaced by the Triton backward)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is routed on sm_90 only")
+    if head_dim not in A._GLUON_BWD_HEAD_DIMS:
+        pytest.skip(f"d = {head_dim} not routed (FXOPT_ATTN_GLUON_BWD_DIMS)")
+    monkeypatch.setattr(A, "_GLUON_BWD_MIN_SEQ_BY_DIM", {})
     (B, Hq, Hkv, Sq, Sk), causal, _ = GLUON_CASES[name]
-    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, 128, dtype, "cuda")
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, head_dim, dtype, "cuda")
     out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
     do = torch.randn_like(out)
     # short sequences stay on the Triton backward (measured faster there); lift the floor to test the kernel

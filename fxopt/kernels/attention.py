@@ -1207,8 +1207,11 @@ _GLUON_BWD_FAILED: set = set()
 # backward (d = 256, S = 2k / 2k causal / 8k / 8k causal; benchmarks/results/attention_d256gluonbwd.md).
 # d = 64 (split-dQ variant 3) passed its GPU test but lost to the Triton backward through the op at 5 of 6 rows
 # (fwd+bwd 358 / 261 / 372 / 344 / 393 / 390 against 368 / 281 / 392 / 349 / 398 / 377, S = 2k / 4k / 16k,
-# benchmarks/results/attention_d64gluonbwd.md), so it stays opt-in: FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256.
-_GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "128,256").split(",")
+# benchmarks/results/attention_d64gluonbwd.md). With the dQ reducer warp (variant 5, below) it wins from S = 4096
+# (session 12, benchmarks/results/attention_d64dqw.md, fwd+bwd through the op): 399 / 363 / 428 / 417 against the
+# Triton backward's 385 / 351 / 402 / 382 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal, = 0.906 / 0.913 / 0.948 /
+# 0.953x cuDNN; at 2048 382 / 255 against 372 / 282 (causal lost), hence d = 64's floor of 4096.
+_GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "64,128,256").split(",")
                              if d.strip())
 # Per head dim. d = 128: variant 3 (GPU-checked, session 8; variant 4's named-barrier turns were correct but 1-2%
 # slower, session 10). d = 64: the split-dQ variant 3 (FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel
@@ -1219,10 +1222,12 @@ _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64",
 # (benchmarks/results/gluon_bwd_ablation.md), and dqw was correct on 4 / 4 check cases and 12 GPU tests (dK / dV
 # bit-identical to variant 3) and 1.05-1.07x faster: 467 / 421 / 482 / 483 against 443 / 394 / 449 / 452 TFLOP/s
 # (S = 4k / 4k causal / 16k / 16k causal; benchmarks/results/gluon/gluon_bwd_dqw_check.md).
-# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3. d = 64 builds too (offline, session 11) but is not GPU-checked:
-# FXOPT_ATTN_GLUON_BWD_DQW_DIMS=64,128 (read once, at import) together with FXOPT_ATTN_GLUON_BWD_DIMS=64,128,256
-# runs it through the op for an A/B.
-_GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW_DIMS", "128").split(",")
+# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3. d = 64 since session 12 (built offline in session 11; 24 GPU
+# tests at d = 64 / 128 passed, session 12). FXOPT_ATTN_GLUON_BWD_DQW_DIMS (read once, at import) picks the dims.
+# Session 12 also found the folded kernel (session 11's fold of the dqw module into _fa3_bwd_kernel_v1) failing to
+# compile at run time, where GROUP = 1 arrives as a constexpr; the op had fallen back to the Triton backward until the
+# fix (tests/test_attention_gluon_bwd_dqw.py builds it with those constexpr ones offline).
+_GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW_DIMS", "64,128").split(",")
                             if d.strip())
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
 # (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
@@ -1230,8 +1235,8 @@ _GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD
 _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # d = 256 from S = 1024: there the Triton backward is the weak one (kernel check, session 10: 274 / 226 TFLOP/s for the
 # Gluon d = 256 kernel against 136 / 114 at S = 1024, non-causal / causal; the 18 GPU cases include S = 1024).
-# An explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim.
-_GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {256: 1024}
+# d = 64 from S = 4096 (above). An explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim.
+_GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {256: 1024, 64: 4096}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,

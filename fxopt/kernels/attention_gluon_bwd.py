@@ -385,13 +385,13 @@ for one reducer warp (the tile stored chunk-transposed as at d = 128, ``attentio
 producer's 24 registers suffices, as at d = 128. Barriers: dq_full[b] (count 2) / dq_empty[b] (count 1) per buffer
 as variant 5; with NB = 1 the second warpgroup's store waits for the reducer to drain the previous step's tile.
 
-Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; the op's d = 128 route)
+Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; the op's d = 64 / 128 route)
 ---------------------------------------------------------------------------------------------------------------------
 FA3's dQ path, built in session 11 as a separate kernel and folded into this one in session 12; the design note
 (why, shared-memory layout, bank conflicts, barrier protocol, offline census) is the docstring of
 ``attention_gluon_bwd_dqw``, which keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(...,
-variant=5)``), its CPU protocol model and its step census. d = 128 (routed) and d = 64 (session 12, built offline,
-not GPU-checked yet; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32 column half. What the switch
+variant=5)``), its CPU protocol model and its step census. d = 128 (routed since session 11) and d = 64 (routed
+from S = 4096 since session 12, GPU-checked; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32 column half. What the switch
 changes:
 * kernel: ``dq_smem`` fp32 [2 NB, 8, d / 16, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
   (after ``end_bar``; initialised after ``ds_bar``); a fourth partition ``_bwd_dq_reducer`` (REDUCER_WARPS warps at
@@ -483,7 +483,7 @@ VARIANTS = (0, 1, 2, 3, 4, 5)  # gluon_attention_bwd(variant=...): 0 default, 1 
     # d = 64 / 128; the op's route at d = 128, through attention_gluon_bwd_dqw)
 DQW_VARIANT = 5
 DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
-DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; not GPU-checked yet)
+DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; GPU-checked)
 DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
 REDUCER_WARPS = 1
 _VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
@@ -1098,9 +1098,7 @@ def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD,
     """Variant 5 (DQW) only, d = 64 / 128. Per step: wait dq_full[b]; [64, d] fp32 (two [64, d / 2] column halves)
     from dq_smem -> red.global.add.v4.f32 into the workspace rows of the step's query block; thread_barrier; release
     dq_empty[b]. One flat loop over the (g, m) steps (few loop-carried registers: the partition runs with 24).
-    NB, the head dim and the warp count come from ``dq_smem`` ([2 NB, 8, d / 16, 8, 8]) and the partition (no
-    constexpr arguments: this partition is appended to the kernel's list with a tuple ``+``, which unwraps
-    constexprs)."""
+    NB, the head dim and the warp count come from ``dq_smem`` ([2 NB, 8, d / 16, 8, 8]) and the partition."""
     NB: gl.constexpr = dq_smem.shape[0] // 2
     CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
     HALF: gl.constexpr = 8 * CHUNKS
@@ -1201,29 +1199,48 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     mbarrier.init(end_bar, count=2)
     fence_async_shared()
 
-    # The consumers' arguments: DQW passes None for SQ_PAD / dq_ptr, variants 1-4 None for the dQ tiles and their
-    # barriers; a None is no capture, so each build's partitions capture what they use, in the order of the separate
-    # kernels before the fold. (The argument tuples are literals: a tuple assigned to a name turns its constexprs
-    # into tensors.) DQW adds the reducer warp(s) to warpgroup 2, at the producer's register budget.
-    gl.warp_specialize([
-        (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                                dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                                dq_empty, b, hk, n0, H, GROUP, None if DQW else SQ_PAD, m_lo, m_full, n_m, qk_scale,
-                                SEQ_Q, SEQ_K, None if DQW else dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES,
-                                DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)),
-        (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                                dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                                dq_empty, b, hk, n0, H, GROUP, None if DQW else SQ_PAD, m_lo, m_full, n_m, qk_scale,
-                                SEQ_Q, SEQ_K, None if DQW else dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES,
-                                DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                         kv_bar, q_ready, q_empty, do_ready, do_empty,
-                         b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                         dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
-    ] + ([(_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m))] if DQW else []),
-        [4, 1] + ([REDUCER_WARPS] if DQW else []),
-        [CONSUMER_REGS, PRODUCER_REGS] + ([PRODUCER_REGS] if DQW else []))  # default partition = consumer 0
+    # Two literal partition lists, one per build: a list built with "+" unwraps constexprs to Python ints, which
+    # warp_specialize cannot capture (at run time GROUP == 1 or H == 1 arrive as constexprs: session 12's H200 run of
+    # variant 5 failed to compile there). The argument tuples are literals too: a tuple assigned to a name turns its
+    # constexprs into tensors. DQW passes None (no capture) for the consumers' SQ_PAD / dq_ptr and adds the reducer
+    # warp(s) to warpgroup 2 at the producer's register budget; variants 1-4 pass None for the dQ tiles and barriers.
+    if DQW:
+        gl.warp_specialize([
+            (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB)),
+            (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty,
+                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+            (_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m)),
+        ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
+    else:
+        gl.warp_specialize([
+            (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    None, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, None,
+                                    None, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB)),
+            (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    None, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, None,
+                                    None, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    dq_ptr, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty,
+                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1623,7 +1640,7 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
     named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower); 5 = variant 3 with dQ
     through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 through
-    ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; d = 64 built offline, not GPU-checked yet). Variants 1-4
+    ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; d = 64 GPU-checked and routed from S = 4096, session 12). Variants 1-4
     exist for d = 64 and 128 (d = 64:
     GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
     d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
@@ -1726,14 +1743,16 @@ def _signature(dtype_str: str, D: int):
 
 
 def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 90, variant: int = 0,
-                    ablate: int = 0):
+                    ablate: int = 0, ones: tuple = ()):
     """Compile the main kernel (``variant`` 0: default, 1 / 2: split-dQ, 3: split-dQ + dK first, 4: 3 + warpgroup
     turns, 5: 3 + dQ through shared memory (DQW, D = 64 / 128); D = 256: the d = 256
     kernel whatever the variant) for sm_<arch> without a GPU; returns triton's CompiledKernel. ``ablate``: the
     ``ABLATE`` constexpr of the split-dQ kernel (0 = the real kernel; other masks are timing-only builds, gated
     like ``gluon_attention_bwd``'s; at D = 256 the d = 256 kernel's ``ABLATE``). The split-dQ kernel always gets
     TURNS, ABLATE, DQW, NB and REDUCER_WARPS explicitly here, the d = 256 kernel ABLATE: an offline compile does not
-    apply a constexpr's default (it would be None)."""
+    apply a constexpr's default (it would be None). ``ones``: i32 arguments (e.g. ``("H", "GROUP")``) built as the
+    constexpr 1 that Triton's launcher makes of an int argument equal to 1 (session 12: variant 5 built offline with
+    i32 arguments but failed to compile at run time with GROUP = 1)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1742,6 +1761,11 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     constexprs = {"HEAD_DIM": D, "STAGES": cfg["STAGES"], "CAUSAL": bool(causal),
                   "CONSUMER_REGS": cfg["CONSUMER_REGS"], "PRODUCER_REGS": cfg["PRODUCER_REGS"]}
     sig = _signature(dtype_str, D)
+    for name in ones:
+        if sig.get(name) != "i32":
+            raise ValueError(f"compile_offline: ones={ones!r}: {name!r} is not an i32 argument")
+        sig[name] = "constexpr"
+        constexprs[name] = 1
     if D == 256:  # one kernel for every variant; ABLATE explicit (an offline compile binds no defaults)
         constexprs.pop("HEAD_DIM")
         constexprs["ABLATE"] = _check_ablate(ablate, variant, D)

@@ -1,9 +1,14 @@
 """Gluon attention backward at d = 128 (and 64) with FA3's dQ path: dQ through shared memory, global reductions by a
 reducer warp.
 
-The op's backward at d = 128 since session 11 (``attention._GLUON_BWD_DQW_DIMS``; ``FXOPT_ATTN_GLUON_BWD_DQW=0`` turns it
-off): correct on the H200 (12 GPU tests, dK / dV bit-identical to variant 3) and 1.05-1.07x variant 3, after the
-ablations put the dQ global reductions at 30-34% of the step.
+The op's backward at d = 128 since session 11 and at d = 64 from S = 4096 since session 12
+(``attention._GLUON_BWD_DQW_DIMS``; ``FXOPT_ATTN_GLUON_BWD_DQW=0`` turns it off): correct on the H200 (24 GPU tests at
+d = 64 / 128, dK / dV bit-identical to variant 3; 16 op-level route tests) and 1.05-1.07x variant 3 at d = 128, after
+the ablations put the dQ global reductions at 30-34% of the step. At d = 64 through the op: 1.03-1.09x the Triton
+backward at S = 4k-16k (benchmarks/results/attention_d64dqw.md). Session 12 found the folded kernel (below) failing to
+compile at run time: the launcher makes the constexpr 1 of GROUP = 1, and a partition list built with "+" unwrapped it;
+the op had silently used the Triton backward. The fix writes one literal partition list per build, and
+``compile_offline(..., ones=("H", "GROUP"))`` builds as the launcher does (tests/test_attention_gluon_bwd_dqw.py).
 
 Where the kernel lives (session 12): this module holds no Gluon code. The kernel is variant 5 of
 ``attention_gluon_bwd``: ``_fa3_bwd_kernel_v1`` with ``EARLY_DK`` and the constexpr switch ``DQW`` (plus ``NB``,
@@ -125,8 +130,9 @@ Offline (Triton 3.6, ptxas 12.8, sm_90a; bf16 = fp16; test_dqw_offline_build_cen
   HGMMA (16 m64n64k16 + 8 m64n32k16), 32 MUFU.EX2, 16 LDS, MEMBAR / fence; no REDG (variant 3: 8 REDG.F32x2), 8
   STS.64 more, 1 BAR.SYNC and 2 SYNCS more; setmaxnreg 240 / 24 as variant 3. Cycle model (``dqw_step_model``) per
   CTA step: tensor 1,280, shared-memory port 1,924 (variant 3's + 128 STS.64 + 128 LDS.128 cycles), reducer loop 146
-  instructions against ~375 per consumer warp. Whether it gains at d = 64 what it gains at d = 128 is for the GPU:
-  ``benchmarks/gluon_bwd_dqw_check.py --dims 64`` and ``pytest -m gpu tests/test_attention_gluon_bwd_dqw.py``.
+  instructions against ~375 per consumer warp. On the H200 (session 12, fwd+bwd through the op against the Triton
+  backward): 399 / 363 / 428 / 417 against 385 / 351 / 402 / 382 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal;
+  at 2048 382 / 255 against 372 / 282, hence d = 64's floor of 4096 (``attention._GLUON_BWD_MIN_SEQ_BY_DIM``).
 """
 from __future__ import annotations
 
@@ -143,7 +149,7 @@ from .attention_gluon_bwd import (  # noqa: F401 - re-exported (the kernel and i
 logger = logging.getLogger(__name__)
 
 HEAD_DIM = GB.DQW_HEAD_DIM      # 128: the routed head dim (the default of config_dqw / compile_offline)
-HEAD_DIMS = GB.DQW_HEAD_DIMS    # (64, 128): head dims the kernel builds for (d = 64: session 12, not GPU-checked yet)
+HEAD_DIMS = GB.DQW_HEAD_DIMS    # (64, 128): head dims the kernel builds for (d = 64: session 12, GPU-checked)
 REDUCER_REGS = GB._PRODUCER_REGS  # 24: setmaxnreg of warpgroup 2 (producer + reducer), as variant 3's producer
 SMEM_LIMIT = 232_448    # bytes per CTA on sm_90
 
@@ -168,7 +174,7 @@ def gluon_attention_bwd_dqw(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                             checked: bool = False):
     """Variant 3 of ``gluon_attention_bwd`` with FA3's dQ path (dQ -> shared memory -> reducer warp -> vector
     reductions) -> (dq, dk, dv), contiguous, dtypes of q / k / v. d = 64 or 128. Raises ValueError when unsupported
-    (``gluon_dqw_supported`` gives the reason). The op's backward at d = 128 (``_GLUON_BWD_DQW_DIMS``).
+    (``gluon_dqw_supported`` gives the reason). The op's backward at d = 64 / 128 (``_GLUON_BWD_DQW_DIMS``).
     Same launches as ``gluon_attention_bwd(..., variant=5)``, which it calls."""
     reason = None if checked else gluon_dqw_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
