@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -478,8 +479,12 @@ _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, Fa
 # them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
 # per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# Session 11, listed after those: the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps,
-# prefetch, pdl, l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight).
+# Session 11: the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
+# l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight). Correct on the H200
+# (session 12, 4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
+# against 14.1 / 12.3 / 11.3 / 41.7 (K x N = 8192², 4096 x 11008, 11008 x 4096, 8192 x 28672), M = 4 14.7 against
+# 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096 (benchmarks/results/w4a16_l2_prefetch_session12.txt). The
+# exposed-latency model of session 11 is not what limits these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
 _TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
 _TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
@@ -600,17 +605,22 @@ def to_mma_config(cfg) -> MmaConfig:
                      prefetch=cfg.prefetch, block_k=cfg.block_k, pdl=cfg.pdl, l2_ahead=cfg.l2_ahead)
 
 
-def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT) -> list:
+def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
+                      l2: Optional[bool] = None) -> list:
     """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
-    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then their L2-prefetch variants
-    (``_TILES_L2`` / ``_TILES16_L2``, session 11), each with the one-wave split."""
+    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then, when ``l2`` (default: the
+    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``, session 11;
+    slower on the H200), each with the one-wave split."""
+    if l2 is None:
+        l2 = os.environ.get("FXOPT_W4A16_MMA_L2", "0") == "1"
     from fxopt.kernels.w4a16 import W4A16Config
 
     if not 1 <= M <= 16:
         return []
     group = K if group_size == -1 else group_size
     out = []
-    tiles = [t + (0,) for t in (_TILES if M <= 8 else _TILES16)] + list(_TILES_L2 if M <= 8 else _TILES16_L2)
+    tiles = [t + (0,) for t in (_TILES if M <= 8 else _TILES16)] + list((_TILES_L2 if M <= 8 else _TILES16_L2)
+                                                                         if l2 else ())
     for cpw, warps, prefetch, pdl, l2_ahead in tiles:
         cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2_ahead)
         try:
