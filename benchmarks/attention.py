@@ -156,6 +156,11 @@ def attention_rows(d, S, causal, bwd=True):
             row[f"fb_{name}_tflops"] = round(3.5 * flops / ms / 1e9, 1) if ms else None
         row["fb_vs_cudnn"] = _ratio(row["fb_fxopt_tflops"], row["fb_cudnn_tflops"])
         row["fb_vs_fa2"] = _ratio(row["fb_fxopt_tflops"], row["fb_fa2_tflops"])
+    # what "fxopt" ran (after the timing, so that a Gluon build that failed during it shows as fallen back)
+    routes = A.kernel_routes(qd, kd, vd, is_causal=causal)
+    row["fwd_kernel"], row["bwd_kernel"] = routes["forward"], routes["backward"] if bwd else None
+    if any("fell back" in str(r) for r in routes.values()):
+        print(f"  WARNING: d={d} S={S} causal={causal}: {routes}", flush=True)
     # correctness of the timed kernel against SDPA on the same inputs
     ref = fa2(qd, kd, vd)
     row["max_err_vs_fa2"] = round((A.flash_attention_triton(qd, kd, vd, is_causal=causal) - ref).abs().max().item(),
@@ -415,7 +420,9 @@ def main():
     notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch; on sm_90 at d = 128 it runs "
              "the Gluon FA3-style kernel, fxopt/kernels/attention_gluon.py); fwd_triton = the Triton-language "
              "kernel alone, fwd_gluon = the Gluon kernel alone (where it takes the inputs); fwd+bwd through "
-             "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`. FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
+             "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`; fwd_kernel / bwd_kernel = the kernels "
+             "fxopt ran (`attention.kernel_routes`, read after the row's timing: a Gluon build that failed shows as "
+             "fallen back). FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
              "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
              "replayed from a CUDA graph (no host launch overhead). Each row's candidates are timed in "
              f"{ROUNDS} interleaved rounds (order rotated each round; triton.testing.do_bench medians, warmup "

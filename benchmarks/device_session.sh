@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13b largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -380,6 +380,29 @@ phase_s12g() {
     -k "gpu_gluon_backward_route" 2>&1 | tail -3
   timeout 170 python3 benchmarks/attention.py --shapes 64x512,64x1024,64x2048,64x4096,64x8192,64x16384 \
     --tag d64_s12 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -13
+}
+
+phase_s13a() {
+  # session 13, first call: every GPU test (session 12 found the routed d = 128 backward failing to compile at run
+  # time, unnoticed for a session: the op fell back to Triton), then the short-sequence backward A/B. Below S = 2048
+  # (4096 at d = 64) the op runs the Triton backward, and fwd+bwd is 0.32-0.88x cuDNN there (attention_d128_s12.md);
+  # with the floor at 512 the fb_fxopt column is the Gluon backward (variant 5) and fb_fxopt_tritonbwd the Triton one,
+  # same run (lower _GLUON_BWD_MIN_SEQ / _GLUON_BWD_MIN_SEQ_BY_DIM where Gluon wins)
+  phase_tests
+  timeout 230 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=512 python3 benchmarks/attention.py \
+    --shapes 128x512,128x1024,128x2048,64x512,64x1024,64x2048,64x4096 --tag bwdfloor512 --out "$RES" 2>&1 \
+    | grep -v "Warn\|warn" | tail -16
+}
+
+phase_s13b() {
+  # session 13: the op-level forward against the Gluon kernel alone at d = 128 (fwd_fxopt 2.5-7% under fwd_gluon in
+  # both session 12 tables, same kernel and arguments; at d = 64 equal): six rounds instead of three, to tell an
+  # order effect from a real cost; then the d = 256 rows and the d = 256 backward ablation (phase s12e)
+  timeout 150 env FXOPT_BENCH_ROUNDS=6 python3 benchmarks/attention.py --shapes 128x4096,128x16384 --tag fwd_rounds6 \
+    --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -6
+  timeout 170 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 --tag d256_s13 --out "$RES" 2>&1 \
+    | grep -v "Warn\|warn" | tail -8
+  phase_s12e
 }
 
 phase_largem() {

@@ -678,6 +678,28 @@ def test_gluon_bwd_route_off_on_cpu_and_for_unsupported_arguments(monkeypatch):
     assert not A._gluon_bwd_route(do, qt, k, v, out, lse, None, None, 0.0, -1, 0.0, False, None)
 
 
+def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
+    """``kernel_routes`` (the benchmark's fwd_kernel / bwd_kernel columns): Triton on CPU; the Gluon backward build
+    per head dim (variant 5 at d = 64 / 128 unless switched off, d = 256's kernel); a key in the failed sets reads
+    "fell back to triton" (session 12: a table's "fxopt" backward had silently been the Triton one)."""
+    q, k, v = _inputs(1, 2, 2, 40, 40, 64, torch.float32, "cpu")
+    assert A.kernel_routes(q, k, v, is_causal=True) == {"forward": "triton", "backward": "triton"}
+    kd = torch.randn(1, 2, 1024, 64)  # one query against 1024 keys: the decode kernel
+    assert A.kernel_routes(q[:, :, :1], kd, torch.randn_like(kd))["forward"] == "triton split-kv"
+    monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_DQW", raising=False)
+    monkeypatch.setattr(A, "_GLUON_BWD_DQW_DIMS", (64, 128))
+    assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 5"
+    assert A._gluon_bwd_build(256) == "gluon d256"
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQW", "0")
+    assert A._gluon_bwd_build(128) == f"gluon variant {A._GLUON_BWD_VARIANT[128]}"
+    monkeypatch.setattr(A, "_GLUON_FAILED", {(q.device, q.dtype, 64, False)})
+    monkeypatch.setattr(A, "_GLUON_BWD_FAILED", {(q.device, q.dtype, 64, False)})
+    r = A.kernel_routes(q, k, v, is_causal=False)
+    assert r["forward"].startswith("gluon ") and r["forward"].endswith("(fell back to triton)"), r
+    assert r["backward"] == f"gluon variant {A._GLUON_BWD_VARIANT[64]} (fell back to triton)", r
+    assert A.kernel_routes(q, k, v, is_causal=True) == {"forward": "triton", "backward": "triton"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", [n for n in GLUON_CASES if not GLUON_CASES[n][2]])

@@ -1259,6 +1259,41 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
     return gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None
 
 
+def _gluon_bwd_build(D: int) -> str:
+    """Name of the Gluon backward build ``flash_attention_triton_bwd`` launches at head dim D when routed there."""
+    if D == 256:
+        return "gluon d256"
+    if D in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
+        return "gluon variant 5"
+    return f"gluon variant {_GLUON_BWD_VARIANT.get(D, 0)}"
+
+
+def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
+    """{"forward": ..., "backward": ...}: the kernels ``flash_attention_triton`` / ``flash_attention_triton_bwd``
+    run for these inputs with no mask, dropout, window or softcap ("gluon <build>", "triton", "triton split-kv"),
+    with " (fell back to triton)" where a Gluon build was routed but failed on this machine earlier in the process
+    (``_GLUON_FAILED`` / ``_GLUON_BWD_FAILED``: the op then runs the Triton kernel and logs a warning once). For
+    benchmark tables, which must say what they timed: session 12 found a table whose "fxopt" backward had silently
+    been the Triton one. Runs the forward once on the inputs (the backward route needs its out / lse)."""
+    D = q.shape[-1]
+    key = (q.device, q.dtype, D, bool(is_causal))
+    if _use_split(q, k, 0.0):
+        fwd = "triton split-kv"
+    elif _gluon_route(q, k, v, None, None, 0.0, -1, 0.0, is_causal, scale, D) or key in _GLUON_FAILED:
+        fwd = f"gluon {_gluon_fwd_variant(D, bool(is_causal), q.shape[2])}"
+        fwd += " (fell back to triton)" if key in _GLUON_FAILED else ""
+    else:
+        fwd = "triton"
+    out, lse = flash_attention_triton(q, k, v, is_causal=is_causal, scale=scale, return_lse=True)
+    if key in _GLUON_BWD_FAILED:
+        bwd = f"{_gluon_bwd_build(D)} (fell back to triton)"
+    elif _gluon_bwd_route(torch.empty_like(out), q, k, v, out, lse, None, None, 0.0, -1, 0.0, is_causal, scale):
+        bwd = _gluon_bwd_build(D)
+    else:
+        bwd = "triton"
+    return {"forward": fwd, "backward": bwd}
+
+
 _DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import
 
 # Split-kernel builds for BLOCK_D <= 128 (block_n, num_warps, num_stages, resident CTAs per SM). "resident" comes
@@ -1466,7 +1501,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         from fxopt.kernels.attention_gluon_bwd import gluon_attention_bwd
 
         try:
-            if q.shape[-1] in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
+            if _gluon_bwd_build(q.shape[-1]) == "gluon variant 5":
                 from fxopt.kernels.attention_gluon_bwd_dqw import gluon_attention_bwd_dqw
 
                 return gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale,
