@@ -430,6 +430,14 @@ def main():
              f"rounds reported. Wall time {time.time() - t0:.0f} s. "
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
+    # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd moved by up to 40% between
+    # two runs of one shape (session 12), so the tables say which configs they timed
+    picks = []
+    for tname in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned"):
+        for key, cfg in getattr(getattr(A, tname), "cache", {}).items():
+            picks.append(f"{tname}[{', '.join(str(x) for x in key[:10])}] = {cfg}")
+    if picks:
+        notes += " Triton tuner picks: " + "; ".join(picks) + "."
     write_results(name, rows,
                   title="FlashAttention (bf16, 16k tokens/batch, hidden 2048; decode B=8 H=32 d=128)",
                   notes=notes, out_dir=args.out)
