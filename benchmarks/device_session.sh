@@ -387,7 +387,9 @@ phase_s13a() {
   # time, unnoticed for a session: the op fell back to Triton), then the short-sequence backward A/B. Below S = 2048
   # (4096 at d = 64) the op runs the Triton backward, and fwd+bwd is 0.32-0.88x cuDNN there (attention_d128_s12.md);
   # with the floor at 512 the fb_fxopt column is the Gluon backward (variant 5) and fb_fxopt_tritonbwd the Triton one,
-  # same run (lower _GLUON_BWD_MIN_SEQ / _GLUON_BWD_MIN_SEQ_BY_DIM where Gluon wins)
+  # same run (lower _GLUON_BWD_MIN_SEQ / _GLUON_BWD_MIN_SEQ_BY_DIM where Gluon wins). The GPU tests include the
+  # strided-input backward (test_gpu_bwd_grads_like_strided_inputs, the route test's bshd_view cases): if they pass,
+  # make FXOPT_ATTN_GLUON_BWD_STRIDED default to 1 (real models pass [B, S, H, D] transposed views)
   phase_tests
   timeout 230 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=512 python3 benchmarks/attention.py \
     --shapes 128x512,128x1024,128x2048,64x512,64x1024,64x2048,64x4096 --tag bwdfloor512 --out "$RES" 2>&1 \

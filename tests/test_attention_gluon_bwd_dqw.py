@@ -208,3 +208,37 @@ def test_gpu_dqw_matches_float64_and_v3(name, head_dim):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs sm_90")
     assert_gluon_bwd_variant(DQW.gluon_attention_bwd_dqw, GPU_CASES[name], head_dim, (name, head_dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bwd_grads_like_strided_inputs(head_dim, causal):
+    """``grads_like_inputs=True`` on [B, S, H, D] views (q / k / v / out / dout as a model's transposes give them;
+    GQA 4:2, ragged S): gradients laid out like ``torch.empty_like`` of q / k / v, dK / dV bit-identical to the
+    same build on contiguous copies (same per-CTA arithmetic; only the addresses differ), dQ within the fp32
+    reduction-order tolerance of it. The op routes strided inputs here only once this passes on the H200
+    (FXOPT_ATTN_GLUON_BWD_STRIDED)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from fxopt.testing import GLUON_BWD_TOL
+
+    variant = 5 if head_dim in DQW.HEAD_DIMS else 0
+    B, Hq, Hkv, S = 2, 4, 2, 1100
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mk = lambda H: torch.randn(B, S, H, head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                               generator=gen).transpose(1, 2)
+    q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+    import fxopt.kernels.attention as A
+
+    out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+    assert not out.is_contiguous()
+    got = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=variant, grads_like_inputs=True)
+    ref = GB.gluon_attention_bwd(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                 out.contiguous(), lse, causal=causal, variant=variant)
+    torch.cuda.synchronize()
+    for g, t in zip(got, (q, k, v)):
+        assert g.stride() == torch.empty_like(t).stride() and not g.is_contiguous()
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    lim = GLUON_BWD_TOL[torch.bfloat16] * 2 * max(1.0, ref[0].abs().max().item())
+    assert (got[0].float() - ref[0].float()).abs().max().item() <= lim

@@ -1242,20 +1242,24 @@ _GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ e
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
                      scale) -> bool:
     """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus Sq and Sk at least
-    ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim) and contiguous q, k, v (the
-    Gluon kernel returns contiguous gradients, the Triton one gradients laid out like q, k, v, which the op's fake
-    implementation promises). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
+    ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim) and contiguous q, k, v. Strided q, k, v
+    (e.g. [B, S, H, D] transposed views, as real models pass them) go there too with
+    ``FXOPT_ATTN_GLUON_BWD_STRIDED=1``: the Gluon kernels then write gradients laid out like ``torch.empty_like``
+    of q, k, v, as the op's fake implementation promises (``grads_like_inputs``; built in session 12, not yet
+    GPU-checked on strided tensors, hence opt-in). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
     D = q.shape[-1]
     min_seq = _GLUON_BWD_MIN_SEQ_BY_DIM.get(D, _GLUON_BWD_MIN_SEQ)
     if (D not in _GLUON_BWD_HEAD_DIMS or min(q.shape[2], k.shape[2]) < min_seq
             or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
             or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
             or os.environ.get("FXOPT_ATTN_GLUON_BWD", "1") == "0" or q.device.type != "cuda"
-            or not _is_sm90(q.device) or not all(t.is_contiguous() for t in (q, k, v))
-            or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_BWD_FAILED):
+            or not _is_sm90(q.device) or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_BWD_FAILED):
         return False
-    from fxopt.kernels.attention_gluon_bwd import gluon_bwd_supported
+    from fxopt.kernels.attention_gluon_bwd import grad_strides_ok, gluon_bwd_supported
 
+    if not all(t.is_contiguous() for t in (q, k, v)) and (
+            os.environ.get("FXOPT_ATTN_GLUON_BWD_STRIDED", "0") != "1" or not grad_strides_ok(q, k, v)):
+        return False
     return gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None
 
 
@@ -1505,9 +1509,9 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                 from fxopt.kernels.attention_gluon_bwd_dqw import gluon_attention_bwd_dqw
 
                 return gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale,
-                                               checked=True)
+                                               checked=True, grads_like_inputs=True)
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
-                                       variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0))
+                                       variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0), grads_like_inputs=True)
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
             _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
             log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",

@@ -1616,6 +1616,16 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
     return int(ablate)
 
 
+def grad_strides_ok(*ts: torch.Tensor) -> bool:
+    """Whether ``torch.empty_like(t)`` (the layout the op's fake implementation gives t's gradient) suits TMA for
+    every t: last dim contiguous, the other strides multiples of 16 bytes. Strides read from a meta tensor (free)."""
+    for t in ts:
+        st = torch.empty_like(t, device="meta").stride()
+        if st[-1] != 1 or any((x * t.element_size()) % 16 for x in st[:-1]):
+            return False
+    return True
+
+
 def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
     D = t.shape[-1]
     block = [1, 1, rows, D if cols is None else cols]
@@ -1631,9 +1641,13 @@ def _vec_desc(t: torch.Tensor):
 
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                        checked: bool = False, variant: int = 0, ablate: int = 0):
+                        checked: bool = False, variant: int = 0, ablate: int = 0, grads_like_inputs: bool = False):
     """FA3-style backward -> (dq, dk, dv), contiguous, dtypes of q / k / v. Raises ValueError when unsupported
-    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check).
+    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). ``grads_like_inputs=True``:
+    dq / dk / dv laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's
+    fake implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; the kernels
+    address dq through its strides and dk / dv through TMA descriptors built on them (session 12, not GPU-checked
+    on strided tensors yet: the op routes them here only with ``FXOPT_ATTN_GLUON_BWD_STRIDED=1``).
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
@@ -1659,9 +1673,15 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    dq = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
+    if grads_like_inputs:
+        if not grad_strides_ok(q, k, v):
+            raise ValueError("gluon_attention_bwd: grads_like_inputs: torch.empty_like(q / k / v) strides do not "
+                             "suit TMA (last dim contiguous, other strides 16-byte multiples)")
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
+        dk = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=k.dtype)
+        dv = torch.empty((B, Hkv, Sk, D), device=q.device, dtype=v.dtype)
     if B * Hq * Sq == 0 or Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     n_m = (Sq + BLOCK_M - 1) // BLOCK_M
