@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_ms, parse_args, streamed_us, write_results  # noqa: E402
+from common import bench_ms, parse_args, round_order, streamed_us, write_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -59,18 +59,24 @@ def _try(fn, graph=False):
 # each round, and the row reports the median over rounds. Session 9 timed one kernel twice in one row
 # (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against 631 TFLOP/s): whatever ran first after a pause
 # was favoured, so a single pass in a fixed order is not fair to the anchors timed last.
+# A rotation alone keeps the cyclic order, so each candidate always ran right after the same one (fxopt after cuDNN,
+# fwd_gluon after fwd_triton): session 12's d = 128 tables had fwd_fxopt 1-7% under fwd_gluon on all 6 non-causal
+# rows, the same kernel with the same arguments, and equal at d = 64 where cuDNN's kernel draws less power. The rounds
+# now step through the candidates with a different stride each round (``common.round_order``), so the predecessor of each
+# candidate changes from round to round.
 ROUNDS = int(os.environ.get("FXOPT_BENCH_ROUNDS", "3"))
 
 
 def _time_set(fns: dict, graph: bool = False) -> dict:
-    """{name: median ms over ROUNDS rotated rounds} of {name: fn or None}; None for fns that fail or are None."""
+    """{name: median ms over ROUNDS rounds (``common.round_order``)} of {name: fn or None}; None for fns that fail or
+    are None."""
     import statistics
 
     names = [n for n, f in fns.items() if f is not None]
     times = {n: [] for n in names}
     bench = dict(warmup=BENCH["warmup"], rep=max(10, BENCH["rep"] // max(1, ROUNDS)))
     for r in range(max(1, ROUNDS)):
-        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        order = round_order(names, r)
         for n in order:
             if times[n] is None:
                 continue
@@ -425,7 +431,7 @@ def main():
              "fallen back). FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
              "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
              "replayed from a CUDA graph (no host launch overhead). Each row's candidates are timed in "
-             f"{ROUNDS} interleaved rounds (order rotated each round; triton.testing.do_bench medians, warmup "
+             f"{ROUNDS} interleaved rounds (each round a different stride through the candidates, `common.round_order`; triton.testing.do_bench medians, warmup "
              f"{BENCH['warmup']} ms, rep {max(10, BENCH['rep'] // max(1, ROUNDS))} ms per round), the median over "
              f"rounds reported. Wall time {time.time() - t0:.0f} s. "
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())

@@ -147,6 +147,21 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def round_order(names: list, r: int) -> list:
+    """Round r's timing order of an interleaved comparison: step through ``names`` by the round's stride s (the
+    strides coprime to n in turn: 1, 2, 3, 4 for five candidates, 1, 3 for four), starting at index r (s + 1) mod n.
+    Each candidate's predecessor within a round is the one s places before it in ``names``, so it changes between
+    consecutive rounds for n >= 3. A plain rotation keeps the cyclic order: each candidate then always ran right
+    after the same one, and session 12 measured one Gluon kernel 1-7% slower as fwd_fxopt (always after cuDNN) than
+    as fwd_gluon (after the Triton kernel) on all six d = 128 non-causal rows."""
+    import math
+
+    n = len(names)
+    strides = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    s = strides[r % len(strides)]
+    return [names[(r * (s + 1) + i * s) % n] for i in range(n)]
+
+
 def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", out_dir: str | None = None,
                   command: str | None = None, echo: bool = True) -> None:
     out_dir = out_dir or RESULTS_DIR

@@ -33,7 +33,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arm_watchdog, env_info, markdown_table, parse_args, save_state, try_bench_ms  # noqa: E402
+from common import arm_watchdog, env_info, markdown_table, parse_args, round_order, save_state, try_bench_ms  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -185,7 +185,7 @@ def run_case(G, builds, S, causal, args, sampler, n_sm):
     times = {n: [] for n in names}
     t_start = time.time()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = round_order(names, r)
         for n in order:
             arm_watchdog(args.launch_timeout)
             ms = try_bench_ms(lambda: G.fp8_gluon_attention_quantized(*t, out=out, **kw0, **kws[n]), args.quick)

@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import round_order  # noqa: E402
+
 
 def _rand(shape, seed, dtype):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -95,7 +98,7 @@ def bench(G, results, rounds, extra_stages):
             times = {name: [] for name in fns}
             order = list(fns)
             for r in range(rounds):
-                rot = order[r % len(order):] + order[:r % len(order)]
+                rot = round_order(order, r)
                 for name in rot:
                     times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=100, return_mode="median"))
             flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)

@@ -27,7 +27,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arm_watchdog, env_info, markdown_table, parse_args, save_state, try_bench_ms  # noqa: E402
+from common import arm_watchdog, env_info, markdown_table, parse_args, round_order, save_state, try_bench_ms  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -134,7 +134,7 @@ def run_bench(G, builds, args):
             flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
             times = {n: [] for n in names}
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = round_order(names, r)
                 for n in order:
                     mr, lz = BUILDS[n]
                     ms = try_bench_ms(lambda: G.fp8_gluon_attention_quantized(

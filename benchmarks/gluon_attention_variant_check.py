@@ -33,6 +33,7 @@ import math, sys, torch, triton
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import fxopt.kernels.attention_gluon as G
 from gluon_attention_check import reference, _inputs
+from common import round_order  # noqa: E402
 torch.backends.cuda.matmul.allow_tf32 = False
 T0 = time.time()
 CHECK = set(os.environ.get("VCHECK_VARIANTS", "overlap2,persistent,persistent_lpt,pingpong").split(","))
@@ -208,7 +209,7 @@ for D, B, H, S, causal in rows:
     # by up to 10% in session 9's attention table)
     runs = {vr: [] for vr in variants}
     for r in range(3):
-        for vr in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for vr in round_order(variants, r):
             runs[vr].append(triton.testing.do_bench(lambda: _fwd(q, k, v, causal, vr), warmup=30, rep=100))
     t = {vr: sorted(runs[vr])[1] for vr in variants}
     for vr in variants:

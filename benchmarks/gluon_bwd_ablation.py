@@ -50,7 +50,7 @@ os.environ["FXOPT_ATTN_GLUON_BWD_ABLATE_OK"] = "1"   # this script only: timing-
 os.environ.setdefault("FXOPT_ATTN_AUTOTUNE", "0")    # the Triton forward (out / lse) without autotuning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arm_watchdog, env_info, markdown_table, save_state  # noqa: E402
+from common import arm_watchdog, env_info, markdown_table, round_order, save_state  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -187,7 +187,7 @@ def main():
     ghz = STATE["clock"]["ghz"]
     print(f"clock: {STATE['clock']}", flush=True)
     for r in range(args.rounds):
-        order = masks[r % len(masks):] + masks[:r % len(masks)]
+        order = round_order(masks, r)
         for S, causal in shapes:
             for mask in order:
                 arm_watchdog(args.launch_timeout)  # compile (first round) + one measurement

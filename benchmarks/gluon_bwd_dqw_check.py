@@ -29,7 +29,7 @@ import time
 os.environ.setdefault("FXOPT_ATTN_AUTOTUNE", "0")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arm_watchdog, env_info, markdown_table, save_state  # noqa: E402
+from common import arm_watchdog, env_info, markdown_table, round_order, save_state  # noqa: E402
 from gluon_bwd_ablation import cta_steps, measure_clock  # noqa: E402
 
 import torch  # noqa: E402
@@ -125,7 +125,7 @@ def main():
     names = list(kernels)
     times = {}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = round_order(names, r)
         for D, S, causal in shapes:
             for kn in order:
                 arm_watchdog(args.launch_timeout)
