@@ -398,8 +398,9 @@ phase_s13a() {
 
 phase_s13b() {
   # session 13: the op-level forward against the Gluon kernel alone at d = 128 (fwd_fxopt 2.5-7% under fwd_gluon in
-  # both session 12 tables, same kernel and arguments; at d = 64 equal): six rounds instead of three, to tell an
-  # order effect from a real cost; then the d = 256 rows and the d = 256 backward ablation (phase s12e)
+  # both session 12 tables, same kernel and arguments; at d = 64 equal; fwd_fxopt always ran right after cuDNN then):
+  # with common.round_order (a new predecessor each round) and six rounds, to tell an order effect from a real
+  # cost; then the d = 256 rows and the d = 256 backward ablation (phase s12e)
   timeout 150 env FXOPT_BENCH_ROUNDS=6 python3 benchmarks/attention.py --shapes 128x4096,128x16384 --tag fwd_rounds6 \
     --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -6
   timeout 170 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 --tag d256_s13 --out "$RES" 2>&1 \
