@@ -151,9 +151,9 @@ def round_order(names: list, r: int) -> list:
     """Round r's timing order of an interleaved comparison: step through ``names`` by the round's stride s (the
     strides coprime to n in turn: 1, 2, 3, 4 for five candidates, 1, 3 for four), starting at index r (s + 1) mod n.
     Each candidate's predecessor within a round is the one s places before it in ``names``, so it changes between
-    consecutive rounds for n >= 3. A plain rotation keeps the cyclic order: each candidate then always ran right
-    after the same one, and session 12 measured one Gluon kernel 1-7% slower as fwd_fxopt (always after cuDNN) than
-    as fwd_gluon (after the Triton kernel) on all six d = 128 non-causal rows."""
+    consecutive rounds for n >= 3. A plain rotation keeps the cyclic order: each candidate not first in its round
+    ran right after the same one, and session 12 measured one Gluon kernel 1-7% slower as fwd_fxopt (after cuDNN in
+    two of three rounds) than as fwd_gluon (after the Triton kernel) on all six d = 128 non-causal rows."""
     import math
 
     n = len(names)
