@@ -55,15 +55,14 @@ def _try(fn, graph=False):
         return None
 
 
-# Rounds of the interleaved timing: every candidate of a row is timed once per round, in an order rotated by one
-# each round, and the row reports the median over rounds. Session 9 timed one kernel twice in one row
-# (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against 631 TFLOP/s): whatever ran first after a pause
-# was favoured, so a single pass in a fixed order is not fair to the anchors timed last.
-# A rotation alone keeps the cyclic order, so each candidate not first in its round ran right after the same one
-# (fxopt after cuDNN, fwd_gluon after fwd_triton): session 12's d = 128 tables had fwd_fxopt 1-7% under fwd_gluon on all 6 non-causal
-# rows, the same kernel with the same arguments, and equal at d = 64 where cuDNN's kernel draws less power. The rounds
-# now step through the candidates with a different stride each round (``common.round_order``), so the predecessor of each
-# candidate changes from round to round.
+# Rounds of the interleaved timing: every candidate of a row is timed once per round, in the order of
+# ``common.round_order`` (a new stride through the candidates each round), and the row reports the median over
+# rounds. Session 9 timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
+# 631 TFLOP/s): whatever ran first after a pause was favoured, so a single pass in a fixed order is not fair to the
+# anchors timed last. Sessions 9-12 rotated the order by one each round, which keeps the cyclic order: each candidate
+# not first in its round ran right after the same one (fxopt after cuDNN, fwd_gluon after fwd_triton), and session
+# 12's d = 128 tables had fwd_fxopt 1-7% under fwd_gluon on all six non-causal rows (same kernel, same arguments;
+# equal at d = 64).
 ROUNDS = int(os.environ.get("FXOPT_BENCH_ROUNDS", "3"))
 
 
