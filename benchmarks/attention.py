@@ -430,13 +430,14 @@ def main():
              "fallen back). FA2 = SDPA FLASH_ATTENTION, cuDNN = SDPA "
              "CUDNN_ATTENTION, same inputs, same run. Decode rows: TB/s = K+V bytes / time; graph_* = the same call "
              "replayed from a CUDA graph (no host launch overhead). Each row's candidates are timed in "
-             f"{ROUNDS} interleaved rounds (each round a different stride through the candidates, `common.round_order`; triton.testing.do_bench medians, warmup "
+             f"{ROUNDS} interleaved rounds (each round a different stride through the candidates, "
+             "`common.round_order`; triton.testing.do_bench medians, warmup "
              f"{BENCH['warmup']} ms, rep {max(10, BENCH['rep'] // max(1, ROUNDS))} ms per round), the median over "
              f"rounds reported. Wall time {time.time() - t0:.0f} s. "
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
-    # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd moved by up to 40% between
-    # two runs of one shape (session 12), so the tables say which configs they timed
+    # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd differed by up to 43%
+    # between two runs of one shape (session 12), so the tables say which configs they timed
     picks = []
     for tname in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned"):
         for key, cfg in getattr(getattr(A, tname), "cache", {}).items():

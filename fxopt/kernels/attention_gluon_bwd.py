@@ -391,8 +391,8 @@ FA3's dQ path, built in session 11 as a separate kernel and folded into this one
 (why, shared-memory layout, bank conflicts, barrier protocol, offline census) is the docstring of
 ``attention_gluon_bwd_dqw``, which keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(...,
 variant=5)``), its CPU protocol model and its step census. d = 128 (routed since session 11) and d = 64 (routed
-from S = 4096 since session 12, GPU-checked; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32 column half. What the switch
-changes:
+from S = 4096 since session 12, GPU-checked; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32
+column half. What the switch changes:
 * kernel: ``dq_smem`` fp32 [2 NB, 8, d / 16, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
   (after ``end_bar``; initialised after ``ds_bar``); a fourth partition ``_bwd_dq_reducer`` (REDUCER_WARPS warps at
   the producer's 24 registers) appended to the ``warp_specialize`` list with a constexpr-conditional tuple ``+``.
@@ -1653,10 +1653,9 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
     dQ wgmma; 3 = variant 1 with dK issued before the dS^T publication (``EARLY_DK``); 4 = variant 3 with
     named-barrier turns between the consumer warpgroups (``TURNS``; correct, 1-2% slower); 5 = variant 3 with dQ
-    through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 through
-    ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; d = 64 GPU-checked and routed from S = 4096, session 12). Variants 1-4
-    exist for d = 64 and 128 (d = 64:
-    GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
+    through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 and, from S = 4096,
+    at d = 64, through ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``). Variants 1-4 exist for d = 64 and 128
+    (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
     d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
     ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
     (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).

@@ -483,8 +483,9 @@ _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, 
 # l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight). Correct on the H200
 # (session 12, 4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
 # against 14.1 / 12.3 / 11.3 / 41.7 (K x N = 8192², 4096 x 11008, 11008 x 4096, 8192 x 28672), M = 4 14.7 against
-# 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096 (benchmarks/results/w4a16_l2_prefetch_session12.txt). The
-# exposed-latency model of session 11 is not what limits these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
+# 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096
+# (benchmarks/results/w4a16_l2_prefetch_session12.txt). The exposed-latency model of session 11 is not what limits
+# these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
 _TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
 _TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
