@@ -82,23 +82,17 @@ def test_ablate_default_is_the_real_kernel():
     assert "ablate" not in inspect.getsource(A), "the op route must never reach an ablation"
 
 
-def test_ablation_offline_builds():
-    """bf16, d = 128, variant 3, non-causal: the real kernel (ABLATE = 0) and each bit alone. Per step loop of each
-    consumer warpgroup (``sass_step_loops``): bit 1 keeps the dQ wgmma (24 SS + 8 RS HGMMA) and the 16 REDG, but
-    each REDG is jumped over by a predicated branch (the reductions are predicated on an opaque zero: a sink that
-    ignores the values let ptxas delete the dQ wgmma); bit 2 removes MEMBAR + FENCE; bit 4 the 8 dQ HGMMA and the
-    REDG; bit 8 the 32 MUFU.EX2 (the FFMA stays); bit 16 one mbarrier wait. No new spills beyond 8 B of stack, no
-    local memory in the step loops, no C75xx, no wgmma hazard."""
-    from fxopt.testing import offline_build_json
-
-    code = """
+# The offline census of timing-only ablation builds, run in a subprocess (``offline_build_json``): per mask, stack,
+# C75xx warnings, wgmma hazards, REDG count, REDGs inside a short predicated forward branch (jumped over when the
+# predicate holds; HOP = the longest branch counted) and the step loops (``sass_step_loops``).
+_ABLATION_CENSUS = """
 import json, re
 import fxopt.kernels.attention_gluon_bwd as GB
 from fxopt.kernels.attention_gluon import _tool
 from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
 rep = {}
-for mask in (0, 1, 2, 4, 8, 16):
-    c = GB.compile_offline(128, False, "bf16", variant=3, ablate=mask)
+for mask in MASKS:
+    c = BUILD
     sass = sass_of(c)
     use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
     ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
@@ -107,7 +101,7 @@ for mask in (0, 1, 2, 4, 8, 16):
     spans = []
     for a, t in ins:
         m = re.match(r"@!?P\\d\\s+BRA\\s+(?:`\\(\\S+\\)\\s*)?(0x[0-9a-f]+)", t.strip())
-        if m and 0 < int(m.group(1), 16) - int(a, 16) <= 0x40:  # short hops only (not the mbarrier retry blocks)
+        if m and 0 < int(m.group(1), 16) - int(a, 16) <= HOP:  # short hops only
             spans.append((int(a, 16), int(m.group(1), 16)))
     skipped = sum(1 for a, t in ins if "REDG" in t and any(lo < int(a, 16) < hi for lo, hi in spans))
     loops = [lp for lp in GB.sass_step_loops(sass) if lp["hgmma"]]
@@ -116,7 +110,24 @@ for mask in (0, 1, 2, 4, 8, 16):
                      redg=len(re.findall(r"REDG", sass)), redg_skipped=skipped, loops=loops)
 print(json.dumps(rep))
 """
-    rep = offline_build_json(code, FXOPT_ATTN_GLUON_BWD_ABLATE_OK="1")
+
+
+def _ablation_census(build: str, masks: tuple, hop: int) -> dict:
+    from fxopt.testing import offline_build_json
+
+    code = _ABLATION_CENSUS.replace("BUILD", build).replace("MASKS", repr(masks)).replace("HOP", hex(hop))
+    return offline_build_json(code, FXOPT_ATTN_GLUON_BWD_ABLATE_OK="1")
+
+
+def test_ablation_offline_builds():
+    """bf16, d = 128, variant 3, non-causal: the real kernel (ABLATE = 0) and each bit alone. Per step loop of each
+    consumer warpgroup (``sass_step_loops``): bit 1 keeps the dQ wgmma (24 SS + 8 RS HGMMA) and the 16 REDG, but
+    each REDG is jumped over by a predicated branch (the reductions are predicated on an opaque zero: a sink that
+    ignores the values let ptxas delete the dQ wgmma); bit 2 removes MEMBAR + FENCE; bit 4 the 8 dQ HGMMA and the
+    REDG; bit 8 the 32 MUFU.EX2 (the FFMA stays); bit 16 one mbarrier wait. No new spills beyond 8 B of stack, no
+    local memory in the step loops, no C75xx, no wgmma hazard."""
+    rep = _ablation_census('GB.compile_offline(128, False, "bf16", variant=3, ablate=mask)', (0, 1, 2, 4, 8, 16),
+                           0x40)   # short hops only (not the mbarrier retry blocks)
     base = rep["0"]
     assert len(base["loops"]) == 2 and base["redg_skipped"] == 0 and base["redg"] == 32, base
     for mask, r in rep.items():
@@ -167,33 +178,8 @@ def test_ablation_offline_builds_d256():
     keeps every HGMMA and REDG instruction but each REDG lies inside a short predicated forward branch (jumped over:
     no reduction reaches memory); bit 4 drops the 4 dQ HGMMA and every REDG; bit 8 every MUFU.EX2 (the FFMA stays).
     No stack, no local memory in the loops, no C75xx, no wgmma hazard."""
-    from fxopt.testing import offline_build_json
-
-    code = """
-import json, re
-import fxopt.kernels.attention_gluon_bwd as GB
-from fxopt.kernels.attention_gluon import _tool
-from fxopt.kernels.w4a16_gluon import sass_of, wgmma_sass_hazards
-rep = {}
-for mask in (0, 1, 4, 8):
-    c = GB.compile_offline(256, False, "bf16", ablate=mask)
-    sass = sass_of(c)
-    use = _tool("cuobjdump", c.asm["cubin"], ".cubin", "--dump-resource-usage")
-    ptxas = _tool("ptxas", c.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", "/dev/null")
-    ins = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)
-    spans = []
-    for a, t in ins:
-        m = re.match(r"@!?P\\d\\s+BRA\\s+(?:`\\(\\S+\\)\\s*)?(0x[0-9a-f]+)", t.strip())
-        if m and 0 < int(m.group(1), 16) - int(a, 16) <= 0x100:  # short hops (interleaved pairs here)
-            spans.append((int(a, 16), int(m.group(1), 16)))
-    skipped = sum(1 for a, t in ins if "REDG" in t and any(lo < int(a, 16) < hi for lo, hi in spans))
-    loops = [lp for lp in GB.sass_step_loops(sass) if lp["hgmma"]]
-    rep[mask] = dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)),
-                     c75=sorted(set(re.findall(r"C75\\d\\d", ptxas))), hazards=len(wgmma_sass_hazards(sass)),
-                     redg=len(re.findall(r"REDG", sass)), redg_skipped=skipped, loops=loops)
-print(json.dumps(rep))
-"""
-    rep = offline_build_json(code, FXOPT_ATTN_GLUON_BWD_ABLATE_OK="1")
+    rep = _ablation_census('GB.compile_offline(256, False, "bf16", ablate=mask)', (0, 1, 4, 8),
+                           0x100)  # short hops (interleaved pairs here)
     base = rep["0"]
     assert base["redg"] == 64 and base["redg_skipped"] == 0, (base["redg"], base["redg_skipped"])
     assert rep["1"]["redg"] == 64 and rep["1"]["redg_skipped"] == 64, rep["1"]["redg_skipped"]

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from fxopt.testing import attention_bwd_reference64
+from fxopt.testing import GLUON_BWD_CASES, GLUON_BWD_TOL, attention_bwd_reference64
 
 GB = pytest.importorskip("fxopt.kernels.attention_gluon_bwd")
 
@@ -114,21 +114,12 @@ print(json.dumps(rep))
 # GPU: variants 1 / 3 / 4 at d = 64 against the float64 backward
 # ----------------------------------------------------------------------------------------------------------------
 
-TOL = {torch.bfloat16: 2.5e-2, torch.float16: 3e-3}  # as tests/test_attention_gluon_bwd_v4.py (times 2 below)
-
-GPU_CASES = {  # (B, Hq, Hkv, Sq, Sk, causal, dtype)
-    "S200_nc_bf16": (2, 2, 2, 200, 200, False, torch.bfloat16),
-    "S200_c_fp16": (2, 2, 2, 200, 200, True, torch.float16),
-    "S2048_nc_bf16": (1, 4, 4, 2048, 2048, False, torch.bfloat16),
-    "S2048_c_fp16": (1, 4, 4, 2048, 2048, True, torch.float16),
-    "S4096_c_bf16_gqa4:2": (1, 4, 2, 4096, 4096, True, torch.bfloat16),
-    "gqa8:1_S333_nc_fp16": (1, 8, 1, 333, 333, False, torch.float16),
-    "ragged_S2100_c_gqa4:2": (1, 4, 2, 2100, 2100, True, torch.bfloat16),
-    "causal_Sq100_Sk300": (1, 2, 2, 100, 300, True, torch.bfloat16),
-    "causal_Sq300_Sk100_empty_rows": (1, 2, 2, 300, 100, True, torch.float16),
-    "Sq1_Sk50": (2, 2, 2, 1, 50, False, torch.bfloat16),
-    "S64_c": (1, 2, 2, 64, 64, True, torch.bfloat16),
-}
+TOL = GLUON_BWD_TOL  # the d = 128 variant tests' tolerance (times 2 below)
+GPU_CASES = {}
+for _name, _case in GLUON_BWD_CASES.items():  # the shared cases, with the S = 2048 causal case in fp16
+    if _name == "S2048_c_bf16":
+        _name, _case = "S2048_c_fp16", _case[:-1] + (torch.float16,)
+    GPU_CASES[_name] = _case
 
 
 @pytest.mark.gpu

@@ -1672,7 +1672,7 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    if grads_like_inputs:
+    if grads_like_inputs and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         if not grad_strides_ok(q, k, v):
             raise ValueError("gluon_attention_bwd: grads_like_inputs: torch.empty_like(q / k / v) strides do not "
                              "suit TMA (last dim contiguous, other strides 16-byte multiples)")
@@ -1947,6 +1947,101 @@ def bwd_step_model(consumer_loops, producer_n: int = 0, tflops: Optional[float] 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The CPU protocol models' shared mechanics (``d256_protocol_model``, ``v4_protocol_model``,
+# ``attention_gluon_bwd_dqw.dqw_protocol_model``)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ProtocolState:
+    """One CTA's barriers and buffers for a CPU protocol model. mbarriers are completed-phase counts: ``passed(bar,
+    u)`` (the wait for use u) holds once u + 1 phases completed and raises if more have (a parity wait would then be
+    ambiguous: a skipped phase). ``read`` / ``unread`` track the agents reading a buffer; ``write`` raises if another
+    agent reads it. ``load`` issues a TMA load that lands 0..delay ticks later and arrives on its barrier; ``run``
+    is the random scheduler."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.count, self.arrived, self.done, self.readers = {}, {}, {}, {}
+        self.inflight = []   # (land tick, buffers, barrier)
+        self.tick = 0
+
+    def init(self, bar, n):
+        self.count[bar], self.arrived[bar], self.done[bar] = n, 0, 0
+
+    def arrive(self, bar):
+        self.arrived[bar] += 1
+        if self.arrived[bar] == self.count[bar]:
+            self.arrived[bar] = 0
+            self.done[bar] += 1
+
+    def passed(self, bar, use):
+        assert self.done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {self.done[bar]} phases completed"
+        return self.done[bar] == use + 1
+
+    def read(self, buf, who):
+        self.readers.setdefault(buf, set()).add(who)
+
+    def unread(self, buf, who):
+        self.readers[buf].discard(who)
+
+    def write(self, buf, who):
+        others = self.readers.get(buf, set()) - {who}
+        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
+
+    def load(self, delay, bufs, bar):
+        self.inflight.append((self.tick + self.rng.randint(0, delay), bufs, bar))
+
+    def run(self, agents: dict, max_ticks: int, progress=tuple, speed=None, land_writes=False, stuck=str) -> int:
+        """Run the agents (generators; a ``yield`` is one step) until all finished and every load landed: per tick
+        the loads due land (with ``land_writes`` each writes its buffers as "tma"), then one runnable agent, drawn
+        uniformly or by ``speed`` weights, takes a step. Deadlock = nothing in flight and no change of the phases,
+        arrivals or ``progress()`` for 10,000 steps (``stuck()`` is added to the message). Returns the ticks."""
+        blocked_for = 0
+        while agents or self.inflight:
+            self.tick += 1
+            assert self.tick < max_ticks, "model did not finish"
+            for item in [x for x in self.inflight if x[0] <= self.tick]:
+                self.inflight.remove(item)
+                if land_writes:
+                    for buf in item[1]:
+                        self.write(buf, "tma")
+                self.arrive(item[2])
+            if not agents:
+                continue
+            names = sorted(agents)
+            name = (self.rng.choices(names, weights=[speed[n] for n in names])[0] if speed
+                    else self.rng.choice(names))
+            before = (dict(self.done), dict(self.arrived), len(self.inflight), progress())
+            try:
+                next(agents[name])
+            except StopIteration:
+                del agents[name]
+                continue
+            if not self.inflight and (dict(self.done), dict(self.arrived), len(self.inflight), progress()) == before:
+                blocked_for += 1
+                assert blocked_for < 10000, (f"deadlock at tick {self.tick}: {sorted(agents)} waiting; phases "
+                                             f"{self.done}{stuck()}")
+            else:
+                blocked_for = 0
+        return self.tick
+
+
+def ring_producer(st: ProtocolState, n_steps: int, stages: int, tma_delay: int):
+    """The producer partition of ``_fa3_bwd_kernel_v1`` (variants 1-5) as a protocol-model agent: K / V (both column
+    halves) once on "kv", then Q / dO of ``n_steps`` query blocks into ring slot it % stages, each TMA issued after
+    the release of the slot's previous use (q_empty / do_empty) and writing the slot at issue."""
+    st.load(tma_delay, ["K0", "K1", "V0", "V1"], "kv")
+    for it in range(n_steps):
+        s, u = it % stages, it // stages
+        for kind in ("q", "do"):
+            while u > 0 and not st.passed((kind + "_empty", s), u - 1):
+                yield
+            st.write((kind, s), "tma")
+            st.load(tma_delay, [(kind, s)], (kind + "_ready", s))
+            yield
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # CPU model of the d = 256 kernel's barrier protocol (no GPU): python -c "import fxopt.kernels.attention_gluon_bwd as
 # G; print(G.check_d256_protocol())"
 # ----------------------------------------------------------------------------------------------------------------
@@ -1967,28 +2062,8 @@ def d256_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay:
     the dV / dK wgmmas that read them are waited for), "no_end_bar" (epilogue without the end_bar meeting)."""
     import random
 
-    rng = random.Random(seed)
-    count = {}      # barrier -> arrivals needed per phase
-    arrived = {}    # barrier -> arrivals in the current phase
-    done = {}       # barrier -> completed phases
-    readers = {}    # buffer -> set of agents reading it now
-
-    def init(bar, n):
-        count[bar], arrived[bar], done[bar] = n, 0, 0
-
-    def arrive(bar):
-        arrived[bar] += 1
-        if arrived[bar] == count[bar]:
-            arrived[bar] = 0
-            done[bar] += 1
-
-    def passed(bar, use):
-        assert done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {done[bar]} phases completed"
-        return done[bar] == use + 1
-
-    def write(buf, who):
-        others = readers.get(buf, set()) - {who}
-        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
+    st = ProtocolState(random.Random(seed))
+    init, arrive, passed, read, unread, write = st.init, st.arrive, st.passed, st.read, st.unread, st.write
 
     init("kv", 1)
     init("end", 2)
@@ -1999,25 +2074,23 @@ def d256_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay:
         init(("do_empty", i), 2)
     for i in range(2):
         init(("x", i), 2)
-    inflight = []   # (land tick, buffers, barrier)
-    tick = 0
 
     def producer():
-        inflight.append((tick + rng.randint(0, tma_delay), ["K", "V"], "kv"))
+        st.load(tma_delay, ["K", "V"], "kv")
         for it in range(n_steps):
             s, u = it % stages, it // stages
             for kind in ("q", "do"):
                 while u > 0 and not passed((kind + "_empty", s), u - 1):
                     yield
-                inflight.append((tick + rng.randint(0, tma_delay), [(kind, s)], (kind + "_ready", s)))
+                st.load(tma_delay, [(kind, s)], (kind + "_ready", s))
                 yield
 
     def consumer(w):
         me = f"wg{w}"
         while not passed("kv", 0):
             yield
-        readers.setdefault("K", set()).add(me)
-        readers.setdefault("V", set()).add(me)
+        read("K", me)
+        read("V", me)
         for it in range(n_steps):
             s, u, p = it % stages, it // stages, it % 2
             xp, xu = (0, it) if bug == "single_x" else (p, it // 2)
@@ -2025,7 +2098,7 @@ def d256_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay:
             for kind in ("q", "do"):           # S^T after q_ready, dP^T after do_ready
                 while not passed((kind + "_ready", s), u):
                     yield
-                readers.setdefault((kind, s), set()).add(me)
+                read((kind, s), me)
                 yield
             write(("pt", p, w), me)            # P^T_w -> block w of buffer p
             yield
@@ -2038,52 +2111,29 @@ def d256_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay:
             while not passed(("x", p), xu):
                 yield
             for blk in (("pt", p, 1 - w), ("ds", p, 1 - w), ("pt", p, w), ("ds", p, w)):
-                readers.setdefault(blk, set()).add(me)   # dV / dK (other half) and dQ (both halves) read buffer p
+                read(blk, me)                            # dV / dK (other half) and dQ (both halves) read buffer p
             yield
-            readers[("pt", p, 1 - w)].discard(me)        # wait(0) of dV / dK
-            readers[("pt", p, w)].discard(me)
-            readers[("q", s)].discard(me)
-            readers[("do", s)].discard(me)
+            unread(("pt", p, 1 - w), me)                 # wait(0) of dV / dK
+            unread(("pt", p, w), me)
+            unread(("q", s), me)
+            unread(("do", s), me)
             if bug != "early_release":
                 arrive(("q_empty", s))
                 arrive(("do_empty", s))
             yield
-            readers[("ds", p, 1 - w)].discard(me)        # wait(0) of dQ
-            readers[("ds", p, w)].discard(me)
+            unread(("ds", p, 1 - w), me)                 # wait(0) of dQ
+            unread(("ds", p, w), me)
             yield
-        readers["K"].discard(me)
-        readers["V"].discard(me)
+        unread("K", me)
+        unread("V", me)
         arrive("end")
         while bug != "no_end_bar" and not passed("end", 0):
             yield
         write("K", me)                                   # dK_w / dV_w staged in column half w of K / V
         write("V", me)
 
-    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
-    blocked_for = 0
-    while agents or inflight:
-        tick += 1
-        assert tick < max_ticks, "model did not finish"
-        for item in [x for x in inflight if x[0] <= tick]:
-            inflight.remove(item)
-            for buf in item[1]:
-                write(buf, "tma")
-            arrive(item[2])
-        if not agents:
-            continue
-        name = rng.choice(sorted(agents))
-        before = (dict(done), dict(arrived), len(inflight))
-        try:
-            next(agents[name])
-        except StopIteration:
-            del agents[name]
-            continue
-        # deadlock: nothing in flight and no agent can make progress for many ticks
-        if not inflight and (dict(done), dict(arrived), len(inflight)) == before:
-            blocked_for += 1
-            assert blocked_for < 10000, f"deadlock at tick {tick}: {sorted(agents)} waiting; phases {done}"
-        else:
-            blocked_for = 0
+    tick = st.run({"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}, max_ticks, land_writes=True)
+    done = st.done
     assert done["end"] == 1 and all(done[("q_ready", i)] == len(range(i, n_steps, stages)) for i in range(stages))
     return tick
 
@@ -2132,32 +2182,8 @@ def v4_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay: i
     import random
 
     assert bug in ("",) + V4_BUGS, bug
-    rng = random.Random(seed)
-    count, arrived, done = {}, {}, {}
-    readers = {}
-
-    def init(bar, n):
-        count[bar], arrived[bar], done[bar] = n, 0, 0
-
-    def arrive(bar):
-        arrived[bar] += 1
-        if arrived[bar] == count[bar]:
-            arrived[bar] = 0
-            done[bar] += 1
-
-    def passed(bar, use):
-        assert done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {done[bar]} phases completed"
-        return done[bar] == use + 1
-
-    def read(buf, who):
-        readers.setdefault(buf, set()).add(who)
-
-    def unread(buf, who):
-        readers[buf].discard(who)
-
-    def write(buf, who):
-        others = readers.get(buf, set()) - {who}
-        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
+    st = ProtocolState(random.Random(seed))
+    init, arrive, passed, read, unread, write = st.init, st.arrive, st.passed, st.read, st.unread, st.write
 
     members = [set(), set()]   # named barrier 14 + w: warpgroups that contributed to the current generation
     gen = [0, 0]
@@ -2188,20 +2214,7 @@ def v4_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay: i
     n_ds = 1 if bug == "single_ds" else 2
     for i in range(n_ds):
         init(("ds", i), 2)
-    inflight = []   # (land tick, buffers, barrier)
     issues = []
-    tick = 0
-
-    def producer():
-        inflight.append((tick + rng.randint(0, tma_delay), ["K0", "K1", "V0", "V1"], "kv"))
-        for it in range(n_steps):
-            s, u = it % stages, it // stages
-            for kind in ("q", "do"):
-                while u > 0 and not passed((kind + "_empty", s), u - 1):
-                    yield
-                write((kind, s), "tma")
-                inflight.append((tick + rng.randint(0, tma_delay), [(kind, s)], (kind + "_ready", s)))
-                yield
 
     def consumer(w):
         me = f"wg{w}"
@@ -2258,29 +2271,10 @@ def v4_protocol_model(n_steps: int, stages: int = 2, seed: int = 0, tma_delay: i
         write(f"K{w}", me)                              # dK_w / dV_w staged in K_w / V_w, TMA store
         write(f"V{w}", me)
 
-    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
-    blocked_for = 0
-    while agents or inflight:
-        tick += 1
-        assert tick < max_ticks, "model did not finish"
-        for item in [x for x in inflight if x[0] <= tick]:
-            inflight.remove(item)
-            arrive(item[2])
-        if not agents:
-            continue
-        name = rng.choice(sorted(agents))
-        before = (dict(done), dict(arrived), list(gen), [set(m) for m in members], len(inflight))
-        try:
-            next(agents[name])
-        except StopIteration:
-            del agents[name]
-            continue
-        if not inflight and (dict(done), dict(arrived), list(gen), [set(m) for m in members], len(inflight)) == before:
-            blocked_for += 1
-            assert blocked_for < 10000, (f"deadlock at tick {tick}: {sorted(agents)} waiting; phases {done}; "
-                                         f"named barriers 14 / 15: {members}")
-        else:
-            blocked_for = 0
+    tick = st.run({"producer": ring_producer(st, n_steps, stages, tma_delay), "wg0": consumer(0),
+                   "wg1": consumer(1)}, max_ticks, progress=lambda: (list(gen), [set(m) for m in members]),
+                  stuck=lambda: f"; named barriers 14 / 15: {members}")
+    done = st.done
     assert not members[0] and not members[1], \
         f"named barrier left with pending arrivals: 14 {members[0]}, 15 {members[1]}"
     want = [(w, k) for k in range(2 * n_steps) for w in (0, 1)]

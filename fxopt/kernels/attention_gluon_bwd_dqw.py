@@ -224,24 +224,11 @@ def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0
 
     assert bug in ("",) + DQW_BUGS, bug
     rng = random.Random(seed)
-    count, arrived, done = {}, {}, {}
-    readers = {}
+    st = GB.ProtocolState(rng)
+    init, arrive, passed, read, unread, write = st.init, st.arrive, st.passed, st.read, st.unread, st.write
+    done = st.done
     tile_ver = {}          # (b, w) -> step whose dQ the tile holds
     reduced = []           # (step, w) reduced by the reducer
-
-    def init(bar, n):
-        count[bar], arrived[bar], done[bar] = n, 0, 0
-
-    def arrive(bar):
-        arrived[bar] += 1
-        if arrived[bar] == count[bar]:
-            arrived[bar] = 0
-            done[bar] += 1
-
-    def passed(bar, use):
-        """count-based wait for use ``use`` (the protocol's intent); raises on a skipped phase."""
-        assert done[bar] <= use + 1, f"phase skipped on {bar}: use {use}, {done[bar]} phases completed"
-        return done[bar] == use + 1
 
     def parity_wait_ok(bar, parity, use):
         """hardware parity wait: passes iff the phase with this parity, most recent, has completed, i.e. the
@@ -252,16 +239,6 @@ def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0
             assert done[bar] == use + 1, (f"parity wait on {bar} passed with {done[bar]} phases completed, "
                                           f"intended use {use} (phase skipped or passed early)")
         return ok
-
-    def read(buf, who):
-        readers.setdefault(buf, set()).add(who)
-
-    def unread(buf, who):
-        readers[buf].discard(who)
-
-    def write(buf, who):
-        others = readers.get(buf, set()) - {who}
-        assert not others, f"{who} writes {buf} while {sorted(others)} read it"
 
     init("kv", 1)
     init("end", 2)
@@ -275,19 +252,6 @@ def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0
     for i in range(nb):
         init(("dq_full", i), 1 if bug == "full_count_1" else 2)
         init(("dq_empty", i), 1)
-    inflight = []
-    tick = 0
-
-    def producer():
-        inflight.append((tick + rng.randint(0, tma_delay), ["K0", "K1", "V0", "V1"], "kv"))
-        for it in range(n_steps):
-            s, u = it % stages, it // stages
-            for kind in ("q", "do"):
-                while u > 0 and not passed((kind + "_empty", s), u - 1):
-                    yield
-                write((kind, s), "tma")
-                inflight.append((tick + rng.randint(0, tma_delay), [(kind, s)], (kind + "_ready", s)))
-                yield
 
     def consumer(w):
         me = f"wg{w}"
@@ -361,30 +325,10 @@ def dqw_protocol_model(n_steps: int, stages: int = 2, nb: int = 2, seed: int = 0
                 arrive(("dq_empty", b))
             yield
 
-    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1), "reducer": reducer()}
+    agents = {"producer": GB.ring_producer(st, n_steps, stages, tma_delay), "wg0": consumer(0), "wg1": consumer(1),
+              "reducer": reducer()}
     speed = {name: rng.choice((1, 2, 6, 20)) for name in agents}   # skewed agent speeds: slow reducers etc.
-    blocked_for = 0
-    while agents or inflight:
-        tick += 1
-        assert tick < max_ticks, "model did not finish"
-        for item in [x for x in inflight if x[0] <= tick]:
-            inflight.remove(item)
-            arrive(item[2])
-        if not agents:
-            continue
-        names = sorted(agents)
-        name = rng.choices(names, weights=[speed[n] for n in names])[0]
-        before = (dict(done), dict(arrived), len(inflight), len(reduced), dict(tile_ver))
-        try:
-            next(agents[name])
-        except StopIteration:
-            del agents[name]
-            continue
-        if not inflight and (dict(done), dict(arrived), len(inflight), len(reduced), dict(tile_ver)) == before:
-            blocked_for += 1
-            assert blocked_for < 10000, f"deadlock at tick {tick}: {sorted(agents)} waiting; phases {done}"
-        else:
-            blocked_for = 0
+    tick = st.run(agents, max_ticks, progress=lambda: (len(reduced), dict(tile_ver)), speed=speed)
     assert sorted(reduced) == [(it, w) for it in range(n_steps) for w in (0, 1)], \
         f"dQ contributions lost or doubled: reduced {len(reduced)} tiles of {2 * n_steps}"
     assert done["end"] == 1
