@@ -217,8 +217,8 @@ def test_gpu_bwd_grads_like_strided_inputs(head_dim, causal):
     """``grads_like_inputs=True`` on [B, S, H, D] views (q / k / v / out / dout as a model's transposes give them;
     GQA 4:2, ragged S): gradients laid out like ``torch.empty_like`` of q / k / v, dK / dV bit-identical to the
     same build on contiguous copies (same per-CTA arithmetic; only the addresses differ), dQ within the fp32
-    reduction-order tolerance of it. The op routes strided inputs here only once this passes on the H200
-    (FXOPT_ATTN_GLUON_BWD_STRIDED)."""
+    reduction-order tolerance of it. The op routes strided inputs here since this passed on the H200 (session 13;
+    FXOPT_ATTN_GLUON_BWD_STRIDED=0 turns that off)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     from fxopt.testing import GLUON_BWD_TOL

@@ -722,8 +722,8 @@ def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
 def test_gpu_gluon_backward_route(name, dtype, head_dim, monkeypatch):
     """The op's backward at d = 128 and 64 (variant 5, the dQ reducer warp, at both since session 12): routed above
     the length floor, correct against float64 and not fallen back (session 12 found the routed build failing to
-    compile at run time, silently replaced by the Triton backward). The [B, S, H, D] view case runs with
-    FXOPT_ATTN_GLUON_BWD_STRIDED=1 (opt-in until this test passes on the H200): gradients laid out like q, k, v."""
+    compile at run time, silently replaced by the Triton backward). The [B, S, H, D] view case is routed by default
+    since it passed here (session 13; FXOPT_ATTN_GLUON_BWD_STRIDED=0 refuses it): gradients laid out like q, k, v."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is routed on sm_90 only")
     if head_dim not in A._GLUON_BWD_HEAD_DIMS:
@@ -733,12 +733,12 @@ def test_gpu_gluon_backward_route(name, dtype, head_dim, monkeypatch):
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, head_dim, dtype, "cuda", bshd=bshd)
     out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
     do = torch.randn_like(out)
-    if bshd:  # strided inputs: refused unless switched on
+    if bshd:  # strided inputs: routed by default (session 13), kept on Triton when switched off
         floor = A._GLUON_BWD_MIN_SEQ
         monkeypatch.setattr(A, "_GLUON_BWD_MIN_SEQ", 0)
-        monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_STRIDED", raising=False)
+        monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_STRIDED", "0")
         assert not A._gluon_bwd_route(do, q, k, v, out, lse, None, None, 0.0, -1, 0.0, causal, None)
-        monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_STRIDED", "1")
+        monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_STRIDED")
         monkeypatch.setattr(A, "_GLUON_BWD_MIN_SEQ", floor)
     # short sequences stay on the Triton backward (measured faster there); lift the floor to test the kernel
     assert not A._gluon_bwd_route(do, q, k, v, out, lse, None, None, 0.0, -1, 0.0, causal, None)

@@ -1210,7 +1210,7 @@ _GLUON_BWD_FAILED: set = set()
 # benchmarks/results/attention_d64gluonbwd.md). With the dQ reducer warp (variant 5, below) it wins from S = 4096
 # (session 12, benchmarks/results/attention_d64dqw.md, fwd+bwd through the op): 399 / 363 / 428 / 417 against the
 # Triton backward's 385 / 351 / 402 / 382 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal, = 0.906 / 0.913 / 0.948 /
-# 0.953x cuDNN; at 2048 382 / 255 against 372 / 282 (causal lost), hence d = 64's floor of 4096.
+# 0.953x cuDNN; at 2048 382 / 255 against 372 / 282 (causal lost): floors below.
 _GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "64,128,256").split(",")
                              if d.strip())
 # Per head dim. d = 128: variant 3 (GPU-checked, session 8; variant 4's named-barrier turns were correct but 1-2%
@@ -1235,20 +1235,26 @@ _GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD
 _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # d = 256 from S = 1024: there the Triton backward is the weak one (kernel check, session 10: 274 / 226 TFLOP/s for the
 # Gluon d = 256 kernel against 136 / 114 at S = 1024, non-causal / causal; the 18 GPU cases include S = 1024).
-# d = 64 from S = 4096 (above). An explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim.
-_GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {256: 1024, 64: 4096}
+# d = 64 / 128: non-causal from S = 2048, causal from 4096. The op-level A/B with the floor at 512 (session 13,
+# benchmarks/results/attention_bwdfloor512.md, fwd+bwd TFLOP/s, Gluon variant 5 against the Triton backward, same
+# run) repeated session 12's split: non-causal 2048 Gluon 468 / 382 against 437 / 367 (d = 128 / 64; session 12
+# 486 / 382 against 441 / 372), causal 2048 Triton 317 / 274 against 272 / 259 (session 12 280 / 282 against
+# 252 / 255). Below 2048 neither dim nor mode has Gluon ahead on both runs. Keys are (head dim, causal); an explicit
+# FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode.
+_GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {
+    (256, False): 1024, (256, True): 1024, (64, True): 4096, (128, True): 4096}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
                      scale) -> bool:
     """Whether the backward goes to ``attention_gluon_bwd``: as ``_gluon_route``, plus Sq and Sk at least
-    ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim) and contiguous q, k, v. Strided q, k, v
-    (e.g. [B, S, H, D] transposed views, as real models pass them) go there too with
-    ``FXOPT_ATTN_GLUON_BWD_STRIDED=1``: the Gluon kernels then write gradients laid out like ``torch.empty_like``
-    of q, k, v, as the op's fake implementation promises (``grads_like_inputs``; built in session 12, not yet
-    GPU-checked on strided tensors, hence opt-in). ``FXOPT_ATTN_GLUON_BWD=0`` turns it off."""
+    ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim and mode). Strided q, k, v (e.g.
+    [B, S, H, D] transposed views, as real models pass them) go there too: the Gluon kernels then write gradients
+    laid out like ``torch.empty_like`` of q, k, v, as the op's fake implementation promises (``grads_like_inputs``;
+    GPU-checked in session 13; ``FXOPT_ATTN_GLUON_BWD_STRIDED=0`` keeps them on the Triton backward).
+    ``FXOPT_ATTN_GLUON_BWD=0`` turns the route off."""
     D = q.shape[-1]
-    min_seq = _GLUON_BWD_MIN_SEQ_BY_DIM.get(D, _GLUON_BWD_MIN_SEQ)
+    min_seq = _GLUON_BWD_MIN_SEQ_BY_DIM.get((D, bool(is_causal)), _GLUON_BWD_MIN_SEQ)
     if (D not in _GLUON_BWD_HEAD_DIMS or min(q.shape[2], k.shape[2]) < min_seq
             or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
             or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
@@ -1258,7 +1264,7 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
     from fxopt.kernels.attention_gluon_bwd import grad_strides_ok, gluon_bwd_supported
 
     if not all(t.is_contiguous() for t in (q, k, v)) and (
-            os.environ.get("FXOPT_ATTN_GLUON_BWD_STRIDED", "0") != "1" or not grad_strides_ok(q, k, v)):
+            os.environ.get("FXOPT_ATTN_GLUON_BWD_STRIDED", "1") == "0" or not grad_strides_ok(q, k, v)):
         return False
     return gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None
 
@@ -1491,7 +1497,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
                                window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
                                dq_config=None):
     """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. On sm_90 at the head dims of
-    ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap, contiguous tensors) it runs the Gluon FA3-style
+    ``_GLUON_BWD_HEAD_DIMS`` (no mask, dropout, window or softcap; TMA-able strides) it runs the Gluon FA3-style
     backward (``attention_gluon_bwd``, variant ``_GLUON_BWD_VARIANT[d]``; ``attention_gluon_bwd_dqw`` at the head dims
     of ``_GLUON_BWD_DQW_DIMS``) instead of the Triton kernels.
     ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) bypass the autotuner;

@@ -1646,8 +1646,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). ``grads_like_inputs=True``:
     dq / dk / dv laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's
     fake implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; the kernels
-    address dq through its strides and dk / dv through TMA descriptors built on them (session 12, not GPU-checked
-    on strided tensors yet: the op routes them here only with ``FXOPT_ATTN_GLUON_BWD_STRIDED=1``).
+    address dq through its strides and dk / dv through TMA descriptors built on them (session 12; GPU-checked
+    in session 13 at d = 64 / 128 / 256, since when the op routes strided inputs here by default).
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
