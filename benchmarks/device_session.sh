@@ -402,7 +402,7 @@ phase_s13t() {
   # session 13: the whole one-GPU test suite (last run whole in session 5; since then each session ran the tests of
   # its own features, and session 12 found a route broken for a session). Its own call: up to 560 s.
   timeout 560 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider \
-    --ignore=tests/test_calibration.py tests 2>&1 | grep -v "Warn\|warn" | tail -40
+    -p no:warnings -rfE --ignore=tests/test_calibration.py tests 2>&1 | tail -40
 }
 
 phase_s13b() {
