@@ -143,7 +143,12 @@ def test_gpu_mma_rowsum_matches_float64(name, variant, D, dtype, monkeypatch):
         out, lse = outs[num_sms] = G.gluon_attention_fwd(q, k, v, causal=causal, variant=variant, num_sms=num_sms,
                                                          mma_rowsum=True)
         torch.cuda.synchronize()
-        assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, f"num_sms={num_sms}")
+        # the tensor cores sum P rounded to the input dtype: a sum of rounded positive terms is within the unit
+        # roundoff u of the exact one, so lse within -log(1 - u) (u = 2^-8 bf16, 2^-11 fp16). Rows with a few visible keys
+        # (causal) do not average the roundings away: 8 causal bf16 cases exceeded the 1e-3 of the FADD build on
+        # the H200 (session 13's whole GPU suite)
+        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, f"num_sms={num_sms}", lse_tol=1.1 * u)
     for n in (3, 1):  # the arithmetic of a tile does not depend on the CTA that runs it
         assert torch.equal(outs[n][0], outs[None][0]) and torch.equal(outs[n][1], outs[None][1]), n
     # "nopin" only moves ptxas's PV wait (no pin store): the same arithmetic, bit for bit

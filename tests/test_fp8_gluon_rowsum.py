@@ -481,4 +481,8 @@ def test_switches_masked_ragged_gqa_gpu(D):
             assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] > 0).all())
             assert bool((out[empty.unsqueeze(-1).expand_as(out)] == 0).all())
             if (~empty).any():
-                assert (lse[~empty] - lse0[~empty]).abs().max().item() < 2e-2
+                # mma_rowsum sums P as rounded to e4m3 for the PV product: a sum of positive terms each within
+                # the unit roundoff u = 2^-4 of exact is within u of the exact sum, so lse within -log(1 - u)
+                # (0.0269 at d = 128 on the H200, session 13); the FADD row sum (lazy only) keeps 2e-2
+                tol = 1.1 * 2.0 ** -4 if mr else 2e-2
+                assert (lse[~empty] - lse0[~empty]).abs().max().item() < tol

@@ -1235,14 +1235,18 @@ _GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD
 _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # d = 256 from S = 1024: there the Triton backward is the weak one (kernel check, session 10: 274 / 226 TFLOP/s for the
 # Gluon d = 256 kernel against 136 / 114 at S = 1024, non-causal / causal; the 18 GPU cases include S = 1024).
-# d = 64 / 128: non-causal from S = 2048, causal from 4096. The op-level A/B with the floor at 512 (session 13,
-# benchmarks/results/attention_bwdfloor512.md, fwd+bwd TFLOP/s, Gluon variant 5 against the Triton backward, same
-# run) repeated session 12's split: non-causal 2048 Gluon 468 / 382 against 437 / 367 (d = 128 / 64; session 12
-# 486 / 382 against 441 / 372), causal 2048 Triton 317 / 274 against 272 / 259 (session 12 280 / 282 against
-# 252 / 255). Below 2048 neither dim nor mode has Gluon ahead on both runs. Keys are (head dim, causal); an explicit
-# FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode.
+# d = 128 from S = 512, d = 64 from 2048, by GPU time: fwd+bwd replayed from CUDA graphs, Gluon variant 5 against
+# the Triton backward, same run (session 13, benchmarks/results/attention_fbgraph_floor512.md, TFLOP/s):
+# d = 128 S = 512 / 1024 / 2048 / 4096 non-causal 355 / 431 / 468 / 496 against 327 / 395 / 446 / 458, causal
+# 222 / 323 / 395 / 451 against 210 / 298 / 370 / 422; d = 64 S = 1024 340 / 252 against 343 / 253 (a tie), 2048
+# 382 / 321 against 378 / 313. The eager A/Bs of sessions 12-13 (attention_bwdfloor512.md) had put the causal floor
+# at 4096: they timed the host's launch path too, which was longer than the GPU work below S = 4096 (the custom
+# op's autograd layer, since bypassed in eager by _EagerFlashAttention, and the Gluon launchers' ~0.4 ms against
+# the Triton backward's ~0.2 ms; benchmarks/results/attention_host_overhead.md). GPU time is what a compiled model
+# with CUDA graphs sees, and what a model whose other layers keep the GPU busy sees. Keys are (head dim, causal);
+# an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode.
 _GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {
-    (256, False): 1024, (256, True): 1024, (64, True): 4096, (128, True): 4096}
+    (256, False): 1024, (256, True): 1024, (128, False): 512, (128, True): 512, (64, False): 2048, (64, True): 2048}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
@@ -1713,18 +1717,23 @@ def _seed_int(seed):
     return 0 if seed is None else int(seed.item())
 
 
-@torch.library.custom_op("fxopt::flash_attention_fwd", mutates_args=())
-def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                        dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                        window: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None,
-                        seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward -> (out like q, lse [B, Hq, Sq] float32, natural log, +inf on fully masked rows)."""
+def _flash_fwd_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
+    """The body of ``fxopt::flash_attention_fwd`` (and of the eager fast path, ``_EagerFlashAttention``)."""
     if q.device.type == "cuda":  # flash_attention_triton checks the inputs itself (once per call: host time)
         return flash_attention_triton(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
                                       key_padding_mask, _seed_int(seed), return_lse=True)
     _check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     return _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask,
                           _seed_int(seed))
+
+
+@torch.library.custom_op("fxopt::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                        dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                        window: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None,
+                        seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward -> (out like q, lse [B, Hq, Sq] float32, natural log, +inf on fully masked rows)."""
+    return _flash_fwd_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed)
 
 
 @flash_attention_fwd.register_fake
@@ -1735,13 +1744,9 @@ def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, windo
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fxopt::flash_attention_bwd", mutates_args=())
-def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-                        scale: Optional[float], window: int, softcap: float,
-                        key_padding_mask: Optional[torch.Tensor],
-                        seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward from the saved lse -> (dq, dk, dv) allocated like q, k, v."""
+def _flash_bwd_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                    key_padding_mask, seed):
+    """The body of ``fxopt::flash_attention_bwd`` (and of the eager fast path's backward)."""
     if _has_swamped_rows(attn_mask, lse, dropout_p):  # exact but S x S: only for such rare masks
         return _reference_bwd(dout, q, k, v, out, lse, attn_mask, 0.0, is_causal, scale, window, softcap,
                               key_padding_mask, None, from_lse=False)
@@ -1750,6 +1755,17 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                           softcap, key_padding_mask, _seed_int(seed))
     return _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
                           key_padding_mask, _seed_int(seed))
+
+
+@torch.library.custom_op("fxopt::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
+                        scale: Optional[float], window: int, softcap: float,
+                        key_padding_mask: Optional[torch.Tensor],
+                        seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward from the saved lse -> (dq, dk, dv) allocated like q, k, v."""
+    return _flash_bwd_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                           key_padding_mask, seed)
 
 
 def _has_swamped_rows(attn_mask, lse, dropout_p) -> bool:
@@ -1792,6 +1808,47 @@ torch.library.define(
     "float? scale=None, int window=-1, float softcap=0.0, Tensor? key_padding_mask=None) -> Tensor")
 
 
+class _EagerFlashAttention(torch.autograd.Function):
+    """Eager fast path of ``fxopt::flash_attention``: the same bodies as the custom ops (``_flash_fwd_impl`` /
+    ``_flash_bwd_impl``, same kernels, same results bit for bit) under a plain autograd.Function.
+
+    Why: the custom op's autograd layer is Python (default filling, a generated Function, a redispatch into the
+    backward op), and session 13 measured it on the H200 box at ~0.5 ms of host time per fwd+bwd: 32 x 16 x 512 x
+    128 fwd+bwd took 1.66 ms per call through the custom ops and 1.10 ms through a plain Function, for 0.67-0.74 ms
+    of kernels (benchmarks/results/attention_host_experiment.md). Only real tensors outside any tracing take it
+    (``_eager_fast_path_ok``): under torch.compile, make_fx, fake / functional tensors, dispatch modes or functorch
+    transforms the custom ops run, so graphs keep the opaque ``fxopt::flash_attention_fwd`` / ``_bwd`` nodes.
+    ``FXOPT_ATTN_EAGER_FUNCTION=0`` (read once, at import) turns it off."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
+        out, lse = _flash_fwd_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                   key_padding_mask, seed)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
+        ctx.params = (dropout_p, is_causal, scale, window, softcap)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+        dropout_p, is_causal, scale, window, softcap = ctx.params
+        dq, dk, dv = _flash_bwd_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window,
+                                     softcap, key_padding_mask, seed)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_EAGER_FUNCTION = os.environ.get("FXOPT_ATTN_EAGER_FUNCTION", "1") != "0"
+
+
+def _eager_fast_path_ok(*tensors) -> bool:
+    """Plain eager call on real tensors: not compiling, no dispatch mode (fake / proxy / functional tracing), every
+    tensor exactly a ``torch.Tensor`` and not wrapped by a functorch transform (vmap, grad)."""
+    if not _EAGER_FUNCTION or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(t is None or (type(t) is torch.Tensor and not wrapped(t)) for t in tensors)
+
+
 @torch.library.impl("fxopt::flash_attention", "CompositeImplicitAutograd")
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1, softcap=0.0,
                     key_padding_mask=None):
@@ -1799,6 +1856,9 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    if _eager_fast_path_ok(q, k, v, attn_mask, key_padding_mask):
+        return _EagerFlashAttention.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                          key_padding_mask, seed)
     out, _ = torch.ops.fxopt.flash_attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
                                                  key_padding_mask, seed)
     return out

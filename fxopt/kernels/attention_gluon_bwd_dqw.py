@@ -132,8 +132,8 @@ Offline (Triton 3.6, ptxas 12.8, sm_90a; bf16 = fp16; test_dqw_offline_build_cen
   CTA step: tensor 1,280, shared-memory port 1,924 (variant 3's + 128 STS.64 + 128 LDS.128 cycles), reducer loop 146
   instructions against ~375 per consumer warp. On the H200 (session 12, fwd+bwd through the op against the Triton
   backward): 399 / 363 / 428 / 417 against 385 / 351 / 402 / 382 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal;
-  at 2048 382 / 255 against 372 / 282, hence the causal floor of 4096
-  (``attention._GLUON_BWD_MIN_SEQ_BY_DIM``; non-causal from 2048 since session 13).
+  at 2048 382 / 255 against 372 / 282, in eager timing. Routed by GPU time (CUDA-graph
+  replays, session 13): d = 64 from 2048, d = 128 from 512 (``attention._GLUON_BWD_MIN_SEQ_BY_DIM``).
 """
 from __future__ import annotations
 

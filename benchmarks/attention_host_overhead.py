@@ -1,0 +1,167 @@
+"""Host (CPU) time of the attention op's launch path, against SDPA's cuDNN backend (H200).
+
+Session 13's per-kernel profile (``attention_breakdown.py``) found the op's fwd+bwd at S = 512 (d = 128, B = 32,
+H = 16) spending 0.67-0.74 ms in kernels while ``attention.py`` timed 1.5-1.9 ms per call; cuDNN's kernel sum and
+timing agree. A launch path slower than the GPU shows as exactly that. This script measures it directly:
+
+* ``wall_us``: per call, 50 calls back to back then one synchronize, on a tiny shape (B = H = 1, S = 128), where
+  the GPU work is a few microseconds, so the figure is the host's;
+* a cProfile of 30 fwd+bwd calls of the op on the same shape: the functions with the most own time.
+
+    python3 benchmarks/attention_host_overhead.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_results  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from fxopt.kernels import attention as A  # noqa: E402
+
+
+def wall_us(fn, calls: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+class _PlainFunction(torch.autograd.Function):
+    """The op's fwd+bwd as a plain autograd.Function calling the kernel launchers directly (no custom-op dispatch):
+    the A/B that says whether the host time is the custom op's autograd layer or the autograd engine."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*A.flash_attention_triton_bwd(dout, q, k, v, out, lse, is_causal=ctx.causal), None)
+
+
+def thread_wall_us(fn, calls: int = 50) -> float:
+    """wall_us with the calls made from a second Python thread (the autograd engine runs CUDA backward nodes on
+    its own device thread)."""
+    import threading
+
+    res = []
+    t = threading.Thread(target=lambda: res.append(wall_us(fn, calls)))
+    t.start()
+    t.join()
+    return res[0]
+
+
+def experiment(B, H, S, D, causal):
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = A.flash_attention_triton(qd, kd, vd, is_causal=causal, return_lse=True)
+    op = lambda a_, b_, c_: torch.ops.fxopt.flash_attention(a_, b_, c_, is_causal=causal)  # noqa: E731
+    bwd = lambda: A.flash_attention_triton_bwd(do, qd, kd, vd, out, lse, is_causal=causal)  # noqa: E731
+
+    def sdpa(a_, b_, c_):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(a_, b_, c_, is_causal=causal)
+
+    cands = {
+        "kernel bwd, main thread": bwd,
+        "kernel bwd, second thread": None,
+        "op bwd (torch.ops.fxopt.flash_attention_bwd)": lambda: torch.ops.fxopt.flash_attention_bwd(
+            do, qd, kd, vd, out, lse, None, 0.0, causal, None, -1, 0.0, None, None),
+        "op fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(op(q, k, v), (q, k, v), do),
+        "plain Function fwd+bwd": lambda: torch.autograd.grad(_PlainFunction.apply(q, k, v, causal), (q, k, v), do),
+        "cudnn fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+    }
+    rows = []
+    for name, fn in cands.items():
+        us = thread_wall_us(bwd) if fn is None else wall_us(fn)
+        rows.append({"shape": f"{B}x{H}x{S}x{D}", "causal": causal, "call": name, "wall_us": round(us, 1)})
+        print(f"[experiment] {B}x{H}x{S}x{D} causal={causal} {name}: {us:.1f} us per call", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--shape", default="1x1x128x128", help="BxHxSxD")
+    p.add_argument("--experiment", action="store_true", help="only the thread / plain-Function A/B")
+    a = p.parse_args()
+    B, H, S, D = (int(x) for x in a.shape.split("x"))
+    if a.experiment:
+        rows = []
+        for shape in ((B, H, S, D), (32, 16, 512, 128)):
+            for causal in (False, True):
+                rows += experiment(*shape, causal)
+        write_results("attention_host_experiment", rows, out_dir=a.out, echo=True,
+                      title="Attention op: where the host time goes (threads, custom op, autograd)",
+                      notes="wall_us: 50 calls back to back then one synchronize, per call; at 32x16x512x128 the GPU "
+                            "work is ~0.6-0.75 ms per fwd+bwd, so a figure above that is host-bound.")
+        return
+    rows = []
+    for causal in (False, True):
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        out, lse = A.flash_attention_triton(qd, kd, vd, is_causal=causal, return_lse=True)
+
+        def sdpa(a_, b_, c_):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(a_, b_, c_, is_causal=causal)
+
+        op = lambda a_, b_, c_: torch.ops.fxopt.flash_attention(a_, b_, c_, is_causal=causal)  # noqa: E731
+        cands = {
+            "kernel fwd (flash_attention_triton)": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
+            "kernel bwd (flash_attention_triton_bwd)": lambda: A.flash_attention_triton_bwd(
+                do, qd, kd, vd, out, lse, is_causal=causal),
+            "op fwd, no grad": lambda: op(qd, kd, vd),
+            "op fwd, grad graph": lambda: op(q, k, v),
+            "op fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(op(q, k, v), (q, k, v), do),
+            "cudnn fwd, no grad": lambda: sdpa(qd, kd, vd),
+            "cudnn fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+        }
+        for name, fn in cands.items():
+            us = wall_us(fn)
+            rows.append({"causal": causal, "call": name, "wall_us": round(us, 1),
+                         "routes": str(A.kernel_routes(qd, kd, vd, is_causal=causal)) if "op" in name else ""})
+            print(f"causal={causal} {name}: {us:.1f} us per call", flush=True)
+        if not causal:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(30):
+                torch.autograd.grad(op(q, k, v), (q, k, v), do)
+            torch.cuda.synchronize()
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
+            print(s.getvalue()[:9000], flush=True)
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(28)
+            print(s.getvalue()[:9000], flush=True)
+    write_results("attention_host_overhead", rows, out_dir=a.out, echo=True,
+                  title="Attention op: host time per call (tiny shape, GPU work negligible)",
+                  notes=f"Shape B x H x S x D = {a.shape}, bf16. wall_us: 50 calls back to back, one synchronize, "
+                        "per call. routes: the kernels the op runs (attention.kernel_routes).")
+
+
+if __name__ == "__main__":
+    main()
