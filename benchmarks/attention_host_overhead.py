@@ -99,13 +99,52 @@ def experiment(B, H, S, D, causal):
     return rows
 
 
+def layout_ab(B=1, H=1, S=128, D=128, rounds=3):
+    """Host time of the Gluon forward and backward launches with ``attention_gluon.host_layout`` cached (as shipped)
+    and uncached (NVMMASharedLayout.get_default_for per descriptor, as before session 13), interleaved rounds."""
+    import functools
+
+    from fxopt.kernels import attention_gluon as G
+    from fxopt.kernels import attention_gluon_bwd as GB
+    from fxopt.kernels.attention_gluon_bwd_dqw import gluon_attention_bwd_dqw
+
+    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = A.flash_attention_triton(q, k, v, return_lse=True)
+    cached = G.host_layout
+    uncached = cached.__wrapped__
+    fns = {"gluon fwd launch": lambda: G.gluon_attention_fwd(q, k, v, variant=A._gluon_fwd_variant(D, False, S)),
+           "gluon bwd launch (variant 5)": functools.partial(gluon_attention_bwd_dqw, do, q, k, v, out, lse)}
+    rows = []
+    for name, fn in fns.items():
+        got = {"cached": [], "uncached": []}
+        for _ in range(rounds):
+            for mode, lay in (("cached", cached), ("uncached", uncached)):
+                G.host_layout = GB.host_layout = lay
+                try:
+                    got[mode].append(wall_us(fn, 200))
+                finally:
+                    G.host_layout = GB.host_layout = cached
+        for mode, vals in got.items():
+            rows.append({"call": name, "layouts": mode, "wall_us": round(sorted(vals)[len(vals) // 2], 1)})
+            print(f"[layout_ab] {name} {mode}: {sorted(vals)[len(vals) // 2]:.1f} us per call (rounds {vals})",
+                  flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--shape", default="1x1x128x128", help="BxHxSxD")
     p.add_argument("--experiment", action="store_true", help="only the thread / plain-Function A/B")
+    p.add_argument("--layout-ab", action="store_true", help="only the cached / uncached descriptor-layout A/B")
     a = p.parse_args()
     B, H, S, D = (int(x) for x in a.shape.split("x"))
+    if a.layout_ab:
+        write_results("attention_host_layout_ab", layout_ab(B, H, S, D), out_dir=a.out, echo=True,
+                      title="Gluon launches: host time with cached / uncached descriptor layouts",
+                      notes=f"Shape {a.shape}, bf16; wall_us: 200 calls back to back, one synchronize, per call; "
+                            "median of 3 interleaved rounds.")
+        return
     if a.experiment:
         rows = []
         for shape in ((B, H, S, D), (32, 16, 512, 128)):

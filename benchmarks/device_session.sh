@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -456,6 +456,12 @@ phase_s13f() {
   timeout 215 env FXOPT_ATTN_GLUON_BWD_MIN_SEQ=512 python3 benchmarks/attention.py \
     --shapes 128x512,128x1024,128x2048,128x4096,64x1024,64x2048 --tag fbgraph_floor512 \
     --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -20
+}
+
+phase_s13g() {
+  # session 13: host time of the Gluon launches with the descriptor layouts cached (attention_gluon.host_layout)
+  # against uncached, same run
+  timeout 75 python3 benchmarks/attention_host_overhead.py --layout-ab --out "$RES" 2>&1 | grep "layout_ab\]"
 }
 
 phase_largem() {

@@ -464,7 +464,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     tl = None
 
 from .attention_gluon import (  # noqa: E402
-    _as_tma_box, _fa_pp_pass, _fa_pp_wait, _gl_dtype, _tma_stride_reason, device_capability)
+    _as_tma_box, _fa_pp_pass, _fa_pp_wait, _gl_dtype, _tma_stride_reason, device_capability, host_layout)
 
 LOG2E = 1.4426950408889634
 
@@ -1630,13 +1630,12 @@ def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
     D = t.shape[-1]
     block = [1, 1, rows, D if cols is None else cols]
     if layout is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+        layout = host_layout(tuple(block), t.dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def _vec_desc(t: torch.Tensor):
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
-    return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], layout)
+    return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], host_layout((BLOCK_M,), torch.float32))
 
 
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

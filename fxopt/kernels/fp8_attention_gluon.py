@@ -313,7 +313,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
     triton = _Stub()
     gl = tl = None
 
-from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability  # noqa: E402
+from .attention_gluon import _as_tma_box, _gl_dtype, _tma_stride_reason, device_capability, host_layout  # noqa: E402
 from .attention_gluon import (  # noqa: E402,F401 (schedule and CPU models, shared with the bf16 forward)
     _fa_sched_count, _fa_sched_item, _fa_tile_blocks, _interleave, _model_persistent_producer, _model_wait, _ModelBar,
     _num_sms, persistent_items, persistent_schedule)
@@ -1670,7 +1670,7 @@ def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -
 
 
 def _desc(t: torch.Tensor, block, shape=None, strides=None):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    layout = host_layout(tuple(block), t.dtype)
     return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
 
 
