@@ -97,3 +97,15 @@ def test_eager_function_under_torch_compile_keeps_custom_op():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     fw_targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert any("flash_attention_fwd" in t for t in fw_targets), fw_targets
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_double_backward_raises_on_both_paths(fast, monkeypatch):
+    """The backward is not differentiable: create_graph=True followed by a second grad raises on both paths, never a
+    silent zero second derivative."""
+    monkeypatch.setattr(A, "_EAGER_FUNCTION", fast)
+    q, k, v, kw = _args("plain")
+    out = torch.ops.fxopt.flash_attention(q, k, v, **kw)
+    with pytest.raises(RuntimeError):
+        dq, = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+        torch.autograd.grad(dq.sum(), (q,))

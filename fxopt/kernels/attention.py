@@ -1829,6 +1829,7 @@ class _EagerFlashAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a second derivative raises, as through the custom ops
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
         dropout_p, is_causal, scale, window, softcap = ctx.params
