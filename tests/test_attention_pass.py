@@ -342,6 +342,35 @@ def test_unsupported_left_alone():
     assert any("dtype" in s.reason for s in cap.skipped)
 
 
+@pytest.mark.parametrize("form", ["sdpa", "hand_written"])
+def test_learned_bias_left_alone_and_its_gradient_kept(form):
+    """An additive mask that requires grad (T5-style learned position bias) stays on the original subgraph, with
+    the reason; its gradient matches eager. The same bias without grad is rewritten."""
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(_rand(1, 2, 6, 6, seed=60) * 0.5)
+
+        def forward(self, q, k, v):
+            if form == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+            return torch.softmax(q @ k.transpose(-1, -2) / 4.0 + self.bias, -1) @ v
+
+    m = Biased()
+    q, k, v = (_rand(1, 2, 6, 16, seed=s).requires_grad_() for s in (61, 62, 63))
+    m(q, k, v).square().sum().backward()
+    want = m.bias.grad.clone()
+    m.bias.grad = None
+    cap = Captured(m)
+    cap(q, k, v).square().sum().backward()
+    assert cap.rewrites == 0 and any("learned bias" in s.reason for s in cap.skipped), cap.skipped
+    torch.testing.assert_close(m.bias.grad, want, atol=1e-5, rtol=1e-4)
+    m.bias.requires_grad_(False)
+    cap = Captured(m)
+    cap(q, k, v)
+    assert cap.rewrites == 1, [s.reason for s in cap.skipped]
+
+
 def test_explain_reports_rewrite():
     q, k, v = _rand(2, 4, 8, 16, seed=52), _rand(2, 4, 8, 16, seed=53), _rand(2, 4, 8, 16, seed=54)
     rep = fxopt.explain(causal_tril, q, k, v)

@@ -1672,9 +1672,11 @@ def _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, soft
 
 
 def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
-                   key_padding_mask, seed, from_lse: bool = True):
+                   key_padding_mask, seed, from_lse: bool = True, logits_grad: bool = False):
     """Explicit backward in float32 from the saved lse (mirrors the kernels); ``from_lse=False`` uses the
-    normalized probabilities instead (exact also on rows swamped by a finite fill, see ``_has_swamped_rows``)."""
+    normalized probabilities instead (exact also on rows swamped by a finite fill, see ``_has_swamped_rows``).
+    ``logits_grad=True`` returns the gradient of the logits the additive mask is added to (after the softcap,
+    before the softmax), [B, Hq, Sq, Sk] float32, instead of (dq, dk, dv)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -1694,6 +1696,8 @@ def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, sca
         dp = torch.where(keep, dp / (1 - dropout_p), torch.zeros_like(dp))
     delta = (do * out.to(f)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if logits_grad:
+        return ds
     if t is not None:
         ds = ds * (1 - t * t)
     ds = ds * sm_scale
@@ -1783,6 +1787,44 @@ def _(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, s
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                    key_padding_mask, seed):
+    """dL / d attn_mask for an additive float mask that requires grad (a learned bias): the logits' gradient
+    (``_reference_bwd(logits_grad=True)``, float32 over [B, Hq, Sq, Sk]: exact, S x S memory) summed over the dims
+    the mask broadcasts along, laid out like ``torch.empty_like(attn_mask)``. The kernels do not write it; before
+    session 13 the op returned None here, and a learned bias lost its gradient without a word."""
+    if dropout_p > 0 and q.device.type != "cpu":
+        raise ValueError("flash_attention: the gradient of attn_mask with dropout_p > 0 is only computed on CPU (the "
+                         "reference cannot replay the GPU kernel's dropout mask); use dropout_p=0 or SDPA")
+    ds = _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                        key_padding_mask, _seed_int(seed), from_lse=not _has_swamped_rows(attn_mask, lse, dropout_p),
+                        logits_grad=True)
+    shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+    dims = [i for i in range(4) if shape[i] == 1 and ds.shape[i] != 1]
+    g = ds.sum(dims, keepdim=True) if dims else ds
+    return torch.empty_like(attn_mask).copy_(g.reshape(attn_mask.shape))
+
+
+@torch.library.custom_op("fxopt::flash_attention_mask_grad", mutates_args=())
+def flash_attention_mask_grad(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, attn_mask: torch.Tensor, dropout_p: float,
+                              is_causal: bool, scale: Optional[float], window: int, softcap: float,
+                              key_padding_mask: Optional[torch.Tensor],
+                              seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """Gradient of an additive float attn_mask (``_mask_grad_impl``), like attn_mask."""
+    return _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                           key_padding_mask, seed)
+
+
+@flash_attention_mask_grad.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
+    return torch.empty_like(attn_mask)
+
+
+def _wants_mask_grad(ctx, attn_mask) -> bool:
+    return attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+
+
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed = inputs
     out, lse = output
@@ -1797,7 +1839,11 @@ def _fwd_backward(ctx, dout, _dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.fxopt.flash_attention_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
                                                      scale, window, softcap, key_padding_mask, seed)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dmask = None
+    if _wants_mask_grad(ctx, attn_mask):
+        dmask = torch.ops.fxopt.flash_attention_mask_grad(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
+                                                          scale, window, softcap, key_padding_mask, seed)
+    return dq, dk, dv, dmask, None, None, None, None, None, None, None
 
 
 flash_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -1835,7 +1881,11 @@ class _EagerFlashAttention(torch.autograd.Function):
         dropout_p, is_causal, scale, window, softcap = ctx.params
         dq, dk, dv = _flash_bwd_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window,
                                      softcap, key_padding_mask, seed)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dmask = None
+        if _wants_mask_grad(ctx, attn_mask):
+            dmask = _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                    key_padding_mask, seed)
+        return dq, dk, dv, dmask, None, None, None, None, None, None, None
 
 
 _EAGER_FUNCTION = os.environ.get("FXOPT_ATTN_EAGER_FUNCTION", "1") != "0"

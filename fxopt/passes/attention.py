@@ -1016,6 +1016,12 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
     if m.sdpa_causal:
         if low is not None or masks.keeps or masks.additive:
             return _fail(result, m.out, "SDPA is_causal with an attn_mask")
+    # A learned bias (an additive mask that requires grad, e.g. T5's position bias): the op gives its gradient, but
+    # from an S x S float32 pass after the kernels (attention._mask_grad_impl); SDPA's own backends are the better
+    # choice there, so the original stays.
+    if any(getattr(tensor_val(a), "requires_grad", False) for a in masks.additive):
+        return _fail(result, m.out, "additive mask requires grad (a learned bias): left to the original, whose "
+                                    "backward gives the bias gradient without an extra S x S pass")
     # --- build -----------------------------------------------------------------------------------------------
     b = _Builder(g, m.out, mode)
     try:
