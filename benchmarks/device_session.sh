@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -462,6 +462,25 @@ phase_s13g() {
   # session 13: host time of the Gluon launches with the descriptor layouts cached (attention_gluon.host_layout)
   # against uncached, same run
   timeout 75 python3 benchmarks/attention_host_overhead.py --layout-ab --out "$RES" 2>&1 | grep "layout_ab\]"
+}
+
+phase_s14a() {
+  # session 14, first call (prepared in session 13): the host-layout A/B (s13g), the fp8 rowsum test with its new lse
+  # bound (not yet run), the CUDA-graph training step (reduce-overhead) and the learned-bias / eager-path tests on
+  # the GPU, then the d = 128 rows with graph columns (fwdg_* / fbg_*) at every S
+  phase_s13g
+  timeout 200 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_fp8_gluon_rowsum.py tests/test_attention_models.py tests/test_attention_eager_path.py 2>&1 | tail -8
+  timeout 280 python3 benchmarks/attention.py --shapes 128x512,128x1024,128x2048,128x4096,128x8192,128x16384 \
+    --tag d128_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
+}
+
+phase_s14b() {
+  # session 14: d = 64 and d = 256 rows with graph columns
+  timeout 280 python3 benchmarks/attention.py --shapes 64x512,64x1024,64x2048,64x4096,64x8192,64x16384 \
+    --tag d64_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
+  timeout 250 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 --tag d256_s14 --out "$RES" \
+    2>&1 | grep -v "Warn\|warn" | tail -8
 }
 
 phase_largem() {
