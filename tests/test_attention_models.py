@@ -253,3 +253,38 @@ def test_gpu_tiny_llama_training_step_under_cuda_graphs():
     for g, r in zip(grads, ref_grads):
         assert torch.isfinite(g).all()
         assert (g.float() - r.float()).norm() <= 0.05 * r.float().norm() + 1e-3
+
+
+def _t5_encoder():
+    cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, relative_attention_num_buckets=8)
+    return transformers.T5EncoderModel(cfg)
+
+
+def test_t5_learned_position_bias():
+    """T5 adds a learned relative position bias (plus the padding mask) to unscaled scores. Training: the bias
+    requires grad, so both layers stay as they were (reason "learned bias"), gradients equal to eager; inference:
+    the same bias is a plain additive mask and both layers are rewritten, outputs equal to eager."""
+    torch.manual_seed(0)
+    model = _t5_encoder().train()
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(4))
+    pad = torch.ones(B, S, dtype=torch.long)
+    pad[1, -4:] = 0
+    _compile_and_compare(model, (ids,), {"attention_mask": pad}, expect_rewrites=0)
+    rep = fxopt.explain(model, ids, attention_mask=pad)
+    assert rep.rewrites["attention"] == 0 and "learned bias" in str(rep), str(rep)
+    model.eval()
+    results = []
+
+    def backend(gm, example_inputs):
+        gm, res = run_passes(gm, example_inputs, Config())
+        results.extend(r for r in res if r.name == "attention")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=pad).last_hidden_state
+        out = torch.compile(model, backend=backend)(ids, attention_mask=pad).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert sum(r.rewrites for r in results) == 2, [s.reason for r in results for s in r.skipped]
+    torch._dynamo.reset()
