@@ -150,20 +150,20 @@ def attention_rows(d, S, causal, bwd=True):
     # the two forwards fxopt has, each on its own: the Triton-language kernel and the Gluon (FA3-style) one;
     # "fxopt" is whichever flash_attention_triton routes to (the Gluon one at the head dims in _GLUON_HEAD_DIMS)
     gv = A._gluon_fwd_variant(d, causal, S)  # the build the op routes to at this head dim and length
-    t = _time_set({
+    fwd = {
         "fxopt": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
         "triton": _triton_only(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal)),
         "gluon": (lambda: G.gluon_attention_fwd(qd, kd, vd, causal=causal, variant=gv))
         if G.gluon_supported(qd, kd, vd, causal) is None else None,
         "fa2": lambda: fa2(qd, kd, vd),
-        "cudnn": lambda: cud(qd, kd, vd)})
+        "cudnn": lambda: cud(qd, kd, vd)}
+    t = _time_set(fwd)
     for name, ms in t.items():
         row[f"fwd_{name}_tflops"] = round(flops / ms / 1e9, 1) if ms else None
     row["fwd_vs_cudnn"] = _ratio(row["fwd_fxopt_tflops"], row["fwd_cudnn_tflops"])
     row["fwd_vs_fa2"] = _ratio(row["fwd_fxopt_tflops"], row["fwd_fa2_tflops"])
     if FB_GRAPH:  # the op's forward and the anchors replayed from CUDA graphs (see FB_GRAPH)
-        tg = _time_set({"fxopt": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
-                        "cudnn": lambda: cud(qd, kd, vd)}, graph=True)
+        tg = _time_set({n: fwd[n] for n in ("fxopt", "cudnn")}, graph=True)
         for name, ms in tg.items():
             row[f"fwdg_{name}_tflops"] = round(flops / ms / 1e9, 1) if ms else None
         row["fwdg_vs_cudnn"] = _ratio(row["fwdg_fxopt_tflops"], row["fwdg_cudnn_tflops"])

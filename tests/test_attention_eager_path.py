@@ -72,19 +72,23 @@ def test_eager_function_not_taken_under_tracing_or_transforms():
     assert seen == [False]
 
 
-def test_eager_function_under_torch_compile_keeps_custom_op():
-    """torch.compile (aot_eager) of a function calling the op: same output and gradients as eager, and the
-    compiled forward graph calls the custom op."""
+def _recording_aot_backend(graphs: list):
+    """aot_eager that appends every forward / backward graph it compiles to ``graphs``."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_compiler
-
-    graphs = []
 
     def record(gm, _inputs):
         graphs.append(gm)
         return gm.forward
 
-    backend = aot_autograd(fw_compiler=make_boxed_compiler(record), bw_compiler=make_boxed_compiler(record))
+    return aot_autograd(fw_compiler=make_boxed_compiler(record), bw_compiler=make_boxed_compiler(record))
+
+
+def test_eager_function_under_torch_compile_keeps_custom_op():
+    """torch.compile (aot_eager) of a function calling the op: same output and gradients as eager, and the
+    compiled forward graph calls the custom op."""
+    graphs = []
+    backend = _recording_aot_backend(graphs)
     q, k, v, kw = _args("causal_gqa_ragged")
     fn = lambda a, b, c: torch.ops.fxopt.flash_attention(a, b, c, **kw)  # noqa: E731
     eager = _run(q, k, v, kw)
@@ -146,16 +150,8 @@ def test_learned_additive_mask_gets_its_gradient(name, fast, monkeypatch):
 
 def test_learned_mask_gradient_through_aot_autograd():
     """The compiled backward (AOTAutograd) calls ``fxopt::flash_attention_mask_grad``: same gradients as eager."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_compiler
-
     graphs = []
-
-    def record(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    backend = aot_autograd(fw_compiler=make_boxed_compiler(record), bw_compiler=make_boxed_compiler(record))
+    backend = _recording_aot_backend(graphs)
     (B, Hq, Hkv, Sq, Sk, D), mshape, kw = MASK_GRAD_CASES["full"]
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, h, s, D, generator=g).requires_grad_() for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
