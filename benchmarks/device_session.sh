@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -473,6 +473,25 @@ phase_s14a() {
     tests/test_fp8_gluon_rowsum.py tests/test_attention_models.py tests/test_attention_eager_path.py 2>&1 | tail -8
   timeout 280 python3 benchmarks/attention.py --shapes 128x512,128x1024,128x2048,128x4096,128x8192,128x16384 \
     --tag d128_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
+}
+
+phase_s14c() {
+  # session 14: variant 6 (dQ reductions by TMA reduce-add) on the H200: its GPU tests (d = 64 / 128 against float64,
+  # dK / dV bit-identical to variant 3), then the kernel A/B variant 3 / 5 / 6 at S = 1k-16k, then the pending tests
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_attention_gluon_bwd_dqw.py -k "v6_tma" 2>&1 | tail -6
+  timeout 230 python3 benchmarks/gluon_bwd_dqw_check.py --dims 128,64 --seqs 1024,2048,4096,16384 --rounds 3 \
+    --kernels dqw,dqtma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -24
+  timeout 170 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_fp8_gluon_rowsum.py tests/test_attention_models.py tests/test_attention_eager_path.py 2>&1 | tail -8
+}
+
+phase_s14d() {
+  # session 14, after variant 6 became the default: the d = 128 and d = 64 rows with graph columns at every S
+  timeout 290 python3 benchmarks/attention.py --shapes 128x512,128x1024,128x2048,128x4096,128x8192,128x16384 \
+    --tag d128_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
+  timeout 250 python3 benchmarks/attention.py --shapes 64x512,64x1024,64x2048,64x4096,64x8192,64x16384 \
+    --tag d64_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -14
 }
 
 phase_s14b() {

@@ -1,8 +1,10 @@
-"""Gluon attention backward at d = 128 (and d = 64): variant 3 against the dQ-through-smem kernel
+"""Gluon attention backward at d = 128 (and d = 64): variant 3 against the dQ-through-smem kernels
 (``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``: dQ -> shared memory -> a reducer warp's v4 reductions; since
 session 12 that is ``gluon_attention_bwd(..., variant=5)``, the constexpr ``DQW`` of variant 3's kernel, with the
 same offline SASS as the session-11 separate kernel). d = 128: the op routes dqw; d = 64: the op routes the Triton
 backward (variant 3 lost to it by 1-7%), dqw at d = 64 is new in session 12 and not GPU-checked before this script.
+Session 14 adds "dqtma" (variant 6: the reducer warp's global reductions done by TMA, ``cp.reduce.async.bulk.tensor``;
+``--kernels`` picks the set).
 
 1. correctness of both against the float64 backward (``fxopt.testing.attention_bwd_reference64``) on 4 cases (bf16 /
    fp16, causal or not, GQA, ragged) per head dim of ``--dims``; dK / dV of dqw must be bit-identical to variant 3
@@ -52,6 +54,8 @@ def _args():
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--dims", default="128,64", help="head dims (64 and / or 128); H = 2048 / d")
     p.add_argument("--seqs", default="4096,16384")
+    p.add_argument("--kernels", default="v3,dqw,dqtma",
+                   help="comma list of v3 (variant 3), dqw (variant 5), dqtma (variant 6: dQ by TMA reduce-add)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--launch-timeout", type=float, default=90.0)
@@ -83,8 +87,14 @@ def main():
     if GB._GLUON_IMPORT_ERROR:
         print(f"gluon unavailable: {GB._GLUON_IMPORT_ERROR}")
         return 1
-    kernels = {"v3": lambda *a, **kw: GB.gluon_attention_bwd(*a, variant=3, **kw),
-               "dqw": DQW.gluon_attention_bwd_dqw}
+    known = {"v3": lambda *a, **kw: GB.gluon_attention_bwd(*a, variant=3, **kw),
+             "dqw": DQW.gluon_attention_bwd_dqw,
+             "dqtma": lambda *a, **kw: GB.gluon_attention_bwd(*a, variant=GB.DQ_TMA_VARIANT, **kw)}
+    wanted = ["v3"] + [x for x in args.kernels.split(",") if x and x != "v3"]
+    if any(x not in known for x in wanted):
+        print(f"--kernels: unknown {[x for x in wanted if x not in known]} (known: {sorted(known)})")
+        return 2
+    kernels = {x: known[x] for x in wanted}
     dims = [int(x) for x in args.dims.split(",")]
     bad = [d for d in dims if d not in DQW.HEAD_DIMS]
     if bad:
@@ -173,9 +183,11 @@ def _check_case(D, name, dtype, res, rdq, rdk, rdv, out_dir) -> bool:
         row[f"{kn}_ok"] = all(e <= lim for e, lim in errs) and not any(torch.isnan(t).any().item()
                                                                        for t in (dq, dk, dv))
         ok_all &= row[f"{kn}_ok"]
-    row["dk_dv_bitwise_equal"] = bool(torch.equal(res["dqw"][1], res["v3"][1])
-                                      and torch.equal(res["dqw"][2], res["v3"][2]))
-    ok_all &= row["dk_dv_bitwise_equal"]
+    for kn in res:
+        if kn != "v3":  # same per-warpgroup dK / dV arithmetic and order as variant 3
+            row[f"{kn}_dk_dv_bitwise_equal_v3"] = bool(torch.equal(res[kn][1], res["v3"][1])
+                                                      and torch.equal(res[kn][2], res["v3"][2]))
+            ok_all &= row[f"{kn}_dk_dv_bitwise_equal_v3"]
     STATE["correctness"].append(row)
     print(row, flush=True)
     _save(out_dir)

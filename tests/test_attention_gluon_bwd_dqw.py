@@ -197,17 +197,56 @@ GPU_CASES = {**GLUON_BWD_CASES, "S2048_nc_fp16": (1, 4, 4, 2048, 2048, False, to
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["v5", "v6_tma"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("name", list(GPU_CASES))
-def test_gpu_dqw_matches_float64_and_v3(name, head_dim):
+def test_gpu_dqw_matches_float64_and_v3(name, head_dim, tma):
     """dQ against the float64 backward (and variant 3 at the same head dim, same bound: both use fp32 reductions in a
     run-dependent order); dK / dV bit-identical to variant 3 (the consumer's arithmetic up to the dQ wgmma is
-    variant 3's). d = 64: variant 3 is the split-dQ kernel at d = 64 (64-byte-swizzle K tile, 4 ring stages)."""
+    variant 3's). d = 64: variant 3 is the split-dQ kernel at d = 64 (64-byte-swizzle K tile, 4 ring stages).
+    ``tma``: variant 6, the reducer's reductions done by the TMA unit (session 14)."""
     if DQW._GLUON_IMPORT_ERROR is not None:
         pytest.skip(DQW._GLUON_IMPORT_ERROR)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward needs sm_90")
-    assert_gluon_bwd_variant(DQW.gluon_attention_bwd_dqw, GPU_CASES[name], head_dim, (name, head_dim))
+    fn = (lambda *a, **kw: DQW.gluon_attention_bwd_dqw(*a, tma=True, **kw)) if tma else DQW.gluon_attention_bwd_dqw
+    assert_gluon_bwd_variant(fn, GPU_CASES[name], head_dim, (name, head_dim, tma))
+
+
+def test_dq_tma_offline_builds():
+    """Variant 6 (dQ by TMA reduce-add) builds offline at d = 64 / 128, causal or not, with the launcher's constexpr
+    ones: per build two ``cp.reduce.async.bulk.tensor.4d ... add`` in the PTX (one per warpgroup's dQ half-tile;
+    SASS UTMAREDG.4D.ADD), no REDG (variant 5 has d / 2), variant 5's shared memory and HGMMA count, no local memory,
+    no wgmma serialisation; the host descriptor's box is the smem tile (one [8, d / 16, 8, 8] fp32 box)."""
+    from fxopt.testing import offline_build_json
+
+    code = """
+import json, re
+import fxopt.kernels.attention_gluon_bwd as GB
+from fxopt.kernels.attention_gluon import _tool
+rows = []
+for d, causal, ones in ((128, False, ("GROUP",)), (64, True, ("H", "GROUP"))):
+    for v in (5, 6):
+        c = GB.compile_offline(d, causal, "bf16", variant=v, ones=ones)
+        sass = _tool("nvdisasm", c.asm["cubin"], ".cubin")
+        sm = GB.sass_summary(c)
+        rows.append(dict(d=d, v=v, tmared=c.asm["ptx"].count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"),
+                         utmaredg=len(re.findall(r"UTMAREDG\\.4D\\.ADD", sass)), redg=sm["redg_f32"],
+                         hgmma=sm["hgmma"], ser=sm["wgmma_serialized"], shared=c.metadata.shared,
+                         local=len(re.findall(r"\\b(?:LDL|STL)\\b", sass))))
+print(json.dumps(rows))
+"""
+    rows = offline_build_json(code)
+    by = {(r["d"], r["v"]): r for r in rows}
+    for d in (128, 64):
+        v5, v6 = by[(d, 5)], by[(d, 6)]
+        assert v6["tmared"] == 2 and v6["utmaredg"] >= 1 and v6["redg"] == 0, v6
+        assert v5["tmared"] == 0 and v5["redg"] > 0, v5
+        assert v6["hgmma"] == v5["hgmma"] and v6["shared"] == v5["shared"], (v5, v6)
+        assert v6["local"] == 0 and not v6["ser"], v6
+    layout = GB._dq_tma_layout()
+    assert layout.swizzle_byte_width == 0 and GB._dq_tma_signature(128).startswith("tensordesc<fp32[8, 8, 8, 8]")
+    assert GB._dq_tma_signature(64).startswith("tensordesc<fp32[8, 4, 8, 8]")
 
 
 @pytest.mark.gpu

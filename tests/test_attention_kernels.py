@@ -702,7 +702,10 @@ def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
     kd = torch.randn(1, 2, 1024, 64)  # one query against 1024 keys: the decode kernel
     assert A.kernel_routes(q[:, :, :1], kd, torch.randn_like(kd))["forward"] == "triton split-kv"
     monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_DQW", raising=False)
+    monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_DQ_TMA", raising=False)
     monkeypatch.setattr(A, "_GLUON_BWD_DQW_DIMS", (64, 128))
+    assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 6"   # dQ by TMA (session 14)
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "0")
     assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 5"
     assert A._gluon_bwd_build(256) == "gluon d256"
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQW", "0")

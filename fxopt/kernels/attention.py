@@ -1227,6 +1227,12 @@ _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64",
 # Session 12 also found the folded kernel (session 11's fold of the dqw module into _fa3_bwd_kernel_v1) failing to
 # compile at run time, where GROUP = 1 arrives as a constexpr; the op had fallen back to the Triton backward until the
 # fix (tests/test_attention_gluon_bwd_dqw.py builds it with those constexpr ones offline).
+# Session 14: variant 6 (the default; FXOPT_ATTN_GLUON_BWD_DQ_TMA=0 goes back to variant 5) lets the TMA unit do the
+# reducer's global reductions: one cp.reduce.async.bulk.tensor per warpgroup's dQ half-tile instead of 64 LDS.128 +
+# 64 red.global.add.v4 per step. Kernel A/B on the H200 (benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md, same
+# run, 4 / 4 check cases per head dim, dK / dV bit-identical to variant 3, 24 GPU tests): d = 128 1.13-1.20x variant
+# 5 (547 / 492 / 526 / 532 against 455 / 417 / 464 / 479 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal; 450 / 515
+# against 387 / 438 at 1k / 2k), d = 64 1.02-1.04x.
 _GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW_DIMS", "64,128").split(",")
                             if d.strip())
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
@@ -1244,9 +1250,10 @@ _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # op's autograd layer, since bypassed in eager by _EagerFlashAttention, and the Gluon launchers' ~0.4 ms against
 # the Triton backward's ~0.2 ms; benchmarks/results/attention_host_overhead.md). GPU time is what a compiled model
 # with CUDA graphs sees, and what a model whose other layers keep the GPU busy sees. Keys are (head dim, causal);
-# an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode.
+# an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode. d = 64 from 1024 since session 14:
+# variant 6 is 3-4% faster than variant 5 there (was a tie with the Triton backward).
 _GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {
-    (256, False): 1024, (256, True): 1024, (128, False): 512, (128, True): 512, (64, False): 2048, (64, True): 2048}
+    (256, False): 1024, (256, True): 1024, (128, False): 512, (128, True): 512, (64, False): 1024, (64, True): 1024}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
@@ -1278,7 +1285,8 @@ def _gluon_bwd_build(D: int) -> str:
     if D == 256:
         return "gluon d256"
     if D in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
-        return "gluon variant 5"
+        # variant 6 (session 14): variant 5 with the reducer's dQ reductions done by TMA (cp.reduce.async.bulk)
+        return "gluon variant 5" if os.environ.get("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "1") == "0" else "gluon variant 6"
     return f"gluon variant {_GLUON_BWD_VARIANT.get(D, 0)}"
 
 
@@ -1515,11 +1523,12 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         from fxopt.kernels.attention_gluon_bwd import gluon_attention_bwd
 
         try:
-            if _gluon_bwd_build(q.shape[-1]) == "gluon variant 5":
+            build = _gluon_bwd_build(q.shape[-1])
+            if build in ("gluon variant 5", "gluon variant 6"):
                 from fxopt.kernels.attention_gluon_bwd_dqw import gluon_attention_bwd_dqw
 
                 return gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale,
-                                               checked=True, grads_like_inputs=True)
+                                               checked=True, grads_like_inputs=True, tma=build.endswith("6"))
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
                                        variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0), grads_like_inputs=True)
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run

@@ -444,6 +444,8 @@ try:  # keep the module importable without Gluon (CPU-only installs, old Triton)
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language._core import builtin as gluon_builtin
+    from triton._C.libtriton import ir as _ir
 
     _GLUON_IMPORT_ERROR: Optional[str] = None
 except Exception as _e:  # pragma: no cover - depends on the installed Triton
@@ -477,11 +479,14 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
-VARIANTS = (0, 1, 2, 3, 4, 5)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in flight,
-    # 3 split-dQ + dK issued before the dS^T publication, 4 = 3 + named-barrier turns between the consumer
+VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in
+    # flight, 3 split-dQ + dK issued before the dS^T publication, 4 = 3 + named-barrier turns between the consumer
     # warpgroups (opt-in; measured 1-2% slower), 5 = 3 + dQ through shared memory and a reducer warp (``DQW``;
-    # d = 64 / 128; the op's route at d = 128, through attention_gluon_bwd_dqw)
+    # d = 64 / 128; the op's route at d = 128, through attention_gluon_bwd_dqw), 6 = 5 with the reducer's global
+    # reductions done by TMA (``DQ_TMA``: one cp.reduce.async.bulk.tensor per dQ half-tile, FA3's dQ path)
 DQW_VARIANT = 5
+DQ_TMA_VARIANT = 6
+DQW_VARIANTS = (DQW_VARIANT, DQ_TMA_VARIANT)  # the variants with dQ tiles in shared memory and a reducer partition
 DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
 DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; GPU-checked)
 DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
@@ -859,7 +864,7 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
                  s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr,
                  dq_layout: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr = False,
                  TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False,
-                 dq_smem=None, dq_full=None, dq_empty=None, NB: gl.constexpr = 2):
+                 dq_smem=None, dq_full=None, dq_empty=None, NB: gl.constexpr = 2, DQ_TMA: gl.constexpr = False):
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
@@ -975,6 +980,8 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
         # [64 rows, HALF cols] -> (row // 8, col // 8, row % 8, col % 8): "Bank conflicts" in attention_gluon_bwd_dqw
         dq4 = gl.permute(gl.reshape(dq, [8, 8, HALF // 8, 8]), (0, 2, 1, 3))
         dq_smem.index(2 * b + WG).store(dq4)
+        if DQ_TMA:  # variant 6: the TMA unit (async proxy) reads the tile
+            fence_async_shared()
         gl.thread_barrier()   # the warpgroup's 128 threads' stores are done
         mbarrier.arrive(dq_full.index(b), count=1)
     # ---- 64 x d/2 fp32 -> workspace, 2 floats per red (16 REDG.F32x2 per thread at d = 128)
@@ -995,7 +1002,8 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
                      dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                     ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
+                     ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2,
+                     DQ_TMA: gl.constexpr = False):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -1026,14 +1034,14 @@ def _bwd_consumer_v1(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, 
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, True, s_layout, acc_layout, op_layout,
                                   dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, dq_smem, dq_full,
-                                  dq_empty, NB)
+                                  dq_empty, NB, DQ_TMA)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_v1(WG, it, mb, k_smem, v_smem, ds_smem, q_smem, do_smem, lse_smem, delta_smem,
                                   q_ready, q_empty, do_ready, do_empty, ds_bar, dk, dv, keys, dq_row_ptr,
                                   qk_scale, diag_off, HEAD_DIM, STAGES, False, s_layout, acc_layout, op_layout,
                                   dq_layout, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, dq_smem, dq_full,
-                                  dq_empty, NB)
+                                  dq_empty, NB, DQ_TMA)
             it += 1
 
     if TURNS:  # variant 4: warpgroup 0 takes back the turn warpgroup 1 passed after its last issue point (or,
@@ -1061,11 +1069,12 @@ def _bwd_consumer_v1_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                          DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
+                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2,
+                         DQ_TMA: gl.constexpr = False):
     _bwd_consumer_v1(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                      dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB, DQ_TMA)
 
 
 @gluon.jit
@@ -1074,11 +1083,12 @@ def _bwd_consumer_v1_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                          dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                          dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                          DK_IN_FLIGHT: gl.constexpr, EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False,
-                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2):
+                         ABLATE: gl.constexpr = 0, DQW: gl.constexpr = False, NB: gl.constexpr = 2,
+                         DQ_TMA: gl.constexpr = False):
     _bwd_consumer_v1(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                      dq_empty, b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB)
+                     dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE, DQW, NB, DQ_TMA)
 
 
 @gluon.jit
@@ -1091,6 +1101,41 @@ def _red_add_v4(ptrs, vals):
         "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;"
         "\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
         "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64), vals], dtype=gl.int32, is_pure=False, pack=4)
+
+
+if _GLUON_IMPORT_ERROR is None:
+    @gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """``cp.reduce.async.bulk.tensor.<rank>d.global.shared::cta.add.bulk_group``: add the shared tile ``src``
+        into the global box of ``tensor_desc`` at ``coord`` (element-wise atomic adds done by the TMA unit in L2),
+        then commit a bulk group; ``tma.store_wait(n)`` waits for its reads of ``src``. Gluon 3.6 has TMA loads and
+        stores for Hopper but exposes no reduce; its builder does (``create_async_tma_reduce``: the op Triton's
+        ``desc.atomic_add`` lowers to)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.jit
+def _bwd_dq_reducer_tma(dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
+    """Variant 6 (DQ_TMA). Per step: wait dq_full[b]; two TMA reduce-adds (one per warpgroup's column half, each a
+    [64, d / 2] fp32 tile = one [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8]
+    with strides [8 d, 8, d, 1]: the box order IS the tile's chunk-transposed smem order, so the TMA unit reads the
+    tile as it lies); wait until the TMA unit has read both tiles (``store_wait(0)``: the bulk groups' reads); release
+    dq_empty[b]. The consumers' proxy fence (generic stores -> async-proxy reads) precedes their dq_full arrive."""
+    NB: gl.constexpr = dq_smem.shape[0] // 2
+    CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
+    n_steps = n_m - m_lo
+    for it in range(GROUP * n_steps):
+        g = it // n_steps
+        mb = m_lo + (it - g * n_steps)
+        buf = it % NB
+        mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
+        row8 = (b * H + hk * GROUP + g) * (SQ_PAD // 8) + mb * 8   # SQ_PAD is a multiple of 64
+        _tma_reduce_add(dq_desc, [row8, 0, 0, 0], dq_smem.index(2 * buf))
+        _tma_reduce_add(dq_desc, [row8, CHUNKS, 0, 0], dq_smem.index(2 * buf + 1))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
@@ -1138,7 +1183,8 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DK_IN_FLIGHT: gl.constexpr,
                        EARLY_DK: gl.constexpr, TURNS: gl.constexpr = False, ABLATE: gl.constexpr = 0,
-                       DQW: gl.constexpr = False, NB: gl.constexpr = 2, REDUCER_WARPS: gl.constexpr = 1):
+                       DQW: gl.constexpr = False, NB: gl.constexpr = 2, REDUCER_WARPS: gl.constexpr = 1,
+                       DQ_TMA: gl.constexpr = False, dq_desc=None):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -1167,7 +1213,10 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], vec_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)  # [2 p + WG]: 2 buffers x 2 warpgroups
     if DQW:  # fp32 dQ tiles [2 b + WG], unswizzled "chunk-transposed" [row // 8, col // 8, row % 8, col % 8]
-        dq_layout_s: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        if DQ_TMA:  # the same bytes, typed as a TMA box (no swizzle) of dq_desc
+            dq_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+        else:
+            dq_layout_s: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NB, 8, HEAD_DIM // 16, 8, 8], dq_layout_s)
     else:  # None: no partition argument (the capture lists stay variant 1-4's)
         dq_smem: gl.constexpr = None
@@ -1204,7 +1253,26 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     # variant 5 failed to compile there). The argument tuples are literals too: a tuple assigned to a name turns its
     # constexprs into tensors. DQW passes None (no capture) for the consumers' SQ_PAD / dq_ptr and adds the reducer
     # warp(s) to warpgroup 2 at the producer's register budget; variants 1-4 pass None for the dQ tiles and barriers.
-    if DQW:
+    if DQ_TMA:
+        gl.warp_specialize([
+            (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB, True)),
+            (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
+                                    DQW, NB, True)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty,
+                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
+                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
+            (_bwd_dq_reducer_tma, (dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m)),
+        ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
+    elif DQW:
         gl.warp_specialize([
             (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                                     dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
@@ -1530,7 +1598,7 @@ def config_for(head_dim: int, variant: int = 0) -> dict:
     split = variant != 0 and head_dim in _VARIANT_DIMS
     cfg = dict(STAGES=_SPLIT_STAGES[head_dim] if split else _STAGES[head_dim], num_warps=4, maxnreg=_MAXNREG,
                CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS)
-    if variant == DQW_VARIANT and head_dim in DQW_HEAD_DIMS:  # the reducer shares warpgroup 2's budget (24)
+    if variant in DQW_VARIANTS and head_dim in DQW_HEAD_DIMS:  # the reducer shares warpgroup 2's budget (24)
         cfg.update(NB=DQ_BUFFERS, REDUCER_WARPS=REDUCER_WARPS)
     return cfg
 
@@ -1538,8 +1606,8 @@ def config_for(head_dim: int, variant: int = 0) -> dict:
 def _check_variant(variant, head_dim) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_bwd: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == DQW_VARIANT and head_dim is not None and head_dim not in DQW_HEAD_DIMS + (256,):
-        raise ValueError(f"gluon_attention_bwd: variant {DQW_VARIANT} (dQ through shared memory) needs head dim "
+    if variant in DQW_VARIANTS and head_dim is not None and head_dim not in DQW_HEAD_DIMS + (256,):
+        raise ValueError(f"gluon_attention_bwd: variant {variant} (dQ through shared memory) needs head dim "
                          f"64 or 128, got {head_dim}")
 
 
@@ -1610,7 +1678,7 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
         raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
     if head_dim == 256:  # _fa3_bwd_kernel_d256 whatever the variant
         return int(ablate)
-    if variant in (0, DQW_VARIANT) or (head_dim is not None and head_dim not in _VARIANT_DIMS):
+    if variant in (0,) + DQW_VARIANTS or (head_dim is not None and head_dim not in _VARIANT_DIMS):
         raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}) "
                          f"or the d = 256 kernel, got variant {variant}, d = {head_dim}")
     return int(ablate)
@@ -1636,6 +1704,23 @@ def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
 
 def _vec_desc(t: torch.Tensor):
     return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], host_layout((BLOCK_M,), torch.float32))
+
+
+def _dq_tma_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+
+
+def _dq_tma_desc(dq_acc: torch.Tensor, D: int):
+    """Variant 6: the flat fp32 dQ workspace ([rows, D] row-major, rows = B * Hq * SQ_PAD) viewed as
+    [rows / 8, D / 8, 8, 8] with strides [8 D, 8, D, 1] (row // 8, col // 8, row % 8, col % 8), box [8, D / 16, 8, 8]:
+    one box is one warpgroup's [64, D / 2] dQ tile in its chunk-transposed shared-memory order."""
+    rows = dq_acc.numel() // D
+    return TensorDescriptor(dq_acc, [rows // 8, D // 8, 8, 8], [8 * D, 8, D, 1], [8, D // 16, 8, 8],
+                            _dq_tma_layout())
+
+
+def _dq_tma_signature(D: int) -> str:
+    return f"tensordesc<fp32[8, {D // 16}, 8, 8],{_dq_tma_layout()!r}>"
 
 
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -1713,11 +1798,13 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                  sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
                                  HEAD_DIM=D, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
                                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4, DQW_VARIANT)),
+                                 DK_IN_FLIGHT=(variant == 2), EARLY_DK=(variant in (3, 4) + DQW_VARIANTS),
                                  TURNS=(variant == 4), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                                  **({"ABLATE": ablate} if ablate else {}),
                                  **(dict(DQW=True, NB=cfg["NB"], REDUCER_WARPS=cfg["REDUCER_WARPS"])
-                                    if variant == DQW_VARIANT else {}))
+                                    if variant in DQW_VARIANTS else {}),
+                                 **(dict(DQ_TMA=True, dq_desc=_dq_tma_desc(dq_acc, D))
+                                    if variant == DQ_TMA_VARIANT else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK)
         return dq, dk, dv
@@ -1798,15 +1885,22 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         sig["DK_IN_FLIGHT"] = "constexpr"
         sig["EARLY_DK"] = "constexpr"
         constexprs["DK_IN_FLIGHT"] = variant == 2
-        constexprs["EARLY_DK"] = variant in (3, 4, DQW_VARIANT)
+        constexprs["EARLY_DK"] = variant in (3, 4) + DQW_VARIANTS
         sig["TURNS"] = "constexpr"
         constexprs["TURNS"] = variant == 4
         sig["ABLATE"] = "constexpr"
         constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
         for name in ("DQW", "NB", "REDUCER_WARPS"):
             sig[name] = "constexpr"
-        constexprs.update(DQW=variant == DQW_VARIANT, NB=cfg.get("NB", DQ_BUFFERS),
+        constexprs.update(DQW=variant in DQW_VARIANTS, NB=cfg.get("NB", DQ_BUFFERS),
                           REDUCER_WARPS=cfg.get("REDUCER_WARPS", REDUCER_WARPS))
+        sig["DQ_TMA"] = "constexpr"
+        constexprs["DQ_TMA"] = variant == DQ_TMA_VARIANT
+        if variant == DQ_TMA_VARIANT:
+            sig["dq_desc"] = _dq_tma_signature(D)
+        else:  # None (no capture), as the launcher leaves it
+            sig["dq_desc"] = "constexpr"
+            constexprs["dq_desc"] = None
         kern = _fa3_bwd_kernel_v1
     else:
         kern = _fa3_bwd_kernel

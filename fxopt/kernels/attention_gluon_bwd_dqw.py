@@ -172,16 +172,18 @@ def gluon_dqw_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
 
 def gluon_attention_bwd_dqw(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                            checked: bool = False, grads_like_inputs: bool = False):
+                            checked: bool = False, grads_like_inputs: bool = False, tma: bool = False):
     """Variant 3 of ``gluon_attention_bwd`` with FA3's dQ path (dQ -> shared memory -> reducer warp -> vector
     reductions) -> (dq, dk, dv), contiguous, dtypes of q / k / v. d = 64 or 128. Raises ValueError when unsupported
     (``gluon_dqw_supported`` gives the reason). The op's backward at d = 64 / 128 (``_GLUON_BWD_DQW_DIMS``).
-    Same launches as ``gluon_attention_bwd(..., variant=5)``, which it calls."""
+    Same launches as ``gluon_attention_bwd(..., variant=5)``, which it calls; ``tma=True``: variant 6, the same
+    kernel with the reducer's global reductions done by the TMA unit (``cp.reduce.async.bulk.tensor``)."""
     reason = None if checked else gluon_dqw_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd_dqw: {reason}")
     return GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, scale=scale, checked=True,
-                                  variant=DQW_VARIANT, grads_like_inputs=grads_like_inputs)
+                                  variant=GB.DQ_TMA_VARIANT if tma else DQW_VARIANT,
+                                  grads_like_inputs=grads_like_inputs)
 
 
 def compile_offline(causal: bool, dtype_str: str = "bf16", arch: int = 90, head_dim: int = HEAD_DIM):
