@@ -26,6 +26,8 @@ and exits the process; the script ends with ``os._exit``.
     python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,3 --out $OUT
         # session 8: variant 3 (dK issued before the dS^T publication) beside variant 1 (what the op routes),
         # with ``v3/v1`` speed ratios and fwd + bwd totals per variant (``gluon_v3_fwdbwd_tflops``)
+    python benchmarks/gluon_attention_bwd_check.py --quick --dims 256 --variant 6 --out $OUT
+        # session 14: with the d = 256 kernel's dQ-by-TMA build (variant 6) checked and timed beside it
     python benchmarks/gluon_attention_bwd_check.py --quick --dims 256 --out $OUT
         # session 9: only the d = 256 kernel (``_fa3_bwd_kernel_d256``): its correctness cases and its bench rows
         # (S 1024 / 4096 / 16384, causal and not) against the Triton backward and cuDNN
@@ -255,8 +257,8 @@ def run_checks(GB, args):
         STATE["correctness"].append(check_case(GB, tag, triton_ref=_triton_ref(args), **kw))
         _save(args.out)
         for var in _variants(args):
-            if kw["D"] not in GB._VARIANT_DIMS:
-                continue  # the variant would run the default kernel
+            if kw["D"] not in GB._VARIANT_DIMS and not (kw["D"] == 256 and var == GB.DQ_TMA_VARIANT):
+                continue  # the variant would run the default kernel (d = 256: variant 6 is its dQ-by-TMA build)
             _arm(args.case_timeout)
             STATE["correctness"].append(check_case(GB, f"{tag}@v{var}", triton_ref=False, variant=var, **kw))
             _save(args.out)
@@ -324,7 +326,7 @@ def run_bench(GB, args):
                                      args.quick)
         _save(args.out)
         for var in _variants(args):
-            if D in GB._VARIANT_DIMS:
+            if D in GB._VARIANT_DIMS or (D == 256 and var == GB.DQ_TMA_VARIANT):
                 row[f"gluon_v{var}_bwd_ms"] = _bench(
                     lambda: GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=var),
                     args.quick)

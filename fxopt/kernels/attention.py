@@ -1282,8 +1282,8 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
 
 def _gluon_bwd_build(D: int) -> str:
     """Name of the Gluon backward build ``flash_attention_triton_bwd`` launches at head dim D when routed there."""
-    if D == 256:
-        return "gluon d256"
+    if D == 256:  # variant 6 = the d = 256 kernel's dQ-by-TMA build (session 14)
+        return "gluon d256" if os.environ.get("FXOPT_ATTN_GLUON_BWD_D256_TMA", "0") == "0" else "gluon d256 variant 6"
     if D in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
         # variant 6 (session 14): variant 5 with the reducer's dQ reductions done by TMA (cp.reduce.async.bulk)
         return "gluon variant 5" if os.environ.get("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "1") == "0" else "gluon variant 6"
@@ -1529,8 +1529,9 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
 
                 return gluon_attention_bwd_dqw(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale,
                                                checked=True, grads_like_inputs=True, tma=build.endswith("6"))
+            variant = 6 if build == "gluon d256 variant 6" else _GLUON_BWD_VARIANT.get(q.shape[-1], 0)
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
-                                       variant=_GLUON_BWD_VARIANT.get(q.shape[-1], 0), grads_like_inputs=True)
+                                       variant=variant, grads_like_inputs=True)
         except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
             _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
             log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",

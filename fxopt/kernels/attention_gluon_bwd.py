@@ -1364,7 +1364,8 @@ def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                    ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr, qk_scale,
                    diag_off, STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
-                   acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0):
+                   acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0,
+                   DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None, row8=0):
     """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
     keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
@@ -1432,13 +1433,32 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
                        is_async=True)
     # Retire dV / dK (and their register operands) before the dQ accumulator: dK 64 + dV 64 + dQ 64 fp32 per thread.
     dv, dk, pa, da = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, pa, da])
-    mbarrier.arrive(q_empty.index(s), count=1)    # Q and dO of slot s: last read by this warpgroup
-    mbarrier.arrive(do_empty.index(s), count=1)
+    if DQ_TMA:  # Q and dO of slot s: last read by this warpgroup; they hold the dQ tiles next (below)
+        mbarrier.arrive(x_free.index(s), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(s), count=1)    # Q and dO of slot s: last read by this warpgroup
+        mbarrier.arrive(do_empty.index(s), count=1)
     # ---- dQ[:, own columns] = dS K[:, own columns]: A = (dS^T)^T (transposed view of both halves), K = 64 keys
     if (ABLATE & 4) == 0:  # bit 4 (timing only): no dQ wgmma, no wait, no reductions
         dq = warpgroup_mma(ds_smem.index(p).permute((1, 0)), k_smem.index(WG + zero),
                            gl.zeros([64, 128], gl.float32, acc_layout), use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    if DQ_TMA:  # ---- dQ_w -> the dead Q (w = 0) / dO (w = 1) tiles of slot s -> TMA reduce-add -> release the slot
+        mbarrier.wait(x_free.index(s), ready_phase)   # both warpgroups are done reading Q / dO of slot s
+        if WG == 0:
+            dq_tile = q_smem._reinterpret(gl.float32, [STAGES, 8, 16, 8, 8], dq_desc.layout).index(s)
+        else:
+            dq_tile = do_smem._reinterpret(gl.float32, [STAGES, 8, 16, 8, 8], dq_desc.layout).index(s)
+        # [64 rows, 128 cols] -> (row // 8, col // 8, row % 8, col % 8), as variant 6 at d = 128 (attention_gluon_bwd_dqw)
+        dq_tile.store(gl.permute(gl.reshape(dq, [8, 8, 16, 8]), (0, 2, 1, 3)))
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [row8 + mb * 8, WG * 16, 0, 0], dq_tile)
+        tma.store_wait(0)    # the TMA unit has read the tile
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(do_empty.index(s), count=1)
+    elif (ABLATE & 4) == 0:
         # ---- 64 x 128 fp32 -> workspace [.., SQ_PAD, 256], 2 floats per red (32 REDG.F32x2 per thread)
         rows = mb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
         cols = WG * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, acc_layout))
@@ -1454,7 +1474,8 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
 def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
+                       DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
@@ -1469,16 +1490,23 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(GROUP):
-        dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * 256
+        if DQ_TMA:  # dq_ptr is None: the tiles go through dq_desc (workspace rows / 8)
+            dq_row_ptr = dq_ptr
+            row8 = (b * H + hk * GROUP + g) * (SQ_PAD // 8)
+        else:
+            dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * 256
+            row8 = 0
         for mb in range(m_lo, m_full):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
-                                    qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout, ABLATE)
+                                    qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout, ABLATE,
+                                    DQ_TMA, x_free, dq_desc, row8)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
-                                    qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout, ABLATE)
+                                    qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout, ABLATE,
+                                    DQ_TMA, x_free, dq_desc, row8)
             it += 1
 
     # ---- epilogue: both warpgroups read all of K / V (S^T, dP^T) until their last step; meet on end_bar (count 2,
@@ -1500,29 +1528,32 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
 def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
+                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
+                           DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES, ABLATE)
+                       dk_desc, dv_desc, STAGES, ABLATE, DQ_TMA, x_free, dq_desc)
 
 
 @gluon.jit
 def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0):
+                           dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
+                           DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                       dk_desc, dv_desc, STAGES, ABLATE)
+                       dk_desc, dv_desc, STAGES, ABLATE, DQ_TMA, x_free, dq_desc)
 
 
 @gluon.jit
 def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
                          qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0):
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0,
+                         DQ_TMA: gl.constexpr = False, dq_desc=None):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)  # causal: low key blocks see the most query blocks and run first
     bhk = gl.program_id(1)
@@ -1560,12 +1591,18 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if DQ_TMA:  # per ring slot: both warpgroups done reading its Q / dO (their bytes then hold the dQ tiles)
+        x_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        x_free: gl.constexpr = None
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
         mbarrier.init(do_empty.index(i), count=2)
+        if DQ_TMA:
+            mbarrier.init(x_free.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(x_bar.index(i), count=2)    # one arrive per consumer warpgroup and use
     mbarrier.init(end_bar, count=2)
@@ -1575,11 +1612,11 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
         (_bwd_consumer_d256_wg0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                                   b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                  dk_desc, dv_desc, STAGES, ABLATE)),
+                                  dk_desc, dv_desc, STAGES, ABLATE, DQ_TMA, x_free, dq_desc)),
         (_bwd_consumer_d256_wg1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                                   b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                                  dk_desc, dv_desc, STAGES, ABLATE)),
+                                  dk_desc, dv_desc, STAGES, ABLATE, DQ_TMA, x_free, dq_desc)),
         (_bwd_producer_d256, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -1676,7 +1713,9 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
                          f"(set {ABLATE_ENV}=1 to run it anyway)")
     if not isinstance(ablate, int) or ablate < 0 or ablate & ~sum(ABLATE_BITS):
         raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
-    if head_dim == 256:  # _fa3_bwd_kernel_d256 whatever the variant
+    if head_dim == 256:  # _fa3_bwd_kernel_d256 whatever the variant (but its dQ-by-TMA build has no REDG to ablate)
+        if variant == DQ_TMA_VARIANT:
+            raise ValueError("gluon_attention_bwd: ablate needs the REDG dQ path; variant 6 at d = 256 has none")
         return int(ablate)
     if variant in (0,) + DQW_VARIANTS or (head_dim is not None and head_dim not in _VARIANT_DIMS):
         raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}) "
@@ -1785,7 +1824,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             _vec_desc(lse2), _vec_desc(delta), dq_acc, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
             STAGES=cfg["STAGES"], CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-            **({"ABLATE": ablate} if ablate else {}))
+            **({"ABLATE": ablate} if ablate else {}),
+            **(dict(DQ_TMA=True, dq_desc=_dq_tma_desc(dq_acc, D)) if variant == DQ_TMA_VARIANT else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK, num_warps=pre_warps)
         return dq, dk, dv
@@ -1874,6 +1914,13 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     if D == 256:  # one kernel for every variant; ABLATE explicit (an offline compile binds no defaults)
         constexprs.pop("HEAD_DIM")
         constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
+        sig["DQ_TMA"] = "constexpr"
+        constexprs["DQ_TMA"] = variant == DQ_TMA_VARIANT
+        if variant == DQ_TMA_VARIANT:
+            sig["dq_desc"] = _dq_tma_signature(D)
+        else:
+            sig["dq_desc"] = "constexpr"
+            constexprs["dq_desc"] = None
         src = GluonASTSource(_fa3_bwd_kernel_d256, signature=sig, constexprs=constexprs)
         return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]})
