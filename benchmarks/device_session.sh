@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -504,6 +504,17 @@ phase_s14e() {
     | grep -E "bench\]|FAIL|PASS|Error" | tail -24
   timeout 220 env FXOPT_ATTN_GLUON_BWD_D256_TMA=1 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 \
     --tag d256_s14_tma --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -8
+}
+
+phase_s14f() {
+  # session 14: d = 256 variant 6 now lets the producer warp issue the dQ reduces (variant 7 = the consumer-issued
+  # build of s14e): GPU tests of both, the kernel check / A/B of both, then the d = 256 rows with variant 6 routed
+  timeout 150 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_attention_gluon_bwd256.py 2>&1 | tail -6
+  timeout 200 python3 benchmarks/gluon_attention_bwd_check.py --quick --dims 256 --variant 6,7 --out "$RES" 2>&1 \
+    | grep -E "bench\]|FAIL|Error" | tail -24
+  timeout 220 env FXOPT_ATTN_GLUON_BWD_D256_TMA=1 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 \
+    --tag d256_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -8
 }
 
 phase_s14b() {
