@@ -707,6 +707,9 @@ def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
     assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 6"   # dQ by TMA (session 14)
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "0")
     assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 5"
+    monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_D256_TMA", raising=False)
+    assert A._gluon_bwd_build(256) == "gluon d256 variant 6"      # dQ by TMA, issued by the producer (session 14)
+    monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_D256_TMA", "0")
     assert A._gluon_bwd_build(256) == "gluon d256"
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQW", "0")
     assert A._gluon_bwd_build(128) == f"gluon variant {A._GLUON_BWD_VARIANT[128]}"

@@ -1283,7 +1283,7 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
 def _gluon_bwd_build(D: int) -> str:
     """Name of the Gluon backward build ``flash_attention_triton_bwd`` launches at head dim D when routed there."""
     if D == 256:  # variant 6 = the d = 256 kernel's dQ-by-TMA build (session 14)
-        return "gluon d256" if os.environ.get("FXOPT_ATTN_GLUON_BWD_D256_TMA", "0") == "0" else "gluon d256 variant 6"
+        return "gluon d256" if os.environ.get("FXOPT_ATTN_GLUON_BWD_D256_TMA", "1") == "0" else "gluon d256 variant 6"
     if D in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
         # variant 6 (session 14): variant 5 with the reducer's dQ reductions done by TMA (cp.reduce.async.bulk)
         return "gluon variant 5" if os.environ.get("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "1") == "0" else "gluon variant 6"

@@ -479,15 +479,13 @@ _MAXNREG = 168        # 12 warps x 32 threads x 168 = 64512 <= 65536 registers
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 _PRE_BLOCK = 64       # rows per preprocess / convert program (== BLOCK_M: the padding unit)
-VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in
+VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # gluon_attention_bwd(variant=...): 0 default, 1 split-dQ, 2 split-dQ + dK in
     # flight, 3 split-dQ + dK issued before the dS^T publication, 4 = 3 + named-barrier turns between the consumer
     # warpgroups (opt-in; measured 1-2% slower), 5 = 3 + dQ through shared memory and a reducer warp (``DQW``;
     # d = 64 / 128; the op's route at d = 128, through attention_gluon_bwd_dqw), 6 = 5 with the reducer's global
     # reductions done by TMA (``DQ_TMA``: one cp.reduce.async.bulk.tensor per dQ half-tile, FA3's dQ path)
 DQW_VARIANT = 5
 DQ_TMA_VARIANT = 6
-D256_CONSUMER_TMA_VARIANT = 7  # d = 256 only: variant 6 with each consumer warpgroup issuing (and waiting for) its
-    # own reduce, the first build (session 14 A/B); variant 6 at d = 256 lets the producer warp issue both
 DQW_VARIANTS = (DQW_VARIANT, DQ_TMA_VARIANT)  # the variants with dQ tiles in shared memory and a reducer partition
 DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
 DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; GPU-checked)
@@ -1328,7 +1326,7 @@ D256_QROWS = 32       # query rows of S^T / dP^T per consumer warpgroup (BLOCK_M
 
 @gluon.jit
 def _d256_reduce_slot(dq_desc, q_smem, do_smem, j, b, hk, H, GROUP, SQ_PAD, m_lo, n_m, STAGES: gl.constexpr):
-    """DQ_TMA == 2: TMA reduce-add of step j's two dQ tiles (warpgroup 0's in ring slot j % STAGES's Q bytes,
+    """DQ_TMA: TMA reduce-add of step j's two dQ tiles (warpgroup 0's in ring slot j % STAGES's Q bytes,
     warpgroup 1's in its dO bytes) into the workspace; the caller waits for the reads (``tma.store_wait``)."""
     n_steps = n_m - m_lo
     g = j // n_steps
@@ -1345,7 +1343,7 @@ def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, n_m, STAGES: gl.constexpr,
-                       DQ_TMA: gl.constexpr = 0, dq_desc=None):
+                       DQ_TMA: gl.constexpr = False, dq_desc=None):
     # K and V of this CTA, once: two [64, 128] column halves each, one barrier.
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
@@ -1361,7 +1359,7 @@ def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
             empty_phase = ((it // STAGES) & 1) ^ 1
             m0 = mb * 64
             mbarrier.wait(q_empty.index(s), empty_phase)
-            if DQ_TMA == 2:  # slot s holds step it - STAGES's dQ tiles: reduce them, wait for the reads, refill
+            if DQ_TMA:  # slot s holds step it - STAGES's dQ tiles: reduce them, wait for the reads, refill
                 if it >= STAGES:
                     _d256_reduce_slot(dq_desc, q_smem, do_smem, it - STAGES, b, hk, H, GROUP, SQ_PAD, m_lo, n_m,
                                       STAGES)
@@ -1380,7 +1378,7 @@ def _bwd_producer_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                                                     _as_tma_box(do_smem.index(4 * s + 2 * r + c), do_desc))
             tma.async_copy_global_to_shared(delta_desc, [row_base + m0], do_ready.index(s), delta_smem.index(s))
             it += 1
-    if DQ_TMA == 2:  # the last STAGES steps' tiles (no refill follows them)
+    if DQ_TMA:  # the last STAGES steps' tiles (no refill follows them)
         for j in range(gl.maximum(it - STAGES, 0), it):
             mbarrier.wait(q_empty.index(j % STAGES), (j // STAGES) & 1)
             _d256_reduce_slot(dq_desc, q_smem, do_smem, j, b, hk, H, GROUP, SQ_PAD, m_lo, n_m, STAGES)
@@ -1392,7 +1390,7 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
                    ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr, qk_scale,
                    diag_off, STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
                    acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0,
-                   DQ_TMA: gl.constexpr = 0, x_free=None, dq_desc=None, row8=0):
+                   DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
     keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
@@ -1480,11 +1478,9 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
         dq_tile.store(gl.permute(gl.reshape(dq, [8, 8, 16, 8]), (0, 2, 1, 3)))
         fence_async_shared()     # generic-proxy stores -> the TMA unit's (async proxy) reads
         gl.thread_barrier()
-        if DQ_TMA == 1:  # this warpgroup issues the reduce and waits until the TMA unit has read the tile
-            _tma_reduce_add(dq_desc, [row8 + mb * 8, WG * 16, 0, 0], dq_tile)
-            tma.store_wait(0)
-            gl.thread_barrier()
-        # DQ_TMA == 2: the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s
+        # the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s (session 14:
+        # each warpgroup issuing its own and waiting for the TMA unit's read gained 2-8% over the REDG build, this
+        # 7.5-13%; benchmarks/results/gluon/gluon_attention_bwd_check_d256_s14*.md)
         mbarrier.arrive(q_empty.index(s), count=1)
         mbarrier.arrive(do_empty.index(s), count=1)
     elif (ABLATE & 4) == 0:
@@ -1504,7 +1500,7 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                        dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
-                       DQ_TMA: gl.constexpr = 0, x_free=None, dq_desc=None):
+                       DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
@@ -1519,23 +1515,21 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(GROUP):
-        if DQ_TMA:  # dq_ptr is None: the tiles go through dq_desc (workspace rows / 8)
+        if DQ_TMA:  # the producer reduces the dQ tiles (through dq_desc)
             dq_row_ptr = dq_ptr
-            row8 = (b * H + hk * GROUP + g) * (SQ_PAD // 8)
         else:
             dq_row_ptr = dq_ptr + (b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD * 256
-            row8 = 0
         for mb in range(m_lo, m_full):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
                                     qk_scale, diag_off, STAGES, True, s_layout, acc_layout, op_layout, ABLATE,
-                                    DQ_TMA, x_free, dq_desc, row8)
+                                    DQ_TMA, x_free, dq_desc)
             it += 1
         for mb in range(m_full, n_m):
             dk, dv = _bwd_step_d256(WG, it, mb, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
                                     ds_smem, q_ready, q_empty, do_ready, do_empty, x_bar, dk, dv, n0, dq_row_ptr,
                                     qk_scale, diag_off, STAGES, False, s_layout, acc_layout, op_layout, ABLATE,
-                                    DQ_TMA, x_free, dq_desc, row8)
+                                    DQ_TMA, x_free, dq_desc)
             it += 1
 
     # ---- epilogue: both warpgroups read all of K / V (S^T, dP^T) until their last step; meet on end_bar (count 2,
@@ -1558,7 +1552,7 @@ def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                            dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
-                           DQ_TMA: gl.constexpr = 0, x_free=None, dq_desc=None):
+                           DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
@@ -1570,7 +1564,7 @@ def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
                            kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                            b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                            dk_desc, dv_desc, STAGES: gl.constexpr, ABLATE: gl.constexpr = 0,
-                           DQ_TMA: gl.constexpr = 0, x_free=None, dq_desc=None):
+                           DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                        kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, end_bar,
                        b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
@@ -1582,7 +1576,7 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
                          qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr = 0,
-                         DQ_TMA: gl.constexpr = 0, dq_desc=None):
+                         DQ_TMA: gl.constexpr = False, dq_desc=None):
     dtype: gl.constexpr = q_desc.dtype
     pid_n = gl.program_id(0)  # causal: low key blocks see the most query blocks and run first
     bhk = gl.program_id(1)
@@ -1675,9 +1669,6 @@ def _check_variant(variant, head_dim) -> None:
     if variant in DQW_VARIANTS and head_dim is not None and head_dim not in DQW_HEAD_DIMS + (256,):
         raise ValueError(f"gluon_attention_bwd: variant {variant} (dQ through shared memory) needs head dim "
                          f"64 or 128, got {head_dim}")
-    if variant == D256_CONSUMER_TMA_VARIANT and head_dim is not None and head_dim != 256:
-        raise ValueError(f"gluon_attention_bwd: variant {variant} (the consumer-issued dQ TMA reduce) exists only at "
-                         f"head dim 256, got {head_dim}")
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -1746,9 +1737,8 @@ def _check_ablate(ablate, variant: int, head_dim) -> int:
     if not isinstance(ablate, int) or ablate < 0 or ablate & ~sum(ABLATE_BITS):
         raise ValueError(f"gluon_attention_bwd: ablate must be a bit mask of {sorted(ABLATE_BITS)}, got {ablate!r}")
     if head_dim == 256:  # _fa3_bwd_kernel_d256 whatever the variant (but its dQ-by-TMA build has no REDG to ablate)
-        if variant in (DQ_TMA_VARIANT, D256_CONSUMER_TMA_VARIANT):
-            raise ValueError(f"gluon_attention_bwd: ablate needs the REDG dQ path; variant {variant} at d = 256 "
-                             "has none")
+        if variant == DQ_TMA_VARIANT:
+            raise ValueError("gluon_attention_bwd: ablate needs the REDG dQ path; variant 6 at d = 256 has none")
         return int(ablate)
     if variant in (0,) + DQW_VARIANTS or (head_dim is not None and head_dim not in _VARIANT_DIMS):
         raise ValueError(f"gluon_attention_bwd: ablate needs the split-dQ kernel (variant 1-4, d in {_VARIANT_DIMS}) "
@@ -1858,8 +1848,7 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             STAGES=cfg["STAGES"], CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
             **({"ABLATE": ablate} if ablate else {}),
-            **(dict(DQ_TMA=2 if variant == DQ_TMA_VARIANT else 1, dq_desc=_dq_tma_desc(dq_acc, D))
-               if variant in (DQ_TMA_VARIANT, D256_CONSUMER_TMA_VARIANT) else {}))
+            **(dict(DQ_TMA=True, dq_desc=_dq_tma_desc(dq_acc, D)) if variant == DQ_TMA_VARIANT else {}))
         _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,
                                        HEAD_DIM=D, BLOCK=_PRE_BLOCK, num_warps=pre_warps)
         return dq, dk, dv
@@ -1949,7 +1938,7 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
         constexprs.pop("HEAD_DIM")
         constexprs["ABLATE"] = _check_ablate(ablate, variant, D)
         sig["DQ_TMA"] = "constexpr"
-        constexprs["DQ_TMA"] = {DQ_TMA_VARIANT: 2, D256_CONSUMER_TMA_VARIANT: 1}.get(variant, 0)
+        constexprs["DQ_TMA"] = variant == DQ_TMA_VARIANT
         if constexprs["DQ_TMA"]:
             sig["dq_desc"] = _dq_tma_signature(D)
         else:
