@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -515,6 +515,16 @@ phase_s14f() {
     | grep -E "bench\]|FAIL|Error" | tail -24
   timeout 220 env FXOPT_ATTN_GLUON_BWD_D256_TMA=1 python3 benchmarks/attention.py --shapes 256x1024,256x4096,256x16384 \
     --tag d256_s14 --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -8
+}
+
+phase_s14g() {
+  # session 14, last call: the op-level GPU tests with variant 6 the default at d = 64 / 128 / 256 (routes, models,
+  # eager path), then the d = 256 rows at S = 512 with the Gluon floor at 512
+  timeout 230 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_attention_kernels.py tests/test_attention_models.py tests/test_attention_eager_path.py \
+    tests/test_attention_gluon_bwd256.py -k "route or model or eager or llama or d256" 2>&1 | tail -8
+  timeout 60 python3 benchmarks/attention.py --shapes 256x512 --tag d256_512_s14 --out "$RES" 2>&1 \
+    | grep -v "Warn\|warn" | tail -4
 }
 
 phase_s14b() {

@@ -1251,9 +1251,11 @@ _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # the Triton backward's ~0.2 ms; benchmarks/results/attention_host_overhead.md). GPU time is what a compiled model
 # with CUDA graphs sees, and what a model whose other layers keep the GPU busy sees. Keys are (head dim, causal);
 # an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode. d = 64 from 1024 since session 14:
-# variant 6 is 3-4% faster than variant 5 there (was a tie with the Triton backward).
+# variant 6 is 3-4% faster than variant 5 there (was a tie with the Triton backward). d = 256 from 512 since session
+# 14: with variant 6 the Gluon kernel ran 1.6-1.7x the Triton backward at S = 1024 (graph fwd+bwd 343 / 275 against
+# 212 / 161 TFLOP/s, benchmarks/results/attention.md), and the Triton backward left S = 512 at 0.62-0.66x cuDNN.
 _GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {
-    (256, False): 1024, (256, True): 1024, (128, False): 512, (128, True): 512, (64, False): 1024, (64, True): 1024}
+    (256, False): 512, (256, True): 512, (128, False): 512, (128, True): 512, (64, False): 1024, (64, True): 1024}
 
 
 def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal,
