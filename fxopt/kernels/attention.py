@@ -1254,6 +1254,8 @@ _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # variant 6 is 3-4% faster than variant 5 there (was a tie with the Triton backward). d = 256 from 512 since session
 # 14: with variant 6 the Gluon kernel ran 1.6-1.7x the Triton backward at S = 1024 (graph fwd+bwd 343 / 275 against
 # 212 / 161 TFLOP/s, benchmarks/results/attention.md), and the Triton backward left S = 512 at 0.62-0.66x cuDNN.
+# Measured with the new floors (same runs, graph fwd+bwd, Gluon against Triton backward): d = 64 S = 1024 350 / 261
+# against 343 / 255 (attention.md); d = 256 S = 512 290 / 202 against 190 / 132 (attention_d256_512_s14.md).
 _GLUON_BWD_MIN_SEQ_BY_DIM = {} if "FXOPT_ATTN_GLUON_BWD_MIN_SEQ" in os.environ else {
     (256, False): 512, (256, True): 512, (128, False): 512, (128, True): 512, (64, False): 1024, (64, True): 1024}
 

@@ -1,13 +1,14 @@
 """FA3-style FlashAttention BACKWARD for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
-Status: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow (283-335 TFLOP/s
-at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3 ("split dQ",
-below) were correct on 59 / 59 GPU cases (sessions 7 / 8); variant 3 is what the op routes d = 128 to from
-S = 2048 (431-452 TFLOP/s against cuDNN's 466-587). The d = 256 kernel (session 9, "Head dim 256" below) passed its 18 GPU
-cases in session 10 and is routed (fwd+bwd 1.5-1.7x the Triton backward); the split-dQ variants at d = 64 (session 9,
-"Split dQ at head dim 64" below) passed their GPU test but lost to the Triton backward through the op (opt-in).
-``benchmarks/gluon_attention_bwd_check.py`` checks
-it against a float64 autograd reference and times it against the Triton backward and cuDNN.
+Status (session 14): the op routes d = 64 / 128 to variant 6 and d = 256 to the d = 256 kernel's variant-6 build
+("Variant 6" below: the dQ global reductions done by the TMA unit, ``cp.reduce.async.bulk.tensor``), from S = 512
+(d = 128 / 256) and 1024 (d = 64). Graph-replayed fwd+bwd through the op, full H200 table
+(benchmarks/results/attention.md): 0.96-1.08x cuDNN at d = 128 (S = 512-16k), 0.90-0.98x at d = 64, 0.88-1.03x at
+d = 256 (S = 1k-16k). History: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow
+(283-335 TFLOP/s at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3
+("split dQ", below) were correct on 59 / 59 GPU cases (sessions 7 / 8). The d = 256 kernel (session 9, "Head dim 256"
+below) passed its 18 GPU cases in session 10. ``benchmarks/gluon_attention_bwd_check.py`` checks the kernels against
+a float64 autograd reference and times them against the Triton backward and cuDNN.
 
 Why
 ---
@@ -409,6 +410,36 @@ instruction and control words) is byte-identical modulo the kernel name, with th
 ``--dump-resource-usage`` line, for variant 5 (bf16 / fp16, causal or not) against the separate
 ``_fa3_bwd_kernel_dqw`` and for every other build of this module against before the fold (variants 0-4 at d = 64
 and 128, causal or not, variant 3 fp16, variant 3 with each ABLATE mask, d = 256).
+
+Variant 6 = variant 5 with the dQ reductions done by TMA (``DQ_TMA``; session 14; the op's default at d = 64 / 128 / 256)
+--------------------------------------------------------------------------------------------------------------------
+Gluon 3.6 exposes TMA loads and stores for Hopper but no reduce; its builder has ``create_async_tma_reduce`` (the op
+Triton's ``desc.atomic_add`` lowers to), wrapped here as the builtin ``_tma_reduce_add``: PTX
+``cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group``, SASS ``UTMAREDG.4D.ADD``; ``tma.store_wait(n)``
+waits for the bulk group's reads of shared memory. The fp32 workspace [rows, d] (rows = B * Hq * SQ_PAD) is described
+to TMA as [rows / 8, d / 8, 8, 8] with strides [8 d, 8, d, 1] (``_dq_tma_desc``; no swizzle): a box [8, d / 16, 8, 8]
+is one warpgroup's [64, d / 2] dQ column half, and its shared-memory order (row // 8, col // 8, row % 8, col % 8) is
+exactly variant 5's conflict-free "chunk-transposed" tile, so the consumers' stores are unchanged.
+* d = 64 / 128 (``_fa3_bwd_kernel_v1``, DQW + DQ_TMA): the consumers add a proxy fence (``fence_async_shared``) after
+  their tile store; the reducer warp (``_bwd_dq_reducer`` with ``DQ_TMA``) issues two reduces per step instead of 64 LDS.128 +
+  64 ``red.global.add.v4``, waits for their reads, then releases the buffer. H200 (same run as variants 3 / 5,
+  benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md): 1.13-1.20x variant 5 at d = 128 (547 / 492 / 526 / 532
+  against 455 / 417 / 464 / 479 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), 1.02-1.04x at d = 64.
+* d = 256 (``_fa3_bwd_kernel_d256``, DQ_TMA): shared memory is full (230,880 of 232,448 B), so the dQ tiles
+  ([64, 128] fp32 = 32 KB per warpgroup) go into the ring slot's own Q (warpgroup 0) and dO (warpgroup 1) bytes,
+  which are dead once both warpgroups have retired dV and dK: each warpgroup arrives on ``x_free[s]`` (count 2) after
+  that wait(0), and after its dQ wgmma waits on it before storing (``_reinterpret`` of the slot as fp32 [8, 16, 8, 8]),
+  fences, and arrives on q_empty / do_empty. The producer warp, which waits on q_empty[s] before refilling slot s
+  anyway, first issues both tiles' reduces (``_d256_reduce_slot``) and waits for their reads; after its loop it
+  reduces the last STAGES steps' tiles. Offline: no REDG, 4 UTMAREDG (all in the producer), no spills, no wgmma
+  hazard, +32 B of shared memory. H200 (benchmarks/results/gluon/gluon_attention_bwd_check_d256_s14.md, 20 / 20
+  check cases, 11 GPU tests): 7.5-13% faster than the REDG build (292 / 245 / 341 / 320 / 355 / 351 against 272 /
+  224 / 305 / 287 / 314 / 316 TFLOP/s at S = 1k / 1k causal / 4k / 4k causal / 16k / 16k causal). A first build in
+  which each consumer warpgroup issued its own reduce and waited for the read gained only 2-8%
+  (``..._d256_s14_consumer.md``).
+* dK / dV are bit-identical to the REDG builds (only dQ's path changed); dQ adds fp32 partials in a run-dependent
+  order as before. ``FXOPT_ATTN_GLUON_BWD_DQ_TMA=0`` (d = 64 / 128) and ``FXOPT_ATTN_GLUON_BWD_D256_TMA=0`` route the
+  variant-5 / REDG builds instead.
 
 Semantics
 ---------
@@ -1117,33 +1148,17 @@ if _GLUON_IMPORT_ERROR is None:
 
 
 @gluon.jit
-def _bwd_dq_reducer_tma(dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
-    """Variant 6 (DQ_TMA). Per step: wait dq_full[b]; two TMA reduce-adds (one per warpgroup's column half, each a
-    [64, d / 2] fp32 tile = one [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8]
-    with strides [8 d, 8, d, 1]: the box order IS the tile's chunk-transposed smem order, so the TMA unit reads the
-    tile as it lies); wait until the TMA unit has read both tiles (``store_wait(0)``: the bulk groups' reads); release
-    dq_empty[b]. The consumers' proxy fence (generic stores -> async-proxy reads) precedes their dq_full arrive."""
-    NB: gl.constexpr = dq_smem.shape[0] // 2
-    CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
-    n_steps = n_m - m_lo
-    for it in range(GROUP * n_steps):
-        g = it // n_steps
-        mb = m_lo + (it - g * n_steps)
-        buf = it % NB
-        mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
-        row8 = (b * H + hk * GROUP + g) * (SQ_PAD // 8) + mb * 8   # SQ_PAD is a multiple of 64
-        _tma_reduce_add(dq_desc, [row8, 0, 0, 0], dq_smem.index(2 * buf))
-        _tma_reduce_add(dq_desc, [row8, CHUNKS, 0, 0], dq_smem.index(2 * buf + 1))
-        tma.store_wait(0)
-        mbarrier.arrive(dq_empty.index(buf), count=1)
-
-
-@gluon.jit
-def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
-    """Variant 5 (DQW) only, d = 64 / 128. Per step: wait dq_full[b]; [64, d] fp32 (two [64, d / 2] column halves)
+def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m,
+                    DQ_TMA: gl.constexpr = False):
+    """Variants 5 / 6 (DQW), d = 64 / 128. Per step: wait dq_full[b]; [64, d] fp32 (two [64, d / 2] column halves)
     from dq_smem -> red.global.add.v4.f32 into the workspace rows of the step's query block; thread_barrier; release
     dq_empty[b]. One flat loop over the (g, m) steps (few loop-carried registers: the partition runs with 24).
-    NB, the head dim and the warp count come from ``dq_smem`` ([2 NB, 8, d / 16, 8, 8]) and the partition."""
+    NB, the head dim and the warp count come from ``dq_smem`` ([2 NB, 8, d / 16, 8, 8]) and the partition.
+    ``DQ_TMA`` (variant 6): two TMA reduce-adds per step instead (one per column half, each a [64, d / 2] tile = one
+    [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8] with strides [8 d, 8, d, 1]:
+    the box order IS the tile's chunk-transposed smem order, so the TMA unit reads the tile as it lies), then a wait
+    for the TMA unit's reads of both tiles (``store_wait(0)``) before the release. The consumers' proxy fence
+    (generic stores -> async-proxy reads) precedes their dq_full arrive."""
     NB: gl.constexpr = dq_smem.shape[0] // 2
     CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
     HALF: gl.constexpr = 8 * CHUNKS
@@ -1167,15 +1182,20 @@ def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD,
         mb = m_lo + (it - g * n_steps)
         buf = it % NB
         mbarrier.wait(dq_full.index(buf), (it // NB) & 1)
-        base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * HEAD_DIM
-        for w in gl.static_range(2):
-            tile = dq_smem.index(2 * buf + w)
-            for rh in gl.static_range(8):
-                vals = tile.slice(rh, 1, dim=0).load(red_layout)
-                _red_add_v4(base + (rh * 8 * HEAD_DIM + HALF * w) + offs, vals)
-        gl.thread_barrier()   # its loads have returned (their values fed the reductions)
+        if DQ_TMA:
+            row8 = (b * H + hk * GROUP + g) * (SQ_PAD // 8) + mb * 8   # SQ_PAD is a multiple of 64
+            _tma_reduce_add(dq_desc, [row8, 0, 0, 0], dq_smem.index(2 * buf))
+            _tma_reduce_add(dq_desc, [row8, CHUNKS, 0, 0], dq_smem.index(2 * buf + 1))
+            tma.store_wait(0)     # the TMA unit has read both tiles
+        else:
+            base = dq_ptr + ((b * H + hk * GROUP + g).to(gl.int64) * SQ_PAD + mb * 64) * HEAD_DIM
+            for w in gl.static_range(2):
+                tile = dq_smem.index(2 * buf + w)
+                for rh in gl.static_range(8):
+                    vals = tile.slice(rh, 1, dim=0).load(red_layout)
+                    _red_add_v4(base + (rh * 8 * HEAD_DIM + HALF * w) + offs, vals)
+            gl.thread_barrier()   # its loads have returned (their values fed the reductions)
         mbarrier.arrive(dq_empty.index(buf), count=1)
-
 
 @gluon.jit
 def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_ptr,
@@ -1253,43 +1273,25 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     # variant 5 failed to compile there). The argument tuples are literals too: a tuple assigned to a name turns its
     # constexprs into tensors. DQW passes None (no capture) for the consumers' SQ_PAD / dq_ptr and adds the reducer
     # warp(s) to warpgroup 2 at the producer's register budget; variants 1-4 pass None for the dQ tiles and barriers.
-    if DQ_TMA:
+    if DQW:
         gl.warp_specialize([
             (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                                     dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                                     dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                                     None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
-                                    DQW, NB, True)),
+                                    DQW, NB, DQ_TMA)),
             (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                                     dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                                     dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                                     None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
-                                    DQW, NB, True)),
+                                    DQW, NB, DQ_TMA)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                              kv_bar, q_ready, q_empty, do_ready, do_empty,
                              b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
                              dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
-            (_bwd_dq_reducer_tma, (dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m)),
-        ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
-    elif DQW:
-        gl.warp_specialize([
-            (_bwd_consumer_v1_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
-                                    DQW, NB)),
-            (_bwd_consumer_v1_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                                    dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                                    dq_empty, b, hk, n0, H, GROUP, None, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                    None, dk_desc, dv_desc, HEAD_DIM, STAGES, DK_IN_FLIGHT, EARLY_DK, TURNS, ABLATE,
-                                    DQW, NB)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                             kv_bar, q_ready, q_empty, do_ready, do_empty,
-                             b, hk, n0, H, GROUP, SQ_PAD, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K, dq_ptr,
-                             dk_desc, dv_desc, HEAD_DIM, STAGES, CAUSAL)),
-            (_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, b, hk, H, GROUP, SQ_PAD, m_lo, n_m)),
+            (_bwd_dq_reducer, (dq_smem, dq_full, dq_empty, dq_ptr, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m,
+                              DQ_TMA)),
         ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
     else:
         gl.warp_specialize([

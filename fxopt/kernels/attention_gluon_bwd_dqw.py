@@ -1,6 +1,11 @@
 """Gluon attention backward at d = 128 (and 64) with FA3's dQ path: dQ through shared memory, global reductions by a
 reducer warp.
 
+Since session 14 the op runs variant 6 (``gluon_attention_bwd_dqw(..., tma=True)``): the same kernel, with the reducer
+warp's global reductions done by the TMA unit (one ``cp.reduce.async.bulk.tensor`` per dQ half-tile instead of
+64 LDS.128 + 64 ``red.global.add.v4`` per step); 1.13-1.20x variant 5 at d = 128 on the H200. See "Variant 6" in
+``attention_gluon_bwd``. What follows describes variant 5, whose shared-memory tile order variant 6 keeps.
+
 The op's backward at d = 128 since session 11 and at d = 64 from S = 4096 since session 12
 (``attention._GLUON_BWD_DQW_DIMS``; ``FXOPT_ATTN_GLUON_BWD_DQW=0`` turns it off): correct on the H200 (24 GPU tests at
 d = 64 / 128, dK / dV bit-identical to variant 3; 16 op-level route tests) and 1.05-1.07x variant 3 at d = 128, after
