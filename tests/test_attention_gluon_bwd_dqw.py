@@ -213,6 +213,29 @@ def test_gpu_dqw_matches_float64_and_v3(name, head_dim, tma):
     assert_gluon_bwd_variant(fn, GPU_CASES[name], head_dim, (name, head_dim, tma))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dq_tma_box_is_the_chunk_transposed_tile(head_dim):
+    """The layout arithmetic of variant 6, in plain torch: the workspace [rows, d] viewed with ``_dq_tma_desc``'s shape
+    and strides ([rows / 8, d / 8, 8, 8], [8 d, 8, d, 1]); the box at (row8, chunk) of shape [8, d / 16, 8, 8], read in
+    its row-major (shared-memory) order, is exactly the consumers' tile ``permute(reshape(dq, [8, 8, d / 16, 8]),
+    (0, 2, 1, 3))`` of the [64, d / 2] half starting at row 8 row8, column 8 chunk; and adding the boxes of both
+    halves of every query block writes each workspace element exactly once."""
+    D, rows = head_dim, 3 * 64
+    ws = torch.arange(rows * D, dtype=torch.float64)          # distinct values: any mix-up shows
+    view = torch.as_strided(ws, (rows // 8, D // 8, 8, 8), (8 * D, 8, D, 1))
+    half = D // 2
+    hit = torch.zeros(rows, D)
+    for mb in range(rows // 64):
+        for w in range(2):
+            row8, chunk = mb * 8, w * (D // 16)
+            box = view[row8:row8 + 8, chunk:chunk + D // 16]    # [8, d / 16, 8, 8], TMA's box
+            tile = ws.view(rows, D)[mb * 64:mb * 64 + 64, w * half:w * half + half]
+            smem = tile.reshape(8, 8, half // 8, 8).permute(0, 2, 1, 3)   # the consumers' store order
+            assert torch.equal(box.contiguous(), smem.contiguous()), (D, mb, w)
+            hit[mb * 64:mb * 64 + 64, w * half:w * half + half] += 1
+    assert torch.equal(hit, torch.ones(rows, D))
+
+
 def test_dq_tma_offline_builds():
     """Variant 6 (dQ by TMA reduce-add) builds offline at d = 64 / 128, causal or not, with the launcher's constexpr
     ones: per build two ``cp.reduce.async.bulk.tensor.4d ... add`` in the PTX (one per warpgroup's dQ half-tile;
