@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -525,6 +525,13 @@ phase_s14g() {
     tests/test_attention_gluon_bwd256.py -k "route or model or eager or llama or d256" 2>&1 | tail -8
   timeout 60 python3 benchmarks/attention.py --shapes 256x512 --tag d256_512_s14 --out "$RES" 2>&1 \
     | grep -v "Warn\|warn" | tail -4
+}
+
+phase_s15a() {
+  # prepared in session 14 for the next device session: where the eager op's host time goes (cProfile of the custom
+  # op and of the eager autograd.Function path, wall time per launch path) and the descriptor-layout cache A/B
+  timeout 150 python3 benchmarks/attention_host_overhead.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | tail -150
+  phase_s13g
 }
 
 phase_s14b() {
