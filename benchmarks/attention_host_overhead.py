@@ -184,19 +184,26 @@ def main():
                          "routes": str(A.kernel_routes(qd, kd, vd, is_causal=causal)) if "op" in name else ""})
             print(f"causal={causal} {name}: {us:.1f} us per call", flush=True)
         if not causal:
-            # the custom op (what traced graphs run) and the eager path (fxopt.kernels.attention.flash_attention:
-            # a plain autograd.Function since session 13)
-            eager = lambda: torch.autograd.grad(A.flash_attention(q, k, v, is_causal=causal), (q, k, v), do)  # noqa
-            rows.append({"causal": causal, "call": "eager fwd+bwd (flash_attention, autograd.Function)",
-                         "wall_us": round(wall_us(eager), 1), "routes": ""})
-            for label, fn in (("custom op", lambda: torch.autograd.grad(op(q, k, v), (q, k, v), do)),
-                              ("eager Function", eager)):
+            # torch.ops.fxopt.flash_attention in eager runs a plain autograd.Function over the launchers (session 13,
+            # attention._EagerFlashAttention); with attention._EAGER_FUNCTION off it runs the custom ops
+            # flash_attention_fwd / _bwd, as traced graphs do
+            fb = lambda: torch.autograd.grad(op(q, k, v), (q, k, v), do)  # noqa: E731
+            saved = A._EAGER_FUNCTION
+            try:
+                A._EAGER_FUNCTION = False
+                rows.append({"causal": causal, "call": "op fwd+bwd through the custom ops (as traced graphs)",
+                             "wall_us": round(wall_us(fb), 1), "routes": ""})
+            finally:
+                A._EAGER_FUNCTION = saved
+            for label, eager_fn in (("custom ops", False), ("eager Function", True)):
+                A._EAGER_FUNCTION = eager_fn
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(30):
-                    fn()
+                    fb()
                 torch.cuda.synchronize()
                 prof.disable()
+                A._EAGER_FUNCTION = saved
                 for key in ("tottime", "cumulative"):
                     s = io.StringIO()
                     pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
