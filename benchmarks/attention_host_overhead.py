@@ -208,6 +208,15 @@ def main():
                     s = io.StringIO()
                     pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
                     print(f"[profile {label}, by {key}]\n" + s.getvalue()[:9000], flush=True)
+            # torch.profiler sees what cProfile cannot: time inside C (driver calls such as cuLaunchKernelEx and
+            # cuTensorMapEncodeTiled, aten ops, allocator) per fwd+bwd of the eager path
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                for _ in range(30):
+                    fb()
+                torch.cuda.synchronize()
+            print("[torch.profiler eager Function, by self CPU time]\n"
+                  + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)[:9000], flush=True)
     write_results("attention_host_overhead", rows, out_dir=a.out, echo=True,
                   title="Attention op: host time per call (tiny shape, GPU work negligible)",
                   notes=f"Shape B x H x S x D = {a.shape}, bf16. wall_us: 50 calls back to back, one synchronize, "
