@@ -113,7 +113,7 @@ def layout_ab(B=1, H=1, S=128, D=128, rounds=3):
     cached = G.host_layout
     uncached = cached.__wrapped__
     fns = {"gluon fwd launch": lambda: G.gluon_attention_fwd(q, k, v, variant=A._gluon_fwd_variant(D, False, S)),
-           "gluon bwd launch (variant 5)": functools.partial(gluon_attention_bwd_dqw, do, q, k, v, out, lse)}
+           "gluon bwd launch (variant 6)": functools.partial(gluon_attention_bwd_dqw, do, q, k, v, out, lse, tma=True)}
     rows = []
     for name, fn in fns.items():
         got = {"cached": [], "uncached": []}

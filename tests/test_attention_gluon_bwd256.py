@@ -187,8 +187,8 @@ def test_gpu_d256_backward_matches_float64(name):
 
 def test_d256_dq_tma_offline_build():
     """Variant 6 at d = 256 builds offline (bf16, causal or not): no REDG, four TMA reduce-adds (UTMAREDG.4D.ADD),
-    all in the producer (two in its loop, two in its tail), the REDG build's HGMMA count, no local memory, no wgmma serialisation or register
-    hazard, shared memory = the REDG build's + the STAGES x_free barriers (the dQ tiles reuse the slot's Q / dO;
+    all in the producer (two in its loop, two in its tail), the REDG build's HGMMA count, no local memory, no wgmma
+    serialisation or register hazard, shared memory = the REDG build's + the STAGES x_free barriers (the dQ tiles reuse the slot's Q / dO;
     + 32 B with alignment)."""
     from fxopt.testing import offline_build_json
 

@@ -411,8 +411,8 @@ instruction and control words) is byte-identical modulo the kernel name, with th
 ``_fa3_bwd_kernel_dqw`` and for every other build of this module against before the fold (variants 0-4 at d = 64
 and 128, causal or not, variant 3 fp16, variant 3 with each ABLATE mask, d = 256).
 
-Variant 6 = variant 5 with the dQ reductions done by TMA (``DQ_TMA``; session 14; the op's default at d = 64 / 128 / 256)
---------------------------------------------------------------------------------------------------------------------
+Variant 6 = variant 5 with the dQ reductions done by TMA (``DQ_TMA``; session 14; the op's default at every d)
+--------------------------------------------------------------------------------------------------------------
 Gluon 3.6 exposes TMA loads and stores for Hopper but no reduce; its builder has ``create_async_tma_reduce`` (the op
 Triton's ``desc.atomic_add`` lowers to), wrapped here as the builtin ``_tma_reduce_add``: PTX
 ``cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group``, SASS ``UTMAREDG.4D.ADD``; ``tma.store_wait(n)``
@@ -421,10 +421,10 @@ to TMA as [rows / 8, d / 8, 8, 8] with strides [8 d, 8, d, 1] (``_dq_tma_desc``;
 is one warpgroup's [64, d / 2] dQ column half, and its shared-memory order (row // 8, col // 8, row % 8, col % 8) is
 exactly variant 5's conflict-free "chunk-transposed" tile, so the consumers' stores are unchanged.
 * d = 64 / 128 (``_fa3_bwd_kernel_v1``, DQW + DQ_TMA): the consumers add a proxy fence (``fence_async_shared``) after
-  their tile store; the reducer warp (``_bwd_dq_reducer`` with ``DQ_TMA``) issues two reduces per step instead of 64 LDS.128 +
-  64 ``red.global.add.v4``, waits for their reads, then releases the buffer. H200 (same run as variants 3 / 5,
-  benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md): 1.13-1.20x variant 5 at d = 128 (547 / 492 / 526 / 532
-  against 455 / 417 / 464 / 479 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), 1.02-1.04x at d = 64.
+  their tile store; the reducer warp (``_bwd_dq_reducer`` with ``DQ_TMA``) issues two reduces per step instead of
+  64 LDS.128 + 64 ``red.global.add.v4``, waits for their reads, then releases the buffer. H200 (same run as
+  variants 3 / 5, benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md): 1.13-1.20x variant 5 at d = 128 (547 / 492 /
+  526 / 532 against 455 / 417 / 464 / 479 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), 1.02-1.04x at d = 64.
 * d = 256 (``_fa3_bwd_kernel_d256``, DQ_TMA): shared memory is full (230,880 of 232,448 B), so the dQ tiles
   ([64, 128] fp32 = 32 KB per warpgroup) go into the ring slot's own Q (warpgroup 0) and dO (warpgroup 1) bytes,
   which are dead once both warpgroups have retired dV and dK: each warpgroup arrives on ``x_free[s]`` (count 2) after
@@ -456,6 +456,7 @@ Semantics
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -1476,7 +1477,7 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
             dq_tile = q_smem._reinterpret(gl.float32, [STAGES, 8, 16, 8, 8], dq_desc.layout).index(s)
         else:
             dq_tile = do_smem._reinterpret(gl.float32, [STAGES, 8, 16, 8, 8], dq_desc.layout).index(s)
-        # [64 rows, 128 cols] -> (row // 8, col // 8, row % 8, col % 8), as variant 6 at d = 128 (attention_gluon_bwd_dqw)
+        # [64 rows, 128 cols] -> (row // 8, col // 8, row % 8, col % 8), as variant 6 at d = 128
         dq_tile.store(gl.permute(gl.reshape(dq, [8, 8, 16, 8]), (0, 2, 1, 3)))
         fence_async_shared()     # generic-proxy stores -> the TMA unit's (async proxy) reads
         gl.thread_barrier()
@@ -1770,7 +1771,9 @@ def _vec_desc(t: torch.Tensor):
     return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], host_layout((BLOCK_M,), torch.float32))
 
 
+@functools.lru_cache(maxsize=None)
 def _dq_tma_layout():
+    """Built once, as ``host_layout`` does for the other descriptors: a layout per launch cost microseconds of host."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
 
 
