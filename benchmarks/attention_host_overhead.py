@@ -131,14 +131,83 @@ def layout_ab(B=1, H=1, S=128, D=128, rounds=3):
     return rows
 
 
+def _setup(B, H, S, D, causal):
+    """Inputs (leaf q / k / v, their detached views, dO, out / lse of the forward) and the cuDNN / op callables."""
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = A.flash_attention_triton(qd, kd, vd, is_causal=causal, return_lse=True)
+
+    def sdpa(a_, b_, c_):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(a_, b_, c_, is_causal=causal)
+
+    def op(a_, b_, c_):
+        return torch.ops.fxopt.flash_attention(a_, b_, c_, is_causal=causal)
+
+    return q, k, v, do, qd, kd, vd, out, lse, sdpa, op
+
+
+def plans_ab(shapes, rounds=3):
+    """Host-bound wall time per call with launch plans (``fxopt.kernels.launch_plan``, the default) and without,
+    interleaved rounds; cuDNN in the same run. At S = 512 the GPU work is 0.3-0.7 ms, so the fwd+bwd rows there are
+    what attention.py's eager columns see."""
+    from fxopt.kernels import launch_plan as LP
+
+    rows = []
+    for B, H, S, D in shapes:
+        for causal in (False, True):
+            q, k, v, do, qd, kd, vd, out, lse, sdpa, op = _setup(B, H, S, D, causal)
+            cands = {
+                "kernel fwd": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal, return_lse=True),
+                "kernel bwd": lambda: A.flash_attention_triton_bwd(do, qd, kd, vd, out, lse, is_causal=causal),
+                "op fwd+bwd": lambda: torch.autograd.grad(op(q, k, v), (q, k, v), do),
+                "cudnn fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+            }
+            routes = str(A.kernel_routes(qd, kd, vd, is_causal=causal))
+            for name, fn in cands.items():
+                got = {"on": [], "off": []}
+                for _ in range(rounds):
+                    for mode in ("on", "off"):
+                        LP.ENABLED = mode == "on"
+                        LP.clear_plans()
+                        try:
+                            got[mode].append(wall_us(fn, 100))
+                        finally:
+                            LP.ENABLED = True
+                    if name.startswith("cudnn"):
+                        got.pop("off")
+                        got["off"] = got["on"]
+                        break
+                med = {m: sorted(x)[len(x) // 2] for m, x in got.items()}
+                rows.append({"shape": f"{B}x{H}x{S}x{D}", "causal": causal, "call": name,
+                             "plans_on_us": round(med["on"], 1),
+                             "plans_off_us": None if name.startswith("cudnn") else round(med["off"], 1),
+                             "routes": routes if name.startswith("op") else ""})
+                print(f"[plans_ab] {B}x{H}x{S}x{D} causal={causal} {name}: on {med['on']:.1f} off {med['off']:.1f} "
+                      f"us per call", flush=True)
+    print("plan stats:", LP.stats, flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--shape", default="1x1x128x128", help="BxHxSxD")
     p.add_argument("--experiment", action="store_true", help="only the thread / plain-Function A/B")
     p.add_argument("--layout-ab", action="store_true", help="only the cached / uncached descriptor-layout A/B")
+    p.add_argument("--plans-ab", default=None, metavar="SHAPES",
+                   help="only the launch-plan A/B, at these comma-separated BxHxSxD shapes")
     a = p.parse_args()
     B, H, S, D = (int(x) for x in a.shape.split("x"))
+    if a.plans_ab:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.plans_ab.split(",")]
+        write_results("attention_host_plans_ab", plans_ab(shapes), out_dir=a.out, echo=True,
+                      title="Attention: host time per call with launch plans on / off",
+                      notes="wall_us: 100 calls back to back, one synchronize, per call; median of 3 interleaved "
+                            "rounds (plans cleared before each). plans_on: the default (fxopt.kernels.launch_plan: "
+                            "the second call of a key is recorded, later ones replay); cuDNN has no off column.")
+        return
     if a.layout_ab:
         write_results("attention_host_layout_ab", layout_ab(B, H, S, D), out_dir=a.out, echo=True,
                       title="Gluon launches: host time with cached / uncached descriptor layouts",
@@ -157,17 +226,7 @@ def main():
         return
     rows = []
     for causal in (False, True):
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        do = torch.randn_like(q)
-        qd, kd, vd = q.detach(), k.detach(), v.detach()
-        out, lse = A.flash_attention_triton(qd, kd, vd, is_causal=causal, return_lse=True)
-
-        def sdpa(a_, b_, c_):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(a_, b_, c_, is_causal=causal)
-
-        op = lambda a_, b_, c_: torch.ops.fxopt.flash_attention(a_, b_, c_, is_causal=causal)  # noqa: E731
+        q, k, v, do, qd, kd, vd, out, lse, sdpa, op = _setup(B, H, S, D, causal)
         cands = {
             "kernel fwd (flash_attention_triton)": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
             "kernel bwd (flash_attention_triton_bwd)": lambda: A.flash_attention_triton_bwd(

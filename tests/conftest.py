@@ -8,6 +8,7 @@
 * ``@pytest.mark.gpu`` tests are skipped without CUDA.
 * ``run_on_ranks(fn, world_size=2)`` runs ``fn(rank, world_size, *args)`` on
   ``world_size`` gloo processes (spawn) and re-raises the first failure.
+* Launch plans (``fxopt.kernels.launch_plan``) are cleared around every test.
 * Dynamo's caches are reset before every test: compiled entries of one model's
   ``forward`` would otherwise pile up across tests and hit Dynamo's recompile
   limit (fatal under ``fullgraph=True``), making a test depend on the ones before it.
@@ -47,7 +48,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    # launch plans key on arguments and FXOPT_* switches, not on module globals a test may patch
+    from fxopt.kernels.launch_plan import clear_plans
+
+    clear_plans()
     yield
+    clear_plans()
 
 
 @pytest.fixture

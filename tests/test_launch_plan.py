@@ -1,0 +1,232 @@
+"""Launch plans (fxopt.kernels.launch_plan) on CPU: keys, recording, pointer placement and replay, with a fake
+compiled kernel standing in for Triton's (the real launches are checked on the GPU: test_launch_plan_gpu.py)."""
+import pytest
+import torch
+
+from fxopt.kernels import launch_plan as LP
+
+
+class FakeKernel:
+    """What a Plan uses of a Triton CompiledKernel: _init_handles, run (the launcher), function, packed_metadata."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.calls = []
+
+    def _init_handles(self):
+        pass
+
+    @property
+    def run(self):
+        return self.launch
+
+    def launch(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *vals):
+        self.calls.append(((g0, g1, g2), stream, vals))
+
+
+class Desc:
+    """A host tensor descriptor as the recorder sees one (base, shape, strides, block_shape, padding)."""
+
+    def __init__(self, base, block):
+        self.base, self.shape, self.strides = base, list(base.shape), list(base.stride())
+        self.block_shape, self.padding = block, "zero"
+
+
+GLOBAL_BUF = torch.zeros(4)
+
+
+def _launch(kernel, grid, values):
+    LP._TLS.rec.launch(kernel, grid, values)
+
+
+def test_key_separates_what_the_launch_path_can_branch_on(monkeypatch):
+    x = torch.randn(4, 8)
+    key = lambda *a, **kw: LP._call_key(len, a, kw, allow_cpu=True)[0]  # noqa: E731
+    base = key(x, 1.5, True)
+    assert base == key(torch.randn(4, 8), 1.5, True)             # new data, same key
+    assert base != key(x.half(), 1.5, True)                      # dtype
+    assert base != key(torch.randn(8, 4).t(), 1.5, True)         # strides
+    assert base != key(torch.randn(4, 9)[:, :8], 1.5, True)      # strides again (a view of a wider tensor)
+    assert base != key(torch.randn(33)[1:].view(4, 8), 1.5, True)  # 16-byte alignment of the pointer
+    assert base != key(x, 2.0, True) and base != key(x, 1.5, False)
+    assert base != key(x, 1.5, True, out=None)                   # keyword names
+    monkeypatch.setenv("FXOPT_ATTN_GLUON", "0")                  # a switch the kernels read
+    assert base != key(x, 1.5, True)
+    assert LP._call_key(len, (x,), {})[0] is None                # CPU tensors: no plans outside tests
+    assert key(x, [1, 2]) is None                                # unhashable argument
+    assert key(x, (x,)) is None                                  # tensor inside a container
+    assert key(torch.empty(0, 8)) is None                        # empty tensor
+
+
+def test_replay_places_pointers_descriptors_and_results():
+    kern = FakeKernel()
+
+    def fn(x, y, n):
+        out = torch.empty(4, 8)
+        ws = torch.empty(16)
+        _launch(kern, (2, 3), [x, y[1:], out, n, 1.5, "CONSTEXPR", Desc(ws, [4]), GLOBAL_BUF, None])
+        return out, out.view(8, 4)[2:], n
+
+    x, y = torch.randn(4, 8), torch.randn(10)
+    result, plan = LP.record(fn, (x, y, 3), {}, [x, y], stream_fn=lambda d: 7)
+    assert isinstance(plan, LP.Plan), plan
+    assert len(kern.calls) == 0  # recording does not launch through the fake (the real path launches itself)
+    x2, y2 = torch.randn(4, 8), torch.randn(10)
+    out, view, n = plan.replay([x2, y2])
+    (grid, stream, vals), = kern.calls
+    assert grid == (2, 3, 1) and stream == 7 and n == 3
+    assert vals[0] == x2.data_ptr() and vals[1] == y2.data_ptr() + 4
+    assert vals[2] == out.data_ptr() and out.shape == (4, 8) and out.dtype == torch.float32
+    assert vals[3:6] == (3, 1.5, "CONSTEXPR") and vals[7] is GLOBAL_BUF and vals[8] is None
+    d = vals[6]
+    assert d.base.data_ptr() not in (x2.data_ptr(), y2.data_ptr(), out.data_ptr())
+    assert d.shape == (16,) and d.strides == (1,) and d.padding == "zero"
+    assert view.shape == (6, 4) and view.data_ptr() == out.data_ptr() + 8 * 4 and view.stride() == (4, 1)
+    assert view.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    # a second replay allocates afresh
+    out2, _, _ = plan.replay([x2, y2])
+    assert out2.data_ptr() != out.data_ptr() or out2 is not out
+
+
+@pytest.mark.parametrize("body, why", [
+    (lambda x: x.add(1), "aten op"),
+    (lambda x: bool((x > 0).any()), "aten op"),
+    (lambda x: torch.zeros(3), "aten op"),
+    (lambda x: x.t().contiguous(), "aten op"),
+])
+def test_any_op_but_allocations_and_views_is_not_replayable(body, why):
+    kern = FakeKernel()
+
+    def fn(x):
+        body(x)
+        _launch(kern, (1,), [x])
+        return x
+
+    x = torch.randn(4, 8)
+    _, plan = LP.record(fn, (x,), {}, [x], stream_fn=lambda d: 0)
+    assert isinstance(plan, str) and why in plan
+
+
+def test_ambiguous_or_foreign_pointers_are_not_replayable():
+    kern = FakeKernel()
+    base = torch.randn(100)
+    x, y = base[:60], base[40:]
+
+    def inside_both(x, y):
+        _launch(kern, (1,), [base[50:]])
+
+    _, plan = LP.record(inside_both, (x, y), {}, [x, y], stream_fn=lambda d: 0)
+    assert isinstance(plan, str) and "inside 2" in plan
+
+    def no_launch(x, y):
+        return torch.empty(3)
+
+    _, plan = LP.record(no_launch, (x, y), {}, [x, y], stream_fn=lambda d: 0)
+    assert plan == "no kernel launched"
+
+    def returns_old_tensor(x, y):
+        _launch(kern, (1,), [x])
+        return GLOBAL_BUF
+
+    _, plan = LP.record(returns_old_tensor, (x, y), {}, [x, y], stream_fn=lambda d: 0)
+    assert isinstance(plan, str) and "before the call" in plan
+
+
+def test_decorator_runs_ordinary_then_records_then_replays(monkeypatch):
+    monkeypatch.setattr(LP, "_ALLOW_CPU", True)
+    monkeypatch.setattr(LP, "_cuda_stream", lambda d: 5)
+    LP.clear_plans()
+    kern = FakeKernel()
+    ran = []
+
+    @LP.plan_cached
+    def entry(x, scale=1.0):
+        ran.append(scale)
+        out = torch.empty_like(x)
+        _launch(kern, (1,), [x, out, scale]) if LP._TLS.__dict__.get("rec") else None
+        return out
+
+    x = torch.randn(3, 5)
+    entry(x)                      # ordinary
+    assert LP.plan_for(entry, x) == LP._SEEN
+    entry(x)                      # recorded
+    assert isinstance(LP.plan_for(entry, x), LP.Plan)
+    before = LP.stats["replayed"]
+    x2 = torch.randn(3, 5)
+    out = entry(x2, )             # replayed: the Python body does not run
+    assert len(ran) == 2 and LP.stats["replayed"] == before + 1
+    assert kern.calls[-1][2][0] == x2.data_ptr() and kern.calls[-1][2][1] == out.data_ptr()
+    entry(x2, scale=2.0)          # another key: ordinary
+    assert ran[-1] == 2.0
+    monkeypatch.setattr(LP, "ENABLED", False)
+    entry(x2)                     # plans off: the body runs
+    assert len(ran) == 4
+    LP.clear_plans()
+    assert LP.plan_for(entry, x) is None
+
+
+def test_plan_keeps_no_tensor_of_the_recorded_call_alive():
+    """A plan recorded inside a CUDA-graph capture must not pin the graph pool's memory (cudagraph trees refuse
+    untracked live tensors), nor leak the recorded call's inputs and allocations."""
+    import gc
+    import weakref
+
+    kern = FakeKernel()
+
+    def fn(x):
+        out = torch.empty(4)
+        _launch(kern, (1,), [x, out, Desc(torch.empty(8), [2])])
+        return out
+
+    x = torch.randn(4)
+    result, plan = LP.record(fn, (x,), {}, [x], stream_fn=lambda d: 0)
+    assert isinstance(plan, LP.Plan)
+    refs = [weakref.ref(x), weakref.ref(result)]
+    del x, result
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_routing_state_is_part_of_the_key(monkeypatch):
+    """A benchmark that reassigns a routing global must not replay the plan of another route."""
+    monkeypatch.setattr(LP, "_ALLOW_CPU", True)
+    monkeypatch.setattr(LP, "_cuda_stream", lambda d: 0)
+    kern = FakeKernel()
+    route, ran = ["gluon"], []
+
+    @LP.plan_cached(state=lambda: (route[0],))
+    def entry(x):
+        ran.append(route[0])
+        if LP._TLS.__dict__.get("rec"):
+            _launch(kern, (1,), [x])
+        return x
+
+    x = torch.randn(3)
+    for _ in range(3):
+        entry(x)
+    assert ran == ["gluon", "gluon"] and isinstance(LP.plan_for(entry, x), LP.Plan)
+    route[0] = "triton"
+    entry(x)
+    assert ran[-1] == "triton" and LP.plan_for(entry, x) == LP._SEEN
+
+
+def test_whole_views_become_allocations_and_workspaces_share_one_buffer():
+    kern = FakeKernel()
+
+    def fn(x):
+        flat = torch.empty(32)             # returned as a whole [4, 8] view: allocated in that shape at replay
+        ws1, ws2 = torch.empty(10), torch.empty(3, 70)   # workspaces: carved from one byte buffer
+        _launch(kern, (1,), [x, flat, ws1, Desc(ws2, [1, 8])])
+        return flat.view(4, 8)
+
+    x = torch.randn(5)
+    _, plan = LP.record(fn, (x,), {}, [x], stream_fn=lambda d: 0)
+    assert isinstance(plan, LP.Plan)
+    assert plan.result == ("t", 1, 0) and plan.owned[0][1:3] == ((4, 8), (8, 1))
+    assert [off for _, off in plan.scratch] == [0, 256] and plan.scratch_bytes == 256 + 1024
+    out = plan.replay([x])
+    (_, _, vals), = kern.calls
+    assert out.shape == (4, 8) and out.stride() == (8, 1) and out._base is None
+    assert vals[1] == out.data_ptr()
+    assert vals[3].base.data_ptr() - vals[2] == 256 and vals[3].shape == (3, 70)
