@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -589,6 +589,17 @@ phase_s15f() {
     timeout 80 python3 benchmarks/attention.py --shapes $sh --tag short_plans_s15f_$sh --out "$RES" \
       2>&1 | grep -v "Warn\|warn" | grep "^|" | tail -2
   done
+}
+
+phase_s16a() {
+  # prepared in session 15 (device time spent): the launch-plan GPU tests with the final code (s15f cut the
+  # tiny-Llama reduce-overhead test at its 100 s limit), the opt-in W4A16 plans (tests/test_w4a16_launch_plan_gpu.py:
+  # if they pass, set w4a16._LAUNCH_PLANS on by default), the eager-path tests; then the whole attention table with
+  # plans (its eager columns at every S; attention.md still has session 14's)
+  timeout 200 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_launch_plan_gpu.py tests/test_w4a16_launch_plan_gpu.py tests/test_attention_eager_path.py \
+    "tests/test_attention_models.py::test_gpu_tiny_llama_training_step_under_cuda_graphs" 2>&1 | tail -12
+  timeout 380 python3 benchmarks/attention.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | tail -40
 }
 
 phase_s15a() {

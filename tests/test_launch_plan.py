@@ -195,7 +195,7 @@ def test_routing_state_is_part_of_the_key(monkeypatch):
     kern = FakeKernel()
     route, ran = ["gluon"], []
 
-    @LP.plan_cached(state=lambda: (route[0],))
+    @LP.plan_cached(state=lambda *a, **kw: (route[0],))
     def entry(x):
         ran.append(route[0])
         if LP._TLS.__dict__.get("rec"):
@@ -230,3 +230,37 @@ def test_whole_views_become_allocations_and_workspaces_share_one_buffer():
     assert out.shape == (4, 8) and out.stride() == (8, 1) and out._base is None
     assert vals[1] == out.data_ptr()
     assert vals[3].base.data_ptr() - vals[2] == 256 and vals[3].shape == (3, 70)
+
+
+def test_entry_switch_and_argument_state(monkeypatch):
+    """``enabled``: an entry point's own opt-in; ``state`` sees the call's arguments (a fact about a tensor's values
+    cached on it, such as W4A16's integer zero points, must split keys that share all metadata)."""
+    monkeypatch.setattr(LP, "_ALLOW_CPU", True)
+    monkeypatch.setattr(LP, "_cuda_stream", lambda d: 0)
+    kern = FakeKernel()
+    on, ran = [False], []
+
+    @LP.plan_cached(state=lambda x, flag: bool(flag.item()), enabled=lambda: on[0])
+    def entry(x, flag):
+        ran.append(1)
+        if LP._TLS.__dict__.get("rec"):
+            _launch(kern, (1,), [x])
+        return x
+
+    x, t, f = torch.randn(3), torch.tensor(True), torch.tensor(False)
+    for _ in range(3):
+        entry(x, t)
+    assert len(ran) == 3 and LP.plan_for(entry, x, t) is None      # switched off: no plans at all
+    on[0] = True
+    for _ in range(3):
+        entry(x, t)
+    assert len(ran) == 5 and isinstance(LP.plan_for(entry, x, t), LP.Plan)
+    entry(x, f)                                                     # same metadata, other state: not replayed
+    assert len(ran) == 6 and LP.plan_for(entry, x, f) == LP._SEEN
+
+
+def test_w4a16_plans_are_opt_in():
+    from fxopt.kernels import w4a16 as K4
+
+    assert K4._LAUNCH_PLANS is False  # until tests/test_w4a16_launch_plan_gpu.py has passed on the H200
+    assert K4.w4a16_matmul.plan_state is K4._plan_state

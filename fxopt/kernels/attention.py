@@ -1057,11 +1057,12 @@ def _plan_state() -> tuple:
     """The module state the launch paths route on, part of each launch plan's key (``launch_plan.plan_cached``):
     benchmarks and tests reassign these to force a route (e.g. ``_GLUON_HEAD_DIMS = ()`` for the Triton forward)."""
     return (_GLUON_HEAD_DIMS, _GLUON_BWD_HEAD_DIMS, _GLUON_BWD_DQW_DIMS, _GLUON_BWD_MIN_SEQ,
-            id(_GLUON_BWD_MIN_SEQ_BY_DIM), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), _DECODE_PERSISTENT,
+            id(_GLUON_BWD_MIN_SEQ_BY_DIM), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), len(_TMA_FAILED),
+            _DECODE_PERSISTENT,
             _DECODE_CTAS_PER_SM, _DECODE_CFG, _FUSED_COMBINE, _COMBINE_MODE, id(_num_sms), id(_GLUON_BWD_VARIANT))
 
 
-@plan_cached(state=lambda: _plan_state())
+@plan_cached(state=lambda *a, **kw: _plan_state())
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
                            config=None, use_tma=None, out=None):
@@ -1519,7 +1520,7 @@ def _decode_locks(device, n: int) -> torch.Tensor:
     return buf
 
 
-@plan_cached(state=lambda: _plan_state())
+@plan_cached(state=lambda *a, **kw: _plan_state())
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
                                dq_config=None):

@@ -429,22 +429,28 @@ def record(fn, args, kwargs, inputs, stream_fn=None):
         return result, str(e)
 
 
-def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[[], tuple]] = None):
-    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring). ``state``: a function
-    returning the (hashable) module state the entry point routes on, made part of the key, so that a benchmark or a
-    test that reassigns a routing global does not replay a plan recorded under another route."""
+def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., Any]] = None,
+                enabled: Optional[Callable[[], bool]] = None):
+    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring).
+
+    Args:
+        state: called with the call's arguments, returns the (hashable) state the entry point routes on that the
+            arguments' metadata does not show: module globals a benchmark or a test reassigns, a fact about a
+            tensor's values cached on the tensor. It becomes part of the key.
+        enabled: an entry point's own switch (called per call; plans run only while it returns True)."""
     if fn is None:
-        return functools.partial(plan_cached, state=state)
+        return functools.partial(plan_cached, state=state, enabled=enabled)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not ENABLED or getattr(_TLS, "rec", None) is not None or _hooks_active():
+        if not ENABLED or getattr(_TLS, "rec", None) is not None or _hooks_active() or \
+                (enabled is not None and not enabled()):
             return fn(*args, **kwargs)
         key, inputs = _call_key(fn, args, kwargs, _ALLOW_CPU)
         if key is None:
             return fn(*args, **kwargs)
         if state is not None:
-            key = (key, state())
+            key = (key, state(*args, **kwargs))
         entry = _PLANS.get(key)
         if entry.__class__ is Plan:
             stats["replayed"] += 1
@@ -479,5 +485,5 @@ def plan_for(fn, *args, **kwargs) -> Optional[Any]:
     key, _ = _call_key(getattr(fn, "__wrapped__", fn), args, kwargs, _ALLOW_CPU)
     state = getattr(fn, "plan_state", None)
     if key is not None and state is not None:
-        key = (key, state())
+        key = (key, state(*args, **kwargs))
     return None if key is None else _PLANS.get(key)

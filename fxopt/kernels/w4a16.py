@@ -94,6 +94,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl, next_pow2
+from fxopt.kernels.launch_plan import plan_cached
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
 log = logging.getLogger(__name__)
@@ -1502,6 +1503,19 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     return y
 
 
+# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: opt-in until the GPU tests of
+# tests/test_w4a16_launch_plan_gpu.py have passed on the H200 (written in session 15, when no device time was left).
+_LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "0") == "1"
+
+
+def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
+    """What the launch path routes on beyond the arguments' metadata: whether the zero points are integers (a fact
+    about their values, kept on the tensor: "swapd" is chosen only then), the tuner's table (a new entry may change
+    the config of a shape) and the listed-method defaults."""
+    return (_integer_zeros(zeros) if zeros.is_cuda else None, len(_TUNED), _MMA_DEFAULT)
+
+
+@plan_cached(state=_plan_state, enabled=lambda: _LAUNCH_PLANS)
 def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
                  config: Optional[W4A16Config] = None) -> torch.Tensor:
     """y = x @ dequant(W).T (+ bias) with the Triton kernel; x [..., K] (2-D or 3-D). Works on CPU tensors under
