@@ -264,3 +264,28 @@ def test_w4a16_plans_are_opt_in():
 
     assert K4._LAUNCH_PLANS is False  # until tests/test_w4a16_launch_plan_gpu.py has passed on the H200
     assert K4.w4a16_matmul.plan_state is K4._plan_state
+
+
+def test_no_plan_state_adds_no_key(monkeypatch):
+    """Dropout draws a new seed per call: such calls keep the ordinary path without filling the table."""
+    from fxopt.kernels import attention as A
+
+    monkeypatch.setattr(LP, "_ALLOW_CPU", True)
+    q = torch.randn(1, 1, 4, 8)
+    assert A._fwd_plan_state(q, q, q, None, 0.1, False, None, -1, 0.0, None, 123) is LP.NO_PLAN
+    assert A._fwd_plan_state(q, q, q, dropout_p=0.0) == A._plan_state()
+    assert A._bwd_plan_state(q, q, q, q, q, q, None, 0.2) is LP.NO_PLAN
+    assert A._bwd_plan_state(q, q, q, q, q, q, dropout_p=0.0) == A._plan_state()
+    ran = []
+
+    @LP.plan_cached(state=lambda x, seed: LP.NO_PLAN if seed else ())
+    def entry(x, seed):
+        ran.append(seed)
+        return x
+
+    LP.clear_plans()
+    for seed in range(1, 6):
+        entry(q, seed)
+    assert len(ran) == 5 and not LP._PLANS
+    entry(q, 0)
+    assert len(LP._PLANS) == 1

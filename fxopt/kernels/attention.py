@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl, jit_like_source, next_pow2
-from fxopt.kernels.launch_plan import plan_cached
+from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
 
 log = logging.getLogger(__name__)
 
@@ -1062,7 +1062,18 @@ def _plan_state() -> tuple:
             _DECODE_CTAS_PER_SM, _DECODE_CFG, _FUSED_COMBINE, _COMBINE_MODE, id(_num_sms), id(_GLUON_BWD_VARIANT))
 
 
-@plan_cached(state=lambda *a, **kw: _plan_state())
+def _fwd_plan_state(*args, **kwargs):
+    # args as flash_attention_triton's: dropout_p is the fifth; with dropout every call has a new seed
+    dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return NO_PLAN if dropout_p else _plan_state()
+
+
+def _bwd_plan_state(*args, **kwargs):
+    dropout_p = args[7] if len(args) > 7 else kwargs.get("dropout_p", 0.0)  # flash_attention_triton_bwd's eighth
+    return NO_PLAN if dropout_p else _plan_state()
+
+
+@plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
                            config=None, use_tma=None, out=None):
@@ -1520,7 +1531,7 @@ def _decode_locks(device, n: int) -> torch.Tensor:
     return buf
 
 
-@plan_cached(state=lambda *a, **kw: _plan_state())
+@plan_cached(state=_bwd_plan_state)
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
                                dq_config=None):

@@ -46,6 +46,7 @@ MAX_PLANS = 512  # keys per process; past it the table is cleared (e.g. a dropou
 _ALLOW_CPU = False  # tests: key CPU tensors too (the plan logic with fake kernels)
 _PLANS: dict = {}
 _SEEN, _NOT_REPLAYABLE = "seen", "not replayable"
+NO_PLAN = object()  # returned by a ``state`` function: this call keeps the ordinary path and adds no key
 _TLS = threading.local()
 stats = {"replayed": 0, "recorded": 0, "not_replayable": 0, "ordinary": 0}
 
@@ -436,7 +437,8 @@ def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., 
     Args:
         state: called with the call's arguments, returns the (hashable) state the entry point routes on that the
             arguments' metadata does not show: module globals a benchmark or a test reassigns, a fact about a
-            tensor's values cached on the tensor. It becomes part of the key.
+            tensor's values cached on the tensor. It becomes part of the key. ``NO_PLAN``: not this call (e.g. a
+            fresh dropout seed in every call would only fill the table).
         enabled: an entry point's own switch (called per call; plans run only while it returns True)."""
     if fn is None:
         return functools.partial(plan_cached, state=state, enabled=enabled)
@@ -450,7 +452,10 @@ def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., 
         if key is None:
             return fn(*args, **kwargs)
         if state is not None:
-            key = (key, state(*args, **kwargs))
+            st = state(*args, **kwargs)
+            if st is NO_PLAN:
+                return fn(*args, **kwargs)
+            key = (key, st)
         entry = _PLANS.get(key)
         if entry.__class__ is Plan:
             stats["replayed"] += 1
