@@ -365,13 +365,19 @@ def _hooks_active() -> bool:
 
 
 _PATCHED = False
+_PATCH_LOCK = threading.Lock()
 
 
 def _patch_triton():
     """Wrap JITFunction.run and Autotuner.run once: they record only on a thread that is recording."""
     global _PATCHED
-    if _PATCHED:
-        return
+    with _PATCH_LOCK:  # two threads patching at once would wrap twice and record every launch twice
+        if not _PATCHED:
+            _do_patch_triton()
+            _PATCHED = True
+
+
+def _do_patch_triton():
     from triton.runtime import driver
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
@@ -405,7 +411,6 @@ def _patch_triton():
                 rec.bad("an autotuned kernel launched more than once (it was tuning)")
 
     JITFunction.run, Autotuner.run = run, autotuned
-    _PATCHED = True
 
 
 def record(fn, args, kwargs, inputs, stream_fn=None):
