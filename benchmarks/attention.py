@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fxopt.kernels import attention as A  # noqa: E402
 from fxopt.kernels import attention_gluon as G  # noqa: E402
+from fxopt.kernels import launch_plan as LP  # noqa: E402
 
 
 def _rand(*shape, grad=False):
@@ -185,6 +186,8 @@ def attention_rows(d, S, causal, bwd=True):
     # what "fxopt" ran (after the timing, so that a Gluon build that failed during it shows as fallen back)
     routes = A.kernel_routes(qd, kd, vd, is_causal=causal)
     row["fwd_kernel"], row["bwd_kernel"] = routes["forward"], routes["backward"] if bwd else None
+    # the eager columns replay launch plans unless FXOPT_LAUNCH_PLANS=0 (session 15; earlier tables had none)
+    row["launch_plans"] = "on" if LP.ENABLED else "off"
     if any("fell back" in str(r) for r in routes.values()):
         print(f"  WARNING: d={d} S={S} causal={causal}: {routes}", flush=True)
     # correctness of the timed kernel against SDPA on the same inputs

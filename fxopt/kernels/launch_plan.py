@@ -272,14 +272,16 @@ class Plan:
                 if numel == a.numel() and view_span == numel and _span_bytes(a) == a.numel() * a.element_size():
                     allocs[i][0], allocs[i][1] = shape, stride
                     self._retag(specs[0], ("t", 1, i))
-        self.owned = [(i, *allocs[i]) for i in sorted(owners)]
+        self.device = rec.inputs[0].device
+        own = set(owners)
+        own.update(i for i, a in enumerate(allocs) if a[3] != self.device)  # another device: on its own
+        self.owned = [(i, *allocs[i]) for i in sorted(own)]
         self.scratch, off = [], 0
-        for i, (shape, stride, dtype, device) in enumerate(allocs):
-            if i not in owners:
+        for i in range(len(allocs)):
+            if i not in own:
                 self.scratch.append((i, off))
                 off += -(-max(_span_bytes(rec.allocs[i]), 1) // 256) * 256
         self.scratch_bytes = off
-        self.device = rec.allocs[0].device if rec.allocs else None
         self.n_allocs = len(allocs)
 
     def _retag(self, old, new):
