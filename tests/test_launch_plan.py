@@ -289,3 +289,15 @@ def test_no_plan_state_adds_no_key(monkeypatch):
     assert len(ran) == 5 and not LP._PLANS
     entry(q, 0)
     assert len(LP._PLANS) == 1
+
+
+def test_a_raw_pointer_argument_is_not_replayable():
+    kern = FakeKernel()
+
+    def fn(x):
+        _launch(kern, (1,), [x, x.data_ptr() + 4, 1 << 40])  # the second would be baked in, stale at replay
+        return x
+
+    x = torch.randn(8)
+    _, plan = LP.record(fn, (x,), {}, [x], stream_fn=lambda d: 0)
+    assert isinstance(plan, str) and "address" in plan

@@ -167,6 +167,14 @@ class _Recorder:
     def launch(self, kernel, grid, values):
         self.launches.append((kernel, grid, values))
 
+    def holds_address(self, p: int) -> bool:
+        """Whether p points into an input or an allocation (a raw pointer passed as an int would be replayed stale)."""
+        for x in (*self.inputs, *self.allocs):
+            base = x.data_ptr()
+            if base <= p < base + _span_bytes(x):
+                return True
+        return False
+
     def place(self, t: torch.Tensor):
         """(kind, index, byte offset): kind 0 = input, 1 = allocation; ('const', t) for a tensor from before the
         call (a module-level buffer)."""
@@ -229,6 +237,8 @@ class Plan:
             template = list(values)
             ptr_slots, desc_slots = [], []
             for pos, v in enumerate(values):
+                if v.__class__ is int and v > 1 << 32 and rec.holds_address(v):
+                    raise NotReplayable("an integer argument is an address inside an input or allocation")
                 if isinstance(v, torch.Tensor):
                     where = rec.place(v)
                     if where[0] != "const":
