@@ -50,7 +50,10 @@ Design
   is a CompositeImplicitAutograd op on top (draws the dropout seed, returns out only). Autograd lives on the fwd
   op. CPU tensors take the float32 PyTorch reference (``attention_reference``); CUDA tensors the Triton kernels.
   ``flash_attention_triton`` / ``flash_attention_triton_bwd`` launch the kernels directly and also run on CPU
-  tensors under ``TRITON_INTERPRET=1`` (one config there).
+  tensors under ``TRITON_INTERPRET=1`` (one config there). On CUDA both replay launch plans
+  (``launch_plan.plan_cached``, session 15): from the third call with the same tensor metadata, arguments, switches
+  and routing globals (``_plan_state``), the recorded launches run without this module's Python or Triton's
+  per-call binding. Code that changes other state these functions read must call ``launch_plan.clear_plans()``.
 * Tuning: small per-head-dim config lists (chosen from H200 measurements, see docs/notes_attention.md), autotuned
   once per (flags, power-of-two bucket of Sq and Sk). Knobs: ``FXOPT_ATTN_TMA`` (auto/1/0),
   ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count),
