@@ -225,8 +225,6 @@ def test_gpu_tiny_llama_training_step_under_cuda_graphs():
     step of a tiny Llama (bf16, GQA 4:2, d = 64, S = 512): three steps replayed, loss and gradients against eager.
     CUDA graphs take the op's host launch path away (session 13: below S = 4096 the eager fwd+bwd is host-bound),
     so short-sequence training should run this way; the custom ops must be capturable (no host sync)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from fxopt.models import TinyLlamaConfig, build_demo_model
 
     cfg = TinyLlamaConfig(vocab_size=V, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,

@@ -7,7 +7,7 @@ import torch
 
 from fxopt.kernels import launch_plan as LP
 from fxopt.kernels import w4a16 as K4
-from fxopt.quant.format import pack_int4
+from test_w4a16_kernels import make_packed
 
 pytestmark = pytest.mark.gpu
 
@@ -15,13 +15,8 @@ REPLAYABLE = ("swap", "swapx", "swapd", "fused", "gemv", "gemv2", "gemv1", "mma"
 
 
 def _weights(K, N, G, integer_zeros=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=g))
-    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
-    zeros = torch.randint(4, 12, (K // G, N), generator=g).float()
-    if not integer_zeros:
-        zeros[0] += 0.5
-    return qweight.cuda(), scales.cuda(), zeros.to(torch.bfloat16).cuda()
+    qweight, scales, zeros, _ = make_packed(K, N, G, torch.bfloat16, "cuda", seed)  # row 0 of zeros: x.5
+    return qweight, scales, zeros.round() if integer_zeros else zeros
 
 
 def _close(a, b):

@@ -1061,8 +1061,8 @@ def _plan_state() -> tuple:
     benchmarks and tests reassign these to force a route (e.g. ``_GLUON_HEAD_DIMS = ()`` for the Triton forward)."""
     return (_GLUON_HEAD_DIMS, _GLUON_BWD_HEAD_DIMS, _GLUON_BWD_DQW_DIMS, _GLUON_BWD_MIN_SEQ,
             id(_GLUON_BWD_MIN_SEQ_BY_DIM), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), len(_TMA_FAILED),
-            _DECODE_PERSISTENT,
-            _DECODE_CTAS_PER_SM, _DECODE_CFG, _FUSED_COMBINE, _COMBINE_MODE, id(_num_sms), id(_GLUON_BWD_VARIANT))
+            _DECODE_PERSISTENT, _DECODE_CTAS_PER_SM, _DECODE_CFG, _FUSED_COMBINE, _COMBINE_MODE, id(_num_sms),
+            id(_GLUON_BWD_VARIANT))
 
 
 def _fwd_plan_state(*args, **kwargs):

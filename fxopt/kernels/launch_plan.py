@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -275,9 +276,7 @@ class Plan:
             a = rec.allocs[i]
             if len(specs) == 1 and specs[0][0] == "v" and specs[0][5] == 0:
                 _, _, _, shape, stride, _ = specs[0]
-                numel = 1
-                for x in shape:
-                    numel *= x
+                numel = math.prod(shape)
                 view_span = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if numel else 0
                 if numel == a.numel() and view_span == numel and _span_bytes(a) == a.numel() * a.element_size():
                     allocs[i][0], allocs[i][1] = shape, stride
@@ -344,7 +343,7 @@ class Plan:
             for i, off in self.scratch:
                 aptrs[i] = base + off
         ptrs = ([t.data_ptr() for t in inputs], aptrs)
-        stream = self.stream_fn(inputs[0].device)
+        stream = self.stream_fn(self.device)
         for launcher, g0, g1, g2, function, packed, template, ptr_slots, desc_slots, _ in self.launches:
             vals = list(template)
             for pos, kind, i, off in ptr_slots:
