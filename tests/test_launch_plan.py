@@ -1,5 +1,7 @@
 """Launch plans (fxopt.kernels.launch_plan) on CPU: keys, recording, pointer placement and replay, with a fake
 compiled kernel standing in for Triton's (the real launches are checked on the GPU: test_launch_plan_gpu.py)."""
+import os
+
 import pytest
 import torch
 
@@ -259,11 +261,20 @@ def test_entry_switch_and_argument_state(monkeypatch):
     assert len(ran) == 6 and LP.plan_for(entry, x, f) == LP._SEEN
 
 
-def test_w4a16_plans_are_opt_in():
+def test_w4a16_plans_default_and_switch():
+    """On by default (GPU tests passed on the H200, session 16); FXOPT_W4A16_LAUNCH_PLANS=0 turns them off."""
+    import subprocess
+    import sys
+
     from fxopt.kernels import w4a16 as K4
 
-    assert K4._LAUNCH_PLANS is False  # until tests/test_w4a16_launch_plan_gpu.py has passed on the H200
     assert K4.w4a16_matmul.plan_state is K4._plan_state
+    code = "from fxopt.kernels import w4a16 as K; print(K._LAUNCH_PLANS)"
+    for env, want in (({}, "True"), ({"FXOPT_W4A16_LAUNCH_PLANS": "0"}, "False")):
+        e = {k: v for k, v in os.environ.items() if k != "FXOPT_W4A16_LAUNCH_PLANS"}
+        out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True,
+                             check=True).stdout.split()[-1]
+        assert out == want, (env, out)
 
 
 def test_no_plan_state_adds_no_key(monkeypatch):

@@ -1503,9 +1503,10 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     return y
 
 
-# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: opt-in until the GPU tests of
-# tests/test_w4a16_launch_plan_gpu.py have passed on the H200 (written in session 15, when no device time was left).
-_LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "0") == "1"
+# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on since session 16, when
+# tests/test_w4a16_launch_plan_gpu.py passed on the H200 (whole one-GPU suite 433 / 433,
+# benchmarks/results/gpu_tests_h200_session16.txt). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
+_LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "1") != "0"
 
 
 def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
