@@ -624,6 +624,7 @@ def test_gpu_gluon_forward(name, dtype, D, monkeypatch):
         pytest.skip("the Gluon forward is routed on sm_90 only")
     if D not in A._GLUON_HEAD_DIMS:
         monkeypatch.setattr(A, "_GLUON_HEAD_DIMS", A._GLUON_HEAD_DIMS + (D,))
+    monkeypatch.setattr(A, "_GLUON_FWD_CAUSAL_MIN_SK", {})  # the short causal cases too (routed to Triton by speed)
     (B, Hq, Hkv, Sq, Sk), causal, bshd = GLUON_CASES[name]
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", bshd=bshd)
     assert A._gluon_route(q, k, v, None, None, 0.0, -1, 0.0, causal, None, D)
@@ -648,6 +649,19 @@ def test_gpu_gluon_forward(name, dtype, D, monkeypatch):
     A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, is_causal=causal).backward(do.double())
     for got, want in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
         _assert_close(got, want, dtype, scale=2)
+
+
+def test_short_causal_forward_stays_on_triton(monkeypatch):
+    """d = 64 causal below 1024 keys runs the Triton forward (faster there on the H200, sessions 14 / 16); longer,
+    non-causal and other head dims keep the Gluon route; the tests that exercise Gluon at short causal lengths clear
+    the table."""
+    assert A._short_causal_stays_on_triton(64, True, 512)
+    assert A._short_causal_stays_on_triton(64, True, 1023)
+    assert not A._short_causal_stays_on_triton(64, True, 1024)
+    assert not A._short_causal_stays_on_triton(64, False, 512)
+    assert not A._short_causal_stays_on_triton(128, True, 512)
+    monkeypatch.setattr(A, "_GLUON_FWD_CAUSAL_MIN_SK", {})
+    assert not A._short_causal_stays_on_triton(64, True, 512)
 
 
 def test_gluon_forward_variant_rule(monkeypatch):

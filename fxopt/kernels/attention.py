@@ -1062,7 +1062,7 @@ def _plan_state() -> tuple:
     return (_GLUON_HEAD_DIMS, _GLUON_BWD_HEAD_DIMS, _GLUON_BWD_DQW_DIMS, _GLUON_BWD_MIN_SEQ,
             id(_GLUON_BWD_MIN_SEQ_BY_DIM), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), len(_TMA_FAILED),
             _DECODE_PERSISTENT, _DECODE_CTAS_PER_SM, _DECODE_CFG, _FUSED_COMBINE, _COMBINE_MODE, id(_num_sms),
-            id(_GLUON_BWD_VARIANT))
+            id(_GLUON_BWD_VARIANT), id(_GLUON_FWD_CAUSAL_MIN_SK))
 
 
 def _fwd_plan_state(*args, **kwargs):
@@ -1187,6 +1187,15 @@ _GLUON_FWD_VARIANT = {64: "persistent", 128: "persistent", 256: "default"}
 # Short causal rows lose: a 192-row item spends more of its steps on the diagonal's masked blocks.
 # FXOPT_ATTN_GLUON_PERSISTENT3=0 keeps d = 64 on "persistent".
 _PERSISTENT3_MIN_SQ = {False: 2048, True: 8192}
+# Causal forwards shorter than this many keys (per head dim) stay on the Triton kernel: at d = 64, S = 512 causal the
+# Triton forward ran 197 / 198 TFLOP/s against the persistent Gluon build's 160 / 162 (whole tables of sessions 14
+# and 16, benchmarks/results/attention.md: 4 of 10 key blocks per head are diagonal, masked blocks cost the
+# exp-bound d = 64 Gluon consumer about two unmasked ones); at 1024 causal Gluon ties or wins (279-281 / 274-277).
+_GLUON_FWD_CAUSAL_MIN_SK = {64: 1024}
+
+
+def _short_causal_stays_on_triton(D: int, causal: bool, Sk: int) -> bool:
+    return bool(causal) and Sk < _GLUON_FWD_CAUSAL_MIN_SK.get(D, 0)
 
 
 def _gluon_fwd_variant(D: int, causal: bool, Sq: int) -> str:
@@ -1205,11 +1214,13 @@ def _is_sm90(device) -> bool:
 
 def _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale, D) -> bool:
     """Whether the forward goes to ``attention_gluon``: sm_90, 16-bit, a routed head dim, causal or no mask, no
-    dropout / window / softcap, TMA-compatible strides (``gluon_supported``). ``FXOPT_ATTN_GLUON=0`` turns it off."""
+    dropout / window / softcap, TMA-compatible strides (``gluon_supported``), causal only from
+    ``_GLUON_FWD_CAUSAL_MIN_SK`` keys. ``FXOPT_ATTN_GLUON=0`` turns it off."""
     if (D not in _GLUON_HEAD_DIMS or attn_mask is not None or key_padding_mask is not None or dropout_p > 0
             or window >= 0 or softcap > 0 or q.dtype not in (torch.bfloat16, torch.float16)
             or os.environ.get("FXOPT_ATTN_GLUON", "1") == "0" or q.device.type != "cuda" or not _is_sm90(q.device)
-            or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_FAILED):
+            or (q.device, q.dtype, D, bool(is_causal)) in _GLUON_FAILED
+            or _short_causal_stays_on_triton(D, is_causal, k.shape[2])):
         return False
     from fxopt.kernels.attention_gluon import gluon_supported
 
