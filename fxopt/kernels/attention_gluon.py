@@ -323,6 +323,17 @@ _WG3_STAGES = 3
 _WG3_MAXNREG = 128
 _WG3_CONSUMER_REGS = 160
 _WG3_PRODUCER_REGS = 24
+# Persistent two-warpgroup builds: the unmasked key-block loop unrolled by two (session 16). The overlapped step
+# issues PV_{i-1} from P_{i-1}'s registers and computes P_i while that wgmma still reads them, so a rolled loop
+# ends each step with 32 register moves (PRMT) of P_i into the operand registers of the next PV; unrolled, the two
+# steps alternate between two register sets and one of them computes P directly in place (sm_90 SASS offline: 455
+# -> 431.5 instructions per step at d = 64, 498 -> 474 at d = 128, no spills in the step loops; the same
+# arithmetic in the same order: bit-identical). Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB.
+# FXOPT_ATTN_GLUON_UNROLL2 (read at import; comma-separated head dims, empty = none) for A/B runs.
+_UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "64,128").split(",") if d.strip())
+if gl is not None:
+    _UNROLL2_D64 = gl.constexpr(64 in _UNROLL2_DIMS)
+    _UNROLL2_D128 = gl.constexpr(128 in _UNROLL2_DIMS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1078,6 +1089,8 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     pin_buf = pin.index(WG)
     # MMA_ROWSUM == 2 (mma_rowsum="nopin"): the row-sum wgmma without the OR pin (PV waited after the row max)
     PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
+    UNROLL2: gl.constexpr = ((NUM_WG == 2) and (not PINGPONG) and (not MMA_ROWSUM)
+                             and ((HEAD_DIM == 64 and _UNROLL2_D64) or (HEAD_DIM == 128 and _UNROLL2_D128)))
     if MMA_ROWSUM:
         RS_COLS: gl.constexpr = ones.shape[0]
         rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1142,11 +1155,28 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         mbarrier.arrive(q_empty.index(NUM_WG * (1 - qb) + WG), count=1, pred=t > 0)
 
         # ---- key blocks 1 .. n_blocks - 1 at ring positions g0 + 1 .. g0 + n_blocks - 1
-        for i in range(g0 + 1, g0 + n_full):
-            s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
-                i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
-                rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+        if UNROLL2:  # the unmasked steps in pairs, then the odd one (see _UNROLL2_DIMS)
+            n_unmasked = gl.maximum(n_full - 1, 0)
+            for i in range(g0 + 1, g0 + 1 + (n_unmasked // 2) * 2, 2):
+                s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                    i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
+                    pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
+                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                    i + 1, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
+                    pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
+                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+            if n_unmasked % 2 == 1:
+                s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                    g0 + n_unmasked, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha,
+                    m_i, l_i, pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout,
+                    p_layout, orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+        else:
+            for i in range(g0 + 1, g0 + n_full):
+                s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
+                    i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
+                    pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
+                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
