@@ -4,7 +4,6 @@ MUFU.EX2), costs fewer instructions per step than the rolled loop of the build w
 nothing; persistent3 keeps its rolled loop."""
 import json
 import os
-import re
 import subprocess
 import sys
 
