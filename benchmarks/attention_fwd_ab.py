@@ -6,8 +6,8 @@ saves each row's out / lse under ``--ref``, later ones compare bit for bit. Each
 per batch, hidden 2048, bf16; TFLOP/s from 20 calls back to back in one CUDA graph (median of 20 replays), cuDNN
 on the same inputs in the same process (the clock drift between processes shows in its column).
 
-    FXOPT_ATTN_GLUON_UNROLL2= python benchmarks/attention_fwd_ab.py --label rolled --ref /tmp/ab --out DIR
-    python benchmarks/attention_fwd_ab.py --label unrolled --ref /tmp/ab --out DIR
+    python benchmarks/attention_fwd_ab.py --label rolled --ref /tmp/ab --out DIR
+    FXOPT_ATTN_GLUON_UNROLL2=64,128 python benchmarks/attention_fwd_ab.py --label unrolled --ref /tmp/ab --out DIR
 """
 from __future__ import annotations
 

