@@ -43,6 +43,16 @@ def main(what: str):
                                  method="gemv1")
         for _ in range(4):
             K4._launch(x, q, s, z, 128, None, cfg)
+    elif kind == "w4mma":  # session 16: the mma.sync kernel the tuner picks at M = 1-8 (w4a16_mma.py)
+        M, K, N, bn, split, warps, pdl = (int(v) for v in a)
+        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
+        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        cfg = K4.W4A16Config(block_m=M, block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=1,
+                             method="mma", pdl=bool(pdl))
+        for _ in range(4):
+            K4._launch(x, q, s, z, 128, None, cfg)
     elif kind == "w4fm":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import w4a16_breakdown as WB

@@ -39,6 +39,17 @@ case "${1:-default}" in
     fi
     prof fwd_d64 "_fa3_fwd_persistent_kernel" attn:4:32:4096:64:0
     ;;
+  s16)  # session 16: why short causal forwards trail cuDNN (d = 128, S = 512, causal against not and against 4k
+    # causal), and what bounds the M = 1 mma.sync W4A16 kernel (the tuner's pick at M = 1-8)
+    prof fwd_d128_512c "_fa3_fwd_persistent_kernel" attn:32:16:512:128:1
+    prof fwd_d128_512 "_fa3_fwd_persistent_kernel" attn:32:16:512:128:0
+    prof fwd_d128_4kc "_fa3_fwd_persistent_kernel" attn:4:16:4096:128:1
+    ;;
+  s16w)
+    prof w4_m1_mma_28672 "_w4a16_mma_kernel" w4mma:1:8192:28672:128:2:4:1
+    prof w4_m1_mma_8192 "_w4a16_mma_kernel" w4mma:1:8192:8192:128:8:4:1
+    prof w4_m8_mma_8192 "_w4a16_mma_kernel" w4mma:8:8192:8192:128:8:4:1
+    ;;
   w4stalls)
     prof w4_m1_swapx_bn64_sk5 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:5:4:3
     prof w4_m1_swapx_bn128_sk6 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:128:6:4:3
