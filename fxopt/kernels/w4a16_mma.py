@@ -455,6 +455,7 @@ class MmaConfig:
     block_k: int = 128
     pdl: bool = False
     l2_ahead: int = 0
+    maxnreg: int = 0  # session 16, opt-in: a register cap for more resident CTAs (0 = ptxas's choice)
 
     @property
     def block_n(self) -> int:
@@ -463,7 +464,7 @@ class MmaConfig:
     def label(self) -> str:
         return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.warps}"
                 + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
-                + (f" l2a{self.l2_ahead}" if self.l2_ahead else ""))
+                + (f" l2a{self.l2_ahead}" if self.l2_ahead else "") + (f" r{self.maxnreg}" if self.maxnreg else ""))
 
 
 # Resident CTAs per SM of each listed tile, from the offline sm_90 register counts (``offline_report``, bf16 and
@@ -512,6 +513,8 @@ def _geometry(M: int, K: int, group_size: int, cfg: MmaConfig) -> tuple[int, int
         raise ValueError(f"w4a16_mma: block_k must be 32, 64 or 128, got {cfg.block_k}")
     if cfg.split_k < 0:
         raise ValueError(f"w4a16_mma: split_k must be >= 0 (0 = automatic), got {cfg.split_k}")
+    if cfg.maxnreg and not (cfg.maxnreg % 8 == 0 and 24 <= cfg.maxnreg <= 256):
+        raise ValueError(f"w4a16_mma: maxnreg must be 0 or a multiple of 8 in [24, 256], got {cfg.maxnreg}")
     bk = cfg.block_k if group_size == K else min(cfg.block_k, group_size)
     if bk % 32:
         raise ValueError(f"w4a16_mma: group size {group_size} gives a K tile of {bk}, not a multiple of 32")
@@ -553,7 +556,8 @@ def _meta(M, K, N, group, bm, bk, R, W, cfg: MmaConfig, has_bias: bool, split: i
     meta = dict(GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=has_bias, USE_SPLIT=split > 1,
                 MASK_M=M != bm, MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl,
                 PREFETCH=cfg.prefetch, L2_AHEAD=cfg.l2_ahead, **_layouts(bm, bk, R, W))
-    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}))
+    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}),
+                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return dict(meta=meta, opts=opts)
 
 
@@ -579,8 +583,9 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch),
-                                          _num_sms(x.device))
+    resident = (_resident(bm, cfg.cols_per_warp, W, cfg.prefetch) if not cfg.maxnreg
+                else max(1, 65536 // (cfg.maxnreg * 32 * W)))
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), resident, _num_sms(x.device))
     split, tps = _split(K, bk, split_k)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if split > 1:
