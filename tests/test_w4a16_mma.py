@@ -37,7 +37,8 @@ def test_rejects_bad_inputs_and_configs():
     for bad, what in ((KM.MmaConfig(warps=3), "warps"), (KM.MmaConfig(cols_per_warp=48), "cols_per_warp"),
                       (KM.MmaConfig(prefetch=3), "prefetch"), (KM.MmaConfig(block_k=256), "block_k"),
                       (KM.MmaConfig(split_k=-1), "split_k"), (KM.MmaConfig(l2_ahead=1), "l2_ahead"),
-                      (KM.MmaConfig(l2_ahead=17), "l2_ahead")):
+                      (KM.MmaConfig(l2_ahead=17), "l2_ahead"), (KM.MmaConfig(maxnreg=100), "maxnreg"),
+                      (KM.MmaConfig(maxnreg=16), "maxnreg")):
         with pytest.raises(ValueError, match=what):
             KM.w4a16_mma(x, qweight, scales, zeros, 128, config=bad)
     with pytest.raises(ValueError, match="CUDA device|gluon"):  # valid arguments, but CPU tensors
@@ -303,6 +304,23 @@ def test_offline_sm90_build():
     _assert_register_only_loop(offline_build_json(code), 128, 2.0)
 
 
+def test_offline_sm90_register_cap():
+    """``MmaConfig(maxnreg=96)`` (opt-in, session 16): the build stays within 96 registers (5 resident CTAs of 4
+    warps instead of 4), the label names the cap, and the loop keeps its register operands (no shared memory); the
+    spilled loop invariants are reloaded from local memory (LDL, no STL in the loop)."""
+    code = ("import json, torch\n"
+            "from fxopt.kernels import w4a16_mma as KM\n"
+            "c = KM.MmaConfig(warps=4, cols_per_warp=32, pdl=True, split_k=8, maxnreg=96)\n"
+            "r = KM.offline_report(1, 8192, 8192, c)\n"
+            "r['label'] = c.label()\n"
+            "print(json.dumps(r))\n")
+    r = offline_build_json(code)
+    assert r["reg"] <= 96 and r["label"].endswith(" r96"), (r["reg"], r["label"])
+    lp = r["loops"][0]
+    assert lp["ops"].get("HMMA", 0) > 0 and lp["smem"] == 0 and not lp["ops"].get("STL", 0), lp["ops"]
+    assert 65536 // (96 * 32 * 4) == 5
+
+
 def test_offline_sm90_build_m16():
     """M = 16 (two n8 tiles, BM = 16), the first listed candidate (R = 4: 64 columns per warp, ``_TILES16``): no
     stack / local (no spill), register operands only, under 2.0 SASS instructions per weight (1.90 offline with
@@ -415,6 +433,8 @@ def test_gpu_mma_matches_reference(dtype, group_size):
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
         cfgs = [KM.to_mma_config(c) for c in KM.candidate_configs(M, N, K, gs)]
         cfgs.append(KM.MmaConfig(split_k=1))
+        if M <= 8:  # the opt-in register cap (session 16): 96 registers, spilled loop invariants
+            cfgs.append(KM.MmaConfig(maxnreg=96, pdl=True))
         if M > 8:
             cfgs.append(KM.MmaConfig(cols_per_warp=64, warps=2, split_k=1))
         _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=3)
