@@ -1192,6 +1192,9 @@ _PERSISTENT3_MIN_SQ = {False: 2048, True: 8192}
 # Triton forward ran 197 / 198 TFLOP/s against the persistent Gluon build's 160 / 162 (whole tables of sessions 14
 # and 16, benchmarks/results/attention.md: 4 of 10 key blocks per head are diagonal, masked blocks cost the
 # exp-bound d = 64 Gluon consumer about two unmasked ones); at 1024 causal Gluon ties or wins (279-281 / 274-277).
+# Since the folded causal mask (session 16) the Gluon build reaches 196-207 there (attention_mask_ab_new_s16.md)
+# against the Triton kernel's 202 in the same table: level, so the route stands until one of them pulls ahead;
+# at 1024 causal Gluon now leads (308-312 against 281).
 _GLUON_FWD_CAUSAL_MIN_SK = {64: 1024}
 
 
