@@ -8,6 +8,7 @@ on the same inputs in the same process (the clock drift between processes shows 
 
     python benchmarks/attention_fwd_ab.py --label rolled --ref /tmp/ab --out DIR
     FXOPT_ATTN_GLUON_UNROLL2=64,128 python benchmarks/attention_fwd_ab.py --label unrolled --ref /tmp/ab --out DIR
+    FXOPT_ATTN_GLUON_CAST_LATE=1 python benchmarks/attention_fwd_ab.py --label castlate --ref /tmp/ab --out DIR
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def main():
     write_results(f"attention_fwd_ab_{args.label}", rows, out_dir=args.out,
                   title=f"Gluon forward build A/B: {args.label} (bf16, 16k tokens/batch, hidden 2048)",
                   notes=f"FXOPT_ATTN_GLUON_UNROLL2={os.environ.get('FXOPT_ATTN_GLUON_UNROLL2', '(unset: default)')}"
-                        f" -> unrolled head dims {G._UNROLL2_DIMS}. gluon / cudnn TFLOP/s: 20 calls back to back "
+                        f" -> unrolled head dims {G._UNROLL2_DIMS}; FXOPT_ATTN_GLUON_CAST_LATE -> "
+                        f"{G._CAST_LATE_ON}. gluon / cudnn TFLOP/s: 20 calls back to back "
                         "in one CUDA graph, median of 20 replays. bit_identical_to_first: out and lse equal to "
                         "those of the first process run with this --ref.")
 

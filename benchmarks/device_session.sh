@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -589,6 +589,32 @@ phase_s15f() {
     timeout 80 python3 benchmarks/attention.py --shapes $sh --tag short_plans_s15f_$sh --out "$RES" \
       2>&1 | grep -v "Warn\|warn" | grep "^|" | tail -2
   done
+}
+
+phase_s17a() {
+  # prepared in session 16 for the next device session (x2): GPU 0 / cores 0-3 the A/B of the persistent forward
+  # with P cast late (FXOPT_ATTN_GLUON_CAST_LATE=1: no PRMT half-swaps; persistent3 d = 64 step 452 -> 419
+  # instructions offline), base / cast-late twice, bit identity against the first process. GPU 1 / cores 8-31: the
+  # Gluon forward GPU tests with cast-late on, then the W4A16 register-cap A/B (s16g) and the mma GPU tests
+  ( export CUDA_VISIBLE_DEVICES=1
+    taskset -c 8-31 timeout 200 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_ATTN_GLUON_CAST_LATE=1 python3 -m pytest -q -m gpu \
+      -n 12 -p no:cacheprovider -p no:warnings -rfE tests/test_attention_kernels.py tests/test_attention_gluon_wg3.py \
+      tests/test_attention_gluon_rowsum.py > "$OUT/gpu_tests.txt" 2>&1
+    echo "gpu tests rc=$? at $SECONDS s" >> "$OUT/gpu_tests.txt"
+    taskset -c 8-31 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings -rfE \
+      tests/test_w4a16_mma.py >> "$OUT/gpu_tests.txt" 2>&1
+    echo "mma tests rc=$? at $SECONDS s" >> "$OUT/gpu_tests.txt"
+    taskset -c 8-31 bash -c "$(declare -f phase_s16g); RES=$RES; phase_s16g" > "$OUT/gpu1_regcap.txt" 2>&1 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  for side in base castlate base2 castlate2; do
+    case $side in base*) c=0;; *) c=1;; esac
+    taskset -c 0-3 timeout 110 env FXOPT_ATTN_GLUON_CAST_LATE=$c python3 benchmarks/attention_fwd_ab.py \
+      --label $side --ref /tmp/fxopt_fwd_ab --out "$RES" 2>&1 | grep "^|\|Error" | tail -20
+  done
+  unset CUDA_VISIBLE_DEVICES
+  wait
+  echo "== GPU tests"; grep -v "PytestBenchmark\|warner(" "$OUT/gpu_tests.txt" | tail -15
+  echo "== W4A16 register cap"; cat "$OUT/gpu1_regcap.txt"
 }
 
 phase_s16g() {

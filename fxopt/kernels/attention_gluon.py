@@ -333,7 +333,14 @@ _WG3_PRODUCER_REGS = 24
 # Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB. FXOPT_ATTN_GLUON_UNROLL2 (read at import;
 # comma-separated head dims) turns it on.
 _UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "").split(",") if d.strip())
+# Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``
+# (session 16). The ``overlap2`` build of session 7 did this for the non-persistent kernel (bit-identical on the
+# H200, +4.6% at d = 64, +-1% at d = 128, session 8); the persistent builds of session 9 were written without it.
+# Offline sm_90 SASS of the persistent builds: see docs/notes_attention_session16.md. FXOPT_ATTN_GLUON_CAST_LATE
+# (read at import, 1 / 0) for the H200 A/B (benchmarks/attention_fwd_ab.py).
+_CAST_LATE_ON = os.environ.get("FXOPT_ATTN_GLUON_CAST_LATE", "0") == "1"
 if gl is not None:
+    _PERSISTENT_CAST_LATE = gl.constexpr(_CAST_LATE_ON)
     _UNROLL2_D64 = gl.constexpr(64 in _UNROLL2_DIMS)
     _UNROLL2_D128 = gl.constexpr(128 in _UNROLL2_DIMS)
 
@@ -1093,6 +1100,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
     UNROLL2: gl.constexpr = ((NUM_WG == 2) and (not PINGPONG) and (not MMA_ROWSUM)
                              and ((HEAD_DIM == 64 and _UNROLL2_D64) or (HEAD_DIM == 128 and _UNROLL2_D128)))
+    CAST_LATE: gl.constexpr = _PERSISTENT_CAST_LATE and (not MMA_ROWSUM)
     if MMA_ROWSUM:
         RS_COLS: gl.constexpr = ones.shape[0]
         rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1149,7 +1157,10 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
             p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP, False)
         else:
             p, m_i, l_i, alpha = _fa_softmax(s, m_i, l_i, qk_scale, POLY_EXP)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        if CAST_LATE:
+            p16 = _fa_p16(p, dtype, p_layout)
+        else:
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- item t - 1's O store (from the other Q buffer) has read its shared memory: give that buffer back to
         # the producer (item t + 1's Q). Nothing is outstanding for t = 0 and the arrive is skipped then.
@@ -1163,27 +1174,27 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
                 s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                     i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
                     pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
-                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                    orow_layout, CAST_LATE, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
                 s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                     i + 1, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
                     pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
-                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                    orow_layout, CAST_LATE, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
             if n_unmasked % 2 == 1:
                 s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                     g0 + n_unmasked, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha,
                     m_i, l_i, pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout,
-                    p_layout, orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                    p_layout, orow_layout, CAST_LATE, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         else:
             for i in range(g0 + 1, g0 + n_full):
                 s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                     i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i,
                     pin_buf, rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, False, s_layout, p_layout,
-                    orow_layout, False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                    orow_layout, CAST_LATE, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         for i in range(g0 + gl.maximum(n_full, 1), g0 + n_blocks):
             s, o, p16, alpha, m_i, l_i = _fa_step_overlap(
                 i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o, p16, alpha, m_i, l_i, pin_buf,
                 rows, seq_k_sh, diag_sh, qk_scale, BLOCK_N, STAGES, CAUSAL, True, s_layout, p_layout, orow_layout,
-                False, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
+                CAST_LATE, PINGPONG, WG, POLY_EXP, PIN_PV, ones, MMA_ROWSUM)
         # ---- tail: O = O * alpha_{n-1} + P_{n-1} V_{n-1}
         jv = g0 + n_blocks - 1
         vs = jv % STAGES
