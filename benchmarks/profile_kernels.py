@@ -26,16 +26,21 @@ import torch  # noqa: E402
 from fxopt.kernels import w4a16 as K4  # noqa: E402
 
 
+def _w4_inputs(M: int, K: int, N: int):
+    """Random bf16 activations and packed group-128 weights (integer zero points) on the GPU."""
+    q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+    s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
+    z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
+    return torch.randn(M, K, device="cuda", dtype=torch.bfloat16), q, s, z
+
+
 def main(what: str):
     kind, *a = what.split(":")
     torch.manual_seed(0)
     if kind == "w4a16":
         M, K, N = int(a[0]), int(a[1]), int(a[2])
         method, bm, bn, split, warps, stages = a[3], int(a[4]), int(a[5]), int(a[6]), int(a[7]), int(a[8])
-        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
-        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x, q, s, z = _w4_inputs(M, K, N)
         bk = 256 if method == "gemv2" else 128
         cfg = K4.W4A16Config(bm, bn, bk, split, True, 8, warps, stages, method)
         if method == "gemv1":
@@ -45,10 +50,7 @@ def main(what: str):
             K4._launch(x, q, s, z, 128, None, cfg)
     elif kind == "w4mma":  # session 16: the mma.sync kernel the tuner picks at M = 1-8 (w4a16_mma.py)
         M, K, N, bn, split, warps, pdl = (int(v) for v in a)
-        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
-        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x, q, s, z = _w4_inputs(M, K, N)
         cfg = K4.W4A16Config(block_m=M, block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=1,
                              method="mma", pdl=bool(pdl))
         for _ in range(4):
@@ -58,10 +60,7 @@ def main(what: str):
         import w4a16_breakdown as WB
 
         M, K, N, split = (int(v) for v in a)
-        q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
-        s = (torch.rand(K // 128, N, device="cuda") * 0.02 + 0.005).bfloat16()
-        z = torch.randint(4, 12, (K // 128, N), device="cuda").bfloat16()
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x, q, s, z = _w4_inputs(M, K, N)
         qf = WB.to_fragment_major(q)
         for _ in range(4):
             WB.fm_call(x, qf, s, z, split)

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fxopt.kernels import w4a16_mma as W  # noqa: E402
+from fxopt.quant.format import dequantize  # noqa: E402
 
 SHAPES = ((8192, 8192), (4096, 11008), (11008, 4096), (8192, 28672))
 G = 128
@@ -32,13 +33,6 @@ def packed(K, N, gen):
     s = (torch.rand(K // G, N, device="cuda", generator=gen) * 0.02 + 0.005).bfloat16()
     z = torch.randint(4, 12, (K // G, N), device="cuda", generator=gen).bfloat16()
     return q, s, z
-
-
-def dequant(q, s, z):
-    K8, N = q.shape
-    shifts = torch.arange(8, device=q.device, dtype=torch.int32) * 4
-    codes = ((q.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(K8 * 8, N).double()
-    return (codes - z.double().repeat_interleave(G, 0)) * s.double().repeat_interleave(G, 0)  # [K, N]
 
 
 def main():
@@ -52,7 +46,7 @@ def main():
         copies = [packed(K, N, gen) for _ in range(max(2, math.ceil(3 * 60e6 / nbytes)))]
         wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(max(2, math.ceil(3 * 60e6 / (K * N * 2))))]
-        ref_w = dequant(*copies[0])
+        ref_w = dequantize(*copies[0], G, dtype=torch.float64).T  # [K, N]; exact ((q - z) s fits fp32)
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = x.double() @ ref_w

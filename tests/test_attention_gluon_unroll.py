@@ -43,14 +43,20 @@ print(json.dumps({f"{D} {v} {int(c)}": step_loops(D, v, c) for D, v in ((64, "pe
 '''
 
 
-def _loops(unroll: str) -> dict:
-    env = dict(os.environ, FXOPT_ATTN_GLUON_UNROLL2=unroll)
+def _offline(code: str, **switches: str) -> dict:
+    """Run ``code`` (prints one JSON line) in a fresh process with the import-time switches set: the module reads
+    them once, at import."""
+    env = dict(os.environ, **switches)
     env.pop("TRITON_INTERPRET", None)  # a real sm_90 build (the interpreter would wrap the kernels)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _LOOPS], env=env, cwd=root, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _loops(unroll: str) -> dict:
+    return _offline(_LOOPS, FXOPT_ATTN_GLUON_UNROLL2=unroll)
 
 
 def test_unrolled_step_loop_is_cheaper_and_spill_free():
@@ -79,13 +85,7 @@ print(json.dumps({"prmt": sass.count("PRMT"), "f2fp": sass.count("F2FP"), "spill
 
 
 def _cast_late_build(flag: str) -> dict:
-    env = dict(os.environ, FXOPT_ATTN_GLUON_CAST_LATE=flag)
-    env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _CAST_LATE], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _offline(_CAST_LATE, FXOPT_ATTN_GLUON_CAST_LATE=flag)
 
 
 def test_persistent_cast_late_drops_the_p_half_swaps():

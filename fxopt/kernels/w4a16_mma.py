@@ -491,8 +491,11 @@ _TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
 _TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
 
-def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int) -> int:
-    """Resident CTAs per SM of a tile (the tables above; 4 / 2 for one not listed at BM 8 / 16)."""
+def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int, maxnreg: int = 0) -> int:
+    """Resident CTAs per SM of a tile (the tables above; 4 / 2 for one not listed at BM 8 / 16); with a register
+    cap (``MmaConfig.maxnreg``) what the cap allows: 64K registers and 64 warps per SM."""
+    if maxnreg:
+        return max(1, min(65536 // (maxnreg * 32 * warps), 64 // warps))
     table = _RESIDENT16 if bm == 16 else _RESIDENT
     return table.get((cols_per_warp, warps, prefetch), 2 if bm == 16 else 4)
 
@@ -583,9 +586,9 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
-    resident = (_resident(bm, cfg.cols_per_warp, W, cfg.prefetch) if not cfg.maxnreg
-                else max(1, 65536 // (cfg.maxnreg * 32 * W)))
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), resident, _num_sms(x.device))
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk),
+                                          _resident(bm, cfg.cols_per_warp, W, cfg.prefetch, cfg.maxnreg),
+                                          _num_sms(x.device))
     split, tps = _split(K, bk, split_k)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if split > 1:
@@ -660,7 +663,8 @@ def compile_offline(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype =
     group = K if group_size == -1 else group_size
     bm, bk, R, W = _geometry(M, K, group, cfg)
     n_tiles = cdiv(N, cfg.block_n)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch))
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk),
+                                          _resident(bm, cfg.cols_per_warp, W, cfg.prefetch, cfg.maxnreg))
     split, tps = _split(K, bk, split_k)
     m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias, split, cfg.pdl)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
