@@ -433,8 +433,6 @@ def test_gpu_mma_matches_reference(dtype, group_size):
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
         cfgs = [KM.to_mma_config(c) for c in KM.candidate_configs(M, N, K, gs)]
         cfgs.append(KM.MmaConfig(split_k=1))
-        if M <= 8:  # the opt-in register cap (session 16): 96 registers, spilled loop invariants
-            cfgs.append(KM.MmaConfig(maxnreg=96, pdl=True))
         if M > 8:
             cfgs.append(KM.MmaConfig(cols_per_warp=64, warps=2, split_k=1))
         _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=3)

@@ -336,9 +336,11 @@ _UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2",
 # Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``
 # (session 16). The ``overlap2`` build of session 7 did this for the non-persistent kernel (bit-identical on the
 # H200, +4.6% at d = 64, +-1% at d = 128, session 8); the persistent builds of session 9 were written without it.
-# Offline sm_90 SASS of the persistent builds: see docs/notes_attention_session16.md. FXOPT_ATTN_GLUON_CAST_LATE
-# (read at import, 1 / 0) for the H200 A/B (benchmarks/attention_fwd_ab.py).
-_CAST_LATE_ON = os.environ.get("FXOPT_ATTN_GLUON_CAST_LATE", "0") == "1"
+# Offline sm_90 SASS of the persistent builds: see docs/notes_attention_session16.md. On the H200 (session 17,
+# benchmarks/results/attention_fwd_ab_{base,castlate}*.md, two rounds each, bit-identical): d = 64 +2.5 to +6%
+# (persistent3 from 4k +3 to +5%), d = 128 -0.7 to +2.8%: on by default. FXOPT_ATTN_GLUON_CAST_LATE=0 (read at
+# import) turns it off.
+_CAST_LATE_ON = os.environ.get("FXOPT_ATTN_GLUON_CAST_LATE", "1") == "1"
 if gl is not None:
     _PERSISTENT_CAST_LATE = gl.constexpr(_CAST_LATE_ON)
     _UNROLL2_D64 = gl.constexpr(64 in _UNROLL2_DIMS)
@@ -1100,7 +1102,8 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
     UNROLL2: gl.constexpr = ((NUM_WG == 2) and (not PINGPONG) and (not MMA_ROWSUM)
                              and ((HEAD_DIM == 64 and _UNROLL2_D64) or (HEAD_DIM == 128 and _UNROLL2_D128)))
-    CAST_LATE: gl.constexpr = _PERSISTENT_CAST_LATE and (not MMA_ROWSUM)
+    # the unrolled loop was measured (session 16) with p.to(dtype); with the packed cast too it spills 100 bytes
+    CAST_LATE: gl.constexpr = _PERSISTENT_CAST_LATE and (not MMA_ROWSUM) and (not UNROLL2)
     if MMA_ROWSUM:
         RS_COLS: gl.constexpr = ones.shape[0]
         rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

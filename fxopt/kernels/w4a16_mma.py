@@ -455,7 +455,9 @@ class MmaConfig:
     block_k: int = 128
     pdl: bool = False
     l2_ahead: int = 0
-    maxnreg: int = 0  # session 16, opt-in: a register cap for more resident CTAs (0 = ptxas's choice)
+    # session 16, opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
+    # (session 17, benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
+    maxnreg: int = 0
 
     @property
     def block_n(self) -> int:
