@@ -102,7 +102,11 @@ def test_candidate_configs():
     # M = 9..16: tiles needing masked loads spill at R = 4 and are not listed (M <= 8 lists them all)
     assert [c.block_n for c in KM.candidate_configs(16, 4096 + 128, 4096, 128, l2=True)] == [128, 64, 128, 128, 128]
     assert KM.candidate_configs(16, 2200, 4096, 128) == [] and KM.candidate_configs(16, 4096, 4200, -1) == []
-    assert len(KM.candidate_configs(8, 2200, 4200, -1, l2=True)) == len(KM._TILES) + len(KM._TILES_L2)
+    # ... plus, on this small grid (18 column tiles x 17 of 528 slots), the PDL tile with twice the split (capped at
+    # the 33 K tiles)
+    cs8 = KM.candidate_configs(8, 2200, 4200, -1, l2=True)
+    assert len(cs8) == len(KM._TILES) + len(KM._TILES_L2) + 1
+    assert [c.split_k for c in cs8 if c.pdl and not c.l2_ahead] == [17, 33]
 
 
 def test_tuner_hook_switch(monkeypatch):
@@ -513,3 +517,20 @@ def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
             cfgs = [KM.MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2, split_k=sk)
                     for cpw, warps, prefetch, pdl, l2 in tiles for sk in (0, 1, 3)]
             _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=2)
+
+
+def test_candidates_list_twice_the_split_when_one_wave_leaves_slots_idle():
+    """Session 17 (benchmarks/results/w4a16_mma_split_sweep.md): the PDL tile is listed a second time, with twice the
+    one-wave split, only where that wave fills less than 90% of the CTA slots (8192 x 28672: 224 tiles x 2 of 528),
+    not where it fills them (8192²: 64 x 8 of 528), and never at BM = 16."""
+    def pdl_splits(M, K, N):
+        return [c.split_k for c in KM.candidate_configs(M, N, K, 128) if c.pdl]
+
+    one, two = pdl_splits(1, 8192, 28672)
+    assert two == 2 * one
+    n_tiles, slots = 28672 // 128, 4 * 132
+    assert n_tiles * one < KM._FILL_FOR_SECOND_SPLIT * slots <= n_tiles * two, (n_tiles, one, slots)
+    assert len(pdl_splits(1, 8192, 8192)) == 1 and len(pdl_splits(8, 4096, 11008)) == 1
+    assert len(pdl_splits(16, 8192, 28672)) == 1
+    cands = KM.candidate_configs(1, 28672, 8192, 128)
+    assert len({(c.block_n, c.num_warps, c.prefetch, c.pdl, c.split_k) for c in cands}) == len(cands)

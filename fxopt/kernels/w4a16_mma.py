@@ -489,6 +489,12 @@ _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, 
 # 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096
 # (benchmarks/results/w4a16_l2_prefetch_session12.txt). The exposed-latency model of session 11 is not what limits
 # these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
+# Session 17 (benchmarks/results/w4a16_mma_split_sweep.md, python benchmarks/w4a16_mma_split_sweep.py): the one-wave
+# split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224 column tiles x split 2
+# fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at M = 1 and 41.5 against
+# 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
+# twice the split, and the tuner times both.
+_FILL_FOR_SECOND_SPLIT = 0.9
 _TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
 _TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
@@ -640,9 +646,16 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             continue
         if bm == 16 and (N % cfg.block_n or K % bk):
             continue  # masked loads at R = 4, BM = 16 spill (56-528 B of stack offline): not listed
-        split = choose_split(cdiv(N, cfg.block_n), cdiv(K, bk), _resident(bm, cpw, warps, prefetch), num_sms)
-        out.append(W4A16Config(block_m=bm, block_n=cfg.block_n, block_k=bk, split_k=split, num_warps=warps,
-                               num_stages=1, method="mma", pdl=pdl, prefetch=prefetch, l2_ahead=l2_ahead))
+        n_tiles, slots = cdiv(N, cfg.block_n), _resident(bm, cpw, warps, prefetch) * num_sms
+        split = choose_split(n_tiles, cdiv(K, bk), slots // num_sms, num_sms)
+        splits = [split]
+        if pdl and bm == 8 and not l2_ahead and n_tiles * split < _FILL_FOR_SECOND_SPLIT * slots:
+            second = _split(K, bk, 2 * split)[0]
+            if second != split:
+                splits.append(second)
+        for sk in splits:
+            out.append(W4A16Config(block_m=bm, block_n=cfg.block_n, block_k=bk, split_k=sk, num_warps=warps,
+                                   num_stages=1, method="mma", pdl=pdl, prefetch=prefetch, l2_ahead=l2_ahead))
     return out
 
 
