@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -589,6 +589,23 @@ phase_s15f() {
     timeout 80 python3 benchmarks/attention.py --shapes $sh --tag short_plans_s15f_$sh --out "$RES" \
       2>&1 | grep -v "Warn\|warn" | grep "^|" | tail -2
   done
+}
+
+phase_s17d() {
+  # session 17, two GPUs, final code. GPU 1 / cores 8-31: the one-GPU suite except the three Gluon forward kernel
+  # files (143 / 143 with the packed P cast in s17a, the same code as today's default). GPU 0 / cores 0-3: the W4A16
+  # table (the PDL tile's second split on 8192 x 28672)
+  ( CUDA_VISIBLE_DEVICES=1 taskset -c 8-31 timeout 480 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_W4A16_NO_TUNE=1 \
+      python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider -p no:warnings -rfE --ignore=tests/test_calibration.py \
+      --ignore=tests/test_attention_kernels.py --ignore=tests/test_attention_gluon_wg3.py \
+      --ignore=tests/test_attention_gluon_rowsum.py tests > "$OUT/gpu_suite.txt" 2>&1
+    echo "gpu suite rc=$? at $SECONDS s" >> "$OUT/gpu_suite.txt" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  taskset -c 0-3 timeout 330 python3 benchmarks/w4a16.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" \
+    | cut -d'|' -f2-9 | tail -46
+  unset CUDA_VISIBLE_DEVICES
+  wait
+  echo "== one-GPU suite"; grep -v "PytestBenchmark\|warner(" "$OUT/gpu_suite.txt" | tail -30
 }
 
 phase_s17c() {
