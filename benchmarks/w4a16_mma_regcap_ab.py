@@ -35,18 +35,24 @@ def packed(K, N, gen):
     return q, s, z
 
 
+def shape_inputs(K, N):
+    """(generator, packed weight copies > 3x L2, bf16 weight copies > 3x L2, the float64 dequantized weight [K, N]:
+    exact, (q - z) s fits fp32) for one shape."""
+    gen = torch.Generator(device="cuda").manual_seed(K + N)
+    nbytes = K * N // 2 + 2 * (K // G) * N * 2
+    copies = [packed(K, N, gen) for _ in range(max(2, math.ceil(3 * 60e6 / nbytes)))]
+    wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+           for _ in range(max(2, math.ceil(3 * 60e6 / (K * N * 2))))]
+    return gen, copies, wbf, dequantize(*copies[0], G, dtype=torch.float64).T
+
+
 def main():
     args = parse_args(__doc__.splitlines()[0], extra=lambda p: (p.add_argument("--caps", default="96,88"),
                                                                  p.add_argument("--ms", default="1,4,8")))
     caps = [0] + [int(c) for c in args.caps.split(",") if c]
     rows = []
     for K, N in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(K + N)
-        nbytes = K * N // 2 + 2 * (K // G) * N * 2
-        copies = [packed(K, N, gen) for _ in range(max(2, math.ceil(3 * 60e6 / nbytes)))]
-        wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for _ in range(max(2, math.ceil(3 * 60e6 / (K * N * 2))))]
-        ref_w = dequantize(*copies[0], G, dtype=torch.float64).T  # [K, N]; exact ((q - z) s fits fp32)
+        gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = x.double() @ ref_w

@@ -10,7 +10,6 @@ number of CTAs per column tile. Each row: one (shape, M, tile) and the time at s
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -21,8 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fxopt.kernels import w4a16_mma as W  # noqa: E402
-from w4a16_mma_regcap_ab import G, SHAPES, packed  # noqa: E402
-from fxopt.quant.format import dequantize  # noqa: E402
+from w4a16_mma_regcap_ab import G, SHAPES, shape_inputs  # noqa: E402
 
 FACTORS = (0.5, 1, 2, 3)
 
@@ -31,12 +29,7 @@ def main():
     args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--ms", default="1,4,8"))
     rows = []
     for K, N in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(K + N)
-        nbytes = K * N // 2 + 2 * (K // G) * N * 2
-        copies = [packed(K, N, gen) for _ in range(max(2, math.ceil(3 * 60e6 / nbytes)))]
-        wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for _ in range(max(2, math.ceil(3 * 60e6 / (K * N * 2))))]
-        ref_w = dequantize(*copies[0], G, dtype=torch.float64).T
+        gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = x.double() @ ref_w

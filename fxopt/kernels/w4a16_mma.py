@@ -1,7 +1,7 @@
 """W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+ (opt-in, session 10).
 
-Status: built offline for sm_90 only (no GPU run yet). The tuner lists it only with ``FXOPT_W4A16_MMA=1``
-(``fxopt.kernels.w4a16._mma_configs``), as method "mma", for M buckets <= 16.
+Status: GPU-checked on the H200 (sessions 11-17, ``tests/test_w4a16_mma.py -m gpu``); the tuner lists it by default
+(``fxopt.kernels.w4a16._mma_configs``; ``FXOPT_W4A16_MMA=0`` unlists it), as method "mma", for M buckets <= 16.
 
 Why. The one-launch CUDA-core kernel "gemv1" (``fxopt/kernels/w4a16.py``) is issue-bound at M = 1 on the H200
 (3.08 SASS instructions per weight: one LOP3 and one FFMA per weight plus shifts; session 9 note, section 6). Here
