@@ -46,6 +46,19 @@ def shape_inputs(K, N):
     return gen, copies, wbf, dequantize(*copies[0], G, dtype=torch.float64).T
 
 
+def m_inputs(K, M, gen, wbf, ref_w):
+    """(x [M, K], the float64 reference product, the bf16 ``F.linear`` time in us) for one M."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return x, x.double() @ ref_w, streamed_us(lambda w: F.linear(x, w), wbf, 48)
+
+
+def run_config(x, copies, ref, cfg):
+    """(us per call, max |y - ref| / max |ref|) of one ``MmaConfig``."""
+    y = W.w4a16_mma(x, *copies[0], G, config=cfg)
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    return streamed_us(lambda it: W.w4a16_mma(x, *it, G, config=cfg), copies, 48), err
+
+
 def main():
     args = parse_args(__doc__.splitlines()[0], extra=lambda p: (p.add_argument("--caps", default="96,88"),
                                                                  p.add_argument("--ms", default="1,4,8")))
@@ -54,15 +67,11 @@ def main():
     for K, N in SHAPES:
         gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref = x.double() @ ref_w
-            t_bf = streamed_us(lambda w: F.linear(x, w), wbf, 48)
+            x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
             row = {"K": K, "N": N, "M": M, "bf16_us": t_bf}
             for cap in caps:
                 cfg = W.MmaConfig(warps=4, cols_per_warp=32, prefetch=1, pdl=True, maxnreg=cap)
-                y = W.w4a16_mma(x, *copies[0], G, config=cfg)
-                err = float((y.double() - ref).abs().max() / ref.abs().max())
-                t = streamed_us(lambda it, cfg=cfg: W.w4a16_mma(x, *it, G, config=cfg), copies, 48)
+                t, err = run_config(x, copies, ref, cfg)
                 tag = f"r{cap}" if cap else "default"
                 row.update({f"{tag}_us": t, f"{tag}_x_vs_bf16": t_bf / t, f"{tag}_rel_err": err})
             print(row, flush=True)

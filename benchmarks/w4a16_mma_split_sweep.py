@@ -14,13 +14,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parse_args, streamed_us, write_results  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from common import parse_args, write_results  # noqa: E402
 
 from fxopt.kernels import w4a16_mma as W  # noqa: E402
-from w4a16_mma_regcap_ab import G, SHAPES, shape_inputs  # noqa: E402
+from w4a16_mma_regcap_ab import G, SHAPES, m_inputs, run_config, shape_inputs  # noqa: E402
 
 FACTORS = (0.5, 1, 2, 3)
 
@@ -31,22 +28,17 @@ def main():
     for K, N in SHAPES:
         gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref = x.double() @ ref_w
-            t_bf = streamed_us(lambda w: F.linear(x, w), wbf, 48)
+            x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
             for c in W.candidate_configs(M, N, K, G):
                 base = W.to_mma_config(c)
-                row = {"K": K, "N": N, "M": M, "tile": base.label() if hasattr(base, "label") else str(base),
-                       "bf16_us": t_bf, "s0": c.split_k}
+                row = {"K": K, "N": N, "M": M, "tile": base.label(), "bf16_us": t_bf, "s0": c.split_k}
                 best = None
                 for f in FACTORS:
                     sk = max(1, round(c.split_k * f))
                     cfg = W.MmaConfig(warps=base.warps, cols_per_warp=base.cols_per_warp, prefetch=base.prefetch,
                                       pdl=base.pdl, split_k=sk)
-                    y = W.w4a16_mma(x, *copies[0], G, config=cfg)
-                    err = float((y.double() - ref).abs().max() / ref.abs().max())
+                    t, err = run_config(x, copies, ref, cfg)
                     assert err < 2e-2, (K, N, M, cfg, err)
-                    t = streamed_us(lambda it, cfg=cfg: W.w4a16_mma(x, *it, G, config=cfg), copies, 48)
                     row[f"x{f}_split"] = sk
                     row[f"x{f}_us"] = t
                     if best is None or t < best[1]:

@@ -646,10 +646,10 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             continue
         if bm == 16 and (N % cfg.block_n or K % bk):
             continue  # masked loads at R = 4, BM = 16 spill (56-528 B of stack offline): not listed
-        n_tiles, slots = cdiv(N, cfg.block_n), _resident(bm, cpw, warps, prefetch) * num_sms
-        split = choose_split(n_tiles, cdiv(K, bk), slots // num_sms, num_sms)
+        n_tiles, resident = cdiv(N, cfg.block_n), _resident(bm, cpw, warps, prefetch)
+        split = choose_split(n_tiles, cdiv(K, bk), resident, num_sms)
         splits = [split]
-        if pdl and bm == 8 and not l2_ahead and n_tiles * split < _FILL_FOR_SECOND_SPLIT * slots:
+        if pdl and bm == 8 and not l2_ahead and n_tiles * split < _FILL_FOR_SECOND_SPLIT * resident * num_sms:
             second = _split(K, bk, 2 * split)[0]
             if second != split:
                 splits.append(second)
