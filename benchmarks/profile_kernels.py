@@ -5,6 +5,8 @@ python benchmarks/profile_kernels.py WHAT`` with WHAT one of:
 
 * ``w4a16:M:K:N:METHOD:BM:BN:SPLIT:WARPS:STAGES`` — one W4A16 launch config (``fxopt.kernels.w4a16._launch``), bf16,
   group 128, random codes (e.g. ``w4a16:1:8192:8192:swapx:16:64:4:4:3``);
+* ``w4gluon:M:K:N:BM:BN:PROBE`` — the Gluon W4A16 kernel (``gluon_w4a16_mm``, regs="async", KC 32, split-K as its
+  default; PROBE 0 = the real kernel, 1 / 2 / 3 = its timing probes);
 * ``w4fm:M:K:N:SPLIT`` — the fragment-major experiment kernel of ``benchmarks/w4a16_breakdown.py``;
 * ``attn:B:H:S:D:CAUSAL`` — the bf16 FlashAttention forward (``flash_attention_triton``), e.g. ``attn:4:16:4096:128:0``;
 * ``bwd:B:H:S:D:CAUSAL`` — the bf16 backward (``flash_attention_triton_bwd``: the Gluon one where it is routed);
@@ -55,6 +57,14 @@ def main(what: str):
                              method="mma", pdl=bool(pdl))
         for _ in range(4):
             K4._launch(x, q, s, z, 128, None, cfg)
+    elif kind == "w4gluon":  # session 18: the warp-specialized Gluon kernel (w4a16_gluon.py), regs="async", KC 32
+        M, K, N, bm, bn, probe = (int(v) for v in a)
+        from fxopt.kernels import w4a16_gluon as KG
+
+        x, q, s, z = _w4_inputs(M, K, N)
+        for _ in range(4):
+            KG.gluon_w4a16_mm(x, q, s, z, 128, block_m=bm, block_n=bn, stages=KG._max_stages(bm, bn), kc=32,
+                              regs="async", probe=probe)
     elif kind == "w4fm":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import w4a16_breakdown as WB

@@ -50,6 +50,34 @@ case "${1:-default}" in
     prof w4_m1_mma_8192 "_w4a16_mma_kernel" w4mma:1:8192:8192:128:8:4:1
     prof w4_m8_mma_8192 "_w4a16_mma_kernel" w4mma:8:8192:8192:128:8:4:1
     ;;
+  s18)  # session 18: what the Gluon W4A16 consumers wait on at M = 16 / 64 (the kernel runs at its compute-only probe's
+    # time, not at its loads-only one: benchmarks/results/w4a16_gluon_probe.md); per-instruction stall samples
+    for spec in w4g_m64:64:8192:8192:64:128:0 w4g_m16:16:8192:8192:16:128:0; do
+      name=${spec%%:*}; what=w4gluon:${spec#*:}
+      timeout 150 ncu --clock-control none -k regex:_w4a16_gluon_kernel --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section SourceCounters \
+        --metrics sm__cycles_elapsed.avg.per_second,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+        --import-source no -o "$OUT/ncu_$name" python3 benchmarks/profile_kernels.py "$what" > "$OUT/ncu_${name}_log.txt" 2>&1
+      echo "== $name: rc=$?"
+      if [ -f "$OUT/ncu_$name.ncu-rep" ]; then
+        ncu -i "$OUT/ncu_$name.ncu-rep" > "$OUT/ncu_$name.txt" 2>&1
+        ncu -i "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${name}_sass.csv" 2>&1
+        rm -f "$OUT/ncu_$name.ncu-rep"
+        grep -E "Duration|SM Frequency|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|DRAM Throughput|L2 Cache Throughput|Tensor" "$OUT/ncu_$name.txt" | head -12
+      fi
+    done
+    ;;
+  s18b)  # session 18: how evenly the SMs finish (SM active cycles min / avg / max against the elapsed cycles)
+    for spec in w4g_m64:64:8192:8192:64:128:0 w4g_m64_compute:64:8192:8192:64:128:2 w4g_m16:16:8192:8192:16:128:0 \
+        w4g_m64_28672:64:8192:28672:64:256:0; do
+      name=${spec%%:*}; what=w4gluon:${spec#*:}
+      timeout 100 ncu --clock-control none -k regex:_w4a16_gluon_kernel --launch-skip 3 --launch-count 1 \
+        --metrics sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.max,gpu__time_duration.sum \
+        python3 benchmarks/profile_kernels.py "$what" > "$OUT/ncu_${name}_smspread.txt" 2>&1
+      echo "== $name: rc=$?"; grep -E "sm__cycles|gpu__time" "$OUT/ncu_${name}_smspread.txt"
+    done
+    ;;
   w4stalls)
     prof w4_m1_swapx_bn64_sk5 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:64:5:4:3
     prof w4_m1_swapx_bn128_sk6 "_w4a16_swap_kernel" w4a16:1:8192:8192:swapx:16:128:6:4:3

@@ -187,6 +187,36 @@ smem / DRAM / L2 against a measured time, ``offline_census`` builds a config and
 configs: issue <= 0.54 and integer ALU <= 0.43 of the measured tile time at M = 16-256, so the dequantization is not
 the bound; the highest resource is the L2 -> SM feed of the re-read x tile (0.47-0.90 under an assumed 27.5 B/clk/SM).
 
+Where the time goes at M = 16-128 (session 18, H200; ``benchmarks/w4a16_gluon_probe.py``,
+``benchmarks/results/w4a16_gluon_probe.md``, ``benchmarks/results/ncu_s18/``). Timing probes (``probe=``, results
+wrong, timing only): 1 = loads only (the consumers release every ring slot unread), 2 = compute only (the ring is
+loaded once; later K tiles dequantize and multiply stale slots), 3 = everything but the x loads. For every BN 128
+tile the tuner uses, the full kernel runs at its compute-only time (within 1-5%) and the loads alone take 60-75%
+of it (8192², M = 64: full 28.9 us, compute only 29.3, loads only 21.8, no x 29.3; M = 16: 20.6 / 20.4 / 14.9 /
+20.7): the consumer warpgroups are the bound, not DRAM, L2 or the x re-read. Nsight Compute on the M = 64 build
+(``bash benchmarks/profile_kernels.sh s18``): issue slots 31% busy, 3.0 active and 0.56 eligible warps per scheduler;
+consumer warps' samples: 22% issuing, 18% fixed-latency dependencies (the LOP3 -> HADD2 -> HMUL2 chains), 15%
+waiting on the ``ready`` barrier, 12% on the wgmma wait, 11% not selected; the consumer loop is 215 SASS
+instructions per K tile and warp, 123 of them the dequantization (LOP3 35, SHF 24, HADD2 32, HMUL2 32). The SMs
+also finish unevenly: active cycles 41.1k on average per CTA-holding SM against 46.0k on the slowest and 49.5k
+elapsed (``ncu_w4g_m64_smspread.txt``; the compute-only probe spreads alike, so it is not DRAM locality).
+
+Three remedies were measured and did not pay (all opt-in, checked on the H200; ``tests/test_w4a16_gluon_inflight.py``):
+
+* Deeper wgmma queue (``inflight`` 2 / 3: ``warpgroup_mma_wait(num_outstanding=inflight)``, a K tile's slot
+  released after chunk ``inflight - 1`` of the next; offline SASS ``DEPBAR.LE gsb0, 0x2`` / ``0x3``, no C7512, no
+  spill, 0 hazards for BN 128 KC 32; KC 64 has register hazards and BN 256 / BM 128 depth 3 serialize, so only
+  BN 128 KC 32 is accepted, BM 128 at depth 2): -2% to +3% at depth 2 and 2-7% slower at depth 3 on every shape
+  and M = 16-128 (``benchmarks/w4a16_gluon_inflight_ab.py``, ``w4a16_gluon_inflight_ab.md``).
+* Four consumer warpgroups (``consumers=4``, 16 consumer warps, registers 112 / 24 at a launch limit of 96: every
+  wgmma serialized, C7512 / C7515): BN 256 as four 64-column slices sharing each x tile, or BN 128 as two column
+  halves x two K parities (each pair takes every other K tile; the parities are two more split-K slices in the
+  workspace). BN 256 four is 5-18% faster than BN 256 two (1-4% slower at 8192 x 28672), but neither beats BN 128
+  with two consumers except 4096 x 11008 at M = 16-32 (one wave of 129 CTAs against 172), where the Triton
+  "swapx" tiles the tuner picks are faster still; the K-pair BN 128 tile is 3-32% slower than the two-consumer one.
+* An unswizzled packed-word TMA box (one box per K tile instead of one per 128-byte strip): loads unchanged,
+  compute 2-8% slower (shared-memory bank conflicts); not kept.
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -300,11 +330,14 @@ if HAS_GLUON:
                   M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                   C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, KC: gl.constexpr,
                   HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
-                  DRAIN_IN_LOOP: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False):
+                  DRAIN_IN_LOOP: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False, INFLIGHT: gl.constexpr = 1,
+                  PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2, KSTEP: gl.constexpr = 1,
+                  KPAR: gl.constexpr = 0):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         R: gl.constexpr = BN_C // 64
         NCHUNK: gl.constexpr = BK // KC
+        gl.static_assert(INFLIGHT >= 1 and INFLIGHT <= NCHUNK, "INFLIGHT: 1 .. chunks per K tile")
         if IS_BF16:
             DT: gl.constexpr = gl.bfloat16
         else:
@@ -321,8 +354,21 @@ if HAS_GLUON:
         acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
         # n_iter >= 1 (host: every split gets at least one K tile). Without this the zero-trip path (acc = zeros,
         # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
-        gl.assume(n_iter > 0)
-        for i in range(n_iter):
+        # KSTEP 2 (four consumers, K pairs; session 18): this consumer takes the slice's K tiles KPAR, KPAR + 2, ..
+        # (host: every slice has >= 2 K tiles, so both parities have work)
+        n_mine = (n_iter - KPAR + KSTEP - 1) // KSTEP
+        if PROBE == 1:
+            # timing probe "loads only": every slot released unread, nothing computed (y = 0 or the bias)
+            for j in range(n_mine):
+                i = j * KSTEP + KPAR
+                mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+                mbarrier.arrive(empty.index(i % STAGES))
+            n_main = 0 * n_mine
+        else:
+            gl.assume(n_mine > 0)
+            n_main = n_mine
+        for j in range(n_main):
+            i = j * KSTEP + KPAR
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)  # the slot's TMA bytes have landed
             sc = s_bufs.index(s).slice(C * BN_C, BN_C, dim=1).load(w_layout)  # [1, BN_C]
@@ -346,14 +392,16 @@ if HAS_GLUON:
                 words = gl.convert_layout(words, w_layout, assert_trivial=True)  # same registers, named layout
                 a = _dequant_chunk(words, zz, ss, MAGIC2, BN_C, KC, R, IS_BF16, a_layout)
                 acc = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
-                # keep this chunk's wgmma in flight while the next chunk is dequantized
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                if cq == 0:
-                    # every wgmma issued before this one (all of K tile i - 1) has completed: release its slot
+                # keep this chunk's wgmma (and INFLIGHT - 1 earlier ones) in flight while the next chunk is
+                # dequantized
+                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                if cq == INFLIGHT - 1:
+                    # at most chunks 0 .. INFLIGHT - 1 of this tile are still in flight, so every wgmma of
+                    # this consumer's previous K tile (i - KSTEP) has completed: release its slot
                     fence_async_shared()
-                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+                    mbarrier.arrive(empty.index((i + STAGES - KSTEP) % STAGES), pred=j > 0)
             if DRAIN_IN_LOOP:
-                if i == n_iter - 1:
+                if j == n_main - 1:
                     # retire the last wgmma INSIDE the loop: ptxas 12.8 schedules the epilogue's reads of acc
                     # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (module docstring, "Epilogue
                     # hazard"); it does not move them into the loop, so this DEPBAR.LE gsb0 0x0 stays before them
@@ -361,13 +409,15 @@ if HAS_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
-        _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id, pid_k,
-                  SPLIT_K, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT, SPLIT_CHUNKED)
+        # K pairs: the two parities are two more split-K slices of the same columns (workspace [2 SPLIT_K, M, N])
+        _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id,
+                  pid_k * KSTEP + KPAR, SPLIT_K * KSTEP, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT, SPLIT_CHUNKED, NCONS)
 
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
                   tile_id, pid_k, SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, R: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False):
+                  HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False,
+                  NCONS: gl.constexpr = 2):
         """Store a consumer's finished [BN_C, BM] accumulator: tile row r -> weight column n (see
         ``_dequant_chunk``), column m -> activation row; with split-K through the fp32 workspace and the per-tile
         counter (the last program to arrive sums, adds the bias, writes y and resets the counter)."""
@@ -385,12 +435,12 @@ if HAS_GLUON:
             # thread's partial addresses are one base plus constants (the [split, M, N] workspace's per-element
             # 64-bit addresses spill at 128 accumulators per thread), and the fixup in row chunks
             blk_elems = BM * BN_C
-            split_stride = gl.num_programs(0) * 2 * blk_elems
-            blk = ws_ptr + (tile_id * 2 + C) * blk_elems
+            split_stride = gl.num_programs(0) * NCONS * blk_elems
+            blk = ws_ptr + (tile_id * NCONS + C) * blk_elems
             offs_blk = gl.expand_dims(m_loc, 0) * BN_C + gl.expand_dims(n_loc, 1)
             gl.store(blk + pid_k * split_stride + offs_blk, acc)
             gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
-            cnt = cnt_ptr + tile_id * 2 + C
+            cnt = cnt_ptr + tile_id * NCONS + C
             arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 _split_reduce_chunked(y_ptr, bias_ptr, blk, split_stride, M, N, stride_ym, off_m, off_n + C * BN_C,
@@ -401,7 +451,7 @@ if HAS_GLUON:
             slice_elems = M * N
             gl.store(ws_ptrs + pid_k * slice_elems, acc, mask=mask)
             gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
-            cnt = cnt_ptr + tile_id * 2 + C
+            cnt = cnt_ptr + tile_id * NCONS + C
             arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 # reuse acc's registers for the sum (a second accumulator spills at 128 fp32 per thread)
@@ -446,7 +496,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
-                  off_m, off_n, k_tile0, n_iter):
+                  off_m, off_n, k_tile0, n_iter, PROBE: gl.constexpr = 0):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         NBYTES: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
@@ -456,12 +506,29 @@ if HAS_GLUON:
             # the slot's previous contents (K tile i - STAGES) have been released by both consumers
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, NBYTES)
             kt = k_tile0 + i
-            tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
-            tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
-            tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
-            tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+            if PROBE == 2:
+                # timing probe "compute only": the ring is loaded once, later tiles reuse the stale slots
+                if i < STAGES:
+                    mbarrier.expect(bar, NBYTES)
+                    tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+                    tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+                    tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+                    tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+                else:
+                    mbarrier.arrive(bar)
+            elif PROBE == 3:
+                # timing probe "no x": only the weight, scale and zero tiles are loaded (x slots stay stale)
+                mbarrier.expect(bar, NBYTES - x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+                tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+                tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
+            else:
+                mbarrier.expect(bar, NBYTES)
+                tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+                tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
+                tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
+                tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
 
     @gluon.jit
     def _w4a16_gluon_kernel(x_desc, q_desc, s_desc, z_desc, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
@@ -469,9 +536,17 @@ if HAS_GLUON:
                             BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr,
                             HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            DRAIN_IN_LOOP: gl.constexpr = False, SPLIT_CHUNKED: gl.constexpr = False):
+                            DRAIN_IN_LOOP: gl.constexpr = False, SPLIT_CHUNKED: gl.constexpr = False,
+                            INFLIGHT: gl.constexpr = 1, PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2,
+                            KPAIRS: gl.constexpr = False):
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        BN_C: gl.constexpr = BN // 2
+        # four consumers: four column slices of BN / 4, or (KPAIRS) two column slices x two K parities
+        if KPAIRS:
+            BN_C: gl.constexpr = BN // 2
+        else:
+            BN_C: gl.constexpr = BN // NCONS
+        gl.static_assert(NCONS == 2 or NCONS == 4, "2 or 4 consumer warpgroups")
+        gl.static_assert(not KPAIRS or (NCONS == 4 and USE_SPLIT), "K pairs: four consumers, split-K workspace")
         gl.static_assert(BK == 128, "one ring stage = one group of 128")
         gl.static_assert(BN_C % 64 == 0, "each consumer warpgroup needs a multiple of 64 weight columns")
         gl.static_assert(BK % KC == 0 and KC % 32 == 0, "KC: a multiple of 32 dividing 128")
@@ -494,19 +569,66 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)  # the producer's expect + TMA bytes
-            mbarrier.init(empty.index(st), count=2)  # one arrival per consumer warpgroup
+            # one arrival per consumer warpgroup that reads the slot (K pairs: the two of its parity)
+            mbarrier.init(empty.index(st), count=2 if KPAIRS else NCONS)
 
         tile_id = pid
-        gl.warp_specialize([
-            (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
-                         M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED)),
-            (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
-                         M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
-                         1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED)),
-            (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
-                         off_m, off_n, k_tile0, n_iter)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if KPAIRS:
+            gl.warp_specialize([
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, 2, 2, 0)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, 2, 2, 0)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, 2, 2, 1)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, 2, 2, 1)),
+                (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                             off_m, off_n, k_tile0, n_iter, PROBE)),
+            ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        elif NCONS == 2:
+            gl.warp_specialize([
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE)),
+                (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                             off_m, off_n, k_tile0, n_iter, PROBE)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            # session 18: four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
+            gl.warp_specialize([
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, NCONS)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, NCONS)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             2, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, NCONS)),
+                (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
+                             3, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
+                             INFLIGHT, PROBE, NCONS)),
+                (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
+                             off_m, off_n, k_tile0, n_iter, PROBE)),
+            ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
     # ------------------------------------------------------------------------------------------------------------
@@ -1345,7 +1467,8 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
                    xp: Optional[torch.Tensor] = None, consumer_regs: int = 232, producer_regs: int = 40,
                    check_zeros: bool = True, num_sms: Optional[int] = None,
                    regs: Optional[str] = None, deq: Optional[str] = None, pdl: bool = False,
-                   xs: Optional[torch.Tensor] = None, schedule: Optional[str] = None) -> torch.Tensor:
+                   xs: Optional[torch.Tensor] = None, schedule: Optional[str] = None,
+                   inflight: int = 1, probe: int = 0, consumers: int = 2) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
     ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
     in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
@@ -1363,9 +1486,28 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     Opt-in stream-K schedule (module docstring, "Stream-K schedule"; GPU-checked, slower):
     ``schedule="streamk"`` launches ``_w4a16_gluon_sk_kernel`` on ``num_sms`` CTAs (None: the device's SM count),
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
-    (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides)."""
+    (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
+
+    ``inflight`` (session 18, module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
+    flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
+    kernel and at least that many KC chunks per K tile).
+
+    ``probe`` (timing only, results WRONG; ``benchmarks/w4a16_gluon_probe.py``): 1 = loads only (the consumers
+    release each slot unread), 2 = compute only (the ring is loaded once, later K tiles reuse stale slots),
+    3 = no x loads (x slots stale). Main kernel only.
+
+    ``consumers=4`` (session 18, opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
+    8. BN 256: four 64-column consumer warpgroups share each x tile; BN 128: two column halves x two K parities
+    (each pair takes every other K tile; the parities are summed through the split-K workspace). ``regs`` None /
+    "four" = 112 / 24 registers. BM <= 64, main kernel, standard split-K only."""
     small = _small_variant(deq, pdl)
     streamk = _streamk_variant(schedule, split_k)
+    _inflight_ok(inflight, block_m, block_n, kc, regs, small or streamk)
+    if consumers == 4:
+        regs = regs or "four"
+    _consumers_ok(consumers, block_m, block_n, regs, bool(small or streamk or inflight != 1))
+    if probe not in (0, 1, 2, 3) or (probe and (small or streamk)):
+        raise ValueError(f"gluon_w4a16: probe must be 0..3 and only on the main kernel, got {probe!r}")
     consumer_regs, producer_regs = _regs_for(regs, consumer_regs, producer_regs)
     K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
     lead = x.shape[:-1]
@@ -1414,7 +1556,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         return y.reshape(*lead, N)
     # where the standard split-K epilogue spills (offline sm_90 builds), an explicit split_k > 1 selects the chunked
     # fixup (session 8); otherwise such tiles run without split-K
-    spills = _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
+    spills = consumers == 2 and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
     chunked = not small and spills and split_k is not None and split_k > 1
     if split_k is None:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -1424,18 +1566,30 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
-    if split_k > 1 and chunked:
+    kpairs = consumers == 4 and block_n == 128
+    if kpairs:
+        # K pairs: both parities of every slice need a K tile (>= 2 per slice), and the parities are summed
+        # through the split-K workspace even without a K split
+        if k_tiles < 2:
+            raise ValueError(f"gluon_w4a16: consumers=4 with block_n=128 needs K >= {2 * GROUP}, got {K}")
+        tiles_per_split = max(tiles_per_split, 2)
+        while k_tiles - (cdiv(k_tiles, tiles_per_split) - 1) * tiles_per_split < 2:
+            tiles_per_split += 1
+        split_k = cdiv(k_tiles, tiles_per_split)
+        ws = torch.empty((2 * split_k, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, 2 * n_tiles)
+    elif split_k > 1 and chunked:
         # tile-major [split, tiles, 2 consumers, BM, BN/2] (rows past M included), see _epilogue
         ws = torch.empty((split_k, n_tiles * block_m * block_n), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, 2 * n_tiles)
     elif split_k > 1:
         ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, 2 * n_tiles)
+        cnt = _counters(x.device, consumers * n_tiles)
     else:
         ws, cnt = y, y  # unused
     magic, offset = _MAGIC[x.dtype]
     x_desc, q_desc, s_desc, z_desc = make_descriptors(xp, qweight, scales, zeros, block_m, block_n)
-    maxnreg = _maxnreg(consumer_regs, producer_regs)
+    maxnreg = _maxnreg(consumer_regs, producer_regs, consumers)
     if small:
         _w4a16_gluon_small_kernel[(n_tiles, split_k)](
             x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
@@ -1449,10 +1603,14 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     _w4a16_gluon_kernel[(n_tiles, split_k)](
         x_desc, q_desc, s_desc, z_desc, y, bias if bias is not None else y, ws, cnt,
         M, N, k_tiles, tiles_per_split, split_k, y.stride(0), magic * 0x10001, offset,
-        BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1,
+        BM=block_m, BN=block_n, STAGES=stages, KC=kc, HAS_BIAS=bias is not None, USE_SPLIT=split_k > 1 or kpairs,
         IS_BF16=x.dtype == torch.bfloat16, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs), num_warps=4, maxnreg=maxnreg,
         **({"SPLIT_CHUNKED": True} if chunked and split_k > 1 else {}),
+        **({"INFLIGHT": inflight} if inflight != 1 else {}),
+        **({"PROBE": probe} if probe else {}),
+        **({"NCONS": consumers} if consumers != 2 else {}),
+        **({"KPAIRS": True} if kpairs else {}),
     )
     return y.reshape(*lead, N)
 
@@ -1465,10 +1623,37 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 # from 112 up (consumers <= 200 to stay in the pool) the main loop keeps one wgmma group in flight
 # (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``. Such builds need the in-loop
 # final wait (``_drain_in_loop``, module docstring "Epilogue hazard").
-_REGS = {"default": (232, 40), "async": (200, 112)}
+_REGS = {"default": (232, 40), "async": (200, 112), "four": (112, 24)}
 
 # Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the module docstring "Small-M variant".
 _DEQ = {"group": 1, "xsum": 2}
+
+
+def _inflight_ok(inflight: int, block_m: int, block_n: int, kc: int, regs: Optional[str],
+                 other_kernel: bool) -> None:
+    """Raise ValueError unless ``inflight`` is usable (module docstring, "Deeper wgmma queue"): 1 always; 2 / 3 only
+    for the builds checked offline: ``regs="async"``, the main kernel, KC 32 (a K tile's slot is released after
+    chunk ``inflight - 1`` of the next tile, and KC 64 has only 2 chunks), BN 128, and BM <= 64 (BM 128: 2 only).
+    Elsewhere ptxas serializes the wgmmas (C7512 / C7514) or the SASS has register hazards."""
+    if inflight == 1:
+        return
+    if (inflight not in (2, 3) or regs != "async" or other_kernel or kc != 32 or block_n != 128
+            or block_m > 128 or (block_m == 128 and inflight != 2)):
+        raise ValueError(f"gluon_w4a16: inflight={inflight!r} is only built for regs='async', the main kernel (no "
+                         f"deq, pdl or schedule), kc=32, block_n=128 and block_m <= 64 (2 or 3) or 128 (2); got "
+                         f"regs={regs!r} kc={kc} block_n={block_n} block_m={block_m}")
+
+
+def _consumers_ok(consumers: int, block_m: int, block_n: int, regs: Optional[str], other: bool) -> None:
+    """Raise ValueError unless ``consumers`` is usable: 2 always; 4 only as built offline (session 18): BN 256 (64
+    columns per consumer) or BN 128 (K pairs), BM <= 64, the "four" register split, the main kernel without
+    ``inflight``."""
+    if consumers == 2:
+        return
+    if consumers != 4 or block_n not in (128, 256) or block_m > 64 or regs != "four" or other:
+        raise ValueError(f"gluon_w4a16: consumers={consumers!r} needs 2, or 4 with block_n 128 / 256, block_m <= 64, "
+                         f"regs='four' and the main kernel (no deq, pdl, schedule or inflight); got block_n="
+                         f"{block_n} block_m={block_m} regs={regs!r}")
 
 
 def _small_variant(deq: Optional[str], pdl: bool) -> bool:
@@ -1523,7 +1708,7 @@ def _regs_for(regs: Optional[str], consumer_regs: int, producer_regs: int) -> tu
     return _REGS[regs]
 
 
-def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
+def _maxnreg(consumer_regs: int, producer_regs: int, consumers: int = 2) -> int:
     """Launch register limit: 12 warps (default consumer, worker consumer, producer padded to a warpgroup) share
     64K registers; Triton then emits ``setmaxnreg`` (consumers ``consumer_regs``, producer ``producer_regs``).
     KNOWN ISSUE (offline sm_90 SASS): with ``setmaxnreg`` in the kernel, ptxas 12.8 serializes every wgmma (C7512
@@ -1532,6 +1717,14 @@ def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
     stop Triton's reallocation but the warp-specialize lowering still emits two setmaxnreg (and ptxas then spills)."""
     if consumer_regs >= 256 and producer_regs >= 256:
         return 168
+    if consumers == 4:
+        # session 18: 20 warps (4 consumer warpgroups + the producer's, padded) get at most 65536 / (20 x 32) =
+        # 102 registers each at launch: 96, a pool of 20 x 96 per lane; the default partition (consumer 0) gets
+        # what the workers leave (3 x 4 x consumer_regs + 4 x producer_regs)
+        if 16 * consumer_regs + 4 * producer_regs > 20 * 96:
+            raise ValueError(f"gluon_w4a16: four consumers at {consumer_regs} and a producer at {producer_regs} "
+                             "registers exceed the 20 x 96 register pool")
+        return 96
     return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
 
 
@@ -1560,6 +1753,20 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
                   IS_BF16=dtype == "bf16", CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                   DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
     kernel = _w4a16_gluon_kernel
+    # always given: an offline build with an explicit signature does not fill in constexpr defaults
+    consts["INFLIGHT"] = cfg.get("inflight", 1)
+    consts["PROBE"] = cfg.get("probe", 0)
+    consts["NCONS"] = cfg.get("consumers", 2)
+    if consts["NCONS"] == 4:
+        _consumers_ok(4, bm, bn, cfg.get("regs") or "four", consts["INFLIGHT"] != 1)
+        if cfg.get("regs") is None:
+            consumer_regs, producer_regs = _REGS["four"]
+        consts.update(CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                      DRAIN_IN_LOOP=_drain_in_loop(consumer_regs, producer_regs))
+        if bn == 128:
+            consts.update(KPAIRS=True, USE_SPLIT=True)
+    _inflight_ok(consts["INFLIGHT"], bm, bn, cfg["kc"], cfg.get("regs"),
+                 bool(cfg.get("deq") or cfg.get("pdl") or cfg.get("schedule")))
     if split and (cfg.get("split_k") or 0) > 1 and _split_epilogue_spills(bm, bn, consumer_regs, producer_regs):
         consts["SPLIT_CHUNKED"] = True  # as gluon_w4a16_mm with an explicit split_k > 1 on such a tile
     if _streamk_variant(cfg.get("schedule"), cfg.get("split_k")):
@@ -1569,18 +1776,18 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
         sig = dict(list(sig.items())[:8] + [("xs_ptr", "*fp32")] + list(sig.items())[8:])
         del sig["TILES_PER_SPLIT"], sig["SPLIT_K"]
         sig = dict(list(sig.items())[:12] + [("TOTAL", "i32"), ("NUM_CTAS", "i32")] + list(sig.items())[12:])
-        del consts["USE_SPLIT"]
+        del consts["USE_SPLIT"], consts["INFLIGHT"], consts["PROBE"], consts["NCONS"]
         small = _small_variant(cfg.get("deq"), cfg.get("pdl", False))
         consts.update(DEQ=_DEQ[cfg["deq"]] if small else 0, PDL=bool(cfg.get("pdl", False)))
     elif _small_variant(cfg.get("deq"), cfg.get("pdl", False)):
         kernel = _w4a16_gluon_small_kernel
         sig = dict(list(sig.items())[:8] + [("xs_ptr", "*fp32")] + list(sig.items())[8:])
-        del consts["DRAIN_IN_LOOP"]  # always drained in the loop there
+        del consts["DRAIN_IN_LOOP"], consts["INFLIGHT"], consts["PROBE"], consts["NCONS"]  # drained in the loop
         consts.update(DEQ=_DEQ[cfg.get("deq") or "group"], PDL=bool(cfg.get("pdl", False)))
     for k in consts:
         sig[k] = "constexpr"
     src = GluonASTSource(kernel, signature=sig, constexprs=consts)
-    opts = {"num_warps": 4, "maxnreg": _maxnreg(consumer_regs, producer_regs)}
+    opts = {"num_warps": 4, "maxnreg": _maxnreg(consumer_regs, producer_regs, consts.get("NCONS", 2))}
     if cfg.get("pdl"):
         opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

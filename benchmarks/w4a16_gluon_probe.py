@@ -1,0 +1,66 @@
+"""Where the Gluon W4A16 kernel's time goes at M = 16-128 (session 18): the full kernel against three timing probes.
+
+``gluon_w4a16_mm(..., probe=P)`` (results wrong, timing only): P = 1 loads only (the ring's TMA traffic, the
+consumers release every slot unread), P = 2 compute only (the ring is loaded once; later K tiles dequantize and
+multiply stale slots: the consumers' own rate), P = 3 without the x loads (the weight / scale / zero traffic and
+all the compute). Same grid and split-K as the full kernel. Session 18's ``inflight`` A/B found no gain from a
+deeper wgmma queue, so the consumers do not wait on wgmma latency; these rows tell whether the loads, the consumer
+work or neither bounds the K-tile time. Tiles: BN 128 and BN 256 with two consumer warpgroups (``regs="async"``), BN 256 with four
+(``consumers=4``; BN 128 with four = two column halves x two K parities), KC 32, BM = the M bucket.
+Per-call time of 48 calls back to back in one CUDA graph over weight copies > 3x L2.
+
+    python benchmarks/w4a16_gluon_probe.py [--ms 16,32,64,128] [--out DIR]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import parse_args, streamed_us, write_results  # noqa: E402
+from w4a16_mma_regcap_ab import SHAPES, G, m_inputs, shape_inputs  # noqa: E402
+
+from fxopt.kernels import w4a16_gluon as kg  # noqa: E402
+
+PROBES = {0: "full", 1: "loads", 2: "compute", 3: "no_x"}
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--ms", default="16,32,64,128"))
+    rows = []
+    for K, N in SHAPES:
+        gen, copies, wbf, ref_w = shape_inputs(K, N)
+        for M in (int(m) for m in args.ms.split(",")):
+            x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
+            bm = kg._block_m_for(M)
+            for bn, cons in ((128, 2), (128, 4), (256, 2), (256, 4)):
+                if bm > 64 and (bn == 256 or cons == 4):
+                    continue
+                cfg = dict(block_m=bm, block_n=bn, stages=kg._max_stages(bm, bn), kc=32,
+                           **({"regs": "async"} if cons == 2 else {"consumers": 4}))
+                tiles = -(-M // bm) * (N // bn)
+                row = {"K": K, "N": N, "M": M, "tile": f"bm{bm} bn{bn} c{cons}", "ctas": tiles * kg._split_for(
+                    tiles, K // G, 132), "bf16_us": t_bf}
+                y = kg.gluon_w4a16_mm(x, *copies[0], G, **cfg)
+                row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
+                for p, name in PROBES.items():
+                    row[f"{name}_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, probe=p, **cfg),
+                                                    copies, 48)
+                x_bytes = (N // bn) * M * K * 2  # every N tile reads all of x (rows past M are TMA zero-fill)
+                w_bytes = K * N // 2 + 2 * (K // G) * N * 2
+                row["l2_to_sm_MB"] = (x_bytes + w_bytes) / 1e6
+                row["loads_TBps"] = (x_bytes + w_bytes) / row["loads_us"] / 1e6
+                print(row, flush=True)
+                rows.append(row)
+    write_results("w4a16_gluon_probe", rows, out_dir=args.out,
+                  title="W4A16 Gluon kernel, M = 16-128: full kernel against loads-only / compute-only / no-x probes",
+                  notes=("full_us: the kernel; loads_us: probe 1 (TMA ring traffic only); compute_us: probe 2 "
+                         "(dequantize + wgmma on stale slots, no loads after the first ring fill); no_x_us: probe "
+                         "3 (everything but the x tiles). l2_to_sm_MB: x tile bytes (every N tile re-reads x) + "
+                         "packed weight, scales and zeros; loads_TBps: that / loads_us. Same grid and split-K "
+                         "(ctas) in every column. Per-call time of 48 calls in one CUDA graph over weight copies "
+                         "> 3x L2."))
+
+
+if __name__ == "__main__":
+    main()
