@@ -191,7 +191,7 @@ Where the time goes at M = 16-128 (session 18, H200; ``benchmarks/w4a16_gluon_pr
 ``benchmarks/results/w4a16_gluon_probe.md``, ``benchmarks/results/ncu_s18/``). Timing probes (``probe=``, results
 wrong, timing only): 1 = loads only (the consumers release every ring slot unread), 2 = compute only (the ring is
 loaded once; later K tiles dequantize and multiply stale slots), 3 = everything but the x loads. For every BN 128
-tile the tuner uses, the full kernel runs at its compute-only time (within 1-5%) and the loads alone take 60-75%
+tile the tuner uses, the full kernel runs at its compute-only time (within 1-5%) and the loads alone take 48-81%
 of it (8192², M = 64: full 28.9 us, compute only 29.3, loads only 21.8, no x 29.3; M = 16: 20.6 / 20.4 / 14.9 /
 20.7): the consumer warpgroups are the bound, not DRAM, L2 or the x re-read. Nsight Compute on the M = 64 build
 (``bash benchmarks/profile_kernels.sh s18``): issue slots 31% busy, 3.0 active and 0.56 eligible warps per scheduler;
