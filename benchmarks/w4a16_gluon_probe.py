@@ -6,7 +6,9 @@ multiply stale slots: the consumers' own rate), P = 3 without the x loads (the w
 all the compute). Same grid and split-K as the full kernel. Session 18's ``inflight`` A/B found no gain from a
 deeper wgmma queue, so the consumers do not wait on wgmma latency; these rows tell whether the loads, the consumer
 work or neither bounds the K-tile time. Tiles: BN 128 and BN 256 with two consumer warpgroups (``regs="async"``), BN 256 with four
-(``consumers=4``; BN 128 with four = two column halves x two K parities), KC 32, BM = the M bucket.
+(``consumers=4``; BN 128 with four = two column halves x two K parities), KC 32, BM = the M bucket. P = 4
+(mma only, added later in session 18): as P = 2 with a constant A operand instead of the dequantization; P = 5
+(BN 128): as P = 4 with wgmma reading A from shared memory (the packed slot reinterpreted).
 Per-call time of 48 calls back to back in one CUDA graph over weight copies > 3x L2.
 
     python benchmarks/w4a16_gluon_probe.py [--ms 16,32,64,128] [--out DIR]
@@ -22,18 +24,24 @@ from w4a16_mma_regcap_ab import SHAPES, G, m_inputs, shape_inputs  # noqa: E402
 
 from fxopt.kernels import w4a16_gluon as kg  # noqa: E402
 
-PROBES = {0: "full", 1: "loads", 2: "compute", 3: "no_x"}
+PROBES = {0: "full", 1: "loads", 2: "compute", 3: "no_x", 4: "mma_only", 5: "mma_smem_a"}
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument("--ms", default="16,32,64,128"))
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: (
+        p.add_argument("--ms", default="16,32,64,128"),
+        p.add_argument("--tiles", default="128x2,128x4,256x2,256x4", help="BNxCONSUMERS list"),
+        p.add_argument("--probes", default="0,1,2,3,4,5"),
+        p.add_argument("--fixed", action="store_true", help="also K = 256 rows: the per-call fixed cost")))
+    probes_wanted = {int(v) for v in args.probes.split(",")}
+    tiles_wanted = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     rows = []
     for K, N in SHAPES:
         gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
             x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
             bm = kg._block_m_for(M)
-            for bn, cons in ((128, 2), (128, 4), (256, 2), (256, 4)):
+            for bn, cons in tiles_wanted:
                 if bm > 64 and (bn == 256 or cons == 4):
                     continue
                 cfg = dict(block_m=bm, block_n=bn, stages=kg._max_stages(bm, bn), kc=32,
@@ -44,19 +52,49 @@ def main():
                 y = kg.gluon_w4a16_mm(x, *copies[0], G, **cfg)
                 row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
                 for p, name in PROBES.items():
+                    if p not in probes_wanted or (p == 5 and bn != 128):
+                        continue
                     row[f"{name}_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, probe=p, **cfg),
                                                     copies, 48)
+                # the kernel alone: x already in FRAG order (the op's x-prep launch skipped)
+                from fxopt.kernels.w4a16 import _prep_x
+
+                xp = _prep_x(x.contiguous(), G, True)[0]
+                row["full_prepped_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, **cfg), copies, 48)
                 x_bytes = (N // bn) * M * K * 2  # every N tile reads all of x (rows past M are TMA zero-fill)
                 w_bytes = K * N // 2 + 2 * (K // G) * N * 2
                 row["l2_to_sm_MB"] = (x_bytes + w_bytes) / 1e6
-                row["loads_TBps"] = (x_bytes + w_bytes) / row["loads_us"] / 1e6
+                if "loads_us" in row:
+                    row["loads_TBps"] = (x_bytes + w_bytes) / row["loads_us"] / 1e6
                 print(row, flush=True)
                 rows.append(row)
+    if args.fixed:
+        # the per-call fixed cost: K = 256 (two K tiles per output tile, one per CTA after the split), N = 8192
+        from fxopt.kernels.w4a16 import _prep_x
+
+        K, N = 256, 8192
+        gen, copies, wbf, ref_w = shape_inputs(K, N)
+        for M in (int(m) for m in args.ms.split(",")):
+            x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
+            bm = kg._block_m_for(M)
+            cfg = dict(block_m=bm, block_n=128, stages=kg._max_stages(bm, 128), kc=32, regs="async")
+            xp = _prep_x(x.contiguous(), G, True)[0]
+            row = {"K": K, "N": N, "M": M, "tile": f"bm{bm} bn128 c2", "bf16_us": t_bf,
+                   "full_us": streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, **cfg), copies, 48),
+                   "full_prepped_us": streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, **cfg), copies,
+                                                  48),
+                   "prepped_no_split_us": streamed_us(
+                       lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, split_k=1, **cfg), copies, 48),
+                   "prep_only_us": streamed_us(lambda xx: _prep_x(xx, G, True), [x.contiguous()] * 2, 48)}
+            print(row, flush=True)
+            rows.append(row)
     write_results("w4a16_gluon_probe", rows, out_dir=args.out,
                   title="W4A16 Gluon kernel, M = 16-128: full kernel against loads-only / compute-only / no-x probes",
                   notes=("full_us: the kernel; loads_us: probe 1 (TMA ring traffic only); compute_us: probe 2 "
                          "(dequantize + wgmma on stale slots, no loads after the first ring fill); no_x_us: probe "
-                         "3 (everything but the x tiles). l2_to_sm_MB: x tile bytes (every N tile re-reads x) + "
+                         "3 (everything but the x tiles); mma_only_us: probe 4 (probe 2 without the "
+                         "dequantization: constant A operand); mma_smem_a_us: probe 5 (probe 4 with A read from "
+                         "shared memory); full_prepped_us: the kernel with x already in FRAG order (no x-prep launch). l2_to_sm_MB: x tile bytes (every N tile re-reads x) + "
                          "packed weight, scales and zeros; loads_TBps: that / loads_us. Same grid and split-K "
                          "(ctas) in every column. Per-call time of 48 calls in one CUDA graph over weight copies "
                          "> 3x L2."))

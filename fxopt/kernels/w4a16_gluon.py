@@ -188,18 +188,27 @@ configs: issue <= 0.54 and integer ALU <= 0.43 of the measured tile time at M = 
 the bound; the highest resource is the L2 -> SM feed of the re-read x tile (0.47-0.90 under an assumed 27.5 B/clk/SM).
 
 Where the time goes at M = 16-128 (session 18, H200; ``benchmarks/w4a16_gluon_probe.py``,
-``benchmarks/results/w4a16_gluon_probe.md``, ``benchmarks/results/ncu_s18/``). Timing probes (``probe=``, results
+``benchmarks/results/w4a16_gluon_probe*.md``, ``benchmarks/results/ncu_s18/``). Timing probes (``probe=``, results
 wrong, timing only): 1 = loads only (the consumers release every ring slot unread), 2 = compute only (the ring is
-loaded once; later K tiles dequantize and multiply stale slots), 3 = everything but the x loads. For every BN 128
-tile the tuner uses, the full kernel runs at its compute-only time (within 1-5%) and the loads alone take 48-81%
-of it (8192², M = 64: full 28.9 us, compute only 29.3, loads only 21.8, no x 29.3; M = 16: 20.6 / 20.4 / 14.9 /
-20.7): the consumer warpgroups are the bound, not DRAM, L2 or the x re-read. Nsight Compute on the M = 64 build
-(``bash benchmarks/profile_kernels.sh s18``): issue slots 31% busy, 3.0 active and 0.56 eligible warps per scheduler;
-consumer warps' samples: 22% issuing, 18% fixed-latency dependencies (the LOP3 -> HADD2 -> HMUL2 chains), 15%
-waiting on the ``ready`` barrier, 12% on the wgmma wait, 11% not selected; the consumer loop is 215 SASS
-instructions per K tile and warp, 123 of them the dequantization (LOP3 35, SHF 24, HADD2 32, HMUL2 32). The SMs
-also finish unevenly: active cycles 41.1k on average per CTA-holding SM against 46.0k on the slowest and 49.5k
-elapsed (``ncu_w4g_m64_smspread.txt``; the compute-only probe spreads alike, so it is not DRAM locality).
+loaded once; later K tiles dequantize and multiply stale slots), 3 = everything but the x loads, 4 = probe 2 with a
+constant A operand (no dequantization), 5 = probe 4 with A read from shared memory. Every BN 128 tile the tuner
+uses runs at its compute-only time (within 1-5%); the loads alone take 48-81% of it; dropping the x loads changes
+nothing. Per call at 8192², M = 16 / 64 (us): full 20.4 / 28.8, compute only 20.2 / 29.3, loads only 14.8 / 21.9,
+no dequantization 15.5 / 23.9, A from shared memory 15.5 / 23.0. Of a call:
+
+* the x-prep launch (``_prep_x``, FRAG order) costs 1.7-5.4 us (``xp=`` given: 18.7 / 25.1);
+* a fixed cost per call: at K = 256 (one K tile per CTA) the prepped call takes 6.2 / 9.5 us with its split-K
+  epilogue and 4.1 / 4.8 us with ``split_k=1`` (bf16 ``F.linear``: 4.0 / 4.2), so the standard split-K epilogue
+  (per-element fp32 partial stores in the accumulator layout, counter, reload by the last CTA) costs 2.1 / 4.7 us;
+* the K loop: about 725 / 905 cycles per K tile and CTA, of which about 440 / 600 remain without the
+  dequantization (tensor floor 128 / 512).
+
+Nsight Compute on the M = 64 build (``bash benchmarks/profile_kernels.sh s18``): issue slots 31% busy, 3.0 active and
+0.56 eligible warps per scheduler; consumer warps' samples: 22% issuing, 18% fixed-latency dependencies, 15% waiting
+on the ``ready`` barrier, 12% on the wgmma wait, 11% not selected; the consumer loop is 215 SASS instructions per K
+tile and warp, 123 of them the dequantization (LOP3 35, SHF 24, HADD2 32, HMUL2 32). The SMs finish unevenly:
+active cycles 41.1k on average per CTA-holding SM against 46.0k on the slowest and 49.5k elapsed
+(``ncu_w4g_m64_smspread.txt``; the compute-only probe spreads alike: the split-K epilogue's last arrivals).
 
 Three remedies were measured and did not pay (all opt-in, checked on the H200; ``tests/test_w4a16_gluon_inflight.py``):
 
@@ -390,8 +399,19 @@ if HAS_GLUON:
                 else:
                     words = w3
                 words = gl.convert_layout(words, w_layout, assert_trivial=True)  # same registers, named layout
-                a = _dequant_chunk(words, zz, ss, MAGIC2, BN_C, KC, R, IS_BF16, a_layout)
-                acc = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
+                if PROBE == 5:
+                    # timing probe "smem A": A read by wgmma from shared memory (the packed slot reinterpreted as
+                    # bf16 [BN_C, KC] per consumer; values meaningless), no dequantization (ring as probe 2)
+                    a_s = q_bufs.index(s)._reinterpret(DT, [2 * BN_C, KC], gl.NVMMASharedLayout(
+                        swizzle_byte_width=64, element_bitwidth=16, rank=2)).slice(C * BN_C, BN_C, dim=0)
+                    acc = warpgroup_mma(a_s, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
+                else:
+                    if PROBE == 4:
+                        # timing probe "mma only": a constant A operand, no dequantization (ring as probe 2)
+                        a = gl.full([BN_C, KC], 1.0, DT, a_layout)
+                    else:
+                        a = _dequant_chunk(words, zz, ss, MAGIC2, BN_C, KC, R, IS_BF16, a_layout)
+                    acc = warpgroup_mma(a, xt.slice(cq * KC, KC, dim=0), acc, is_async=True)
                 # keep this chunk's wgmma (and INFLIGHT - 1 earlier ones) in flight while the next chunk is
                 # dequantized
                 acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
@@ -507,7 +527,7 @@ if HAS_GLUON:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             kt = k_tile0 + i
-            if PROBE == 2:
+            if PROBE == 2 or PROBE == 4 or PROBE == 5:
                 # timing probe "compute only": the ring is loaded once, later tiles reuse the stale slots
                 if i < STAGES:
                     mbarrier.expect(bar, NBYTES)
@@ -1494,7 +1514,8 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 
     ``probe`` (timing only, results WRONG; ``benchmarks/w4a16_gluon_probe.py``): 1 = loads only (the consumers
     release each slot unread), 2 = compute only (the ring is loaded once, later K tiles reuse stale slots),
-    3 = no x loads (x slots stale). Main kernel only.
+    3 = no x loads (x slots stale), 4 = as 2 without the dequantization (a constant A operand), 5 = as 4 with A
+    read from shared memory (BN 128). Main kernel only.
 
     ``consumers=4`` (session 18, opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
     8. BN 256: four 64-column consumer warpgroups share each x tile; BN 128: two column halves x two K parities
@@ -1506,8 +1527,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     if consumers == 4:
         regs = regs or "four"
     _consumers_ok(consumers, block_m, block_n, regs, bool(small or streamk or inflight != 1))
-    if probe not in (0, 1, 2, 3) or (probe and (small or streamk)):
-        raise ValueError(f"gluon_w4a16: probe must be 0..3 and only on the main kernel, got {probe!r}")
+    if probe not in (0, 1, 2, 3, 4, 5) or (probe and (small or streamk or (probe == 5 and block_n != 128))):
+        raise ValueError(f"gluon_w4a16: probe must be 0..5 (5: block_n 128) and only on the main kernel, got "
+                         f"{probe!r}")
     consumer_regs, producer_regs = _regs_for(regs, consumer_regs, producer_regs)
     K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
     lead = x.shape[:-1]
