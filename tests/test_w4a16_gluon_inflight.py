@@ -147,3 +147,27 @@ def test_gpu_gluon_four_consumers(M, use_bias):
                     assert y.dtype == dtype and y.shape == (M, N)
                     assert_close_to_ref(y, ref, dtype)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
+@pytest.mark.parametrize("M", [16, 64])
+def test_gpu_gluon_main_pdl(M):
+    """pdl=True on the main kernel (programmatic dependent launch after the x prep): against the float reference,
+    split-K on and off, bias on, three calls in a row (each waits for its prep before touching the counters)."""
+    kg = _gluon_or_skip()
+    dtype, K, N = torch.bfloat16, 2048, 2048
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=61)
+    zeros = zeros.round()
+    gen = torch.Generator().manual_seed(M + 7)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda()
+    ref = reference(x, qweight, scales, zeros, G, bias)
+    bm = kg._block_m_for(M)
+    for split in (None, 1):
+        ys = [kg.gluon_w4a16_mm(x, qweight, scales, zeros, 128, bias, block_m=bm, block_n=128,
+                                stages=kg._max_stages(bm, 128), kc=32, split_k=split, regs="async", pdl=True)
+              for _ in range(3)]
+        torch.cuda.synchronize()
+        for y in ys:
+            assert_close_to_ref(y, ref, dtype)

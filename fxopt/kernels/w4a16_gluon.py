@@ -341,7 +341,7 @@ if HAS_GLUON:
                   HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
                   DRAIN_IN_LOOP: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False, INFLIGHT: gl.constexpr = 1,
                   PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2, KSTEP: gl.constexpr = 1,
-                  KPAR: gl.constexpr = 0):
+                  KPAR: gl.constexpr = 0, PDL: gl.constexpr = False):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         R: gl.constexpr = BN_C // 64
@@ -360,6 +360,8 @@ if HAS_GLUON:
         w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * R], threads_per_warp=[4, 8],
                                                   warps_per_cta=[1, 4], order=[0, 1])
 
+        if PDL:
+            _gdc_wait()  # bias, the split-K workspace and counters: only after the preceding grid
         acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
         # n_iter >= 1 (host: every split gets at least one K tile). Without this the zero-trip path (acc = zeros,
         # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
@@ -516,12 +518,28 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
-                  off_m, off_n, k_tile0, n_iter, PROBE: gl.constexpr = 0):
+                  off_m, off_n, k_tile0, n_iter, PROBE: gl.constexpr = 0, PDL: gl.constexpr = False):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         NBYTES: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
                                 + z_desc.block_type.nbytes)
-        for i in range(n_iter):
+        i0 = 0
+        if PDL:
+            # session 18: as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
+            # not depend on the x-prep kernel), x's after it
+            n_pre = gl.minimum(n_iter, STAGES)
+            for i in range(n_pre):  # fresh slots: no empty wait
+                bar = ready.index(i)
+                mbarrier.expect(bar, NBYTES)
+                kt = k_tile0 + i
+                tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(i))
+                tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(i))
+                tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(i))
+            _gdc_wait()
+            for i in range(n_pre):
+                tma.async_copy_global_to_shared(x_desc, [off_m, (k_tile0 + i) * BK], ready.index(i), x_bufs.index(i))
+            i0 = n_pre
+        for i in range(i0, n_iter):
             s = i % STAGES
             # the slot's previous contents (K tile i - STAGES) have been released by both consumers
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -558,7 +576,7 @@ if HAS_GLUON:
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             DRAIN_IN_LOOP: gl.constexpr = False, SPLIT_CHUNKED: gl.constexpr = False,
                             INFLIGHT: gl.constexpr = 1, PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2,
-                            KPAIRS: gl.constexpr = False):
+                            KPAIRS: gl.constexpr = False, PDL: gl.constexpr = False):
         BK: gl.constexpr = x_desc.block_type.shape[1]
         # four consumers: four column slices of BN / 4, or (KPAIRS) two column slices x two K parities
         if KPAIRS:
@@ -619,13 +637,13 @@ if HAS_GLUON:
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                              0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
-                             INFLIGHT, PROBE)),
+                             INFLIGHT, PROBE, 2, 1, 0, PDL)),
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                              1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
-                             INFLIGHT, PROBE)),
+                             INFLIGHT, PROBE, 2, 1, 0, PDL)),
                 (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
-                             off_m, off_n, k_tile0, n_iter, PROBE)),
+                             off_m, off_n, k_tile0, n_iter, PROBE, PDL)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             # session 18: four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
@@ -1498,9 +1516,10 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 
     Small-M variant (module docstring, "Small-M variant"; GPU-checked):
     ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
-    once per K tile to an fp32 partial instead of per weight); ``pdl=True`` (needs ``deq``) launches it with
+    once per K tile to an fp32 partial instead of per weight); ``pdl=True`` launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
-    assumes the weights are not written by the kernel just before). ``xs``: fp32 [M, K/128] sums of x per group
+    assumes the weights are not written by the kernel just before). Session 18: ``pdl=True`` without ``deq`` does
+    the same for the main kernel (two consumers, no ``inflight`` / ``probe``; opt-in, not a tuner candidate). ``xs``: fp32 [M, K/128] sums of x per group
     (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
 
     Opt-in stream-K schedule (module docstring, "Stream-K schedule"; GPU-checked, slower):
@@ -1527,6 +1546,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     if consumers == 4:
         regs = regs or "four"
     _consumers_ok(consumers, block_m, block_n, regs, bool(small or streamk or inflight != 1))
+    if pdl and not small and (streamk or consumers != 2 or inflight != 1 or probe):
+        raise ValueError("gluon_w4a16: pdl=True needs deq='group' / 'xsum' (the small-M kernel) or the main kernel "
+                         "with two consumers, inflight=1 and no probe")
     if probe not in (0, 1, 2, 3, 4, 5) or (probe and (small or streamk or (probe == 5 and block_n != 128))):
         raise ValueError(f"gluon_w4a16: probe must be 0..5 (5: block_n 128) and only on the main kernel, got "
                          f"{probe!r}")
@@ -1552,7 +1574,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     if xp is None:
         from fxopt.kernels.w4a16 import _prep_x
 
-        xp, _ = _prep_x(x2d.contiguous(), GROUP, True)
+        xp, _ = _prep_x(x2d.contiguous(), GROUP, True, bool(pdl))
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_tiles = K // GROUP
@@ -1633,6 +1655,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         **({"PROBE": probe} if probe else {}),
         **({"NCONS": consumers} if consumers != 2 else {}),
         **({"KPAIRS": True} if kpairs else {}),
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*lead, N)
 
@@ -1682,8 +1705,6 @@ def _small_variant(deq: Optional[str], pdl: bool) -> bool:
     """Whether ``deq`` / ``pdl`` select ``_w4a16_gluon_small_kernel`` (raises ValueError on a bad combination)."""
     if deq is not None and deq not in _DEQ:
         raise ValueError(f"gluon_w4a16: deq must be one of {sorted(_DEQ)} or None, got {deq!r}")
-    if pdl and deq is None:
-        raise ValueError("gluon_w4a16: pdl=True needs deq='group' or 'xsum' (the small-M kernel)")
     return deq is not None
 
 
@@ -1779,6 +1800,8 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
     consts["INFLIGHT"] = cfg.get("inflight", 1)
     consts["PROBE"] = cfg.get("probe", 0)
     consts["NCONS"] = cfg.get("consumers", 2)
+    if cfg.get("pdl") and not cfg.get("deq"):
+        consts["PDL"] = True  # the main kernel with PDL (session 18)
     if consts["NCONS"] == 4:
         _consumers_ok(4, bm, bn, cfg.get("regs") or "four", consts["INFLIGHT"] != 1)
         if cfg.get("regs") is None:
