@@ -33,7 +33,9 @@ def main():
         p.add_argument("--tiles", default="128x2,128x4,256x2,256x4", help="BNxCONSUMERS list"),
         p.add_argument("--probes", default="0,1,2,3,4,5"),
         p.add_argument("--fixed", action="store_true", help="also K = 256 rows: the per-call fixed cost"),
-        p.add_argument("--pdl", action="store_true", help="also the full call with pdl=True (two consumers)")))
+        p.add_argument("--pdl", action="store_true", help="also the full call with pdl=True (two consumers)"),
+        p.add_argument("--regmajor", action="store_true",
+                       help="also the full call with ws_layout='regmajor' (two consumers)")))
     probes_wanted = {int(v) for v in args.probes.split(",")}
     tiles_wanted = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     rows = []
@@ -57,6 +59,9 @@ def main():
                         continue
                     row[f"{name}_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, probe=p, **cfg),
                                                     copies, 48)
+                if args.regmajor and cons == 2:
+                    row["full_regmajor_us"] = streamed_us(
+                        lambda it: kg.gluon_w4a16_mm(x, *it, G, ws_layout="regmajor", **cfg), copies, 48)
                 if args.pdl and cons == 2:
                     row["full_pdl_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, pdl=True, **cfg),
                                                      copies, 48)
@@ -87,6 +92,8 @@ def main():
                    "full_us": streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, **cfg), copies, 48),
                    "full_prepped_us": streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, **cfg), copies,
                                                   48),
+                   "prepped_regmajor_us": streamed_us(
+                       lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, ws_layout="regmajor", **cfg), copies, 48),
                    "prepped_no_split_us": streamed_us(
                        lambda it: kg.gluon_w4a16_mm(x, *it, G, xp=xp, split_k=1, **cfg), copies, 48),
                    "prep_only_us": streamed_us(lambda xx: _prep_x(xx, G, True), [x.contiguous()] * 2, 48)}
@@ -98,7 +105,7 @@ def main():
                          "(dequantize + wgmma on stale slots, no loads after the first ring fill); no_x_us: probe "
                          "3 (everything but the x tiles); mma_only_us: probe 4 (probe 2 without the "
                          "dequantization: constant A operand); mma_smem_a_us: probe 5 (probe 4 with A read from "
-                         "shared memory); full_prepped_us: the kernel with x already in FRAG order (no x-prep launch); full_pdl_us: the call with pdl=True (the kernel launched during the x prep). l2_to_sm_MB: x tile bytes (every N tile re-reads x) + "
+                         "shared memory); full_prepped_us: the kernel with x already in FRAG order (no x-prep launch); full_pdl_us: the call with pdl=True (the kernel launched during the x prep); *regmajor_us: the split-K partials in the register-major workspace (ws_layout='regmajor'). l2_to_sm_MB: x tile bytes (every N tile re-reads x) + "
                          "packed weight, scales and zeros; loads_TBps: that / loads_us. Same grid and split-K "
                          "(ctas) in every column. Per-call time of 48 calls in one CUDA graph over weight copies "
                          "> 3x L2."))

@@ -226,6 +226,13 @@ Three remedies were measured and did not pay (all opt-in, checked on the H200; `
 * An unswizzled packed-word TMA box (one box per K tile instead of one per 128-byte strip): loads unchanged,
   compute 2-8% slower (shared-memory bank conflicts); not kept.
 
+Prepared offline against the two per-call costs above (session 18; opt-in, NOT yet run on a GPU, not tuner
+candidates): ``pdl=True`` on the main kernel (the producer issues the first slots' weight copies before
+``griddepcontrol.wait``, the consumers wait before touching bias / workspace / counters; as the small kernel), and
+``ws_layout="regmajor"`` (``_epilogue``: the split-K partials in a register-major tile workspace, one coalesced
+128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,776 SASS instructions, no stack, 0
+hazards, K loop unchanged). ``docs/notes_session18.md`` has the GPU commands.
+
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
 """
@@ -341,7 +348,7 @@ if HAS_GLUON:
                   HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr,
                   DRAIN_IN_LOOP: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False, INFLIGHT: gl.constexpr = 1,
                   PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2, KSTEP: gl.constexpr = 1,
-                  KPAR: gl.constexpr = 0, PDL: gl.constexpr = False):
+                  KPAR: gl.constexpr = 0, PDL: gl.constexpr = False, SPLIT_REGMAJOR: gl.constexpr = False):
         STAGES: gl.constexpr = x_bufs.shape[0]
         BK: gl.constexpr = x_bufs.shape[2]
         R: gl.constexpr = BN_C // 64
@@ -433,13 +440,14 @@ if HAS_GLUON:
         # ---- epilogue: tile row r -> weight column n (see _dequant_chunk), column m -> activation row
         # K pairs: the two parities are two more split-K slices of the same columns (workspace [2 SPLIT_K, M, N])
         _epilogue(acc, acc_layout, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n, tile_id,
-                  pid_k * KSTEP + KPAR, SPLIT_K * KSTEP, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT, SPLIT_CHUNKED, NCONS)
+                  pid_k * KSTEP + KPAR, SPLIT_K * KSTEP, C, BM, BN_C, R, HAS_BIAS, USE_SPLIT, SPLIT_CHUNKED, NCONS,
+                  SPLIT_REGMAJOR)
 
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, y_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, off_m, off_n,
                   tile_id, pid_k, SPLIT_K, C: gl.constexpr, BM: gl.constexpr, BN_C: gl.constexpr, R: gl.constexpr,
                   HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, SPLIT_CHUNKED: gl.constexpr = False,
-                  NCONS: gl.constexpr = 2):
+                  NCONS: gl.constexpr = 2, SPLIT_REGMAJOR: gl.constexpr = False):
         """Store a consumer's finished [BN_C, BM] accumulator: tile row r -> weight column n (see
         ``_dequant_chunk``), column m -> activation row; with split-K through the fp32 workspace and the per-tile
         counter (the last program to arrive sums, adds the bias, writes y and resets the counter)."""
@@ -467,6 +475,33 @@ if HAS_GLUON:
             if arrived == SPLIT_K - 1:
                 _split_reduce_chunked(y_ptr, bias_ptr, blk, split_stride, M, N, stride_ym, off_m, off_n + C * BN_C,
                                       SPLIT_K, BM, BN_C, HAS_BIAS)
+                gl.atomic_xchg(cnt, 0)
+        elif USE_SPLIT and SPLIT_REGMAJOR:
+            # session 18 (opt-in, offline only): a register-major workspace [SPLIT_K, tiles, NCONS, BM * BN_C / 128,
+            # 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its owner in the wgmma
+            # accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot = its register; so one
+            # store instruction of a warp writes 128 contiguous bytes (the [split, M, N] path writes 4 rows x 64 B
+            # with gaps), and the last program reloads every slice in the same layout (no re-layout). Any bijection
+            # would be correct (writer and reader share it); this one coalesces.
+            blk_elems = BM * BN_C
+            split_stride = gl.num_programs(0) * NCONS * blk_elems
+            blk = ws_ptr + (tile_id * NCONS + C) * blk_elems
+            rr = gl.expand_dims(r, 1)
+            mm = gl.expand_dims(m_loc, 0)
+            owner = 32 * ((rr // 16) % 4) + 4 * (rr % 8) + (mm // 2) % 4
+            slot = (((rr // 64) * (BM // 8) + mm // 8) * 2 + (rr // 8) % 2) * 2 + mm % 2
+            offs_reg = slot * 128 + owner
+            gl.store(blk + pid_k * split_stride + offs_reg, acc)
+            gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
+            cnt = cnt_ptr + tile_id * NCONS + C
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                acc = gl.load(blk + offs_reg, cache_modifier=".cg")
+                for sk in range(1, SPLIT_K):
+                    acc += gl.load(blk + sk * split_stride + offs_reg, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += gl.expand_dims(bias, 1)
+                gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt, 0)
         elif USE_SPLIT:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
@@ -576,7 +611,8 @@ if HAS_GLUON:
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             DRAIN_IN_LOOP: gl.constexpr = False, SPLIT_CHUNKED: gl.constexpr = False,
                             INFLIGHT: gl.constexpr = 1, PROBE: gl.constexpr = 0, NCONS: gl.constexpr = 2,
-                            KPAIRS: gl.constexpr = False, PDL: gl.constexpr = False):
+                            KPAIRS: gl.constexpr = False, PDL: gl.constexpr = False,
+                            SPLIT_REGMAJOR: gl.constexpr = False):
         BK: gl.constexpr = x_desc.block_type.shape[1]
         # four consumers: four column slices of BN / 4, or (KPAIRS) two column slices x two K parities
         if KPAIRS:
@@ -637,11 +673,11 @@ if HAS_GLUON:
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                              0, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
-                             INFLIGHT, PROBE, 2, 1, 0, PDL)),
+                             INFLIGHT, PROBE, 2, 1, 0, PDL, SPLIT_REGMAJOR)),
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
                              1, BM, BN_C, KC, HAS_BIAS, USE_SPLIT, IS_BF16, DRAIN_IN_LOOP, SPLIT_CHUNKED,
-                             INFLIGHT, PROBE, 2, 1, 0, PDL)),
+                             INFLIGHT, PROBE, 2, 1, 0, PDL, SPLIT_REGMAJOR)),
                 (_producer, (x_desc, q_desc, s_desc, z_desc, x_bufs, q_bufs, s_bufs, z_bufs, ready, empty,
                              off_m, off_n, k_tile0, n_iter, PROBE, PDL)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1506,7 +1542,8 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
                    check_zeros: bool = True, num_sms: Optional[int] = None,
                    regs: Optional[str] = None, deq: Optional[str] = None, pdl: bool = False,
                    xs: Optional[torch.Tensor] = None, schedule: Optional[str] = None,
-                   inflight: int = 1, probe: int = 0, consumers: int = 2) -> torch.Tensor:
+                   inflight: int = 1, probe: int = 0, consumers: int = 2,
+                   ws_layout: Optional[str] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
     ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). ``xp``: x already
     in FRAG order (``fxopt.kernels.w4a16._prep_x(x2d, 128, frag=True)[0]``), to skip the prep kernel.
@@ -1527,6 +1564,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
 
+    ``ws_layout="regmajor"`` (session 18, opt-in, offline-built only): the split-K partials in a register-major
+    tile workspace (one coalesced 128-byte line per warp store; ``_epilogue``), main kernel with two consumers.
+
     ``inflight`` (session 18, module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
     flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
     kernel and at least that many KC chunks per K tile).
@@ -1546,6 +1586,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     if consumers == 4:
         regs = regs or "four"
     _consumers_ok(consumers, block_m, block_n, regs, bool(small or streamk or inflight != 1))
+    if ws_layout not in (None, "regmajor") or (ws_layout and (small or streamk or consumers != 2)):
+        raise ValueError(f"gluon_w4a16: ws_layout must be None or 'regmajor' (main kernel, two consumers), got "
+                         f"{ws_layout!r}")
     if pdl and not small and (streamk or consumers != 2 or inflight != 1 or probe):
         raise ValueError("gluon_w4a16: pdl=True needs deq='group' / 'xsum' (the small-M kernel) or the main kernel "
                          "with two consumers, inflight=1 and no probe")
@@ -1602,6 +1645,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     # fixup (session 8); otherwise such tiles run without split-K
     spills = consumers == 2 and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
     chunked = not small and spills and split_k is not None and split_k > 1
+    regmajor = ws_layout == "regmajor" and not chunked
     if split_k is None:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
         split_k = _split_for(n_tiles, k_tiles, sms)
@@ -1622,8 +1666,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         split_k = cdiv(k_tiles, tiles_per_split)
         ws = torch.empty((2 * split_k, M, N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, 2 * n_tiles)
-    elif split_k > 1 and chunked:
-        # tile-major [split, tiles, 2 consumers, BM, BN/2] (rows past M included), see _epilogue
+    elif split_k > 1 and (chunked or regmajor):
+        # tile-major [split, tiles, 2 consumers, BM x BN/2] (rows past M included; row-major for the chunked
+        # fixup, register-major for ws_layout="regmajor"), see _epilogue
         ws = torch.empty((split_k, n_tiles * block_m * block_n), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, 2 * n_tiles)
     elif split_k > 1:
@@ -1656,6 +1701,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         **({"NCONS": consumers} if consumers != 2 else {}),
         **({"KPAIRS": True} if kpairs else {}),
         **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        **({"SPLIT_REGMAJOR": True} if regmajor and split_k > 1 else {}),
     )
     return y.reshape(*lead, N)
 
@@ -1802,6 +1848,8 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
     consts["NCONS"] = cfg.get("consumers", 2)
     if cfg.get("pdl") and not cfg.get("deq"):
         consts["PDL"] = True  # the main kernel with PDL (session 18)
+    if cfg.get("ws_layout") == "regmajor" and split:
+        consts["SPLIT_REGMAJOR"] = True  # the register-major split-K workspace (session 18)
     if consts["NCONS"] == 4:
         _consumers_ok(4, bm, bn, cfg.get("regs") or "four", consts["INFLIGHT"] != 1)
         if cfg.get("regs") is None:
