@@ -746,3 +746,38 @@ def test_gemv1_prefetch_candidates_are_opt_in(monkeypatch):
     deep = K4._gemv1_configs(1, 8192, 8192, 128, 132, dev)
     assert [c for c in deep if c.prefetch == 1] == base
     assert any(c.prefetch == 2 for c in deep) and all(" p2" in c.label() for c in deep if c.prefetch == 2)
+
+
+def test_candidate_configs_gluon_regmajor_pdl_opt_in(monkeypatch):
+    """Session 18: the main Gluon kernel's candidates come again with the register-major split-K workspace
+    (FXOPT_W4A16_GLUON_REGMAJOR=1, tiles whose standard split epilogue does not spill) and / or PDL
+    (FXOPT_W4A16_GLUON_PDL=1), after the others and labelled; neither is listed by default (not yet GPU-checked)."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    kg = K4._gluon_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for var in ("FXOPT_W4A16_GLUON_REGMAJOR", "FXOPT_W4A16_GLUON_PDL", "FXOPT_W4A16_GLUON_LARGEM"):
+        monkeypatch.delenv(var, raising=False)
+
+    def gluon(M):
+        return [c for c in K4.candidate_configs(M, 8192, 8192, 128, dtype=torch.bfloat16, device="cuda")
+                if c.method == "gluon"]
+
+    for M in (16, 64, 128):
+        base = gluon(M)
+        assert base and not any(c.ws or c.pdl for c in base)
+        monkeypatch.setenv("FXOPT_W4A16_GLUON_REGMAJOR", "1")
+        monkeypatch.setenv("FXOPT_W4A16_GLUON_PDL", "1")
+        more = gluon(M)
+        monkeypatch.delenv("FXOPT_W4A16_GLUON_REGMAJOR")
+        monkeypatch.delenv("FXOPT_W4A16_GLUON_PDL")
+        extra = more[len(base):]
+        assert more[:len(base)] == base and extra
+        for c in extra:
+            assert not c.deq and (c.ws == "regmajor" or c.pdl)
+            assert (" ws=regmajor" in c.label()) == bool(c.ws) and c.label().endswith(" pdl") == c.pdl
+            if c.ws:
+                regs = kg._REGS[c.regs] if c.regs else kg._REGS["default"]
+                assert not kg._split_epilogue_spills(c.block_m, c.block_n, *regs)
+        assert any(c.pdl and not c.ws for c in extra) and any(c.ws and c.pdl for c in extra)

@@ -810,6 +810,7 @@ class W4A16Config:
     deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
     prefetch: int = 1  # "gemv1" / "mma": K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
     l2_ahead: int = 0  # "mma" only: K-tile distance of the prefetch.global.L2 of the weights (0: none)
+    ws: str = ""  # "gluon" only: "regmajor" = the register-major split-K workspace (session 18, opt-in)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
@@ -825,7 +826,8 @@ class W4A16Config:
         if self.method == "gluon":
             return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
                     + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else "")
-                    + (f" sk{self.split_k}" if self.split_k else ""))
+                    + (f" sk{self.split_k}" if self.split_k else "") + (f" ws={self.ws}" if self.ws else "")
+                    + (" pdl" if self.pdl else ""))
         return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
                 f"{'code' if self.code_dot else 'deq'} w{self.num_warps} s{self.num_stages}")
 
@@ -911,8 +913,23 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
         cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
+    # session 18, opt-in until their GPU test (docs/notes_session18.md): the main kernel's candidates again with
+    # the register-major split-K workspace (tiles whose standard split epilogue does not spill) and / or PDL
+    extra = []
+    main = [c for c in cands if not c.get("deq") and not c.get("split_k")]
+    regmajor = os.environ.get("FXOPT_W4A16_GLUON_REGMAJOR", "0") == "1"
+    pdl = os.environ.get("FXOPT_W4A16_GLUON_PDL", "0") == "1"
+    for c in main:
+        regs = kg._REGS[c["regs"]] if c.get("regs") else kg._REGS["default"]
+        ws_ok = not kg._split_epilogue_spills(c["block_m"], c["block_n"], *regs)
+        for use_ws, use_pdl in ((True, False), (False, True), (True, True)):
+            if (use_ws and not (regmajor and ws_ok)) or (use_pdl and not pdl):
+                continue
+            extra.append(dict(c, ws="regmajor" if use_ws else "", pdl=use_pdl))
+    cands += extra
     return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",
-                        kc=c["kc"], regs=c.get("regs") or "", deq=c.get("deq") or "") for c in cands]
+                        pdl=bool(c.get("pdl")) and not c.get("deq"), kc=c["kc"], regs=c.get("regs") or "",
+                        deq=c.get("deq") or "", ws=c.get("ws") or "") for c in cands]
 
 
 # "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl, prefetch). The residency comes from the
@@ -1433,7 +1450,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
             raise ValueError("w4a16: the gluon method needs triton.experimental.gluon")
         return kg.gluon_w4a16_mm(x2d, qweight, scales, zeros, group_size, bias, block_m=cfg.block_m,
                                  block_n=cfg.block_n, stages=cfg.num_stages, kc=cfg.kc, split_k=cfg.split_k or None,
-                                 **({"regs": cfg.regs} if cfg.regs else {}), **({"deq": cfg.deq} if cfg.deq else {}))
+                                 **({"regs": cfg.regs} if cfg.regs else {}), **({"deq": cfg.deq} if cfg.deq else {}),
+                                 **({"ws_layout": cfg.ws} if cfg.ws else {}), **({"pdl": True} if cfg.pdl else {}))
     if cfg.method == "gemv1":
         return _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg)
     if cfg.method == "mma":  # session 10, opt-in (FXOPT_W4A16_MMA=1): fxopt/kernels/w4a16_mma.py
