@@ -374,7 +374,10 @@ if HAS_GLUON:
         # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
         # KSTEP 2 (four consumers, K pairs; session 18): this consumer takes the slice's K tiles KPAR, KPAR + 2, ..
         # (host: every slice has >= 2 K tiles, so both parities have work)
-        n_mine = (n_iter - KPAR + KSTEP - 1) // KSTEP
+        if KSTEP == 1:
+            n_mine = n_iter
+        else:
+            n_mine = (n_iter - KPAR + KSTEP - 1) // KSTEP
         if PROBE == 1:
             # timing probe "loads only": every slot released unread, nothing computed (y = 0 or the bias)
             for j in range(n_mine):
@@ -579,9 +582,9 @@ if HAS_GLUON:
             # the slot's previous contents (K tile i - STAGES) have been released by both consumers
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            kt = k_tile0 + i
             if PROBE == 2 or PROBE == 4 or PROBE == 5:
                 # timing probe "compute only": the ring is loaded once, later tiles reuse the stale slots
+                kt = k_tile0 + i
                 if i < STAGES:
                     mbarrier.expect(bar, NBYTES)
                     tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
@@ -593,11 +596,13 @@ if HAS_GLUON:
             elif PROBE == 3:
                 # timing probe "no x": only the weight, scale and zero tiles are loaded (x slots stay stale)
                 mbarrier.expect(bar, NBYTES - x_desc.block_type.nbytes)
+                kt = k_tile0 + i
                 tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
                 tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
                 tma.async_copy_global_to_shared(z_desc, [kt, off_n], bar, z_bufs.index(s))
             else:
                 mbarrier.expect(bar, NBYTES)
+                kt = k_tile0 + i
                 tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
                 tma.async_copy_global_to_shared(q_desc, [kt * (BK // 8), off_n], bar, q_bufs.index(s))
                 tma.async_copy_global_to_shared(s_desc, [kt, off_n], bar, s_bufs.index(s))
