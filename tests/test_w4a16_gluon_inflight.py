@@ -223,3 +223,31 @@ def test_gpu_gluon_regmajor_workspace(M, use_bias):
                                       ws_layout="regmajor")
                 torch.cuda.synchronize()
                 assert_close_to_ref(y, ref, dtype)
+
+
+@pytest.mark.parametrize("BM,BN_C", [(16, 64), (64, 64), (32, 128), (64, 128)])
+def test_regmajor_owner_formula_matches_wgmma_accumulator(BM, BN_C):
+    """The register-major workspace's offset (``_epilogue``, SPLIT_REGMAJOR) is slot(r, m) * 128 + owner(r, m) with
+    owner = 32 ((r // 16) % 4) + 4 (r % 8) + (m // 2) % 4 and slot = (((r // 64) (BM / 8) + m // 8) 2 + (r // 8) % 2)
+    2 + m % 2. Through Triton's own linear layout of the consumer's wgmma accumulator (CPU): owner is the thread
+    that holds (r, m), so a warp's store of one slot writes 32 consecutive floats; and (slot, owner) is a bijection
+    onto the BM x BN_C block (each thread's slots are exactly 0 .. BM BN_C / 128 - 1)."""
+    from test_w4a16_mma import _linear, _owners
+
+    _gluon_or_skip()
+    from triton.experimental.gluon import language as gl
+
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    owners = _owners(_linear(acc, [BN_C, BM]))
+    per_thread = BM * BN_C // 128
+    seen = {}
+    for (r, m), who in owners.items():
+        assert len(who) == 1, (r, m, who)
+        lane, warp = next(iter(who))
+        owner = 32 * ((r // 16) % 4) + 4 * (r % 8) + (m // 2) % 4
+        slot = (((r // 64) * (BM // 8) + m // 8) * 2 + (r // 8) % 2) * 2 + m % 2
+        assert owner == 32 * warp + lane, (r, m)
+        assert 0 <= slot < per_thread
+        seen.setdefault(owner, set()).add(slot)
+    assert len(owners) == BM * BN_C and len(seen) == 128
+    assert all(v == set(range(per_thread)) for v in seen.values())
