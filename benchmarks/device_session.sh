@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -592,17 +592,22 @@ phase_s15f() {
 }
 
 phase_s19w() {
-  # prepared in session 18 (docs/notes_session18.md, "4b"), one GPU: the opt-in Gluon W4A16 PDL and register-major
-  # split-K workspace against the float reference (plus every inflight / four-consumer case), then the per-call
-  # decomposition with both (K = 256 rows: the epilogue directly), then the tuner's table at M = 16-128 with both
-  # listed (labels "ws=regmajor" / "pdl"): keep what wins by >= 3% on a shape, make it a default candidate
-  timeout 200 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings -rfE \
+  # prepared in session 18 (docs/notes_session18.md, "4b"), one GPU, at most 450 s: the opt-in Gluon W4A16 PDL and
+  # register-major split-K workspace against the float reference (plus every inflight / four-consumer case), every
+  # listed candidate with both opt-ins through the op, then the per-call decomposition with both (K = 256 rows:
+  # the epilogue directly). The tuner table with both listed is phase s19wt (a second call: 600 s per call)
+  timeout 150 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings -rfE \
     tests/test_w4a16_gluon_inflight.py 2>&1 | tail -6
-  FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 200 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q \
+  FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 150 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q \
     -m gpu -p no:cacheprovider -p no:warnings -rfE tests/test_w4a16_kernels.py -k test_gpu_gluon 2>&1 | tail -4
-  timeout 200 python3 benchmarks/w4a16_gluon_probe.py --ms 16,32,64 --tiles 128x2 --probes 0 --fixed --pdl \
+  timeout 150 python3 benchmarks/w4a16_gluon_probe.py --ms 16,32,64 --tiles 128x2 --probes 0 --fixed --pdl \
     --regmajor --out "$RES" 2>&1 | grep "^|" | cut -c1-260
-  FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 330 python3 benchmarks/w4a16.py --ms 16,32,64,128 \
+}
+
+phase_s19wt() {
+  # the tuner's table at M = 16-128 with the session-18 opt-ins listed (labels "ws=regmajor" / "pdl"): keep what wins
+  # by >= 3% on a shape and make it a default candidate (writes w4a16_subset.*)
+  FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 500 python3 benchmarks/w4a16.py --ms 16,32,64,128 \
     --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 | tail -20
 }
 
