@@ -564,7 +564,8 @@ if HAS_GLUON:
         i0 = 0
         if PDL:
             # session 18: as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
-            # not depend on the x-prep kernel), x's after it
+            # not depend on the x-prep kernel), x's after it (a copy of _producer_g's lines: calling one from the
+            # other changed the GPU-checked small-M PDL build's SASS)
             n_pre = gl.minimum(n_iter, STAGES)
             for i in range(n_pre):  # fresh slots: no empty wait
                 bar = ready.index(i)
