@@ -592,7 +592,7 @@ phase_s15f() {
 }
 
 phase_s19w() {
-  # prepared in session 18 (docs/notes_session18.md, "4b"), one GPU, at most 450 s: the opt-in Gluon W4A16 PDL and
+  # prepared in session 18 (docs/notes_session18.md, "4b"), one GPU, at most 500 s: the opt-in Gluon W4A16 PDL and
   # register-major split-K workspace against the float reference (plus every inflight / four-consumer case), every
   # listed candidate with both opt-ins through the op, then the per-call decomposition with both (K = 256 rows:
   # the epilogue directly). The tuner table with both listed is phase s19wt (a second call: 600 s per call)
@@ -600,7 +600,7 @@ phase_s19w() {
     tests/test_w4a16_gluon_inflight.py 2>&1 | tail -6
   FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 150 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q \
     -m gpu -p no:cacheprovider -p no:warnings -rfE tests/test_w4a16_kernels.py -k test_gpu_gluon 2>&1 | tail -4
-  timeout 150 python3 benchmarks/w4a16_gluon_probe.py --ms 16,32,64 --tiles 128x2 --probes 0 --fixed --pdl \
+  timeout 200 python3 benchmarks/w4a16_gluon_probe.py --ms 16,32,64 --tiles 128x2,256x2 --probes 0,1 --fixed --pdl \
     --regmajor --out "$RES" 2>&1 | grep "^|" | cut -c1-260
 }
 
