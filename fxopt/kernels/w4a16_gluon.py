@@ -230,7 +230,7 @@ Prepared offline against the two per-call costs above (session 18; opt-in, NOT y
 candidates): ``pdl=True`` on the main kernel (the producer issues the first slots' weight copies before
 ``griddepcontrol.wait``, the consumers wait before touching bias / workspace / counters; as the small kernel), and
 ``ws_layout="regmajor"`` (``_epilogue``: the split-K partials in a register-major tile workspace, one coalesced
-128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,776 SASS instructions, no stack, 0
+128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,760 SASS instructions, no stack, 0
 hazards, K loop unchanged). ``docs/notes_session18.md`` has the GPU commands.
 
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
@@ -479,45 +479,38 @@ if HAS_GLUON:
                 _split_reduce_chunked(y_ptr, bias_ptr, blk, split_stride, M, N, stride_ym, off_m, off_n + C * BN_C,
                                       SPLIT_K, BM, BN_C, HAS_BIAS)
                 gl.atomic_xchg(cnt, 0)
-        elif USE_SPLIT and SPLIT_REGMAJOR:
-            # session 18 (opt-in, offline only): a register-major workspace [SPLIT_K, tiles, NCONS, BM * BN_C / 128,
-            # 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its owner in the wgmma
-            # accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot = its register; so one
-            # store instruction of a warp writes 128 contiguous bytes (the [split, M, N] path writes 4 rows x 64 B
-            # with gaps), and the last program reloads every slice in the same layout (no re-layout). Any bijection
-            # would be correct (writer and reader share it); this one coalesces.
-            blk_elems = BM * BN_C
-            split_stride = gl.num_programs(0) * NCONS * blk_elems
-            blk = ws_ptr + (tile_id * NCONS + C) * blk_elems
-            rr = gl.expand_dims(r, 1)
-            mm = gl.expand_dims(m_loc, 0)
-            owner = 32 * ((rr // 16) % 4) + 4 * (rr % 8) + (mm // 2) % 4
-            slot = (((rr // 64) * (BM // 8) + mm // 8) * 2 + (rr // 8) % 2) * 2 + mm % 2
-            offs_reg = slot * 128 + owner
-            gl.store(blk + pid_k * split_stride + offs_reg, acc)
-            gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
-            cnt = cnt_ptr + tile_id * NCONS + C
-            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                acc = gl.load(blk + offs_reg, cache_modifier=".cg")
-                for sk in range(1, SPLIT_K):
-                    acc += gl.load(blk + sk * split_stride + offs_reg, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += gl.expand_dims(bias, 1)
-                gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt, 0)
         elif USE_SPLIT:
-            ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
-            slice_elems = M * N
-            gl.store(ws_ptrs + pid_k * slice_elems, acc, mask=mask)
+            if SPLIT_REGMAJOR:
+                # session 18 (opt-in, offline only): a register-major workspace [SPLIT_K, tiles, NCONS,
+                # BM * BN_C / 128, 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its
+                # owner in the wgmma accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot =
+                # its register; so one store instruction of a warp writes 128 contiguous bytes (the [split, M, N]
+                # layout writes 4 rows x 64 B with gaps), and the last program reloads every slice in the same
+                # layout. Any bijection would be correct (writer and reader share it); this one coalesces. Rows past
+                # M exist in the block, so no mask.
+                blk_elems = BM * BN_C
+                slice_elems = gl.num_programs(0) * NCONS * blk_elems
+                rr = gl.expand_dims(r, 1)
+                mm = gl.expand_dims(m_loc, 0)
+                owner = 32 * ((rr // 16) % 4) + 4 * (rr % 8) + (mm // 2) % 4
+                slot = (((rr // 64) * (BM // 8) + mm // 8) * 2 + (rr // 8) % 2) * 2 + mm % 2
+                ws_ptrs = ws_ptr + (tile_id * NCONS + C) * blk_elems + slot * 128 + owner
+                ws_mask = None
+                ws_other = None
+            else:
+                ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+                slice_elems = M * N
+                ws_mask = mask
+                ws_other = 0.0
+            gl.store(ws_ptrs + pid_k * slice_elems, acc, mask=ws_mask)
             gl.thread_barrier()  # all of this partition's partial stores precede the counter bump
             cnt = cnt_ptr + tile_id * NCONS + C
             arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 # reuse acc's registers for the sum (a second accumulator spills at 128 fp32 per thread)
-                acc = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                acc = gl.load(ws_ptrs, mask=ws_mask, other=ws_other, cache_modifier=".cg")
                 for sk in range(1, SPLIT_K):
-                    acc += gl.load(ws_ptrs + sk * slice_elems, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc += gl.load(ws_ptrs + sk * slice_elems, mask=ws_mask, other=ws_other, cache_modifier=".cg")
                 if HAS_BIAS:
                     acc += gl.expand_dims(bias, 1)
                 gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
