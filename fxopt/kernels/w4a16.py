@@ -913,19 +913,22 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
         cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
-    # session 18, opt-in until their GPU test (docs/notes_session18.md): the main kernel's candidates again with
-    # the register-major split-K workspace (tiles whose standard split epilogue does not spill) and / or PDL
+    # Session 19 (H200, benchmarks/results/w4a16_gluon_probe.md, w4a16_s19_regmajor.md): the register-major split-K
+    # workspace is the main kernel's default wherever the standard split epilogue does not spill (e.g. 11008 x 4096,
+    # M = 64: 27.1 -> 23.7 us; BN 256 at 8192^2, M = 64: 44.4 -> 31.8 us; at most 2% slower on any probed tile), so
+    # those tiles are listed with it in place of the standard one (FXOPT_W4A16_GLUON_REGMAJOR=0: the standard one).
+    # PDL after the x prep was 1-15% slower on every probed tile: listed only with FXOPT_W4A16_GLUON_PDL=1.
     extra = []
-    main = [c for c in cands if not c.get("deq") and not c.get("split_k")]
-    regmajor = os.environ.get("FXOPT_W4A16_GLUON_REGMAJOR", "0") == "1"
+    regmajor = os.environ.get("FXOPT_W4A16_GLUON_REGMAJOR", "1") == "1"
     pdl = os.environ.get("FXOPT_W4A16_GLUON_PDL", "0") == "1"
-    for c in main:
+    for i, c in enumerate(cands):
+        if c.get("deq") or c.get("split_k"):
+            continue
         regs = kg._REGS[c["regs"]] if c.get("regs") else kg._REGS["default"]
-        ws_ok = not kg._split_epilogue_spills(c["block_m"], c["block_n"], *regs)
-        for use_ws, use_pdl in ((True, False), (False, True), (True, True)):
-            if (use_ws and not (regmajor and ws_ok)) or (use_pdl and not pdl):
-                continue
-            extra.append(dict(c, ws="regmajor" if use_ws else "", pdl=use_pdl))
+        ws = "regmajor" if regmajor and not kg._split_epilogue_spills(c["block_m"], c["block_n"], *regs) else ""
+        cands[i] = dict(c, ws=ws)
+        if pdl:
+            extra.append(dict(c, ws=ws, pdl=True))
     cands += extra
     return [W4A16Config(c["block_m"], c["block_n"], 128, c["split_k"] or 0, True, 8, 4, c["stages"], "gluon",
                         pdl=bool(c.get("pdl")) and not c.get("deq"), kc=c["kc"], regs=c.get("regs") or "",
