@@ -226,12 +226,20 @@ Three remedies were measured and did not pay (all opt-in, checked on the H200; `
 * An unswizzled packed-word TMA box (one box per K tile instead of one per 128-byte strip): loads unchanged,
   compute 2-8% slower (shared-memory bank conflicts); not kept.
 
-Prepared offline against the two per-call costs above (session 18; opt-in, NOT yet run on a GPU, not tuner
-candidates): ``pdl=True`` on the main kernel (the producer issues the first slots' weight copies before
-``griddepcontrol.wait``, the consumers wait before touching bias / workspace / counters; as the small kernel), and
-``ws_layout="regmajor"`` (``_epilogue``: the split-K partials in a register-major tile workspace, one coalesced
-128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,760 SASS instructions, no stack, 0
-hazards, K loop unchanged). ``docs/notes_session18.md`` has the GPU commands.
+Against the two per-call costs above (built offline in session 18, measured on the H200 in session 19,
+``benchmarks/results/w4a16_gluon_probe_s19.md``; both GPU-tested, ``tests/test_w4a16_gluon_inflight.py``):
+
+* ``ws_layout="regmajor"`` (``_epilogue``: the split-K partials in a register-major tile workspace, one coalesced
+  128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,760 SASS instructions, no stack, 0
+  hazards, K loop unchanged). At K = 256 (one K tile per CTA, x prepped) the call takes 5.9 / 6.6 / 8.2 us at
+  M = 16 / 32 / 64 against 6.1 / 7.1 / 9.6 with the standard workspace and 4.2 / 4.6 / 4.9 without a split; full
+  calls: 11008 x 4096 BN 128 M = 64 27.1 -> 23.7 us, BN 256 tiles 1.4-1.7x faster (8192^2 M = 64: 44.4 -> 31.8 us),
+  at most 2% slower on any probed tile. The tuner lists it in place of the standard workspace for every main tile
+  whose standard epilogue does not spill (``FXOPT_W4A16_GLUON_REGMAJOR=0``: the standard one).
+* ``pdl=True`` on the main kernel (the producer issues the first slots' weight copies before
+  ``griddepcontrol.wait``, the consumers wait before touching bias / workspace / counters; as the small kernel):
+  1-15% slower on every probed tile (e.g. 8192^2 M = 64: 31.9 against 29.0 us); listed only with
+  ``FXOPT_W4A16_GLUON_PDL=1``.
 
 Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
 integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
@@ -1563,8 +1571,9 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
 
-    ``ws_layout="regmajor"`` (session 18, opt-in, offline-built only): the split-K partials in a register-major
-    tile workspace (one coalesced 128-byte line per warp store; ``_epilogue``), main kernel with two consumers.
+    ``ws_layout="regmajor"`` (session 18; GPU-checked and the tuner's default for the main tiles since session 19):
+    the split-K partials in a register-major tile workspace (one coalesced 128-byte line per warp store;
+    ``_epilogue``), main kernel with two consumers.
 
     ``inflight`` (session 18, module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
     flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
