@@ -39,6 +39,17 @@ case "${1:-default}" in
     fi
     prof fwd_d64 "_fa3_fwd_persistent_kernel" attn:4:32:4096:64:0
     ;;
+  s19)  # session 19: the issue-3 rows still short of a target, with pipe utilisation: d = 64 forward (exp-bound?)
+    # causal and not against d = 128 causal at 4k, the d = 256 backward at 4k, the 4k decode's split and combine
+    SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second"
+    prof fwd_d64_4kc "_fa3_fwd_persistent" attn:4:32:4096:64:1
+    prof fwd_d64_4k "_fa3_fwd_persistent" attn:4:32:4096:64:0
+    prof fwd_d128_4kc "_fa3_fwd_persistent" attn:4:16:4096:128:1
+    prof bwd_d256_4k "_fa3_bwd_kernel_d256" bwd:4:8:4096:256:0
+    prof bwd_d256_8kc "_fa3_bwd_kernel_d256" bwd:2:8:8192:256:1
+    prof decode4k_split "_attn_fwd_split" decode:8:32:4096:128
+    prof decode4k_combine "combine" decode:8:32:4096:128
+    ;;
   s16)  # session 16: why short causal forwards trail cuDNN (d = 128, S = 512, causal against not and against 4k
     # causal), and what bounds the M = 1 mma.sync W4A16 kernel (the tuner's pick at M = 1-8)
     prof fwd_d128_512c "_fa3_fwd_persistent_kernel" attn:32:16:512:128:1
