@@ -60,6 +60,10 @@ FWD_CASES = {
     # scale must not (the max of the raw dot is then the wrong end)
     "custom_scale_full_blocks": dict(shape=(1, 2, 2, 24, 48, 16), scale=0.7),
     "negative_scale": dict(shape=(1, 2, 2, 24, 48, 16), scale=-0.4),
+    # head dims the issue names that are not powers of two (BLOCK_D pads to 128 / 256; columns past D masked)
+    "d112_causal_gqa": dict(shape=(1, 4, 2, 19, 27, 112), is_causal=True),
+    "d160_bool_mask": dict(shape=(1, 2, 1, 18, 30, 160), mask="bool"),
+    "d192_window_kpm": dict(shape=(2, 2, 2, 17, 23, 192), window=9, kpm=True),
 }
 
 
@@ -171,6 +175,32 @@ def test_transposed_bshd_inputs_read_in_place():
     # a last dim that is not contiguous is also accepted (copied)
     qs = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     _assert_close(A.flash_attention_triton(qs, k, v), _ref64(q, k, v), torch.float32)
+
+
+def test_tune_bucket_one_tuning_per_power_of_two_bucket():
+    """The Triton kernels' autotune key holds ``_tune_bucket(Sq, Sk)``: lengths in one power-of-two bucket share a
+    tuning (and its cached pick), the next power of two is a new one, and the range is clamped to [16, 16384]."""
+    b = A._tune_bucket
+    assert b(1000, 1000) == b(1020, 600) != b(1025, 1000)
+    assert b(1000, 1000) != b(1000, 2000)
+    assert b(1, 3) == b(16, 16) and b(20000, 40000) == b(16384, 16384)
+    assert len({b(s, s) for s in (17, 300, 513, 4096, 5000)}) == 5
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_once_per_bucket():
+    """The forward is tuned once per (shape class, length bucket): a second length in the same bucket reuses the
+    cached pick (no new autotune entry), a length in the next bucket adds one. d = 80 runs the Triton kernel."""
+    tuned = A._attn_fwd_tuned
+    q, k, v = _inputs(1, 4, 4, 1000, 1000, 80, torch.bfloat16, "cuda", seed=3)
+    A.flash_attention_triton(q, k, v, is_causal=True)
+    keys = set(tuned.cache)  # holds this shape class's bucket-1024 key (tuned now or by an earlier test)
+    q2, k2, v2 = _inputs(1, 4, 4, 1020, 1020, 80, torch.bfloat16, "cuda", seed=4)
+    A.flash_attention_triton(q2, k2, v2, is_causal=True)
+    assert set(tuned.cache) == keys  # same bucket: the cached pick, no tuning
+    q3, k3, v3 = _inputs(1, 4, 4, 3000, 3000, 80, torch.bfloat16, "cuda", seed=5)
+    A.flash_attention_triton(q3, k3, v3, is_causal=True)
+    assert len(set(tuned.cache) - keys) == 1  # the 4096 bucket: one new tuning
 
 
 def test_decode_combine_rule():
@@ -285,6 +315,8 @@ BWD_CASES = {
     "window_softcap_d40": dict(shape=(1, 2, 1, 33, 33, 40), is_causal=True, window=6, softcap=3.0),
     "masks_kpm": dict(shape=(2, 2, 2, 20, 24, 16), mask="float", kpm=True),
     "dropout": dict(shape=(1, 2, 1, 20, 24, 16), dropout_p=0.3, is_causal=True),
+    "d112_gqa_causal": dict(shape=(1, 4, 2, 19, 27, 112), is_causal=True),
+    "d160_float_mask_kpm": dict(shape=(2, 2, 1, 18, 30, 160), mask="float", kpm=True),
 }
 
 
@@ -483,20 +515,40 @@ def test_clear_errors_masks():
 
 try:
     from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in the test extras; say so instead of vanishing
+    given = None
 
-    @settings(max_examples=4, deadline=None, derandomize=True)
+if given is not None:
+    @settings(max_examples=12, deadline=None, derandomize=True)
     @given(st.integers(1, 2), st.sampled_from([(2, 1), (2, 2), (4, 2)]), st.integers(1, 40), st.integers(1, 40),
-           st.sampled_from([8, 16, 24]), st.booleans(), st.sampled_from([-1, 0, 3, 17]), st.booleans())
-    def test_property_forward(B, heads, Sq, Sk, D, causal, window, use_kpm):
+           st.sampled_from([8, 16, 24, 40]), st.booleans(), st.sampled_from([-1, 0, 3, 17]), st.booleans(),
+           st.sampled_from([None, "bool", "float"]), st.sampled_from([0.0, 5.0]), st.sampled_from([None, 0.3, -0.5]),
+           st.sampled_from([torch.float32, torch.float16]))
+    def test_property_forward(B, heads, Sq, Sk, D, causal, window, use_kpm, mask, softcap, scale, dtype):
         Hq, Hkv = heads
-        q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, seed=Sq * 100 + Sk)
-        kw = dict(is_causal=causal, window=window)
-        if use_kpm:
-            kw["key_padding_mask"] = (torch.rand(B, Sk, generator=torch.Generator().manual_seed(Sk)) > 0.3).to(DEV)
+        q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=Sq * 100 + Sk)
+        kw = dict(is_causal=causal, window=window, softcap=softcap, scale=scale)
+        kw.update(_make_masks({"mask": mask, "kpm": use_kpm}, B, Hq, Sq, Sk, q.device, seed=Sk + 7))
         out = A.flash_attention_triton(q, k, v, **kw)
-        _assert_close(out, _ref64(q, k, v, **kw), torch.float32)
-except ImportError:  # pragma: no cover
-    pass
+        _assert_close(out, _ref64(q, k, v, **kw), dtype)
+
+    @pytest.mark.gpu
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(st.integers(1, 2), st.sampled_from([(4, 1), (4, 2), (8, 8)]), st.integers(1, 700), st.integers(1, 700),
+           st.sampled_from([64, 80, 112, 128, 192, 256]), st.booleans(), st.sampled_from([-1, 0, 33, 300]),
+           st.booleans(), st.sampled_from([None, "bool", "float"]), st.sampled_from([0.0, 30.0]),
+           st.sampled_from([None, 0.05, -0.1]))
+    def test_gpu_property_forward(B, heads, Sq, Sk, D, causal, window, use_kpm, mask, softcap, scale):
+        """The CPU property test's draws in bf16 on the GPU, at the kernels' real block sizes."""
+        Hq, Hkv = heads
+        q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", seed=Sq * 1000 + Sk)
+        kw = dict(is_causal=causal, window=window, softcap=softcap, scale=scale)
+        kw.update(_make_masks({"mask": mask, "kpm": use_kpm}, B, Hq, Sq, Sk, "cuda", seed=Sk + 7))
+        out = A.flash_attention_triton(q, k, v, **kw)
+        _assert_close(out, _ref64(q, k, v, **kw), torch.bfloat16)
+else:  # pragma: no cover
+    def test_property_forward():
+        pytest.skip("hypothesis is not installed (pip install '.[test]')")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -510,6 +562,9 @@ GPU_CASES = {
                                      window=100),
     "d256_boolmask": dict(shape=(1, 4, 4, 200, 256, 256), mask="bool"),
     "d96_dropout": dict(shape=(1, 4, 2, 256, 320, 96), dropout_p=0.2),
+    "d112_gqa_causal": dict(shape=(2, 8, 2, 300, 420, 112), is_causal=True),
+    "d160_kpm_window": dict(shape=(1, 4, 4, 260, 333, 160), kpm=True, window=64),
+    "d192_floatmask_sq>sk": dict(shape=(1, 4, 2, 256, 200, 192), mask="float", is_causal=True),
 }
 
 

@@ -286,3 +286,45 @@ def test_t5_learned_position_bias():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert sum(r.rewrites for r in results) == 2, [s.reason for r in results for s in r.skipped]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_llama_kv_cache_step_masks_lowered(impl):
+    """A decode-style step on a KV cache (Sq = 2 new tokens, Sk = 10 = 8 cached + 2), left-padded batch: the mask
+    transformers builds from cache positions and padding is proven causal (bottom-right aligned) + key padding and
+    lowered to kernel arguments, and the logits equal eager's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _model("llama", impl).eval()
+    prompt = torch.randint(0, V, (B, 8))
+    pad = torch.ones(B, 8, dtype=torch.long)
+    pad[1, :3] = 0
+    with torch.no_grad():
+        cache = model(prompt, attention_mask=pad, use_cache=True).past_key_values
+    new = torch.randint(0, V, (B, 2))
+    mask = torch.cat([pad, torch.ones(B, 2, dtype=torch.long)], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -2:]
+    step = dict(attention_mask=mask, position_ids=pos, use_cache=True)
+    results, graphs = [], []
+
+    def backend(gm, example_inputs):
+        gm, res = run_passes(gm, example_inputs, Config())
+        results.extend(r for r in res if r.name == "attention")
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(new, past_key_values=copy.deepcopy(cache), **step).logits
+        out = torch.compile(model, backend=backend)(new, past_key_values=copy.deepcopy(cache), **step).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert sum(r.rewrites for r in results) == 2, [s.reason for r in results for s in r.skipped]
+    flash = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.fxopt.flash_attention.default]
+    assert len(flash) == 2
+    for node in flash:
+        q_val, k_val = node.args[0].meta["val"], node.args[1].meta["val"]
+        assert q_val.shape[2] == 2 and k_val.shape[2] == 10 and k_val.shape[1] == 2  # Sq < Sk, native GQA
+        assert node.kwargs.get("attn_mask") is None, node.format_node()
+        assert node.kwargs.get("is_causal") is True and node.kwargs.get("key_padding_mask") is not None

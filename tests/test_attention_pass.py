@@ -294,6 +294,37 @@ def test_sdpa_gqa_scale_and_bool_mask():
     assert _kw(cap)["scale"] == pytest.approx(0.2) and _kw(cap)["attn_mask"].op == "placeholder"
 
 
+def test_sdpa_float_mask_values_match():
+    """SDPA with an additive float mask (broadcast over heads, -inf entries) is rewritten and matches eager."""
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    q, k, v = _rand(2, 4, 6, 16, seed=47), _rand(2, 4, 9, 16, seed=48), _rand(2, 4, 9, 16, seed=49)
+    m = _rand(2, 1, 6, 9, seed=50)
+    m[:, :, :, :2] = float("-inf")
+    cap = _check(fn, q, k, v, m)
+    assert _kw(cap)["attn_mask"].op == "placeholder" and not _kw(cap).get("is_causal", False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_fp32_softmax_cast_back(dtype):
+    """The usual half-precision form: scores and softmax in fp32, probabilities cast back to q's dtype before the
+    value product. The casts are real here (half inputs), the chain is matched and the result matches eager."""
+    def fn(q, k, v):
+        s = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+        S = q.shape[-2]
+        s = s.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1), float("-inf"))
+        return torch.softmax(s, dim=-1).to(q.dtype) @ v
+
+    q, k, v = (_rand(1, 2, 7, 16, seed=s).to(dtype) for s in (64, 65, 66))
+    cap = Captured(fn)
+    out = cap(q, k, v)
+    assert cap.rewrites == 1, [s.reason for s in cap.skipped]
+    assert _kw(cap).get("is_causal") is True and out.dtype == dtype
+    ref = fn(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)
+
+
 def test_sdpa_repeat_kv_and_dropout():
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), dropout_p=0.1)
