@@ -791,3 +791,58 @@ def test_candidate_configs_gluon_regmajor_default_pdl_opt_in(monkeypatch):
         for c in extra:
             assert not c.deq and c.pdl and c.label().endswith(" pdl")
             assert c.ws == ("regmajor" if no_spill(c) else "")
+
+
+def test_dequant_matmul_opt_out_keeps_a_fused_default(monkeypatch):
+    """FXOPT_W4A16_DEQUANT_MATMUL=0: no candidate writes a 16-bit copy of the weight, at every M bucket, with or
+    without integer zeros; a fused kernel is always left (the first candidate is the untuned default)."""
+    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
+    for M in (1, 16, 64, 128, 256, 1024, 4096):
+        for iz in (True, False):
+            cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
+            assert cs and all(c.method != "dequant_matmul" for c in cs), (M, iz)
+    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "1")
+    assert K4.candidate_configs(4096, 2048, 1024, 128)[0].method == "dequant_matmul"
+
+
+def test_gluon_large_m_opt_in(monkeypatch):
+    """FXOPT_W4A16_GLUON_LARGE_M=1 lists the Gluon tiles for the M buckets above 256 (not listed by default)."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGE_M", raising=False)
+
+    def gluon(M):
+        return [c for c in K4.candidate_configs(M, 8192, 8192, 128, dtype=torch.bfloat16, device="cuda")
+                if c.method == "gluon"]
+
+    assert gluon(256) and not gluon(1024) and not gluon(4096)
+    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "1")
+    for M in (1024, 4096):
+        g = gluon(M)
+        assert g and all(c.block_m >= 64 and not c.deq for c in g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
+@pytest.mark.parametrize("M", [300, 1024])
+def test_gpu_gluon_large_m_and_fused_only(M, monkeypatch):
+    """Session 19 opt-ins, for the next GPU session: every Gluon tile listed above M = 256 and every fused-only
+    candidate (FXOPT_W4A16_DEQUANT_MATMUL=0) against the float reference, bias on."""
+    if K4._gluon_module() is None:
+        pytest.skip("Triton Gluon not importable")
+    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "1")
+    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
+    dtype, K, N = torch.bfloat16, 1024, 2048
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=43)
+    zeros = zeros.round()
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda()
+    ref = reference(x, qweight, scales, zeros, G, bias)
+    cands = K4.candidate_configs(M, N, K, 128, integer_zeros=True, dtype=dtype, device=x.device)
+    assert any(c.method == "gluon" for c in cands) and all(c.method != "dequant_matmul" for c in cands)
+    for cfg in cands:
+        y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)
+        assert_close_to_ref(y, ref, dtype)

@@ -901,7 +901,8 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     bucket = _m_bucket(M)
     if (os.environ.get("FXOPT_W4A16_GLUON") == "0" or dtype != torch.bfloat16 or device is None
             or torch.device(device).type != "cuda" or not integer_zeros or group_size != 128
-            or K % 128 or N % 128 or bucket > 256):
+            or K % 128 or N % 128
+            or (bucket > 256 and os.environ.get("FXOPT_W4A16_GLUON_LARGE_M", "0") != "1")):
         return []
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != (9, 0):
         return []
@@ -1105,6 +1106,12 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(bm, bn, 128, 0, True, 8, 3, "swapd")
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
+    if os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "1") == "0":
+        # fused kernels only: no call ever writes a 16-bit copy of the weight (the issue's "never writing a 16-bit
+        # weight to memory"); at large M that costs speed where cuBLAS on a dequantized copy is faster
+        out = [c for c in out if c.method != "dequant_matmul"]
+        if not out:  # the fused tl.dot kernel takes any zeros, group and M
+            add(128 if bucket > 64 else 64, 128, 64, 0 if bucket > 256 else 1, False, 8, 3)
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
