@@ -1,7 +1,7 @@
 """Test-session setup shared by every fxopt test.
 
-* Each pytest run gets its own Inductor and Triton cache directories, so a stale
-  cache from another run can never hide a change.
+* Each pytest run gets its own Inductor and Triton cache directories (and W4A16
+  tuner file), so a stale cache from another run can never hide a change.
 * Without CUDA, Triton kernels run through the Triton interpreter
   (``TRITON_INTERPRET=1``) on CPU tensors. This must be set before Triton is
   imported anywhere, hence at the very top of this file.
@@ -19,6 +19,8 @@ import tempfile
 _CACHE_ROOT = tempfile.mkdtemp(prefix="fxopt-test-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
+# the W4A16 tuner's picks persist to a file (fxopt.kernels.w4a16._tune_cache_path): one per test run, never ~/.cache
+os.environ["FXOPT_W4A16_TUNE_CACHE"] = os.path.join(_CACHE_ROOT, "w4a16_tuned.json")
 
 import torch  # noqa: E402  (torch does not import Triton eagerly)
 

@@ -846,3 +846,59 @@ def test_gpu_gluon_large_m_and_fused_only(M, monkeypatch):
     for cfg in cands:
         y = w4a16_matmul(x, qweight, scales, zeros, 128, bias=bias, config=cfg)
         assert_close_to_ref(y, ref, dtype)
+
+
+def test_tuner_file_round_trip_and_guards(tmp_path):
+    """The tuner's file: a stored pick comes back for the same key and candidate list; another GPU model, another
+    candidate list (an opt-in variable), a pick no longer listed or a corrupt file give None (the tuner times
+    again); "0" turns the file off."""
+    path = str(tmp_path / "sub" / "tuned.json")
+    key = (0, torch.bfloat16, 64, 8192, 8192, 128, False, True)
+    cands = K4.candidate_configs(64, 8192, 8192, 128)
+    pick = cands[2]
+    dkey = K4._tune_disk_key("NVIDIA H200", key, cands)
+    assert K4._tune_disk_load(path, dkey, cands) is None  # no file yet
+    K4._tune_disk_store(path, dkey, pick, 27.0)
+    assert K4._tune_disk_load(path, dkey, cands) == pick
+    assert K4._tune_disk_load(path, K4._tune_disk_key("NVIDIA H100", key, cands), cands) is None
+    other = cands[:-1]
+    assert K4._tune_disk_key("NVIDIA H200", key, other) != dkey
+    assert K4._tune_disk_load(path, dkey, [c for c in cands if c != pick]) is None
+    key2 = (0, torch.bfloat16, 128, 8192, 8192, 128, False, True)
+    dkey2 = K4._tune_disk_key("NVIDIA H200", key2, cands)
+    K4._tune_disk_store(path, dkey2, cands[0], 40.0)  # merged, not overwritten
+    assert K4._tune_disk_load(path, dkey, cands) == pick and K4._tune_disk_load(path, dkey2, cands) == cands[0]
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert K4._tune_disk_load(path, dkey, cands) is None
+    K4._tune_disk_store(path, dkey, pick, 27.0)  # a corrupt file is rewritten
+    assert K4._tune_disk_load(path, dkey, cands) == pick
+
+
+def test_tuner_file_path_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", "0")
+    assert K4._tune_cache_path() is None
+    monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", str(tmp_path / "t.json"))
+    assert K4._tune_cache_path() == str(tmp_path / "t.json")
+    monkeypatch.delenv("FXOPT_W4A16_TUNE_CACHE")
+    assert K4._tune_cache_path().endswith(".cache/fxopt/w4a16_tuned.json")
+
+
+@pytest.mark.gpu
+def test_gpu_tuner_file_reused_by_a_fresh_process_table(monkeypatch, tmp_path):
+    """Tune once (writes the file), forget the in-process table, then the same shape is served from the file
+    without timing a single candidate."""
+    monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", str(tmp_path / "tuned.json"))
+    monkeypatch.delenv("FXOPT_W4A16_NO_TUNE", raising=False)
+    qweight, scales, zeros, G = make_packed(1024, 2048, 128, torch.bfloat16, "cuda", seed=5)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(K4, "_TUNED", {})
+    first = K4.choose_config(x, qweight, scales, zeros, 128)
+    assert (tmp_path / "tuned.json").exists()
+    monkeypatch.setattr(K4, "_TUNED", {})
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed a candidate although the file holds the pick")
+
+    monkeypatch.setattr(K4, "_bench_us", no_timing)
+    assert K4.choose_config(x, qweight, scales, zeros, 128) == first

@@ -1167,8 +1167,76 @@ def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A
     return True
 
 
+def _tune_cache_path() -> Optional[str]:
+    """The tuner's file (``FXOPT_W4A16_TUNE_CACHE``; default ``~/.cache/fxopt/w4a16_tuned.json``; "0" or "": none)."""
+    path = os.environ.get("FXOPT_W4A16_TUNE_CACHE")
+    if path is None:
+        path = os.path.join(os.path.expanduser("~"), ".cache", "fxopt", "w4a16_tuned.json")
+    return None if path in ("", "0") else path
+
+
+def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
+    """One entry per device model, software versions, shape key and candidate list (a digest of the labels: an
+    opt-in variable that adds or removes candidates gets its own timing): a pick timed on another GPU, Triton or
+    fxopt build, or against other candidates, is never reused."""
+    import hashlib
+
+    import fxopt
+
+    _, dtype, bucket, K, N, G, has_bias, intz = key
+    digest = hashlib.sha1("\n".join(c.label() for c in cands).encode()).hexdigest()[:12]
+    return (f"{device_name}|torch {torch.__version__}|triton {triton.__version__}|fxopt {fxopt.__version__}|"
+            f"{str(dtype).replace('torch.', '')} M{bucket} K{K} N{N} G{G} bias{int(has_bias)} intz{int(bool(intz))}|"
+            f"cands {digest}")
+
+
+def _tune_disk_load(path: Optional[str], dkey: str, cands: list) -> Optional[W4A16Config]:
+    """The pick stored for ``dkey``, if it is one of ``cands``. Unreadable files are ignored: the tuner then just
+    times."""
+    if not path or not os.path.exists(path):
+        return None
+    import json
+
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(dkey)
+        cfg = W4A16Config(**entry["config"]) if entry else None
+    except Exception as e:  # noqa: BLE001 - a stale or hand-edited file must not break a model
+        log.debug("w4a16: tuner file %s not used (%s)", path, e)
+        return None
+    return cfg if cfg in cands else None
+
+
+def _tune_disk_store(path: Optional[str], dkey: str, cfg: W4A16Config, us: float) -> None:
+    """Add one pick to the file (read-merge-replace, so concurrent processes lose at most their own entry)."""
+    if not path:
+        return
+    import dataclasses
+    import json
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        table = {}
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    table = json.load(f)
+            except Exception:  # noqa: BLE001 - rewrite a corrupt file
+                table = {}
+        table[dkey] = {"config": dataclasses.asdict(cfg), "label": cfg.label(), "us": round(us, 2)}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("w4a16: tuner file %s not written (%s)", path, e)
+
+
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
-    """Tuned config for this shape (timed once per key on CUDA, then cached); heuristic when tuning is impossible."""
+    """Tuned config for this shape (timed once per key on CUDA, then cached in the process and in the tuner's file,
+    ``_tune_cache_path``, so a new process on the same GPU model and software reuses it); heuristic when tuning is
+    impossible."""
     M, K = x2d.shape
     N = qweight.shape[1]
     interp = _interpreting() or x2d.device.type != "cuda"
@@ -1183,6 +1251,13 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
                               device=x2d.device)
     if torch.cuda.is_current_stream_capturing() or len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
         return cands[0]
+    path = _tune_cache_path()
+    dkey = _tune_disk_key(torch.cuda.get_device_name(x2d.device), key, cands)
+    cfg = _tune_disk_load(path, dkey, cands)
+    if cfg is not None:  # timed by an earlier process on this GPU model and software
+        log.info("w4a16 M-bucket %d K=%d N=%d G=%d -> %s (from %s)", key[2], K, N, group_size, cfg, path)
+        _TUNED[key] = cfg
+        return cfg
     best, best_t = cands[0], float("inf")
     for c in cands:
         try:
@@ -1198,6 +1273,8 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
             best, best_t = c, t
     log.info("w4a16 tuned M-bucket %d K=%d N=%d G=%d -> %s (%.1f us)", key[2], K, N, group_size, best, best_t)
     _TUNED[key] = best
+    if best_t < float("inf"):
+        _tune_disk_store(path, dkey, best, best_t)
     return best
 
 
