@@ -75,11 +75,14 @@ the counter. One launch, no memset, no extra reduction kernel.
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
 time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
 then cached. Under CUDA-graph capture or in the Triton interpreter no tuning happens (a heuristic config;
-``FXOPT_W4A16_NO_TUNE=1`` forces that too). From M = 64 the candidate list also contains "dequantize to a 16-bit W
-with the Triton dequant kernel, then cuBLAS", and from M = 256 it comes first: there the GEMM is compute-bound,
-cuBLAS beats Triton, and the extra dequant pass (the packed bytes read, a 16-bit W written) costs less than the
-per-tile unpacking; the tuner keeps it only where it measures faster. This is the one path that writes a 16-bit W to
-memory (a temporary, freed after the call); the fused paths never do.
+``FXOPT_W4A16_NO_TUNE=1`` forces that too). The picks are also kept in a file (``FXOPT_W4A16_TUNE_CACHE``) under
+the GPU model, the software versions, the shape key and the candidate list, so a new process does not time again.
+From M = 33 (buckets 64-256) the candidate list also contains "dequantize to a 16-bit W with the Triton dequant
+kernel, then cuBLAS", and above M = 256 it comes first (the untuned default): there the GEMM is compute-bound,
+cuBLAS beats the fused kernels, and the extra dequant pass (the packed bytes read, a 16-bit W written) costs less
+than the per-tile unpacking; the tuner keeps it only where it measures faster (in the H200 table: M = 1024 and
+4096). This is the one path that writes a 16-bit W to memory (a temporary, freed after the call); the fused paths
+never do, and ``FXOPT_W4A16_DEQUANT_MATMUL=0`` removes it from every list.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations

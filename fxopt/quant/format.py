@@ -11,8 +11,8 @@ A linear ``y = x @ W.T`` with ``W`` of shape [N, K] (out_features, in_features) 
 * ``zeros``: [K // G, N], same dtype as scales, the zero point in code units, so ``W[n, k] = (q - zeros) * scales``
   with the group g = k // G. Symmetric quantization stores zeros = 8 (code 8 is 0.0).
 * ``perm``: optional int64 [K]. Act-order checkpoints (``g_idx`` not sorted) are loaded by permuting K once: the
-  stored rows follow ``perm`` and the kernel reads ``x[..., perm]``; groups are then contiguous again. ``None`` means
-  identity, which is the common, fast case.
+  stored rows follow ``perm`` and the layer gathers ``x[..., perm]`` once per call, before the kernel; groups are
+  then contiguous again. ``None`` means identity, which is the common, fast case.
 
 Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
 ``fxopt/kernels/w4a16.py``.

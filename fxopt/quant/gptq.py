@@ -11,7 +11,8 @@ matrix gets one matmul per block (lazy batch updates). Details that matter, all 
 * dampening adds ``damp × mean(diag H)`` to the diagonal before the Cholesky;
 * act-order quantizes columns by decreasing ``diag H`` (the most activated inputs first). With dynamic groups the
   groups are consecutive in that order, which fxopt stores as a permutation ``perm`` of K plus a packed weight whose
-  rows follow ``perm`` (the :class:`~fxopt.quant.format.PackedW4` layout; the kernel reads ``x[..., perm]``);
+  rows follow ``perm`` (the :class:`~fxopt.quant.format.PackedW4` layout; the layer gathers ``x[..., perm]`` once
+  per call, before the kernel);
 * static groups compute every group's (scale, zero) once, from the original weight, before any error feedback; the
   groups are then the original contiguous ones even with act-order, so the result needs no permutation;
 * dynamic groups compute (scale, zero) with :func:`~fxopt.quant.format.group_params` on the *current* (already
