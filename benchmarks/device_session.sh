@@ -616,7 +616,7 @@ phase_s20b() {
   # 16-bit weight to memory")? The GPU test of the fused-only and large-M Gluon opt-ins, then the M = 256-4096 rows
   # fused-only (FXOPT_W4A16_DEQUANT_MATMUL=0, Gluon listed above 256) against the default table's rows (w4a16.md)
   timeout 150 env FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings -rfE \
-    tests/test_w4a16_kernels.py -k "large_m_and_fused_only or tuner_file" 2>&1 | tail -4
+    tests/test_w4a16_kernels.py -k "large_m_and_fused_only or tuner_file or op_realistic" 2>&1 | tail -4
   FXOPT_W4A16_DEQUANT_MATMUL=0 FXOPT_W4A16_GLUON_LARGE_M=1 timeout 400 python3 benchmarks/w4a16.py \
     --ms 256,1024,4096 --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 | tail -14
 }

@@ -461,7 +461,7 @@ def test_gemv1_offline_sm90_build():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 7, 16, 64, 200, 1024])
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 def test_gpu_op_realistic(dtype, M, group_size):
     K, N = 4096, 2048 + 64
     qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=M)
