@@ -328,3 +328,22 @@ def test_llama_kv_cache_step_masks_lowered(impl):
         assert q_val.shape[2] == 2 and k_val.shape[2] == 10 and k_val.shape[1] == 2  # Sq < Sk, native GQA
         assert node.kwargs.get("attn_mask") is None, node.format_node()
         assert node.kwargs.get("is_causal") is True and node.kwargs.get("key_padding_mask") is not None
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt2", "bert", "gemma2"])
+def test_no_new_graph_breaks_on_padded_batches(kind):
+    """The rewrites add no graph break on the other model families either (padded batch, masks lowered)."""
+    torch.manual_seed(0)
+    model = _model(kind, "eager").eval()
+    ids = torch.randint(0, V, (B, S))
+    pad = torch.ones(B, S, dtype=torch.long)
+    pad[1, -4:] = 0
+    kwargs = {"attention_mask": pad}
+    if kind != "bert":
+        kwargs["use_cache"] = False
+    torch._dynamo.reset()
+    plain = torch._dynamo.explain(model)(ids, **kwargs)
+    torch._dynamo.reset()
+    rep = fxopt.explain(model, ids, **kwargs)
+    torch._dynamo.reset()
+    assert rep.rewrites["attention"] == 2 and rep.graph_breaks == plain.graph_break_count
