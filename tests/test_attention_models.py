@@ -46,6 +46,20 @@ def _model(kind, impl):
     raise ValueError(kind)
 
 
+def _capturing_backend():
+    """A Dynamo backend that runs fxopt's passes only (no Inductor), with the attention pass results and the
+    rewritten graphs it saw."""
+    results, graphs = [], []
+
+    def backend(gm, example_inputs):
+        gm, res = run_passes(gm, example_inputs, Config())
+        results.extend(r for r in res if r.name == "attention")
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, results, graphs
+
+
 def _compile_and_compare(model, args, kwargs, expect_rewrites):
     """Forward + backward through the pass-rewritten graph vs eager; returns the flash_attention nodes.
 
@@ -54,13 +68,7 @@ def _compile_and_compare(model, args, kwargs, expect_rewrites):
     yet eager's autograd returns a nonzero gradient through the rounded-away scores, where the rewrite returns the
     exact zero; valid positions never see padded ones, so their gradients are the same in both.
     """
-    results, graphs = [], []
-
-    def backend(gm, example_inputs):
-        gm, res = run_passes(gm, example_inputs, Config())
-        results.extend(r for r in res if r.name == "attention")
-        graphs.append(gm)
-        return gm.forward
+    backend, results, graphs = _capturing_backend()
 
     def loss_of(out):
         if isinstance(out, (tuple, list)):
@@ -306,13 +314,7 @@ def test_llama_kv_cache_step_masks_lowered(impl):
     mask = torch.cat([pad, torch.ones(B, 2, dtype=torch.long)], dim=1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -2:]
     step = dict(attention_mask=mask, position_ids=pos, use_cache=True)
-    results, graphs = [], []
-
-    def backend(gm, example_inputs):
-        gm, res = run_passes(gm, example_inputs, Config())
-        results.extend(r for r in res if r.name == "attention")
-        graphs.append(gm)
-        return gm.forward
+    backend, results, graphs = _capturing_backend()
 
     torch._dynamo.reset()
     with torch.no_grad():
