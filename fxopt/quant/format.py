@@ -14,6 +14,17 @@ A linear ``y = x @ W.T`` with ``W`` of shape [N, K] (out_features, in_features) 
   stored rows follow ``perm`` and the layer gathers ``x[..., perm]`` once per call, before the kernel; groups are
   then contiguous again. ``None`` means identity, which is the common, fast case.
 
+Why this order. In registers the unpack is cheapest when one 32-bit op yields two weights: ``(word >> 4j) &
+0x000F000F | magic`` gives the 16-bit float pair (OFFSET + q_j, OFFSET + q_{j+4}) in one shift and one LOP3, so a
+word becomes 4 pair registers in 7 instructions (``fxopt/kernels/w4a16.py``, ``w4a16_gluon.py``). Every kernel
+uses this pairing; what differs is where the pair lands. The tensor-core kernels whose unpacked weights are the
+register operand of wgmma / mma ("swapx", "swapd", "gluon") need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t + 9 of
+each 16-wide K slice, which in this order are spread over several words; they keep one word per thread by
+permuting x instead (a small prep kernel writes x in the matching "FRAG" order once per call: 1.7-5.4 us on the
+H200, ``docs/notes_session18.md``). Storing the nibbles in that fragment order would remove the prep for those
+kernels but cost every other kernel (GEMV, mma.sync, the dequantization) a permuted x and GPTQ checkpoints a
+repack; measured alternatives: ``docs/notes_session17.md`` section 3 (the read rate does not depend on the layout).
+
 Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
 ``fxopt/kernels/w4a16.py``.
 """
