@@ -18,12 +18,13 @@ Why this order. In registers the unpack is cheapest when one 32-bit op yields tw
 0x000F000F | magic`` gives the 16-bit float pair (OFFSET + q_j, OFFSET + q_{j+4}) in one shift and one LOP3, so a
 word becomes 4 pair registers in 7 instructions (``fxopt/kernels/w4a16.py``, ``w4a16_gluon.py``). Every kernel
 uses this pairing; what differs is where the pair lands. The tensor-core kernels whose unpacked weights are the
-register operand of wgmma / mma ("swapx", "swapd", "gluon") need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t + 9 of
-each 16-wide K slice, which in this order are spread over several words; they keep one word per thread by
-permuting x instead (a small prep kernel writes x in the matching "FRAG" order once per call: 1.7-5.4 us on the
-H200, ``docs/notes_session18.md``). Storing the nibbles in that fragment order would remove the prep for those
-kernels but cost every other kernel (GEMV, mma.sync, the dequantization) a permuted x and GPTQ checkpoints a
-repack; measured alternatives: ``docs/notes_session17.md`` section 3 (the read rate does not depend on the layout).
+register operand of wgmma / mma need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-wide K slice, which
+in this order are spread over several words; they keep one word per thread by relabeling K and permuting x to
+match: the mma.sync kernel in its own registers (x is a register operand there too), the wgmma kernels ("swapx",
+"swapd", "gluon", whose x is read from shared memory) through a small prep kernel that writes x in that "FRAG"
+order once per call (1.7-5.4 us on the H200, ``docs/notes_session18.md``). Storing the nibbles in fragment order
+would remove that prep but give every other kernel (GEMV, mma.sync, the dequantization) a permuted x and GPTQ
+checkpoints a repack; the read rate itself does not depend on the layout (``docs/notes_session17.md`` section 3).
 
 Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
 ``fxopt/kernels/w4a16.py``.
