@@ -489,7 +489,7 @@ if HAS_GLUON:
                 gl.atomic_xchg(cnt, 0)
         elif USE_SPLIT:
             if SPLIT_REGMAJOR:
-                # session 18 (opt-in, offline only): a register-major workspace [SPLIT_K, tiles, NCONS,
+                # session 18 (the tuner's default since session 19): a register-major workspace [SPLIT_K, tiles, NCONS,
                 # BM * BN_C / 128, 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its
                 # owner in the wgmma accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot =
                 # its register; so one store instruction of a warp writes 128 contiguous bytes (the [split, M, N]
