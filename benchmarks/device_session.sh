@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 s20c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -609,6 +609,13 @@ phase_s19wt() {
   # by >= 3% on a shape and make it a default candidate (writes w4a16_subset.*)
   FXOPT_W4A16_GLUON_REGMAJOR=1 FXOPT_W4A16_GLUON_PDL=1 timeout 500 python3 benchmarks/w4a16.py --ms 16,32,64,128 \
     --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 | tail -20
+}
+
+phase_s20c() {
+  # prepared in session 19 (one GPU, ~330 s): the whole W4A16 table on the final code, tinygemm now timed at every M
+  # (the session-19 table skipped it above M = 256); run it after settling the dequant + cuBLAS question (s20b)
+  timeout 560 python3 benchmarks/w4a16.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 \
+    | tail -46
 }
 
 phase_s20x2() {
