@@ -611,23 +611,29 @@ phase_s19wt() {
     --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 | tail -20
 }
 
+side_by_side() {  # GPU0_PHASE GPU1_PHASE: one phase per GPU of a two-GPU host (cores 0-15 / 16-31); GPU 1 writes
+  # its tables to $RES/gpu1 and its log to $OUT/gpu1.txt, printed after GPU 0's phase
+  ( export CUDA_VISIBLE_DEVICES=1 RES="$RES/gpu1"; mkdir -p "$RES"
+    taskset -c 16-31 bash -c "$(declare -f "phase_$2"); phase_$2" > "$OUT/gpu1.txt" 2>&1
+    echo "$2 rc=$? at $SECONDS s" >> "$OUT/gpu1.txt" ) &
+  CUDA_VISIBLE_DEVICES=0 RES="$RES" taskset -c 0-15 bash -c "$(declare -f "phase_$1"); phase_$1"
+  wait
+  echo "== GPU 1: $2"; cat "$OUT/gpu1.txt"
+}
+
+phase_s20x2() {  # s20a (GPU 0) and s20b (GPU 1) in one call
+  side_by_side s20a s20b
+}
+
+phase_s19x2() {  # session 19: both session-18 calls in one, s19w (opt-in GPU tests, probes) and s19wt (tuner table)
+  side_by_side s19w s19wt
+}
+
 phase_s20c() {
   # prepared in session 19 (one GPU, ~330 s): the whole W4A16 table on the final code, tinygemm now timed at every M
   # (the session-19 table skipped it above M = 256); run it after settling the dequant + cuBLAS question (s20b)
   timeout 560 python3 benchmarks/w4a16.py --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" | cut -d'|' -f2-9,14 \
     | tail -46
-}
-
-phase_s20x2() {
-  # s20a and s20b side by side on a two-GPU host (GPU 0 / cores 0-15: s20a; GPU 1 / cores 16-31: s20b)
-  ( export CUDA_VISIBLE_DEVICES=1 RES="$RES/gpu1"; mkdir -p "$RES"
-    taskset -c 16-31 bash -c "$(declare -f phase_s20b); phase_s20b" > "$OUT/gpu1.txt" 2>&1
-    echo "s20b rc=$? at $SECONDS s" >> "$OUT/gpu1.txt" ) &
-  export CUDA_VISIBLE_DEVICES=0
-  taskset -c 0-15 env RES="$RES" bash -c "$(declare -f phase_s20a); phase_s20a"
-  unset CUDA_VISIBLE_DEVICES
-  wait
-  echo "== GPU 1: s20b"; cat "$OUT/gpu1.txt"
 }
 
 phase_s20b() {
@@ -701,20 +707,6 @@ phase_s19b() {
   unset CUDA_VISIBLE_DEVICES
   wait
   echo "== GPU 1: W4A16 table"; grep -v "Warn\|warn" "$OUT/gpu1.txt" | grep "^|\|rc=" | cut -d'|' -f2-9,14 | tail -50
-}
-
-phase_s19x2() {
-  # session 19, two GPUs (both session-18 calls in one): GPU 0 / cores 0-15 runs s19w (GPU tests of the opt-ins, the
-  # probe decomposition with PDL and the register-major workspace); GPU 1 / cores 16-31 the tuner table with both
-  # opt-ins listed (s19wt), its own results folder so the two never write the same file
-  ( export CUDA_VISIBLE_DEVICES=1 RES="$RES/gpu1"; mkdir -p "$RES"
-    taskset -c 16-31 bash -c "$(declare -f phase_s19wt); phase_s19wt" > "$OUT/gpu1.txt" 2>&1
-    echo "s19wt rc=$? at $SECONDS s" >> "$OUT/gpu1.txt" ) &
-  export CUDA_VISIBLE_DEVICES=0
-  taskset -c 0-15 env RES="$RES" bash -c "$(declare -f phase_s19w); phase_s19w"
-  unset CUDA_VISIBLE_DEVICES
-  wait
-  echo "== GPU 1: tuner table"; cat "$OUT/gpu1.txt"
 }
 
 phase_s17d() {

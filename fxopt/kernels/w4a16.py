@@ -87,9 +87,12 @@ Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-from dataclasses import dataclass, replace
+import tempfile
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -917,11 +920,12 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
         cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
-    # Session 19 (H200, benchmarks/results/w4a16_gluon_probe.md, w4a16_s19_regmajor.md): the register-major split-K
-    # workspace is the main kernel's default wherever the standard split epilogue does not spill (e.g. 11008 x 4096,
-    # M = 64: 27.1 -> 23.7 us; BN 256 at 8192^2, M = 64: 44.4 -> 31.8 us; at most 2% slower on any probed tile), so
-    # those tiles are listed with it in place of the standard one (FXOPT_W4A16_GLUON_REGMAJOR=0: the standard one).
-    # PDL after the x prep was 1-15% slower on every probed tile: listed only with FXOPT_W4A16_GLUON_PDL=1.
+    # Session 19 (H200, benchmarks/results/w4a16_gluon_probe_s19.md, w4a16_subset_s19_regmajor_pdl.md): the
+    # register-major split-K workspace is the main kernel's default wherever the standard split epilogue does not
+    # spill (e.g. 11008 x 4096, M = 64: 27.1 -> 23.7 us; BN 256 at 8192^2, M = 64: 44.4 -> 31.8 us; at most 2% slower
+    # on any probed tile), so those tiles are listed with it in place of the standard one
+    # (FXOPT_W4A16_GLUON_REGMAJOR=0: the standard one). PDL after the x prep was 1-15% slower on every probed tile:
+    # listed only with FXOPT_W4A16_GLUON_PDL=1.
     extra = []
     regmajor = os.environ.get("FXOPT_W4A16_GLUON_REGMAJOR", "1") == "1"
     pdl = os.environ.get("FXOPT_W4A16_GLUON_PDL", "0") == "1"
@@ -1112,9 +1116,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
     if os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "1") == "0":
         # fused kernels only: no call ever writes a 16-bit copy of the weight (the issue's "never writing a 16-bit
         # weight to memory"); at large M that costs speed where cuBLAS on a dequantized copy is faster
-        out = [c for c in out if c.method != "dequant_matmul"]
-        if not out:  # the fused tl.dot kernel takes any zeros, group and M
-            add(128 if bucket > 64 else 64, 128, 64, 0 if bucket > 256 else 1, False, 8, 3)
+        out = [c for c in out if c.method != "dequant_matmul"]  # every bucket also lists a fused kernel
     if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
@@ -1182,9 +1184,7 @@ def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
     """One entry per device model, software versions, shape key and candidate list (a digest of the labels: an
     opt-in variable that adds or removes candidates gets its own timing): a pick timed on another GPU, Triton or
     fxopt build, or against other candidates, is never reused."""
-    import hashlib
-
-    import fxopt
+    import fxopt  # not at module level: fxopt imports this module
 
     _, dtype, bucket, K, N, G, has_bias, intz = key
     digest = hashlib.sha1("\n".join(c.label() for c in cands).encode()).hexdigest()[:12]
@@ -1198,8 +1198,6 @@ def _tune_disk_load(path: Optional[str], dkey: str, cands: list) -> Optional[W4A
     times."""
     if not path or not os.path.exists(path):
         return None
-    import json
-
     try:
         with open(path) as f:
             entry = json.load(f).get(dkey)
@@ -1214,10 +1212,6 @@ def _tune_disk_store(path: Optional[str], dkey: str, cfg: W4A16Config, us: float
     """Add one pick to the file (read-merge-replace, so concurrent processes lose at most their own entry)."""
     if not path:
         return
-    import dataclasses
-    import json
-    import tempfile
-
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         table = {}
@@ -1227,7 +1221,7 @@ def _tune_disk_store(path: Optional[str], dkey: str, cfg: W4A16Config, us: float
                     table = json.load(f)
             except Exception:  # noqa: BLE001 - rewrite a corrupt file
                 table = {}
-        table[dkey] = {"config": dataclasses.asdict(cfg), "label": cfg.label(), "us": round(us, 2)}
+        table[dkey] = {"config": asdict(cfg), "label": cfg.label(), "us": round(us, 2)}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
@@ -1739,7 +1733,6 @@ w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
 
 if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(description="offline sm_90 SASS report of the gemv1 candidates (no GPU)")
     ap.add_argument("--shapes", default="8192x8192,4096x11008,11008x4096,8192x28672", help="KxN list")
