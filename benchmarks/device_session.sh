@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 s20c largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 s20c s20d s20rest largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -627,6 +627,20 @@ phase_s20x2() {  # s20a (GPU 0) and s20b (GPU 1) in one call
 
 phase_s19x2() {  # session 19: both session-18 calls in one, s19w (opt-in GPU tests, probes) and s19wt (tuner table)
   side_by_side s19w s19wt
+}
+
+phase_s20d() {  # session 20, two GPUs: the whole W4A16 table with the fused-only default (GPU 0), every GPU test
+  # but the attention-kernel files and the GPU calibration (GPU 1: W4A16, FP8, attention pass and models, parallel)
+  side_by_side s20c s20rest
+}
+
+phase_s20rest() {
+  timeout 500 env FXOPT_ATTN_AUTOTUNE=0 FXOPT_W4A16_NO_TUNE=1 python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider \
+    -p no:warnings -rfE --ignore=tests/test_calibration.py --ignore=tests/test_attention_kernels.py \
+    --ignore=tests/test_attention_gluon_wg3.py --ignore=tests/test_attention_gluon_rowsum.py \
+    --ignore=tests/test_attention_gluon_bwd256.py --ignore=tests/test_attention_gluon_bwd_d64.py \
+    --ignore=tests/test_attention_gluon_bwd_dqw.py --ignore=tests/test_attention_gluon_bwd_v4.py \
+    --ignore=tests/test_attention_decode.py tests 2>&1 | tail -12
 }
 
 phase_s20c() {

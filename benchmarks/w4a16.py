@@ -175,7 +175,9 @@ def main():
                         "do_bench iteration after do_bench zero-fills 256 MB to flush L2; the write-back of those "
                         "dirty lines (~12 us on the H200) lands in the timed call. x_vs_*: speedup of fxopt. "
                         "GB/s: packed weight + scales + zeros + activations moved per fxopt call / time. "
-                        "config: the tuner's pick (dequant_matmul = Triton dequant to bf16 then cuBLAS).")
+                        "config: the tuner's pick (dequant_matmul = Triton dequant to bf16 then cuBLAS, listed only with "
+                        f"FXOPT_W4A16_DEQUANT_MATMUL=1; this run: "
+                        f"{os.environ.get('FXOPT_W4A16_DEQUANT_MATMUL', '0 (default)')}).")
 
 
 if __name__ == "__main__":

@@ -279,8 +279,8 @@ def test_candidate_configs_list_gluon_only_on_sm90(monkeypatch):
 
 
 def test_candidate_configs_gluon_rules(monkeypatch):
-    """With an sm_90 device faked: gluon configs only for buckets up to 256, bf16, integer zeros, group 128, K and N
-    multiples of 128, listed after the others (the heuristic default is unchanged), named "gluon bm.. bn.. s.. kc.."."""
+    """With an sm_90 device faked: gluon configs for every bucket (above 256 unless FXOPT_W4A16_GLUON_LARGE_M=0), bf16,
+    integer zeros, group 128, K and N multiples of 128, listed after the others (the heuristic default is unchanged), named "gluon bm.. bn.. s.. kc.."."""
     if K4._gluon_module() is None:
         pytest.skip("Triton Gluon not importable")
     monkeypatch.delenv("FXOPT_W4A16_GLUON", raising=False)
@@ -311,8 +311,13 @@ def test_candidate_configs_gluon_rules(monkeypatch):
         small = [c for c in g if c.deq]
         assert (len(small) == 1) == (M <= 16), (M, small)
         assert all(c.block_n == 256 and c.block_m == 16 and c.regs == "async" for c in small)
+    monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGE_M", raising=False)
+    for M in (257, 1024):
+        assert any(c.method == "gluon" for c in cands(M)), M
+    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "0")
     for M in (257, 1024):
         assert not any(c.method == "gluon" for c in cands(M)), M
+    monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGE_M")
     for kw in (dict(dtype=torch.float16), dict(integer_zeros=False), dict(G=64), dict(G=1024), dict(N=2048 + 64)):
         assert not any(c.method == "gluon" for c in cands(64, **kw)), kw
     monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")
@@ -793,20 +798,26 @@ def test_candidate_configs_gluon_regmajor_default_pdl_opt_in(monkeypatch):
             assert c.ws == ("regmajor" if no_spill(c) else "")
 
 
-def test_dequant_matmul_opt_out_keeps_a_fused_default(monkeypatch):
-    """FXOPT_W4A16_DEQUANT_MATMUL=0: no candidate writes a 16-bit copy of the weight, at every M bucket, with or
-    without integer zeros; a fused kernel is always left (the first candidate is the untuned default)."""
-    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
-    for M in (1, 16, 64, 128, 256, 1024, 4096):
-        for iz in (True, False):
-            cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
-            assert cs and all(c.method != "dequant_matmul" for c in cs), (M, iz)
+def test_no_candidate_writes_a_16bit_weight_by_default(monkeypatch):
+    """By default no candidate writes a 16-bit copy of the weight, at every M bucket, with or without integer zeros,
+    and a fused kernel is always left (the first candidate is the untuned default); FXOPT_W4A16_DEQUANT_MATMUL=1
+    lists dequant + cuBLAS, first above M = 256."""
+    monkeypatch.delenv("FXOPT_W4A16_DEQUANT_MATMUL", raising=False)
+    for setting in (None, "0"):
+        if setting is not None:
+            monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", setting)
+        for M in (1, 16, 64, 128, 256, 1024, 4096):
+            for iz in (True, False):
+                cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
+                assert cs and all(c.method != "dequant_matmul" for c in cs), (setting, M, iz)
     monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "1")
     assert K4.candidate_configs(4096, 2048, 1024, 128)[0].method == "dequant_matmul"
+    assert any(c.method == "dequant_matmul" for c in K4.candidate_configs(64, 2048, 1024, 128))
+    assert all(c.method != "dequant_matmul" for c in K4.candidate_configs(16, 2048, 1024, 128))
 
 
-def test_gluon_large_m_opt_in(monkeypatch):
-    """FXOPT_W4A16_GLUON_LARGE_M=1 lists the Gluon tiles for the M buckets above 256 (not listed by default)."""
+def test_gluon_large_m_listed(monkeypatch):
+    """The Gluon tiles are listed for the M buckets above 256 (FXOPT_W4A16_GLUON_LARGE_M=0 unlists them there)."""
     if K4._gluon_module() is None:
         pytest.skip("Triton Gluon not importable")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -817,23 +828,23 @@ def test_gluon_large_m_opt_in(monkeypatch):
         return [c for c in K4.candidate_configs(M, 8192, 8192, 128, dtype=torch.bfloat16, device="cuda")
                 if c.method == "gluon"]
 
-    assert gluon(256) and not gluon(1024) and not gluon(4096)
-    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "1")
     for M in (1024, 4096):
         g = gluon(M)
         assert g and all(c.block_m >= 64 and not c.deq for c in g)
+    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "0")
+    assert gluon(256) and not gluon(1024) and not gluon(4096)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
 @pytest.mark.parametrize("M", [300, 1024])
 def test_gpu_gluon_large_m_and_fused_only(M, monkeypatch):
-    """Session 19 opt-ins, for the next GPU session: every Gluon tile listed above M = 256 and every fused-only
-    candidate (FXOPT_W4A16_DEQUANT_MATMUL=0) against the float reference, bias on."""
+    """Every candidate listed above M = 256 by default (the Gluon tiles among them, no dequant + cuBLAS) against the
+    float reference, bias on."""
     if K4._gluon_module() is None:
         pytest.skip("Triton Gluon not importable")
-    monkeypatch.setenv("FXOPT_W4A16_GLUON_LARGE_M", "1")
-    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
+    monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGE_M", raising=False)
+    monkeypatch.delenv("FXOPT_W4A16_DEQUANT_MATMUL", raising=False)
     dtype, K, N = torch.bfloat16, 1024, 2048
     qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=43)
     zeros = zeros.round()
@@ -901,4 +912,8 @@ def test_gpu_tuner_file_reused_by_a_fresh_process_table(monkeypatch, tmp_path):
         raise AssertionError("timed a candidate although the file holds the pick")
 
     monkeypatch.setattr(K4, "_bench_us", no_timing)
+    assert K4.choose_config(x, qweight, scales, zeros, 128) == first
+    # inside a CUDA-graph capture the file's pick is used too (no timing there)
+    monkeypatch.setattr(K4, "_TUNED", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert K4.choose_config(x, qweight, scales, zeros, 128) == first

@@ -77,12 +77,13 @@ time a shape is seen (L2 emptied by reading a large buffer between runs, each ca
 then cached. Under CUDA-graph capture or in the Triton interpreter no tuning happens (a heuristic config;
 ``FXOPT_W4A16_NO_TUNE=1`` forces that too). The picks are also kept in a file (``FXOPT_W4A16_TUNE_CACHE``) under
 the GPU model, the software versions, the shape key and the candidate list, so a new process does not time again.
-From M = 33 (buckets 64-256) the candidate list also contains "dequantize to a 16-bit W with the Triton dequant
-kernel, then cuBLAS", and above M = 256 it comes first (the untuned default): there the GEMM is compute-bound,
-cuBLAS beats the fused kernels, and the extra dequant pass (the packed bytes read, a 16-bit W written) costs less
-than the per-tile unpacking; the tuner keeps it only where it measures faster (in the H200 table: M = 1024 and
-4096). This is the one path that writes a 16-bit W to memory (a temporary, freed after the call); the fused paths
-never do, and ``FXOPT_W4A16_DEQUANT_MATMUL=0`` removes it from every list.
+No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
+tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
+M = 1024 / 4096 (session 20, ``benchmarks/results/w4a16.md``). ``FXOPT_W4A16_DEQUANT_MATMUL=1`` (opt-in) adds
+"dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS" to the lists from M = 33 (first, i.e. the
+untuned default, above M = 256): at M = 1024 / 4096 the tuner picked it on every benchmark shape (0.96-1.09x bf16 at
+M = 4096, session 19, ``benchmarks/results/w4a16_dequant_matmul_s19.md``), at the price of writing a temporary
+16-bit W (freed after the call) and reading it back.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations
@@ -897,7 +898,8 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros). It beat swapd at
     M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
     8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
-    bucket up to 256 lists it and the tuner decides. Gated on the bucket, not M: the tuner caches one pick per
+    bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (session 20: picked on
+    every benchmark shape at M = 1024 / 4096; ``FXOPT_W4A16_GLUON_LARGE_M=0`` unlists it there). Gated on the bucket, not M: the tuner caches one pick per
     bucket. bf16 only: fp16 was never timed on a GPU.
 
     Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (session 8,
@@ -908,7 +910,7 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     if (os.environ.get("FXOPT_W4A16_GLUON") == "0" or dtype != torch.bfloat16 or device is None
             or torch.device(device).type != "cuda" or not integer_zeros or group_size != 128
             or K % 128 or N % 128
-            or (bucket > 256 and os.environ.get("FXOPT_W4A16_GLUON_LARGE_M", "0") != "1")):
+            or (bucket > 256 and os.environ.get("FXOPT_W4A16_GLUON_LARGE_M", "1") == "0")):
         return []
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != (9, 0):
         return []
@@ -1107,17 +1109,19 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(bm, bn, 128, 1, True, 8, stages, "swapd")
         out.append(W4A16Config(method="dequant_matmul"))
         add(128, 64, 128, 1, True, 4, 3, "swapx")
-    else:  # compute-bound: cuBLAS on a dequantized copy won every shape measured; the fused GEMMs stay as options
+    else:  # compute-bound: cuBLAS on a dequantized copy (opt-in) won every shape measured, then the Gluon tiles
         out.append(W4A16Config(method="dequant_matmul"))
         for bm, bn in ((128, 256), (256, 128), (128, 128)):
             add(bm, bn, 128, 0, True, 8, 3, "swapd")
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
-    if os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "1") == "0":
-        # fused kernels only: no call ever writes a 16-bit copy of the weight (the issue's "never writing a 16-bit
-        # weight to memory"); at large M that costs speed where cuBLAS on a dequantized copy is faster
+    if os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "0") != "1":
+        # fused kernels only (the default): no call ever writes a 16-bit copy of the weight. At M >= 1024 that costs
+        # speed where cuBLAS on a dequantized copy is faster (opt-in, FXOPT_W4A16_DEQUANT_MATMUL=1)
         out = [c for c in out if c.method != "dequant_matmul"]  # every bucket also lists a fused kernel
-    if not out:  # every listed config was dropped (e.g. swapd without integer zeros): the safe default
+    if not out:  # every listed config was dropped (not seen for any K that is a multiple of 16): a correct last resort
+        log.warning("w4a16: no fused config fits K=%d N=%d group %d; dequantizing to a 16-bit weight", K, N,
+                    group_size)
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
             + _gemv1_configs(M, N, K, group_size, num_sms, device)
@@ -1246,15 +1250,17 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         return cfg
     cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device), integer_zeros=intz, dtype=x2d.dtype,
                               device=x2d.device)
-    if torch.cuda.is_current_stream_capturing() or len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
+    if len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
         return cands[0]
     path = _tune_cache_path()
     dkey = _tune_disk_key(torch.cuda.get_device_name(x2d.device), key, cands)
     cfg = _tune_disk_load(path, dkey, cands)
-    if cfg is not None:  # timed by an earlier process on this GPU model and software
+    if cfg is not None:  # timed by an earlier process on this GPU model and software (also read under capture)
         log.info("w4a16 M-bucket %d K=%d N=%d G=%d -> %s (from %s)", key[2], K, N, group_size, cfg, path)
         _TUNED[key] = cfg
         return cfg
+    if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA-graph capture: the heuristic default
+        return cands[0]
     best, best_t = cands[0], float("inf")
     for c in cands:
         try:
