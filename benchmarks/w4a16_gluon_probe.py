@@ -35,10 +35,16 @@ def main():
         p.add_argument("--fixed", action="store_true", help="also K = 256 rows: the per-call fixed cost"),
         p.add_argument("--pdl", action="store_true", help="also the full call with pdl=True (two consumers)"),
         p.add_argument("--regmajor", action="store_true",
-                       help="also the full call with ws_layout='regmajor' (two consumers)")))
+                       help="also the full call with ws_layout='regmajor' (two consumers)"),
+        p.add_argument("--large", default="",
+                       help="BM/REGS/KC list (e.g. 256/default/32,128/async/64): probe these tiles (BN 128, two "
+                            "consumers, no split-K) at the --ms rows instead of the small-M tiles (session 20)")))
     probes_wanted = {int(v) for v in args.probes.split(",")}
     tiles_wanted = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     rows = []
+    if args.large:
+        _large_rows(args, probes_wanted, rows)
+        tiles_wanted = []
     for K, N in SHAPES:
         gen, copies, wbf, ref_w = shape_inputs(K, N)
         for M in (int(m) for m in args.ms.split(",")):
@@ -77,7 +83,7 @@ def main():
                     row["loads_TBps"] = (x_bytes + w_bytes) / row["loads_us"] / 1e6
                 print(row, flush=True)
                 rows.append(row)
-    if args.fixed:
+    if args.fixed and not args.large:
         # the per-call fixed cost: K = 256 (two K tiles per output tile, one per CTA after the split), N = 8192
         from fxopt.kernels.w4a16 import _prep_x
 
@@ -109,6 +115,34 @@ def main():
                          "packed weight, scales and zeros; loads_TBps: that / loads_us. Same grid and split-K "
                          "(ctas) in every column. Per-call time of 48 calls in one CUDA graph over weight copies "
                          "> 3x L2."))
+
+
+def _large_rows(args, probes_wanted, rows):
+    """Session 20: M >= 1024 (the tuner's Gluon pick there is BM 256 x BN 128 with the default register split, every
+    wgmma serialized by ptxas; BM 128 "async" keeps one wgmma in flight but dequantizes twice per activation row)."""
+    for K, N in SHAPES:
+        gen, copies, wbf, ref_w = shape_inputs(K, N)
+        for M in (int(m) for m in args.ms.split(",")):
+            x, ref, t_bf = m_inputs(K, M, gen, wbf, ref_w)
+            for spec in args.large.split(","):
+                bm, regs, kc = spec.split("/")
+                bm, kc = int(bm), int(kc)
+                cfg = dict(block_m=bm, block_n=128, stages=kg._max_stages(bm, 128), kc=kc, split_k=1,
+                           **({} if regs == "default" else {"regs": regs}))
+                row = {"K": K, "N": N, "M": M, "tile": f"bm{bm} bn128 kc{kc} {regs}", "bf16_us": t_bf}
+                y = kg.gluon_w4a16_mm(x, *copies[0], G, **cfg)
+                row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
+                for p, name in PROBES.items():
+                    if p in probes_wanted and p != 5:
+                        row[f"{name}_us"] = streamed_us(lambda it: kg.gluon_w4a16_mm(x, *it, G, probe=p, **cfg),
+                                                        copies, 8)
+                flop = 2.0 * M * K * N
+                row["bf16_TFLOPs"] = flop / t_bf / 1e6
+                for name in ("full", "mma_only"):
+                    if f"{name}_us" in row:
+                        row[f"{name}_TFLOPs"] = flop / row[f"{name}_us"] / 1e6
+                print(row, flush=True)
+                rows.append(row)
 
 
 if __name__ == "__main__":
