@@ -917,3 +917,27 @@ def test_gpu_tuner_file_reused_by_a_fresh_process_table(monkeypatch, tmp_path):
     monkeypatch.setattr(K4, "_TUNED", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert K4.choose_config(x, qweight, scales, zeros, 128) == first
+
+
+def test_tuner_confirms_near_equal_candidates():
+    """The tuner's two rounds: every candidate once, then those within 8% of the best (at most four) again with more
+    repetitions; the second round decides. A candidate that raises is skipped; none timed -> (first, inf)."""
+    cands = ["a", "b", "c", "d", "e", "f"]
+    first = {"a": 10.0, "b": 10.5, "c": 10.7, "d": 20.0, "e": 10.2, "f": None}
+    final = {"a": 10.4, "b": 9.9, "c": 10.1, "e": 10.3}
+    calls = []
+
+    def time_us(c, reps):
+        calls.append((c, reps))
+        if first[c] is None:
+            raise RuntimeError("out of shared memory")
+        return first[c] if reps == K4._FIRST_ROUND_REPS else final[c]
+
+    assert K4._pick_fastest(cands, time_us) == ("b", 9.9)
+    second = [c for c, r in calls if r == K4._FINAL_ROUND_REPS]
+    assert sorted(second) == ["a", "b", "c", "e"] and K4._FINAL_ROUND_REPS > K4._FIRST_ROUND_REPS
+    # one clear winner: no second round
+    calls.clear()
+    assert K4._pick_fastest(["a", "d"], time_us) == ("a", 10.0)
+    assert all(r == K4._FIRST_ROUND_REPS for _, r in calls)
+    assert K4._pick_fastest(["f"], time_us) == ("f", float("inf"))

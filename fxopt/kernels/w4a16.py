@@ -1234,6 +1234,46 @@ def _tune_disk_store(path: Optional[str], dkey: str, cfg: W4A16Config, us: float
         log.debug("w4a16: tuner file %s not written (%s)", path, e)
 
 
+_FIRST_ROUND_REPS = 10
+_FINAL_ROUND_REPS = 30
+
+
+def _pick_fastest(cands: list, time_us) -> tuple:
+    """(config, us) of the fastest candidate; (first candidate, inf) when none could be timed.
+
+    ``time_us(config, reps)`` gives a median time in us; a config that raises (e.g. out of shared memory) is
+    skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
+    four) again with ``_FINAL_ROUND_REPS``. At M <= 4 several builds are within one round's run-to-run noise
+    (2-5%), and the single-round pick changed between them from one H200 run to the next (11008 x 4096, M = 1: the
+    PDL build at 11.5 us in session 19's table, the non-PDL one at 12.7 us in session 20's)."""
+    timed = []
+    for c in cands:
+        try:
+            t = time_us(c, _FIRST_ROUND_REPS)
+        except Exception as e:
+            log.debug("w4a16 config %s failed: %s", c, e)
+            continue
+        timed.append((t, len(timed), c))
+    if not timed:
+        return (cands[0] if cands else None), float("inf")
+    timed.sort(key=lambda e: (e[0], e[1]))
+    close = [e for e in timed if e[0] <= 1.08 * timed[0][0]][:4]
+    if len(close) == 1:
+        return close[0][2], close[0][0]
+    final = []
+    for _, i, c in close:
+        try:
+            t = time_us(c, _FINAL_ROUND_REPS)
+        except Exception as e:  # it ran in the first round; be safe anyway
+            log.debug("w4a16 config %s failed: %s", c, e)
+            continue
+        final.append((t, i, c))
+    if not final:
+        return close[0][2], close[0][0]
+    t, _, c = min(final, key=lambda e: (e[0], e[1]))
+    return c, t
+
+
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
     """Tuned config for this shape (timed once per key on CUDA, then cached in the process and in the tuner's file,
     ``_tune_cache_path``, so a new process on the same GPU model and software reuses it); heuristic when tuning is
@@ -1261,19 +1301,22 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         return cfg
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA-graph capture: the heuristic default
         return cands[0]
-    best, best_t = cands[0], float("inf")
-    for c in cands:
+
+    def agrees(c):  # "gemv1" / "mma": must match the heuristic default's output before being timed
         try:
-            if c.method in ("gemv1", "mma") and not _agrees_with_default(  # "mma": session 10, opt-in
-                    x2d, qweight, scales, zeros, group_size, bias, c, cands[0]):
-                continue
-            t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c))
-        except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
+            return _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, c, cands[0])
+        except Exception as e:  # a config that fails to compile is not a candidate
             log.debug("w4a16 config %s failed: %s", c, e)
-            continue
-        log.debug("w4a16 M=%d K=%d N=%d %s: %.1f us", M, K, N, c, t)
-        if t < best_t:
-            best, best_t = c, t
+            return False
+
+    def time_us(c, reps):
+        t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c), reps=reps)
+        log.debug("w4a16 M=%d K=%d N=%d %s: %.1f us (%d reps)", M, K, N, c, t, reps)
+        return t
+
+    best, best_t = _pick_fastest([c for c in cands if c.method not in ("gemv1", "mma") or agrees(c)], time_us)
+    if best_t == float("inf"):
+        best = cands[0]
     log.info("w4a16 tuned M-bucket %d K=%d N=%d G=%d -> %s (%.1f us)", key[2], K, N, group_size, best, best_t)
     _TUNED[key] = best
     if best_t < float("inf"):
