@@ -74,8 +74,9 @@ the counter. One launch, no memset, no extra reduction kernel.
 
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
 time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
-then cached. Under CUDA-graph capture or in the Triton interpreter no tuning happens (a heuristic config;
-``FXOPT_W4A16_NO_TUNE=1`` forces that too). The picks are also kept in a file (``FXOPT_W4A16_TUNE_CACHE``) under
+then cached; the candidates within 8% of the best are timed again, longer, before the pick (``_pick_fastest``).
+Under CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1``
+forces the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file (``FXOPT_W4A16_TUNE_CACHE``) under
 the GPU model, the software versions, the shape key and the candidate list, so a new process does not time again.
 No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
 tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
