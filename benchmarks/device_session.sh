@@ -3,7 +3,7 @@
 #   bash benchmarks/device_session.sh                  # demo, every @pytest.mark.gpu test, one-GPU parallel halves
 #   bash benchmarks/device_session.sh fp8 calib        # 8-bit attention speed + accuracy, GPU calibration speed
 #   GLUON_CHECKS="gluon_attention_bwd_check fp8_gluon_check gluon_w4a16_small_check" bash benchmarks/device_session.sh verify gluon
-# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 s20c s20d s20rest s20e s20f s20wt s20g largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
+# Phases: demo tests parallel fp8 calib w4a16 w4sweep attn gluon verify route quick next ab pp route9 pp9 s10a s10b s10c s10d s10e s10f s11a s11b s11c s11d s11e s11f s11g s12a s12b s12c s12d s12e s12f s12g s13a s13t s13b s13c s13d s13e s13f s13g s14a s14b s14c s14d s14e s14f s14g s15a s15b s15c s15d s15e s15f s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s19w s19wt s19x2 s19b s19c s19t s20a s20b s20x2 s20c s20d s20rest s20e s20f s20wt s20g s20h largem profile. Each has its own time limit; tables land in $OUT (at most 8 files come back,
 # so the fp8 and calib tables are packed into $OUT/results.tgz).
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -666,6 +666,13 @@ phase_s20g() {  # session 20, one GPU (~500 s): s20wt with a shorter limit, then
   timeout 300 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -p no:warnings -rfE tests/test_w4a16_kernels.py \
     tests/test_w4a16_pass.py 2>&1 | tail -6
   timeout 240 python3 benchmarks/w4a16.py --ms 1,2,4,8,16 --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" \
+    | cut -d'|' -f2-9,14 | tail -22
+}
+
+phase_s20h() {  # session 20, one GPU (~250 s): the back-to-back small-M tuner timing, its GPU tests, then the M <= 16 rows
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings -rfE tests/test_w4a16_kernels.py \
+    -k "streamed or tuner_file" 2>&1 | tail -3
+  timeout 200 python3 benchmarks/w4a16.py --ms 1,2,4,8,16 --out "$RES" 2>&1 | grep -v "Warn\|warn" | grep "^|" \
     | cut -d'|' -f2-9,14 | tail -22
 }
 

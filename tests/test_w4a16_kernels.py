@@ -941,3 +941,45 @@ def test_tuner_confirms_near_equal_candidates():
     assert K4._pick_fastest(["a", "d"], time_us) == ("a", 10.0)
     assert all(r == K4._FIRST_ROUND_REPS for _, r in calls)
     assert K4._pick_fastest(["f"], time_us) == ("f", float("inf"))
+
+
+def test_tuner_weight_copies_and_timing_key(monkeypatch):
+    """Small-M buckets are timed back to back over weight copies: the copies hold the same values in their own
+    storage, together past 3x L2 (at most 8), none when the budget forbids; the tuner file's key names the timing
+    method, so picks timed another way are timed again."""
+    qweight, scales, zeros, _ = make_packed(256, 128, 128, torch.float16, seed=70)
+    copies = K4._weight_copies(qweight, scales, zeros, 1 << 30)
+    assert 2 <= len(copies) <= 8 and copies[0][0] is qweight
+    for q, s, z in copies[1:]:
+        assert q.data_ptr() != qweight.data_ptr() and torch.equal(q, qweight)
+        assert torch.equal(s, scales) and torch.equal(z, zeros)
+    assert K4._weight_copies(qweight, scales, zeros, 0) == []
+    cands = K4.candidate_configs(1, 8192, 8192, 128)
+    key1 = (0, torch.bfloat16, 1, 8192, 8192, 128, False, True)
+    key64 = (0, torch.bfloat16, 64, 8192, 8192, 128, False, True)
+    monkeypatch.delenv("FXOPT_W4A16_TUNE_STREAMED", raising=False)
+    streamed1, flushed64 = K4._tune_disk_key("H200", key1, cands), K4._tune_disk_key("H200", key64, cands)
+    monkeypatch.setenv("FXOPT_W4A16_TUNE_STREAMED", "0")
+    assert K4._tune_disk_key("H200", key1, cands) != streamed1
+    assert K4._tune_disk_key("H200", key64, cands) == flushed64
+
+
+@pytest.mark.gpu
+def test_gpu_tuner_streamed_small_m(monkeypatch, tmp_path):
+    """At M <= 16 the tuner times candidates back to back over weight copies; the pick it returns computes the
+    reference result, and the back-to-back timer gives a positive per-call time."""
+    monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", str(tmp_path / "tuned.json"))
+    monkeypatch.delenv("FXOPT_W4A16_NO_TUNE", raising=False)
+    monkeypatch.delenv("FXOPT_W4A16_TUNE_STREAMED", raising=False)
+    monkeypatch.setattr(K4, "_TUNED", {})
+    dtype = torch.bfloat16
+    qweight, scales, zeros, G = make_packed(1024, 2048, 128, dtype, "cuda", seed=71)
+    zeros = zeros.round()
+    x = torch.randn(2, 1024, device="cuda", dtype=dtype)
+    copies = K4._weight_copies(qweight, scales, zeros, 1 << 30)
+    assert len(copies) >= 2
+    cfg = K4.choose_config(x, qweight, scales, zeros, G)
+    t = K4._bench_streamed_us(lambda w: K4._launch(x, *w, G, None, cfg), copies, 3)
+    assert 0 < t < 1e4
+    assert_close_to_ref(w4a16_matmul(x, qweight, scales, zeros, G, config=cfg),
+                        reference(x, qweight, scales, zeros, G), dtype)
