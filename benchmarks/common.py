@@ -76,27 +76,12 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
 def streamed_us(fn, items, calls: int = 48, reps: int = 20) -> float:
     """Per-call time (us) of ``fn(item)`` when calls run back to back, each on the next rotated item (weight or K/V
     copies that together exceed L2 several times, so none is read from L2), as the layers of a model's forward pass
-    run. One CUDA graph holds ``calls`` calls;
-    its replays are timed with events. Nothing else runs between calls, in particular no L2 flush whose dirty lines
-    the timed call would have to write back."""
-    for it in items:
-        fn(it)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(items[i % len(items)])
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    run. One CUDA graph holds ``calls`` calls; its replays are timed with events. Nothing else runs between calls, in
+    particular no L2 flush whose dirty lines the timed call would have to write back. The W4A16 tuner times its
+    small-M candidates the same way (the same function)."""
+    from fxopt.kernels.w4a16 import _bench_streamed_us
+
+    return _bench_streamed_us(fn, items, reps, calls)
 
 
 def bench_ms_fixed(fn, warmup: int = 10, iters: int = 100) -> float:

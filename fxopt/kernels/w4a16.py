@@ -1184,17 +1184,17 @@ def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
         return []
 
 
-def _bench_streamed_us(fn_on, copies, reps: int) -> float:
-    """Per-call time (median over ``reps`` replays) of ``_STREAMED_CALLS`` calls back to back in one CUDA graph,
-    each on the next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which
-    a single call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL
-    and non-PDL builds from run to run, docs/notes_session20.md section 3)."""
+def _bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -> float:
+    """Per-call time (median over ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the
+    next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which a single
+    call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL and
+    non-PDL builds from run to run, docs/notes_session20.md section 3). ``benchmarks/common.streamed_us`` is this."""
     for c in copies:
         fn_on(c)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(_STREAMED_CALLS):
+        for i in range(calls):
             fn_on(copies[i % len(copies)])
     graph.replay()
     torch.cuda.synchronize()
@@ -1205,7 +1205,7 @@ def _bench_streamed_us(fn_on, copies, reps: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / _STREAMED_CALLS)
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
     return sorted(times)[len(times) // 2]
 
 
