@@ -106,7 +106,8 @@ def main():
             print(row, flush=True)
             rows.append(row)
     write_results("w4a16_gluon_probe", rows, out_dir=args.out,
-                  title="W4A16 Gluon kernel, M = 16-128: full kernel against loads-only / compute-only / no-x probes",
+                  title=(f"W4A16 Gluon kernel, M = {args.ms}: full kernel against loads-only / compute-only / "
+                         "no-x / mma-only probes" + (", large-M tiles (BN 128, no split-K)" if args.large else "")),
                   notes=("full_us: the kernel; loads_us: probe 1 (TMA ring traffic only); compute_us: probe 2 "
                          "(dequantize + wgmma on stale slots, no loads after the first ring fill); no_x_us: probe "
                          "3 (everything but the x tiles); mma_only_us: probe 4 (probe 2 without the "

@@ -74,10 +74,12 @@ the counter. One launch, no memset, no extra reduction kernel.
 
 Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
 time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
-then cached; the candidates within 8% of the best are timed again, longer, before the pick (``_pick_fastest``).
-Under CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1``
-forces the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file (``FXOPT_W4A16_TUNE_CACHE``) under
-the GPU model, the software versions, the shape key and the candidate list, so a new process does not time again.
+then cached; the candidates within 8% of the best are timed again, longer, before the pick (``_pick_fastest``),
+and the M <= 16 buckets are timed as calls back to back over weight copies (``_bench_streamed_us``). Under
+CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1`` forces
+the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file
+(``FXOPT_W4A16_TUNE_CACHE``) under the GPU model, the software versions, the shape key and the candidate list, so a
+new process does not time again.
 No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
 tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
 M = 1024 / 4096 (session 20, ``benchmarks/results/w4a16.md``). ``FXOPT_W4A16_DEQUANT_MATMUL=1`` (opt-in) adds
@@ -900,8 +902,8 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
     8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
     bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (session 20: picked on
-    every benchmark shape at M = 1024 / 4096; ``FXOPT_W4A16_GLUON_LARGE_M=0`` unlists it there). Gated on the bucket, not M: the tuner caches one pick per
-    bucket. bf16 only: fp16 was never timed on a GPU.
+    every benchmark shape at M = 1024 / 4096; ``FXOPT_W4A16_GLUON_LARGE_M=0`` unlists it there). Gated on the
+    bucket, not M: the tuner caches one pick per bucket. bf16 only: fp16 was never timed on a GPU.
 
     Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (session 8,
     benchmarks/gluon_w4a16_small_check.py: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
@@ -1165,6 +1167,11 @@ _STREAMED_MAX_BUCKET = 16  # M buckets timed back to back over weight copies (se
 _STREAMED_CALLS = 24
 
 
+def _streamed_timing(bucket: int) -> bool:
+    """Whether the tuner times this M bucket's candidates back to back (``_bench_streamed_us``)."""
+    return bucket <= _STREAMED_MAX_BUCKET and os.environ.get("FXOPT_W4A16_TUNE_STREAMED", "1") != "0"
+
+
 def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
     """The layer's packed weight and enough copies that together they exceed three times the L2 cache (at most 8
     copies, at most ``budget_bytes``), for timing calls back to back with every call reading its weight from HBM.
@@ -1242,8 +1249,7 @@ def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
     _, dtype, bucket, K, N, G, has_bias, intz = key
     # the timing method is part of the digest: picks timed another way (before session 20's back-to-back timing of
     # the small-M buckets, or with it turned off) are timed again
-    timing = "streamed" if bucket <= _STREAMED_MAX_BUCKET and os.environ.get("FXOPT_W4A16_TUNE_STREAMED",
-                                                                              "1") != "0" else "flushed"
+    timing = "streamed" if _streamed_timing(bucket) else "flushed"
     digest = hashlib.sha1("\n".join([f"timing {timing} rounds 2"] + [c.label() for c in cands]).encode()
                           ).hexdigest()[:12]
     return (f"{device_name}|torch {torch.__version__}|triton {triton.__version__}|fxopt {fxopt.__version__}|"
@@ -1297,9 +1303,9 @@ def _pick_fastest(cands: list, time_us) -> tuple:
 
     ``time_us(config, reps)`` gives a median time in us; a config that raises (e.g. out of shared memory) is
     skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
-    four) again with ``_FINAL_ROUND_REPS``. At M <= 4 several builds are within one round's run-to-run noise
-    (2-5%), and the single-round pick changed between them from one H200 run to the next (11008 x 4096, M = 1: the
-    PDL build at 11.5 us in session 19's table, the non-PDL one at 12.7 us in session 20's)."""
+    four) again with ``_FINAL_ROUND_REPS``, since near-equal builds are within one round's run-to-run noise (2-5%).
+    The second round alone did not stop the M <= 4 pick flipping between PDL and non-PDL builds from one H200 run to
+    the next; timing those buckets back to back did (``_bench_streamed_us``, docs/notes_session20.md section 3)."""
     timed = []
     for c in cands:
         try:
@@ -1363,8 +1369,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
             log.debug("w4a16 config %s failed: %s", c, e)
             return False
 
-    copies = (_weight_copies(qweight, scales, zeros, 512 * 1024 * 1024) if key[2] <= _STREAMED_MAX_BUCKET
-              and os.environ.get("FXOPT_W4A16_TUNE_STREAMED", "1") != "0" else [])
+    copies = _weight_copies(qweight, scales, zeros, 512 * 1024 * 1024) if _streamed_timing(key[2]) else []
 
     def time_us(c, reps):
         if copies:  # small M: calls back to back over weight copies (PDL overlap counted, weights from HBM)
