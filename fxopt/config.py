@@ -109,6 +109,11 @@ class Config:
         pipeline: :class:`PipelineConfig`.
         inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
             ``{"max_autotune": True}``.
+        cudagraphs: replay the compiled graphs from CUDA graphs (Inductor's CUDA-graph trees), what
+            ``mode="reduce-overhead"`` gives. ``torch.compile`` refuses ``mode`` together with ``options``, so this is
+            how a user sets fxopt options and gets CUDA graphs in one call:
+            ``torch.compile(m, backend="fxopt", options={"cudagraphs": True, "attention.fp8": True})``, or in
+            ``generate()``: ``CompileConfig(backend="fxopt", mode=None, options={"cudagraphs": True})``.
     """
 
     enabled: bool = True
@@ -117,6 +122,7 @@ class Config:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     inductor_options: dict = field(default_factory=dict)
+    cudagraphs: bool = False
 
     @classmethod
     def from_options(cls, options: Optional[dict] = None, base: Optional["Config"] = None) -> "Config":

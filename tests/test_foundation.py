@@ -127,6 +127,33 @@ def test_compile_mode_reaches_inductor(monkeypatch, mode, expect):
     assert seen["patches"] == expect
 
 
+@pytest.mark.parametrize("options,expect", [({"cudagraphs": True}, {"triton.cudagraphs": True}),
+                                            ({"cudagraphs": False}, {}),
+                                            ({"cudagraphs": True, "inductor_options": {"max_autotune": True}},
+                                             {"triton.cudagraphs": True, "max_autotune": True})])
+def test_cudagraphs_option_reaches_inductor(monkeypatch, options, expect):
+    """options={"cudagraphs": True} gives what mode="reduce-overhead" gives, since torch.compile refuses both."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen["patches"] = config_patches or {}
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    model, ids = tiny_model(), tiny_ids()
+    torch._dynamo.reset()
+    torch.compile(model, backend="fxopt", options=options)(ids)
+    torch._dynamo.reset()
+    assert seen["patches"] == expect
+
+
+def test_cudagraphs_option_is_validated():
+    with pytest.raises(fxopt.ConfigError, match="cudagraphs"):
+        fxopt.Config.from_options({"cudagraphs": "yes"})
+
+
 def test_backend_by_name_in_a_fresh_process_that_never_imports_fxopt():
     if "fxopt" not in entry_points(group="torch_dynamo_backends").names:
         pytest.skip("fxopt is not installed (pip install .): the entry point is what this test checks")

@@ -66,7 +66,7 @@ class Backend:
         patches = dict(cfg.inductor_options)
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.setdefault("max_autotune", True)
-        if mode in ("reduce-overhead", "max-autotune"):  # what these modes mean for Inductor: CUDA graphs
+        if cfg.cudagraphs or mode in ("reduce-overhead", "max-autotune"):  # what these modes mean for Inductor
             patches.setdefault("triton.cudagraphs", True)
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
