@@ -3,6 +3,7 @@
 Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
 """
 import functools
+import threading
 
 
 def cdiv(a: int, b: int) -> int:
@@ -14,6 +15,41 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host code (see :func:`cdiv`)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def outside_graph_pools(fn):
+    """``fn()`` with its CUDA allocations taken from the ordinary caching allocator, never from a CUDA-graph pool.
+
+    Inductor's CUDA-graph trees route every allocation of the calling thread to their private pool during a graph's
+    warm-up run, and then refuse a pool tensor that is not an output of the graph ("tensor(s) in the cudagraph pool
+    not tracked as outputs"). A buffer that a kernel keeps across calls (split-K workspaces, tile counters) or memory
+    that the W4A16 tuner times with must therefore be allocated outside that routing: the pool is bound to a thread,
+    so ``fn`` runs in a short-lived thread of its own. The caller's stream is synchronised first (``fn`` may read the
+    caller's tensors on its own stream) and ``fn``'s work is finished before this returns. Not for use while the
+    calling stream is being captured.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return fn()
+    torch.cuda.current_stream().synchronize()
+    device = torch.cuda.current_device()
+    box = {}
+
+    def run():
+        try:
+            torch.cuda.set_device(device)
+            box["value"] = fn()
+            torch.cuda.synchronize(device)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="fxopt-outside-graph-pools")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @functools.lru_cache(maxsize=None)

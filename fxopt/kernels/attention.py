@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, has_pdl, jit_like_source, next_pow2
+from fxopt.kernels import cdiv, has_pdl, jit_like_source, next_pow2, outside_graph_pools
 from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
 
 log = logging.getLogger(__name__)
@@ -1543,8 +1543,8 @@ def _decode_locks(device, n: int) -> torch.Tensor:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, torch.cuda.current_stream(idx).cuda_stream)
     buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
         _LOCKS[key] = buf
     return buf
 

@@ -93,7 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, device_capability
+from fxopt.kernels import cdiv, device_capability, outside_graph_pools
 
 from .attention import _num_sms, check_qkv
 
@@ -521,7 +521,8 @@ def hadamard_signs(d: int, seed: int, device) -> torch.Tensor:
     key = (d, int(seed), str(device))
     s = _SIGNS_CACHE.get(key)
     if s is None:
-        s = _signs_cpu(d, int(seed)).to(device)
+        s = outside_graph_pools(lambda: _signs_cpu(d, int(seed)).to(device)) if device.type == "cuda" else \
+            _signs_cpu(d, int(seed)).to(device)
         _SIGNS_CACHE[key] = s
     return s
 
@@ -834,7 +835,8 @@ def hadamard_dot_matrix(d: int, seed: int, dtype: torch.dtype, device) -> torch.
         h = torch.ones(1, 1, dtype=torch.float32)
         while h.shape[0] < d:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        m = (h * _signs_cpu(d, int(seed))[None, :]).to(dtype).contiguous().to(device)
+        m = (h * _signs_cpu(d, int(seed))[None, :]).to(dtype).contiguous()
+        m = outside_graph_pools(lambda: m.to(device)) if device.type == "cuda" else m.to(device)
         _HMAT_CACHE[key] = m
     return m
 

@@ -103,7 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt.kernels import cdiv, has_pdl, next_pow2
+from fxopt.kernels import cdiv, has_pdl, next_pow2, outside_graph_pools
 from fxopt.kernels.launch_plan import plan_cached
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
@@ -1369,17 +1369,22 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
             log.debug("w4a16 config %s failed: %s", c, e)
             return False
 
-    copies = _weight_copies(qweight, scales, zeros, 512 * 1024 * 1024) if _streamed_timing(key[2]) else []
+    def tune():
+        copies = _weight_copies(qweight, scales, zeros, 512 * 1024 * 1024) if _streamed_timing(key[2]) else []
 
-    def time_us(c, reps):
-        if copies:  # small M: calls back to back over weight copies (PDL overlap counted, weights from HBM)
-            t = _bench_streamed_us(lambda w: _launch(x2d, *w, group_size, bias, c), copies, reps)
-        else:
-            t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c), reps=reps)
-        log.debug("w4a16 M=%d K=%d N=%d %s: %.1f us (%d reps)", M, K, N, c, t, reps)
-        return t
+        def time_us(c, reps):
+            if copies:  # small M: calls back to back over weight copies (PDL overlap counted, weights from HBM)
+                t = _bench_streamed_us(lambda w: _launch(x2d, *w, group_size, bias, c), copies, reps)
+            else:
+                t = _bench_us(lambda: _launch(x2d, qweight, scales, zeros, group_size, bias, c), reps=reps)
+            log.debug("w4a16 M=%d K=%d N=%d %s: %.1f us (%d reps)", M, K, N, c, t, reps)
+            return t
 
-    best, best_t = _pick_fastest([c for c in cands if c.method not in ("gemv1", "mma") or agrees(c)], time_us)
+        return _pick_fastest([c for c in cands if c.method not in ("gemv1", "mma") or agrees(c)], time_us)
+
+    # Timed in a thread of its own: during a CUDA-graph-tree warm-up the caller's allocations go to the graph's pool,
+    # which must not receive the weight copies, timing graphs and workspaces of the tuner.
+    best, best_t = outside_graph_pools(tune)
     if best_t == float("inf"):
         best = cands[0]
     log.info("w4a16 tuned M-bucket %d K=%d N=%d G=%d -> %s (%.1f us)", key[2], K, N, group_size, best, best_t)
@@ -1433,8 +1438,8 @@ _COUNTERS: dict = {}
 
 def _counters(device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
         _COUNTERS[device] = buf
     return buf
 
@@ -1476,7 +1481,7 @@ def _gemv1_workspace(device, n: int) -> torch.Tensor:
     buf = _GEMV1_WS.get(device)
     if buf is None or buf.numel() < n:
         # 4 MB at least: a buffer that grows would leave captured CUDA graphs pointing at a freed one
-        buf = torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device)
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device))
         _GEMV1_WS[device] = buf
     return buf
 

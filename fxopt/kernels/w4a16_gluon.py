@@ -250,7 +250,7 @@ from typing import Optional
 
 import torch
 
-from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels import cdiv, next_pow2, outside_graph_pools
 
 try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or without a GPU)
     from triton.experimental import gluon
@@ -1484,8 +1484,8 @@ _COUNTERS: dict = {}
 
 def _counters(device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
         _COUNTERS[device] = buf
     return buf
 
