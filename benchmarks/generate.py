@@ -54,7 +54,7 @@ FAMILIES = {
                        num_key_value_heads=8, vocab_size=32768, sliding_window=None, max_position_embeddings=8192),
 }
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-ROWS = ("eager", "inductor", "fxopt", "fxopt_w4a16_rtn", "fxopt_w4a16_gptq", "torchao_int4")
+ROWS = ("eager", "inductor", "fxopt", "fxopt_w4a16_rtn", "fxopt_w4a16_rtn_dqmm", "fxopt_w4a16_gptq", "torchao_int4")
 
 
 def make_model(family: str, layers: int, device, tiny: bool):
@@ -116,9 +116,11 @@ def copy_bandwidth(device) -> float:
 def quantize_row(model, row: str, calib):
     import fxopt
 
-    method = row.rsplit("_", 1)[1]
+    method = row.split("_")[2]
     t0 = time.perf_counter()
-    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, progress=False)
+    # the output head too, as torchao's quantize_ does (its bf16 read is ~20% of an 8-layer decode step)
+    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, include_head=True,
+                   progress=False)
     sync()
     return time.perf_counter() - t0
 
@@ -182,8 +184,9 @@ def static_decode(model, backend, ids, new_tokens, reps, all_devices: bool):
         if all_devices:
             cc._compile_all_devices = True
         model.generation_config.compile_config = cc
-    else:
+    else:  # generate() compiles a static-cache decode by default: the eager row must say no
         model.generation_config.compile_config = None
+        kw["disable_compile"] = True
     t0 = time.perf_counter()
     toks = generate_tokens(model, ids, new_tokens, **kw)
     sync()
@@ -296,10 +299,25 @@ def run_row(family, row, args, device, refs, bw):
     elif row == "torchao_int4":
         res["note"] = torchao_quantize(model)
     res["weights_gib"] = model_bytes(model) / 2**30
+    quant = row.startswith("fxopt_w4a16")
+    if row.endswith("_dqmm"):  # prefill through dequantize + cuBLAS at large M (the documented opt-in)
+        os.environ["FXOPT_W4A16_DEQUANT_MATMUL"] = "1"
+    if quant or row == "torchao_int4":  # reference: the same quantized model run eagerly
+        refs = dict(refs)
+        for key in [k for k in refs if k[0] in ("prefill", "tokens")]:
+            del refs[key]
+        for b in args.prefill_batches:
+            ids = torch.randint(0, vocab, (b, S), generator=torch.Generator().manual_seed(2)).to(device)
+            with torch.no_grad():
+                refs[("prefill", family, b, "bf16")] = model(input_ids=ids, use_cache=False).logits
+        for b in args.decode_batches:
+            ids = torch.randint(0, vocab, (b, P), generator=torch.Generator().manual_seed(3)).to(device)
+            refs[("tokens", family, b, "bf16")] = generate_tokens(model, ids, N, cache_implementation="static",
+                                                                  disable_compile=True)
     # prefill
     for b in args.prefill_batches:
         ids = torch.randint(0, vocab, (b, S), generator=torch.Generator().manual_seed(2)).to(device)
-        key = ("prefill", family, b, row.startswith("fxopt_w4a16") and row or "bf16")
+        key = ("prefill", family, b, "bf16")
         ms, err, out = prefill(model, backend, ids, refs.get(key), args.reps)
         if key not in refs:
             refs[key] = out
@@ -319,7 +337,7 @@ def run_row(family, row, args, device, refs, bw):
             res["decode_graphs"] = " ".join(f"{k}={v}" for k, v in sorted(graphs.items()))
         if b == args.decode_batches[0]:
             res["compile_s"] = comp
-        ref_key = ("tokens", family, b, row.startswith("fxopt_w4a16") and row or "bf16")
+        ref_key = ("tokens", family, b, "bf16")
         if ref_key in refs:
             res[f"tokens_match_b{b}"] = float((toks == refs[ref_key]).float().mean())
         else:
@@ -344,6 +362,10 @@ def run_row(family, row, args, device, refs, bw):
         except Exception as e:
             res["graph_step_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     res["ideal_tok_s"] = ideal_tok_s(model, P, N, bw)
+    if isinstance(res.get("graph_step_tok_s"), float) and isinstance(res.get("decode_b1_tok_s"), float):
+        # what generate() adds per token around the step: its Python, Dynamo's guards, the CUDA-graph tree
+        res["host_ms_per_token"] = 1e3 / res["decode_b1_tok_s"] - 1e3 / res["graph_step_tok_s"]
+    os.environ.pop("FXOPT_W4A16_DEQUANT_MATMUL", None)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -366,6 +388,9 @@ def add_ratios(rows):
 
 
 def main():
+    # every row compiles from scratch: no FX-graph / AOT cache hit from an earlier row
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--name", default="generate")
@@ -384,6 +409,7 @@ def main():
     p.add_argument("--profile", default=None, help="directory for per-row decode-step kernel tables")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke run of the script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--append", default=None, help="a results JSON whose rows come first (one table from two runs)")
     args = p.parse_args()
     import fxopt  # noqa: F401  registers backend="fxopt" when run from a checkout
 
@@ -397,6 +423,15 @@ def main():
     bw = copy_bandwidth(device)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, refs = [], {}
+    if args.append:
+        import json
+
+        with open(args.append) as f:
+            earlier = json.load(f)
+        rows = earlier["rows"]
+        notes_extra = f" Rows before this run's came from `{earlier['command']}` ({earlier['env'].get('date', '')})."
+    else:
+        notes_extra = ""
     for family in args.models.split(","):
         for row in args.rows.split(","):
             print(f"== {family} x{args.layers} {row}", flush=True)
@@ -417,9 +452,10 @@ def main():
             write_results(args.name, rows, title="End to end: Hugging Face models through generate()",
                           out_dir=args.out, echo=False,
                           notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of "
-                                "benchmarks/generate.py.")
+                                "benchmarks/generate.py." + notes_extra)
     write_results(args.name, rows, title="End to end: Hugging Face models through generate()", out_dir=args.out,
-                  notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of benchmarks/generate.py.")
+                  notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of benchmarks/generate.py."
+                  + notes_extra)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ class Backend:
         self.extras = extras or {}
         self.results: list = []  # one list of PassResult per compiled graph, in order
 
+    def __deepcopy__(self, memo):
+        # transformers' CompileConfig deep-copies its fields before torch.compile: keep one backend (and its results)
+        return self
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list, *, options: Optional[dict] = None,
                  mode: Optional[str] = None, **unknown: Any):
         if unknown:

@@ -1052,9 +1052,14 @@ def _cuda_sms(index: int) -> int:  # device properties cost microseconds per que
 
 
 def _use_split(q, k, dropout_p):
+    """The split-KV decode path: few query rows and long keys, or keys from 256 on when the one-pass kernel would
+    give fewer programs than SMs (a batch-1 decode step over a 640-slot static cache ran the one-pass kernel on 32
+    programs of the 132 SMs: 23 us a layer, cuDNN 9 us)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    return dropout_p == 0.0 and Sq <= 16 and (Hq // Hkv) * Sq <= 128 and Sk >= 1024
+    if dropout_p != 0.0 or Sq > 16 or (Hq // Hkv) * Sq > 128:
+        return False
+    return Sk >= 1024 or (Sk >= 256 and B * Hq < _num_sms(q.device))
 
 
 def _plan_state() -> tuple:
