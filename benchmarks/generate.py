@@ -74,6 +74,7 @@ def make_model(family: str, layers: int, device, tiny: bool):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.eval()
+    model.generation_config.eos_token_id = None
     return model
 
 
@@ -118,9 +119,8 @@ def quantize_row(model, row: str, calib):
 
     method = row.split("_")[2]
     t0 = time.perf_counter()
-    # the output head too, as torchao's quantize_ does (its bf16 read is ~20% of an 8-layer decode step)
-    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, include_head=True,
-                   progress=False)
+    # fxopt.quantize's default: the output head stays bf16 (torchao's quantize_ also quantizes it)
+    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, progress=False)
     sync()
     return time.perf_counter() - t0
 
@@ -164,9 +164,10 @@ def prefill(model, backend, ids, ref_logits, reps):
 
 
 def generate_tokens(model, ids, new_tokens, **kw):
+    # no end-of-sequence token (make_model clears it): every call runs exactly new_tokens steps, without the
+    # per-step cost of the min_new_tokens processor
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0, **kw)
+        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
 
 
 def static_decode(model, backend, ids, new_tokens, reps, all_devices: bool):
@@ -198,6 +199,26 @@ def static_decode(model, backend, ids, new_tokens, reps, all_devices: bool):
     graphs = {k: int(v) for k, v in counters["inductor"].items() if k.startswith("cudagraph")}
     graphs["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
     return tok_s, max(first - t_n, 0.0), toks, graphs
+
+
+def host_profile(model, ids, new_tokens, path):
+    """cProfile of one warm generate() call (static cache, compile hook already compiled): where the host time of a
+    token goes (transformers' loop, Dynamo's guards, the CUDA-graph tree, the compiled wrapper)."""
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    generate_tokens(model, ids, new_tokens, cache_implementation="static")
+    sync()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 def dynamic_decode(model, backend, ids, new_tokens):
@@ -337,6 +358,8 @@ def run_row(family, row, args, device, refs, bw):
             res["decode_graphs"] = " ".join(f"{k}={v}" for k, v in sorted(graphs.items()))
         if b == args.decode_batches[0]:
             res["compile_s"] = comp
+        if args.profile and b == args.decode_batches[0] and backend is not None:
+            host_profile(model, ids, N, os.path.join(args.profile, f"{family}_{row}_generate_host.txt"))
         ref_key = ("tokens", family, b, "bf16")
         if ref_key in refs:
             res[f"tokens_match_b{b}"] = float((toks == refs[ref_key]).float().mean())

@@ -983,3 +983,22 @@ def test_gpu_tuner_streamed_small_m(monkeypatch, tmp_path):
     assert 0 < t < 1e4
     assert_close_to_ref(w4a16_matmul(x, qweight, scales, zeros, G, config=cfg),
                         reference(x, qweight, scales, zeros, G), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 8192])
+def test_gpu_output_head_shape_writes_nothing_outside_its_output(M):
+    """An output head (K = 4096, N = 128256: Llama-3's vocabulary) through the op: the result as the reference's and
+    no byte of a guard buffer around the output changed (an end-to-end run with the head quantized ended in a
+    device-side assert in a later kernel, as an out-of-bounds write would)."""
+    K, N = 4096, 128256
+    dtype = torch.bfloat16
+    qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=3)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).cuda()
+    guard = torch.full((4 << 20,), 7, dtype=torch.int32, device="cuda")
+    y = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 128, None)
+    torch.cuda.synchronize()
+    assert bool((guard == 7).all()), "a W4A16 kernel wrote outside its output"
+    rows = slice(0, M) if M <= 64 else slice(M - 64, M)  # the last rows: where a large-M offset overflow lands
+    ref = reference(x[rows], qweight, scales, zeros, G)
+    assert_close_to_ref(y[rows], ref, dtype)
