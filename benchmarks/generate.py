@@ -433,6 +433,9 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke run of the script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--append", default=None, help="a results JSON whose rows come first (one table from two runs)")
+    p.add_argument("--export-w4a16-picks", default=None, metavar="PATH",
+                   help="after the run, merge the W4A16 tuner's picks of this run into PATH "
+                        "(fxopt/kernels/w4a16_picks.json: the package's shipped table)")
     args = p.parse_args()
     import fxopt  # noqa: F401  registers backend="fxopt" when run from a checkout
 
@@ -479,6 +482,10 @@ def main():
     write_results(args.name, rows, title="End to end: Hugging Face models through generate()", out_dir=args.out,
                   notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of benchmarks/generate.py."
                   + notes_extra)
+    if args.export_w4a16_picks:
+        from fxopt.kernels import w4a16
+
+        print(f"{w4a16.export_picks(args.export_w4a16_picks)} W4A16 picks -> {args.export_w4a16_picks}", flush=True)
 
 
 if __name__ == "__main__":

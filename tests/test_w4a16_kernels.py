@@ -798,18 +798,22 @@ def test_candidate_configs_gluon_regmajor_default_pdl_opt_in(monkeypatch):
             assert c.ws == ("regmajor" if no_spill(c) else "")
 
 
-def test_no_candidate_writes_a_16bit_weight_by_default(monkeypatch):
-    """By default no candidate writes a 16-bit copy of the weight, at every M bucket, with or without integer zeros,
-    and a fused kernel is always left (the first candidate is the untuned default); FXOPT_W4A16_DEQUANT_MATMUL=1
-    lists dequant + cuBLAS, first above M = 256."""
+def test_dequant_matmul_only_above_m256_by_default(monkeypatch):
+    """By default no candidate up to M = 256 writes a 16-bit copy of the weight, with or without integer zeros, and a
+    fused kernel is always listed; above M = 256 dequant + cuBLAS comes first (the untuned default).
+    FXOPT_W4A16_DEQUANT_MATMUL=0 lists fused kernels only at every M; =1 lists dequant + cuBLAS from M = 33."""
     monkeypatch.delenv("FXOPT_W4A16_DEQUANT_MATMUL", raising=False)
-    for setting in (None, "0"):
-        if setting is not None:
-            monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", setting)
-        for M in (1, 16, 64, 128, 256, 1024, 4096):
-            for iz in (True, False):
-                cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
-                assert cs and all(c.method != "dequant_matmul" for c in cs), (setting, M, iz)
+    for M in (1, 16, 64, 128, 256, 1024, 4096):
+        for iz in (True, False):
+            cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
+            assert any(c.method != "dequant_matmul" for c in cs), (M, iz)
+            assert (cs[0].method == "dequant_matmul") == (M > 256), (M, iz)
+            assert all(c.method != "dequant_matmul" for c in cs[1:]), (M, iz)
+    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
+    for M in (1, 16, 64, 128, 256, 1024, 4096):
+        for iz in (True, False):
+            cs = K4.candidate_configs(M, 2048, 1024, 128, integer_zeros=iz)
+            assert cs and all(c.method != "dequant_matmul" for c in cs), (M, iz)
     monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "1")
     assert K4.candidate_configs(4096, 2048, 1024, 128)[0].method == "dequant_matmul"
     assert any(c.method == "dequant_matmul" for c in K4.candidate_configs(64, 2048, 1024, 128))
@@ -839,12 +843,12 @@ def test_gluon_large_m_listed(monkeypatch):
 @pytest.mark.skipif(not _is_sm90(), reason="the Gluon kernel needs sm_90")
 @pytest.mark.parametrize("M", [300, 1024])
 def test_gpu_gluon_large_m_and_fused_only(M, monkeypatch):
-    """Every candidate listed above M = 256 by default (the Gluon tiles among them, no dequant + cuBLAS) against the
+    """Every fused candidate listed above M = 256 (FXOPT_W4A16_DEQUANT_MATMUL=0: the Gluon tiles among them) against the
     float reference, bias on."""
     if K4._gluon_module() is None:
         pytest.skip("Triton Gluon not importable")
     monkeypatch.delenv("FXOPT_W4A16_GLUON_LARGE_M", raising=False)
-    monkeypatch.delenv("FXOPT_W4A16_DEQUANT_MATMUL", raising=False)
+    monkeypatch.setenv("FXOPT_W4A16_DEQUANT_MATMUL", "0")
     dtype, K, N = torch.bfloat16, 1024, 2048
     qweight, scales, zeros, G = make_packed(K, N, 128, dtype, "cuda", seed=43)
     zeros = zeros.round()
@@ -1002,3 +1006,34 @@ def test_gpu_output_head_shape_writes_nothing_outside_its_output(M):
     rows = slice(0, M) if M <= 64 else slice(M - 64, M)  # the last rows: where a large-M offset overflow lands
     ref = reference(x[rows], qweight, scales, zeros, G)
     assert_close_to_ref(y[rows], ref, dtype)
+
+
+def test_shipped_picks_key_drops_versions_and_round_trips(tmp_path, monkeypatch):
+    """A shipped pick is keyed like the tuner's file without the software versions, and export_picks writes what the
+    tuner timed in this process into a table that _tune_disk_load reads back (only for a listed candidate)."""
+    cands = K4.candidate_configs(1, 4096, 4096, 128, dtype=torch.bfloat16)
+    dkey = K4._tune_disk_key("NVIDIA H200", (0, torch.bfloat16, 1, 4096, 4096, 128, False, True), cands)
+    skey = K4._shipped_key(dkey)
+    assert "torch " in dkey and "triton " in dkey
+    assert skey.startswith("NVIDIA H200|") and "torch " not in skey and "triton " not in skey and "fxopt " not in skey
+    assert skey.split("|")[-2:] == dkey.split("|")[-2:]  # shape key and candidate digest kept
+    monkeypatch.setattr(K4, "_TIMED_HERE", {skey: (cands[-1], 12.5)})
+    path = str(tmp_path / "picks.json")
+    assert K4.export_picks(path) == 1
+    assert K4._tune_disk_load(path, skey, cands) == cands[-1]
+    assert K4._tune_disk_load(path, skey, cands[:-1]) is None  # a pick no longer listed is not used
+
+
+def test_shipped_picks_file_is_well_formed():
+    """Every entry of the package's shipped table parses as a W4A16Config and has no version fields in its key."""
+    import json
+    import os
+
+    if not os.path.exists(K4._SHIPPED_PICKS):
+        pytest.skip("no shipped picks in this checkout")
+    with open(K4._SHIPPED_PICKS) as f:
+        table = json.load(f)
+    assert table
+    for k, entry in table.items():
+        assert "torch " not in k and "triton " not in k, k
+        K4.W4A16Config(**entry["config"])

@@ -79,14 +79,15 @@ and the M <= 16 buckets are timed as calls back to back over weight copies (``_b
 CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1`` forces
 the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file
 (``FXOPT_W4A16_TUNE_CACHE``) under the GPU model, the software versions, the shape key and the candidate list, so a
-new process does not time again.
+new process does not time again; the package ships such picks for the benchmarked models' shapes on the H200
+(``w4a16_picks.json``, versions not part of the key), so a first compile there times nothing for them.
 No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
 tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
-M = 1024 / 4096 (session 20, ``benchmarks/results/w4a16.md``). ``FXOPT_W4A16_DEQUANT_MATMUL=1`` (opt-in) adds
-"dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS" to the lists from M = 33 (first, i.e. the
-untuned default, above M = 256): at M = 1024 / 4096 the tuner picked it on every benchmark shape (0.96-1.09x bf16 at
-M = 4096, session 19, ``benchmarks/results/w4a16_dequant_matmul_s19.md``), at the price of writing a temporary
-16-bit W (freed after the call) and reading it back.
+M = 1024 / 4096 (``benchmarks/results/w4a16.md``). Above M = 256 (a prefill) the lists also hold, first (the
+untuned default), "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS": at M = 1024 / 4096 the tuner
+picked it on every benchmark shape (0.96-1.09x bf16 at M = 4096), at the price of writing a temporary 16-bit W of one
+linear (freed after the call) and reading it back. ``FXOPT_W4A16_DEQUANT_MATMUL=0`` lists fused kernels only at every
+M; ``=1`` lists dequant + cuBLAS from M = 33.
 Measurements and predictions: ``docs/notes_w4a16.md``.
 """
 from __future__ import annotations
@@ -1118,9 +1119,11 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
             add(bm, bn, 128, 0, True, 8, 3, "swapd")
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4)):
             add(bm, bn, bk, 0, False, warps, stages)
-    if os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "0") != "1":
-        # fused kernels only (the default): no call ever writes a 16-bit copy of the weight. At M >= 1024 that costs
-        # speed where cuBLAS on a dequantized copy is faster (opt-in, FXOPT_W4A16_DEQUANT_MATMUL=1)
+    dequant = os.environ.get("FXOPT_W4A16_DEQUANT_MATMUL", "auto")
+    if dequant == "0" or (dequant != "1" and bucket <= 256):
+        # fused kernels only: no call writes a 16-bit copy of the weight. The default keeps dequant + cuBLAS for the
+        # compute-bound buckets above M = 256 only, where it won every shape measured (a prefill): its temporary
+        # 16-bit W is one linear's, freed after the call
         out = [c for c in out if c.method != "dequant_matmul"]  # every bucket also lists a fused kernel
     if not out:  # every listed config was dropped (not seen for any K that is a multiple of 16): a correct last resort
         log.warning("w4a16: no fused config fits K=%d N=%d group %d; dequantizing to a 16-bit weight", K, N,
@@ -1359,8 +1362,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         log.info("w4a16 M-bucket %d K=%d N=%d G=%d -> %s (from %s)", key[2], K, N, group_size, cfg, path)
         _TUNED[key] = cfg
         return cfg
-    if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA-graph capture: the heuristic default
-        return cands[0]
+    capturing = torch.cuda.is_current_stream_capturing()
 
     def agrees(c):  # "gemv1" / "mma": must match the heuristic default's output before being timed
         try:
@@ -1368,6 +1370,15 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         except Exception as e:  # a config that fails to compile is not a candidate
             log.debug("w4a16 config %s failed: %s", c, e)
             return False
+
+    skey = _shipped_key(dkey)
+    cfg = _tune_disk_load(_SHIPPED_PICKS, skey, cands)
+    if cfg is not None and (cfg.method not in ("gemv1", "mma") or (not capturing and agrees(cfg))):
+        log.info("w4a16 M-bucket %d K=%d N=%d G=%d -> %s (shipped pick)", key[2], K, N, group_size, cfg)
+        _TUNED[key] = cfg
+        return cfg
+    if capturing:  # no timing inside a CUDA-graph capture: the heuristic default
+        return cands[0]
 
     def tune():
         copies = _weight_copies(qweight, scales, zeros, 512 * 1024 * 1024) if _streamed_timing(key[2]) else []
@@ -1391,7 +1402,29 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     _TUNED[key] = best
     if best_t < float("inf"):
         _tune_disk_store(path, dkey, best, best_t)
+        _TIMED_HERE[skey] = (best, best_t)
     return best
+
+
+# Picks timed on the GPU models the project benchmarks on, keyed like the tuner's file without the software versions
+# (every candidate is correct on any version; only its speed was measured on one): the first compile on such a GPU
+# times nothing for these shapes. gemv1 / mma picks are still checked against the default build before use.
+# Written by ``export_picks`` (``benchmarks/generate.py --export-w4a16-picks``).
+_SHIPPED_PICKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w4a16_picks.json")
+_TIMED_HERE: dict = {}  # shipped key -> (config, us) for every shape this process timed
+
+
+def _shipped_key(dkey: str) -> str:
+    """The tuner file's key without its torch / triton / fxopt version fields."""
+    parts = dkey.split("|")
+    return "|".join([parts[0]] + [p for p in parts[1:] if not p.startswith(("torch ", "triton ", "fxopt "))])
+
+
+def export_picks(path: str = _SHIPPED_PICKS) -> int:
+    """Merge every pick this process timed into ``path`` (default: the package's shipped table); returns how many."""
+    for skey, (cfg, us) in _TIMED_HERE.items():
+        _tune_disk_store(path, skey, cfg, us)
+    return len(_TIMED_HERE)
 
 
 def _interpreter_config(M: int, K: int, group_size: int) -> W4A16Config:
