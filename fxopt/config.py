@@ -4,11 +4,16 @@
 Keys are either nested (``{"attention": {"enabled": False}}``) or dotted (``{"attention.enabled": False}``); the
 top-level ``enabled`` switches every pass off. An unknown key or a value of the wrong type raises
 :class:`ConfigError` (a ``ValueError``) naming the valid keys: an option is never ignored silently.
+
+Values are checked too (:meth:`Config.validate`, run by ``from_options`` and when a :class:`fxopt.Backend` is
+built): degrees and counts in range, ``pipeline.schedule`` one of its choices, ``inductor_options`` keys that
+Inductor's own config has. Each message names the option, the value and what is allowed.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -134,11 +139,57 @@ class Config:
             raise ConfigError(f"fxopt options must be a dict, got {type(options).__name__}")
         for key, value in options.items():
             _apply(cfg, str(key).split("."), value, prefix="")
+        cfg.validate()
         return cfg
+
+    def validate(self) -> "Config":
+        """Check every value (types, ranges, choices, Inductor's config keys); raise :class:`ConfigError` naming
+        the first bad option and what it allows. Returns ``self``."""
+        for key in Config.valid_keys():
+            obj = self
+            *parents, name = key.split(".")
+            for p in parents:
+                obj = getattr(obj, p)
+            _check_type(key, getattr(obj, name), typing.get_type_hints(type(obj))[name])
+        tp, pp = self.tensor_parallel, self.pipeline
+        _at_least("tensor_parallel.tp", tp.tp, 1)
+        _at_least("tensor_parallel.overlap_chunks", tp.overlap_chunks, 1)
+        _at_least("tensor_parallel.sequence_parallel_min_bytes", tp.sequence_parallel_min_bytes, 0)
+        _at_least("pipeline.stages", pp.stages, 1)
+        _at_least("pipeline.microbatches", pp.microbatches, 1)
+        from .parallel.pipeline import SCHEDULES
+
+        if pp.schedule not in SCHEDULES:
+            raise ConfigError(f"fxopt option 'pipeline.schedule' is {pp.schedule!r}; valid choices: "
+                              f"{', '.join(SCHEDULES)}")
+        bad = [p for p in pp.split_points if not isinstance(p, str) or not p]
+        if bad:
+            raise ConfigError(f"fxopt option 'pipeline.split_points' takes qualified module names (non-empty str), "
+                              f"got {bad!r}")
+        _check_inductor_options(self.inductor_options)
+        return self
 
     @staticmethod
     def valid_keys() -> list[str]:
         return _keys(Config, "")
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"fxopt option {key!r} must be an int >= {low}, got {value!r}")
+
+
+def _check_inductor_options(options: dict) -> None:
+    """Every key must be one of Inductor's config keys (dotted for sub-configs, e.g. ``"triton.cudagraphs"``)."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for key in options:
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=5)
+            hint = f"closest Inductor keys: {', '.join(close)}" if close else "no Inductor key is close"
+            raise ConfigError(f"fxopt option 'inductor_options' has {key!r}, which is not a key of "
+                              f"torch._inductor.config ({hint}; all keys: torch._inductor.config.get_config_copy())")
 
 
 def _keys(cls, prefix: str) -> list[str]:

@@ -1,12 +1,20 @@
 """``fxopt.explain``: what fxopt would do to a model, without code generation.
 
-The model is captured with Dynamo (fresh: Dynamo's caches are reset first, as ``torch._dynamo.explain`` does), each
-graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and the per-pass results are gathered into an
+The model is captured with Dynamo, each graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and the per-pass results are gathered into an
 :class:`ExplainReport`: rewrites per pass, every candidate left alone with its reason, the number of graphs and of
 graph breaks (with their reasons).
+
+Dynamo's caches are left alone (no ``torch._dynamo.reset()``), so a model the user compiled before does not
+recompile afterwards. The capture is still fresh: the function (or the module's ``forward``) is entered through a
+copy with a code object of its own (Dynamo keeps compiled entries on the code object), and the new backend object
+fails the backend guard of any entry compiled before, so nothing cached is reused. Frames Dynamo compiles apart
+after a graph break inside (sub-modules' ``forward``) get their entries on their own code, as any compile does. Graph breaks are the growth of Dynamo's break counter
+during the call (the counters are not cleared either).
 """
 from __future__ import annotations
 
+import contextlib
+import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -75,13 +83,44 @@ def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwa
     from .backends import Backend
 
     backend = Backend(config, inductor=False)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model_or_fn, backend=backend)
-    compiled(*args, **kwargs)
-    breaks = counters["graph_break"]
-    reasons = list(breaks.keys())
-    report = report_from_results(backend.results, graphs=len(backend.results),
-                                 graph_breaks=sum(breaks.values()), break_reasons=reasons)
-    torch._dynamo.reset()
-    return report
+    before = dict(counters["graph_break"])
+    with _fresh_code(model_or_fn) as target:
+        torch.compile(target, backend=backend)(*args, **kwargs)
+    grown = {r: n - before.get(r, 0) for r, n in counters["graph_break"].items() if n > before.get(r, 0)}
+    return report_from_results(backend.results, graphs=len(backend.results),
+                               graph_breaks=sum(grown.values()), break_reasons=list(grown))
+
+
+def _copy_function(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a new (equal) code object: Dynamo's compiled entries for it are kept apart from ``fn``'s."""
+    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g.__kwdefaults__, g.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    g.__dict__.update(fn.__dict__)
+    return g
+
+
+@contextlib.contextmanager
+def _fresh_code(target: Any):
+    """The same callable, entered through a code object of its own: a function or bound method is copied; a
+    module gets a copied ``forward`` on the instance for the call (``__call__`` and its hooks run as usual), then its
+    own back. Anything else (a C function, a callable object) is captured as is."""
+    if isinstance(target, torch.nn.Module):
+        own = target.__dict__.get("forward", None)
+        fn = own.__func__ if isinstance(own, types.MethodType) else type(target).forward if own is None else None
+        if not isinstance(fn, types.FunctionType):
+            yield target
+            return
+        target.forward = types.MethodType(_copy_function(fn), target)
+        try:
+            yield target
+        finally:
+            if own is None:
+                del target.forward
+            else:
+                target.forward = own
+    elif isinstance(target, types.FunctionType):
+        yield _copy_function(target)
+    elif isinstance(target, types.MethodType) and isinstance(target.__func__, types.FunctionType):
+        yield types.MethodType(_copy_function(target.__func__), target.__self__)
+    else:
+        yield target

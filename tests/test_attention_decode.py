@@ -174,6 +174,7 @@ def test_bad_inputs():
         f(q, k, v, ctas_per_sm=0)
 
 
+@pytest.mark.slow
 def test_offline_sm90_build_fits_two_ctas_per_sm():
     """The default build (bf16, d = 128) compiled for sm_90 with Triton's bundled ptxas: K/V through cp.async,
     no spills, shared memory for at least two resident CTAs per SM (the reason for the small tiles)."""

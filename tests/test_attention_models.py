@@ -210,6 +210,7 @@ def test_fxopt_tiny_llama(sdpa):
         assert n.args[1].meta["val"].shape[1] == 2
 
 
+@pytest.mark.slow
 def test_inductor_tiny_llama_handwritten():
     from fxopt.models import TinyLlamaConfig, build_demo_model
 

@@ -203,6 +203,7 @@ def test_awq_folds_keep_float_output(which):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_model_beats_rtn_and_excludes_head(method):
     model = tiny_hf_llama(seed=1)
@@ -222,6 +223,7 @@ def test_quantize_model_beats_rtn_and_excludes_head(method):
             assert max(len(torch.unique(g)) for g in w[:4].reshape(-1, 32)) <= 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_pack_matches_simulation_and_checkpoint(tmp_path, method):
     pytest.importorskip("fxopt.quant.linear")
@@ -411,6 +413,7 @@ def test_float_target_weight_is_the_regularised_least_squares_solution():
         assert objective(V) <= objective(V + d) and objective(V) <= objective(V - d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_float_target_runs_and_tracks_the_float_model(method):
     """The float stream keeps the float model's weights, including the norms and linears AWQ's folds rescale."""

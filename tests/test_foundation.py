@@ -63,6 +63,52 @@ def test_bad_option_through_torch_compile_is_a_value_error():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("bad, needle", [
+    ({"tensor_parallel.tp": -3}, "'tensor_parallel.tp' must be an int >= 1, got -3"),
+    ({"tensor_parallel.tp": 0}, "'tensor_parallel.tp' must be an int >= 1, got 0"),
+    ({"tensor_parallel.overlap_chunks": 0}, "'tensor_parallel.overlap_chunks' must be an int >= 1"),
+    ({"tensor_parallel.sequence_parallel_min_bytes": -1}, "'tensor_parallel.sequence_parallel_min_bytes' must be"),
+    ({"pipeline.stages": 0}, "'pipeline.stages' must be an int >= 1"),
+    ({"pipeline.microbatches": -2}, "'pipeline.microbatches' must be an int >= 1"),
+    ({"pipeline.schedule": "bogus"}, "'pipeline.schedule' is 'bogus'; valid choices: GPipe, 1F1B, Interleaved1F1B"),
+    ({"pipeline.split_points": ["layers.1", 3]}, "'pipeline.split_points' takes qualified module names"),
+    ({"inductor_options": {"max_autotun": True}}, "'max_autotun', which is not a key of torch._inductor.config "
+                                                  "(closest Inductor keys: max_autotune"),
+    ({"inductor_options": {"triton.cudagraph": True}}, "closest Inductor keys: triton.cudagraphs"),
+], ids=["tp-negative", "tp-zero", "overlap-chunks-zero", "sp-min-bytes-negative", "stages-zero",
+        "microbatches-negative", "schedule-bogus", "split-point-not-str", "inductor-key-typo",
+        "inductor-dotted-key-typo"])
+def test_config_rejects_bad_values_naming_what_is_allowed(bad, needle):
+    with pytest.raises(ConfigError) as e:
+        Config.from_options(bad)
+    assert needle in str(e.value)
+
+
+def test_config_accepts_valid_values_and_inductor_keys():
+    cfg = Config.from_options({"tensor_parallel.tp": 2, "pipeline.schedule": "GPipe", "pipeline.stages": 2,
+                               "inductor_options": {"max_autotune": True, "triton.cudagraphs": False}})
+    assert cfg.tensor_parallel.tp == 2 and cfg.pipeline.schedule == "GPipe"
+    assert cfg.inductor_options == {"max_autotune": True, "triton.cudagraphs": False}
+
+
+def test_backend_built_from_a_bad_config_fails_at_once():
+    from fxopt.config import PipelineConfig, TensorParallelConfig
+
+    with pytest.raises(ConfigError, match="'tensor_parallel.tp' must be an int >= 1, got -3"):
+        fxopt.Backend(Config(tensor_parallel=TensorParallelConfig(tp=-3)))
+    with pytest.raises(ConfigError, match="valid choices: GPipe, 1F1B, Interleaved1F1B"):
+        fxopt.Backend(Config(pipeline=PipelineConfig(schedule="bogus")))
+    with pytest.raises(ConfigError, match="not a key of torch._inductor.config"):
+        fxopt.Backend(Config(inductor_options={"no_such_inductor_key": 1}))
+
+
+def test_unknown_inductor_option_through_torch_compile_names_the_key():
+    # before: Inductor's AttributeError inside BackendCompilerFailed
+    with pytest.raises(ConfigError, match="'no_such_inductor_key', which is not a key of torch._inductor.config"):
+        torch.compile(tiny_model(), backend="fxopt",
+                      options={"inductor_options": {"no_such_inductor_key": 1}})(tiny_ids())
+
+
 def test_backend_rejects_non_config():
     with pytest.raises(ConfigError):
         fxopt.Backend({"attention.enabled": False})
@@ -224,6 +270,40 @@ def test_explain_counts_graph_breaks():
 
     report = fxopt.explain(f, torch.randn(3))
     assert report.graphs == 2 and report.graph_breaks >= 1
+
+
+def test_explain_leaves_the_users_compiled_model_alone():
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    model, ids = tiny_model(), tiny_ids()
+    compiled = torch.compile(model, backend=counting)
+    expect = compiled(ids)
+    assert len(compiles) == 1
+    for _ in range(2):  # each report is fresh: the earlier capture is not reused
+        report = fxopt.explain(model, ids)
+        assert report.graphs == 1 and report.rewrites["attention"] == TINY.n_layers
+    assert "forward" not in model.__dict__  # the module is as it was
+    torch.testing.assert_close(compiled(ids), expect)
+    assert len(compiles) == 1  # no recompile: Dynamo's caches were not reset
+
+
+def test_explain_keeps_dynamo_counters():
+    from torch._dynamo.utils import counters
+
+    counters["stats"]["fxopt_test_marker"] += 1
+
+    def f(x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    assert fxopt.explain(f, torch.randn(3)).graph_breaks == 1
+    assert fxopt.explain(f, torch.randn(3)).graph_breaks == 1  # the counter's growth, not its total
+    assert counters["stats"]["fxopt_test_marker"] == 1
 
 
 def test_explain_on_transformers_llama():

@@ -64,6 +64,7 @@ def test_generate_static_cache_fxopt_eager_matches_eager(family):
     assert fused >= model.config.num_hidden_layers
 
 
+@pytest.mark.slow
 def test_generate_static_cache_fxopt_inductor_matches_eager():
     model = tiny_model("llama")
     ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(2))

@@ -319,6 +319,7 @@ def _worker_all(rank, ws):
         print(f"models {t1 - t0:.1f}s, vocab/quant/compile {time.perf_counter() - t1:.1f}s")
 
 
+@pytest.mark.slow
 def test_gloo_two_ranks():
     """One spawn for every gloo check (process start-up and imports dominate on 2 cores)."""
     run_on_ranks(_worker_all, 2)

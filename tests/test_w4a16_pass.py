@@ -244,3 +244,158 @@ def test_cuda_fused_matches_eager(dtype):
     torch._dynamo.reset()
     assert [r.rewrites for results in backend.results for r in results if r.name == "w4a16"] == [2]
     torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+
+
+# --- rewritten only when proven: one named test per rejection -----------------------------------------------------
+
+class MutatedBetween(nn.Module):
+    """The packed weight is written in place after the dequantize and before the product."""
+
+    def __init__(self, view: bool):
+        super().__init__()
+        self.q, self.view = qlinear(64, 32, 32), view
+
+    def forward(self, x):
+        w = torch.ops.fxopt.dequantize_w4(self.q.qweight, self.q.scales, self.q.zeros, 32)
+        if self.view:
+            self.q.zeros[0].add_(1.0)
+        else:
+            self.q.scales.mul_(2.0)
+        return torch.nn.functional.linear(x, w, self.q.bias)
+
+
+def _assert_left_alone(model, x, reason):
+    import copy
+
+    ref = copy.deepcopy(model)(x)
+    out, graphs = capture(model, x)
+    (gm, _), = graphs
+    res = w4_result(graphs)
+    assert res.rewrites == 0 and count(gm, W4A16) == 0 and count(gm, DEQUANT) == 1
+    assert res.skipped and all(re.search(reason, s.reason) for s in res.skipped), [s.reason for s in res.skipped]
+    assert torch.equal(out, ref)  # the original ops, the original result
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["scales.mul_", "zeros[0].add_"])
+def test_rejects_in_place_write_to_packed_weight_between_dequant_and_use(view):
+    _assert_left_alone(MutatedBetween(view), torch.randn(2, 64).half(), r"writes in place to the packed weight")
+
+
+def test_in_place_write_after_the_use_does_not_block_the_rewrite():
+    class After(MutatedBetween):
+        def forward(self, x):
+            w = torch.ops.fxopt.dequantize_w4(self.q.qweight, self.q.scales, self.q.zeros, 32)
+            y = torch.nn.functional.linear(x, w, self.q.bias)
+            self.q.scales.mul_(1.0)
+            return y
+
+    out, graphs = capture(After(False), torch.randn(2, 64).half())
+    assert w4_result(graphs).rewrites == 1
+
+
+class Strided(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = qlinear(64, 32, 32)
+
+    def forward(self, x):
+        return self.q(x.transpose(0, 1))
+
+
+def test_rejects_input_with_non_unit_stride_along_k():
+    _assert_left_alone(Strided(), torch.randn(64, 5).half(), r"input layout .* stride \(1, 5\)")
+
+
+def test_rejects_3d_input_whose_rows_do_not_collapse():
+    _assert_left_alone(Strided(), torch.randn(3, 2, 64).half(), r"input layout size \(2, 3, 64\)")
+
+
+def test_accepts_3d_input_sliced_to_one_position():
+    class LastToken(Strided):
+        def forward(self, x):
+            return self.q(x[:, -1:, :])
+
+    x = torch.randn(2, 5, 64).half()
+    model = LastToken()
+    ref = model(x)
+    out, graphs = capture(model, x)
+    assert w4_result(graphs).rewrites == 1
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+class TransposedScales(nn.Module):
+    """scales kept as [N, K // G] and handed over as a transposed (non-contiguous) view."""
+
+    def __init__(self):
+        super().__init__()
+        q = qlinear(64, 32, 32)
+        self.qweight, self.zeros = q.qweight, q.zeros
+        self.register_buffer("scales_nk", q.scales.t().contiguous())
+
+    def forward(self, x):
+        w = torch.ops.fxopt.dequantize_w4(self.qweight, self.scales_nk.t(), self.zeros, 32)
+        return torch.nn.functional.linear(x, w)
+
+
+def test_rejects_non_contiguous_packed_tensor():
+    _assert_left_alone(TransposedScales(), torch.randn(2, 64).half(), r"scales is not contiguous")
+
+
+def _fake_graph(x, qweight, scales, zeros, group_size, bias=None):
+    """``linear(x, dequantize_w4(...), bias)`` with hand-set fake ``meta["val"]`` (values eager would refuse)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    g = fx.Graph()
+    names = ["x", "qweight", "scales", "zeros"] + (["bias"] if bias is not None else [])
+    nodes = {}
+    for name, t in zip(names, (x, qweight, scales, zeros, bias)):
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = mode.from_tensor(t)
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    dq = g.call_function(torch.ops.fxopt.dequantize_w4.default,
+                         (nodes["qweight"], nodes["scales"], nodes["zeros"], group_size))
+    dq.meta["val"] = mode.from_tensor(torch.empty(N, K, dtype=scales.dtype))
+    lin = g.call_function(torch._C._nn.linear, (nodes["x"], dq, nodes.get("bias")))
+    lin.meta["val"] = mode.from_tensor(torch.empty(*x.shape[:-1], N, dtype=x.dtype))
+    g.output(lin)
+    gm = fx.GraphModule(nn.Module(), g)
+    gm, results = run_passes(gm, [], Config())
+    res = [r for r in results if r.name == "w4a16"][0]
+    assert res.rewrites == 0 and count(gm, W4A16) == 0 and count(gm, DEQUANT) == 1
+    return [s.reason for s in res.skipped]
+
+
+def _parts(K=64, N=32, G=32, dtype=torch.float16):
+    p = packed(K, N, G, dtype)
+    return p.qweight, p.scales, p.zeros
+
+
+def test_rejects_bias_in_another_dtype():
+    qw, s, z = _parts()
+    reasons = _fake_graph(torch.randn(2, 64).half(), qw, s, z, 32, bias=torch.randn(32))
+    assert reasons == ["bias dtype torch.float32 differs from activation dtype torch.float16"]
+
+
+def test_rejects_group_size_that_does_not_divide_k():
+    qw = pack_int4(torch.randint(0, 16, (96, 32)))
+    s, z = torch.ones(1, 32).half(), torch.full((1, 32), 8.0).half()
+    assert _fake_graph(torch.randn(2, 96).half(), qw, s, z, 64) == ["group size 64 does not divide K = 96"]
+
+
+def test_rejects_scales_of_the_wrong_shape():
+    qw, s, z = _parts()
+    reasons = _fake_graph(torch.randn(2, 64).half(), qw, s[:1], z, 32)
+    assert reasons == ["scales shape (1, 32) is not [K // G, N] = [2, 32] (K=64, group 32)"]
+
+
+def test_rejects_packed_weight_that_is_not_int32():
+    qw, s, z = _parts()
+    reasons = _fake_graph(torch.randn(2, 64).half(), qw.to(torch.int64), s, z, 32)
+    assert reasons == ["qweight is torch.int64 2-D; the packed weight is int32 [K // 8, N]"]
+
+
+def test_rejects_input_features_other_than_k():
+    qw, s, z = _parts()
+    reasons = _fake_graph(torch.randn(2, 72).half(), qw, s, z, 32)
+    assert reasons == ["input has 72 features but the packed weight has K = 64"]

@@ -6,7 +6,8 @@ insert are opaque custom ops to Inductor, which generates Triton code for everyt
 
 ``Backend(config)`` is a callable backend object; ``"fxopt"`` and ``"fxopt_eager"`` are registered names (through
 the ``torch_dynamo_backends`` entry points of the installed package, or by :func:`register_backends` when fxopt is
-imported from a checkout). ``options=`` from ``torch.compile`` are validated by :meth:`fxopt.Config.from_options`.
+imported from a checkout). ``options=`` from ``torch.compile`` are validated by :meth:`fxopt.Config.from_options` (keys, types, ranges,
+choices, Inductor's config keys); a ``Config`` handed to ``Backend`` is validated when the backend is built.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Backend:
     def __init__(self, config: Optional[Config] = None, *, inductor: bool = True, extras: Optional[dict] = None):
         if config is not None and not isinstance(config, Config):
             raise ConfigError(f"fxopt.Backend takes an fxopt.Config, got {type(config).__name__}")
-        self.config = config or Config()
+        self.config = (config or Config()).validate()  # a bad value fails here, not at the first compile
         self.inductor = inductor
         self.extras = extras or {}
         self.results: list = []  # one list of PassResult per compiled graph, in order

@@ -16,12 +16,20 @@ one of the spellings of ``x @ W.T (+ b)``:
 
 If any user is something else, ``W`` is needed in memory anyway and the candidate stays (reason: the weight is used
 elsewhere). Otherwise each product is checked on ``meta["val"]`` and replaced by
-``w4a16_linear(x, qweight, scales, zeros, G, bias)`` when all of these hold:
+``w4a16_linear(x, qweight, scales, zeros, G, bias)`` only when all of these are proven:
 
-* ``x`` is fp16/bf16, with the dtype of ``scales`` and ``zeros``; 2-D or 3-D (the op's contract); ``x.shape[-1] = K``;
-* the group size is a literal int the kernel supports (32, 64, 128 or K);
-* ``x``, the packed tensors and the bias are on one device; the bias is [N] in ``x``'s dtype;
-* ``scales`` / ``zeros`` need no gradient (the fused op gives none to them).
+* dtypes: ``x`` is fp16/bf16, with the dtype of ``scales`` and ``zeros``; ``qweight`` is int32; the bias is in
+  ``x``'s dtype;
+* shapes: ``x`` is 2-D or 3-D (the op's contract) with a static ``x.shape[-1] = K``; ``qweight`` is [K // 8, N] with
+  static K and N; the group size is a literal int the kernel supports (32, 64, 128 or K) that divides K; ``scales``
+  and ``zeros`` are [K // G, N]; the bias is [N];
+* layout: ``x`` has unit stride along K and its rows collapse to a 2-D [M, K] view (the kernel reads rows of x as
+  they are; any other layout is copied on every call), and the packed tensors are contiguous;
+* no in-place op between the ``dequantize_w4`` node and the product writes to storage shared with ``qweight``,
+  ``scales`` or ``zeros`` (the fused op reads them at the product, the original read them at the dequantize; a write
+  whose target has no ``meta["val"]`` counts as one). ``x`` and the bias are read at the product either way;
+* ``x``, the packed tensors and the bias are on one device; ``scales`` / ``zeros`` need no gradient (the fused op
+  gives none to them).
 
 Everything else stays as it was, with a reason (``result.skip``). The new node gets ``meta["val"]`` by running the op's
 fake implementation under the graph's fake mode, and inherits the replaced node's ``nn_module_stack`` /
@@ -31,6 +39,7 @@ transpose) are erased once unused. One note line per rewrite goes to ``result.no
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from typing import Optional
 
@@ -86,7 +95,7 @@ def _as_linear_use(user: fx.Node, w: fx.Node) -> Optional[_Use]:
     """Interpret ``user`` of the dequantized weight ``w`` as a linear product, or None."""
     if match.op_name(user) == "linear":
         x = match.get_arg(user, 0, "input")
-        if match.get_arg(user, 1, "weight") is w and x is not w:
+        if match.get_arg(user, 1, "weight") is w and x is not w and set(user.kwargs) <= {"input", "weight", "bias"}:
             return _Use(user, x, match.get_arg(user, 2, "bias"), None)
         return None
     if not _is_transpose_2d(user, w) or len(user.users) != 1:
@@ -111,12 +120,32 @@ def _describe(node: fx.Node) -> str:
     return f"{node.name} ({match.op_name(node) or node.target})"
 
 
+def _static(*dims) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+def _rows_collapse(xv: torch.Tensor) -> bool:
+    """Whether x [..., K] has unit stride along K and its leading dims merge into one (a [M, K] view, no copy)."""
+    size, stride = tuple(xv.shape), tuple(xv.stride())
+    if not _static(*size, *stride):
+        return False
+    if size[-1] > 1 and stride[-1] != 1:
+        return False
+    if len(size) == 3 and size[0] > 1 and size[1] > 1 and stride[0] != size[1] * stride[1]:
+        return False
+    return True
+
+
 def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
     """Reason the product cannot be fused, or None if it can."""
     xv = match.tensor_val(use.x)
     qv, sv, zv = match.tensor_val(qweight), match.tensor_val(scales), match.tensor_val(zeros)
     if xv is None or qv is None or sv is None or zv is None:
         return "no tensor meta['val'] on the input or the packed weight"
+    if qv.dtype != torch.int32 or qv.dim() != 2:
+        return f"qweight is {qv.dtype} {qv.dim()}-D; the packed weight is int32 [K // 8, N]"
+    if not _static(*qv.shape):
+        return f"packed weight shape {tuple(qv.shape)} is symbolic; K and N must be static"
     K, N = qv.shape[0] * PACK, qv.shape[1]
     if xv.dtype not in (torch.float16, torch.bfloat16):
         return f"activations are {xv.dtype}; w4a16_linear needs float16/bfloat16"
@@ -124,6 +153,8 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
         return f"activation dtype {xv.dtype} differs from scales/zeros dtype ({sv.dtype}, {zv.dtype})"
     if xv.dim() not in (2, 3):
         return f"input is {xv.dim()}-D; w4a16_linear takes 2-D or 3-D input"
+    if not _static(xv.shape[-1]):
+        return f"input feature dim {xv.shape[-1]} is symbolic; it must be the static K = {K}"
     if xv.shape[-1] != K:
         return f"input has {xv.shape[-1]} features but the packed weight has K = {K}"
     if not isinstance(group_size, int) or isinstance(group_size, bool):
@@ -131,6 +162,17 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
     G = K if group_size == -1 else group_size
     if G not in _SUPPORTED_GROUPS and G != K:
         return f"group size {G} not supported by the kernel (32, 64, 128 or K = {K})"
+    if G <= 0 or K % G:
+        return f"group size {G} does not divide K = {K}"
+    for name, t in (("scales", sv), ("zeros", zv)):
+        if tuple(t.shape) != (K // G, N):
+            return f"{name} shape {tuple(t.shape)} is not [K // G, N] = [{K // G}, {N}] (K={K}, group {G})"
+    if not _rows_collapse(xv):
+        return (f"input layout size {tuple(xv.shape)} stride {tuple(xv.stride())} is not rows of unit stride along "
+                f"K; the kernel would copy x on every call")
+    for name, t in (("qweight", qv), ("scales", sv), ("zeros", zv)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (stride {tuple(t.stride())}); the kernel would copy it on every call"
     if sv.requires_grad or zv.requires_grad:
         return "scales/zeros require grad; w4a16_linear gives them no gradient"
     tensors = [xv, qv, sv, zv]
@@ -146,6 +188,59 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         return f"tensors on several devices: {sorted(map(str, devices))}"
+    return None
+
+
+def _written(node: fx.Node) -> Optional[list]:
+    """The arguments ``node`` writes in place (possibly empty), or None when it writes something it cannot name."""
+    out = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if node.op == "call_method":
+        name = node.target
+        if name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__"):
+            out.append(node.args[0])
+        return out
+    if node.op != "call_function":
+        return out if node.op in ("placeholder", "get_attr", "output") else None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = getattr(t, "default", None) or t
+    if isinstance(t, torch._ops.OpOverload):
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(match.get_arg(node, i, a.name))
+        return out
+    name = getattr(t, "__name__", "")
+    if t is operator.setitem or node.kwargs.get("inplace") is True or (
+            name.endswith("_") and not name.endswith("__")):
+        out.append(node.args[0] if node.args else None)
+    return out
+
+
+def _mutated_between(start: fx.Node, end: fx.Node, packed: list) -> Optional[str]:
+    """Why a node strictly between ``start`` and ``end`` may write to the packed tensors' storage, or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storages = set()
+    for p in packed:
+        v = match.tensor_val(p)
+        if v is None:
+            return f"{p} has no tensor meta['val']"
+        storages.add(StorageWeakRef(v.untyped_storage()))
+    node = start.next
+    while node is not end and node.op != "root":
+        written = _written(node)
+        if written is None:
+            return f"{_describe(node)} may write in place (unknown op)"
+        for w in written:
+            wv = match.tensor_val(w) if isinstance(w, fx.Node) else None
+            if wv is None:
+                if isinstance(w, fx.Node) or w is None:
+                    return f"{_describe(node)} writes in place to a tensor without meta['val']"
+                continue
+            if StorageWeakRef(wv.untyped_storage()) in storages:
+                return (f"{_describe(node)} writes in place to the packed weight between {start.name} and "
+                        f"{end.name}; the fused op would read the new values")
+        node = node.next
     return None
 
 
@@ -191,7 +286,8 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
                             + ", ".join(_describe(o) for o in others))
             continue
         for use in uses:
-            reason = _check(use, qweight, scales, zeros, group_size)
+            reason = _check(use, qweight, scales, zeros, group_size) or _mutated_between(
+                dq, use.node, [qweight, scales, zeros])
             if reason is not None:
                 result.skip(use.node, reason)
                 continue
