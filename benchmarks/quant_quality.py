@@ -35,16 +35,17 @@ MODELS = {
     "smollm": dict(file="smollm2-135m.gguf", label="SmolLM2-135M", group_size=64, bos=False),
 }
 VARIANTS = [
+    ("gptq (defaults)", dict(method="gptq")),
+    ("awq (defaults)", dict(method="awq")),
     ("rtn", dict(method="rtn")),
-    ("gptq", dict(method="gptq", act_order=True)),
-    ("awq", dict(method="awq")),
-    ("gptq (no act-order)", dict(method="gptq", act_order=False)),
-    ("gptq (mse, static groups)", dict(method="gptq", act_order=True, static_groups=True, mse=True)),
+    ("gptq (plain)", dict(method="gptq", act_order=True, float_target=False)),
+    ("awq (plain)", dict(method="awq", float_target=False)),
+    ("gptq (no act-order)", dict(method="gptq", act_order=False, float_target=False)),
+    ("gptq (mse, static groups)", dict(method="gptq", act_order=True, static_groups=True, mse=True,
+                                       float_target=False)),
     ("gptq (mse, static groups, float target)", dict(method="gptq", act_order=True, static_groups=True, mse=True,
                                                      float_target=True)),
-    ("awq (float target)", dict(method="awq", float_target=True)),
-    ("gptq (mse)", dict(method="gptq", act_order=True, mse=True)),
-    ("gptq (float target)", dict(method="gptq", act_order=True, float_target=True)),
+    ("gptq (mse)", dict(method="gptq", act_order=True, mse=True, float_target=False)),
 ]
 
 
@@ -113,14 +114,15 @@ def run_model(key, args, rows, out_dir):
     eval_ids = tok(read("prideprejudice.txt"), add_special_tokens=False)["input_ids"]
     cal = [{"input_ids": w, "use_cache": False} for w in windows(cal_ids, args.cal_samples, 512, bos)]
     ev = windows(eval_ids, args.eval_windows, 512, bos)
-    G = spec["group_size"]
+    G = args.group_size or spec["group_size"]
     ppl_f, n_tok = perplexity(base, ev)
     print(f"[{spec['label']}] float PPL {ppl_f:.3f} over {n_tok} tokens", flush=True)
     res = {"model": spec["label"], "group": G, "method": "float", "ppl": ppl_f, "eval_tokens": n_tok}
     rows.append(res)
     ppl_rtn = None
     for name, kw in VARIANTS:
-        if args.variants and name.split(" ")[0] not in args.variants and name not in args.variants:
+        if args.variants and name.split(" ")[0] not in args.variants and name not in args.variants \
+                and name != "rtn":
             continue
         model = copy.deepcopy(base)
         gc.collect()
@@ -143,6 +145,10 @@ def run_model(key, args, rows, out_dir):
                "linears": len(rep.rows) if rep.rows else None}
         if name == "rtn":
             ppl_rtn = ppl
+            for r in rows:  # rows measured before RTN (the defaults come first)
+                if r.get("model") == spec["label"] and r.get("group") == G and "ppl" in r \
+                        and r["method"] not in ("float", "rtn") and ppl_rtn != ppl_f:
+                    r["gap_closed"] = (ppl_rtn - r["ppl"]) / (ppl_rtn - ppl_f)
         elif ppl_rtn is not None and ppl_rtn != ppl_f:
             row["gap_closed"] = (ppl_rtn - ppl) / (ppl_rtn - ppl_f)
         rows.append(row)
@@ -162,6 +168,7 @@ def main():
                        help="subset of the variants: rtn gptq awq (every variant of that method), or one full name "
                             "such as 'gptq (mse, static groups)'")
         p.add_argument("--cal-samples", type=int, default=128)
+        p.add_argument("--group-size", type=int, default=None, help="override the model's group size (64, 128)")
         p.add_argument("--eval-windows", type=int, default=40)
 
     args = parse_args(__doc__.splitlines()[0], extra)

@@ -91,7 +91,7 @@ class QuantizeReport:
 
 def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
-             damp: float = 0.01, *, mse: bool = False, float_target: bool = False, block_size: int = 128,
+             damp: float = 0.01, *, mse: bool = False, float_target: bool = True, block_size: int = 128,
              exclude: Iterable[str] = (), include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5,
              clip: bool = True, offload: bool = False, pack: bool = True, progress: bool = True,
              report: Optional[QuantizeReport] = None) -> nn.Module:
