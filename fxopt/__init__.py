@@ -3,7 +3,7 @@
 ``torch.compile(model, backend="fxopt")`` runs fxopt's passes (fused FlashAttention, W4A16 linears, tensor and pipeline
 parallel splits) on Dynamo's graph, then Inductor. Public API: :class:`Backend`, :class:`Config`, :func:`explain`,
 and one entry function per feature: :func:`load_quantized`, :func:`save_quantized`, :func:`quantize`,
-:func:`parallelize`, :func:`pipeline` (imported on first use).
+:func:`parallelize`, :func:`pipeline`, :func:`distribute` (imported on first use).
 """
 import importlib
 
@@ -21,6 +21,7 @@ _LAZY = {
     "quantize": "fxopt.quant.calibrate",
     "parallelize": "fxopt.parallel.tensor_parallel",
     "pipeline": "fxopt.parallel.pipeline",
+    "distribute": "fxopt.parallel.distribute",
 }
 
 
@@ -32,4 +33,4 @@ def __getattr__(name):
 
 __all__ = ["Backend", "Config", "ConfigError", "AttentionConfig", "W4A16Config", "TensorParallelConfig",
            "PipelineConfig", "ExplainReport", "explain", "load_quantized", "save_quantized", "quantize",
-           "parallelize", "pipeline", "__version__"]
+           "parallelize", "pipeline", "distribute", "__version__"]

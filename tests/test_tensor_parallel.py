@@ -306,9 +306,20 @@ def _check_async_tp_patterns(ws):
     assert len(rss) == 4 and all(rss), found
 
 
+def _check_ranks_disagree(rank, ws):
+    """Ranks called with different example shapes: the same clear error on both, before the first collective."""
+    from fxopt.parallel.distribute import DistributeError
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    x = torch.randn(2, 4 if rank == 0 else 6, 32)
+    with pytest.raises(DistributeError, match=r"different models or example inputs(.|\n)*ranks \[1\]"):
+        parallelize(MLP(), (x,), tp=ws, config=_cfg())
+
+
 def _worker_all(rank, ws):
     import time
 
+    _check_ranks_disagree(rank, ws)
     t0 = time.perf_counter()
     _worker_models(rank, ws)
     t1 = time.perf_counter()

@@ -565,6 +565,54 @@ class PipelineRunner:
         return None
 
 
+def plan_pipeline(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, stages: int,
+                  microbatches: int, schedule: str, split_points: Sequence[str] = (),
+                  profile: Optional[DeviceProfile] = None, balance_slack: float = 0.05) -> tuple:
+    """Capture one micro-batch of ``model`` and run the pipeline pass: ``(gm, plan, state, tensors, input_order)``
+    (see :func:`build_stage_modules`). Runs no collective, so it also plans meshes larger than the machine."""
+    from ..passes.manager import run_passes
+
+    _check_batch(example_args, example_kwargs, microbatches)
+    # 1. Capture one micro-batch.
+    mb_args = [_chunk0(a, microbatches) for a in example_args]
+    mb_kwargs = {k: _chunk0(v, microbatches) for k, v in example_kwargs.items()}
+    gm, example_inputs = capture(model, mb_args, mb_kwargs)
+    names = _state_names(model)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(example_inputs):
+        raise PipelineError(f"captured graph has {len(phs)} inputs but {len(example_inputs)} example values "
+                            "(symbolic shapes?)")
+    flat_mb = _flat_inputs(mb_args, mb_kwargs)
+    state, tensors, user_pos = {}, {}, {}
+    for n, v in zip(phs, example_inputs):
+        if isinstance(v, torch.Tensor) and id(v) in names:
+            state[n.name] = names[id(v)]
+            tensors[names[id(v)]] = v
+        else:
+            pos = next((i for i, t in enumerate(flat_mb) if t is v), None)
+            if pos is None:
+                raise PipelineError(f"graph input {n.name} is neither a model parameter/buffer nor a tensor argument "
+                                    f"(a global tensor or a non-tensor input Dynamo lifted): not supported")
+            user_pos[n.name] = pos
+    input_order = sorted(user_pos, key=user_pos.get)
+
+    # 2. Plan (the pipeline pass alone; the other passes run later, inside each stage's compile).
+    cfg = Config()
+    cfg.attention.enabled = cfg.w4a16.enabled = cfg.tensor_parallel.enabled = False
+    cfg.pipeline = PipelineConfig(enabled=True, stages=stages, microbatches=microbatches, schedule=schedule,
+                                  split_points=list(split_points))
+    trainable = {q for q, t in tensors.items() if isinstance(t, nn.Parameter) and t.requires_grad}
+    extras = {"pipeline_state": state, "pipeline_trainable": trainable, "pipeline_slack": balance_slack,
+              "pipeline_profile": profile or DeviceProfile.for_device(torch.device("cpu"))}
+    gm, results = run_passes(gm, example_inputs, cfg, extras)
+    plan = gm.meta.get(PLAN_KEY)
+    if plan is None:
+        reasons = "; ".join(s.reason for r in results for s in r.skipped) or "the pipeline pass did not run"
+        raise PipelineError(f"no pipeline split: {reasons}")
+
+    return gm, plan, state, tensors, input_order
+
+
 def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[dict] = None, *,
              stages: Optional[int] = None, microbatches: int = 1, schedule: str = "1F1B",
              split_points: Sequence[str] = (), loss_fn: Optional[Callable] = None, compile: Any = True,
@@ -601,8 +649,6 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     """
     import os
 
-    from ..passes.manager import run_passes
-
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineError("fxopt.pipeline needs an initialized process group (torch.distributed.init_process_group)")
     if schedule not in SCHEDULES:
@@ -630,42 +676,9 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     if cuda_graphs and device.type != "cuda":
         raise PipelineError(f"cuda_graphs needs CUDA stages; this rank's stages run on {device}")
 
-    # 1. Capture one micro-batch.
-    mb_args = [_chunk0(a, microbatches) for a in example_args]
-    mb_kwargs = {k: _chunk0(v, microbatches) for k, v in example_kwargs.items()}
-    gm, example_inputs = capture(model, mb_args, mb_kwargs)
-    names = _state_names(model)
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(phs) != len(example_inputs):
-        raise PipelineError(f"captured graph has {len(phs)} inputs but {len(example_inputs)} example values "
-                            "(symbolic shapes?)")
-    flat_mb = _flat_inputs(mb_args, mb_kwargs)
-    state, tensors, user_pos = {}, {}, {}
-    for n, v in zip(phs, example_inputs):
-        if isinstance(v, torch.Tensor) and id(v) in names:
-            state[n.name] = names[id(v)]
-            tensors[names[id(v)]] = v
-        else:
-            pos = next((i for i, t in enumerate(flat_mb) if t is v), None)
-            if pos is None:
-                raise PipelineError(f"graph input {n.name} is neither a model parameter/buffer nor a tensor argument "
-                                    f"(a global tensor or a non-tensor input Dynamo lifted): not supported")
-            user_pos[n.name] = pos
-    input_order = sorted(user_pos, key=user_pos.get)
-
-    # 2. Plan (the pipeline pass alone; the other passes run later, inside each stage's compile).
-    cfg = Config()
-    cfg.attention.enabled = cfg.w4a16.enabled = cfg.tensor_parallel.enabled = False
-    cfg.pipeline = PipelineConfig(enabled=True, stages=stages, microbatches=microbatches, schedule=schedule,
-                                  split_points=list(split_points))
-    trainable = {q for q, t in tensors.items() if isinstance(t, nn.Parameter) and t.requires_grad}
-    extras = {"pipeline_state": state, "pipeline_trainable": trainable, "pipeline_slack": balance_slack,
-              "pipeline_profile": profile or DeviceProfile.for_device(device)}
-    gm, results = run_passes(gm, example_inputs, cfg, extras)
-    plan = gm.meta.get(PLAN_KEY)
-    if plan is None:
-        reasons = "; ".join(s.reason for r in results for s in r.skipped) or "the pipeline pass did not run"
-        raise PipelineError(f"no pipeline split: {reasons}")
+    gm, plan, state, tensors, input_order = plan_pipeline(
+        model, example_args, example_kwargs, stages=stages, microbatches=microbatches, schedule=schedule,
+        split_points=split_points, profile=profile or DeviceProfile.for_device(device), balance_slack=balance_slack)
     if rank == 0:
         log.info("%s", plan)
 
@@ -685,7 +698,13 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
         if len(ranks) < 2 or not isinstance(tensors.get(qual), nn.Parameter):
             continue
         global_ranks = [dist.get_global_rank(group, r) for r in ranks] if group is not None else ranks
-        grp = dist.new_group(global_ranks)
+        if len(ranks) == world:  # the whole pipeline group (always so with one stage per rank): no new group
+            grp = group if group is not None else dist.group.WORLD
+        elif group is not None and dist.get_world_size() != world:
+            raise PipelineError(f"parameter {qual} is shared by pipeline ranks {ranks} of a sub-group of "
+                                f"{world}: sub-groups of it are not created inside a device mesh")
+        else:
+            grp = dist.new_group(global_ranks)
         if rank in ranks:
             p = tensors[qual]
             with torch.no_grad():
@@ -721,4 +740,4 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
                           shared_groups, spec)
 
 
-__all__ = ["pipeline", "PipelineRunner", "PipelineError", "build_stage_modules", "capture", "SCHEDULES"]
+__all__ = ["pipeline", "plan_pipeline", "PipelineRunner", "PipelineError", "build_stage_modules", "capture", "SCHEDULES"]

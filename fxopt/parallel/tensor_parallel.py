@@ -296,6 +296,8 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     Raises:
         RuntimeError: no initialized process group, or the model is not captured as one graph.
         ValueError: ``tp`` differs from the group's size.
+        DistributeError: the ranks were called with different example shapes, models or ``training``
+            (raised on every rank, before the first collective of the graph).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fxopt.parallelize needs an initialized process group (torchrun + "
@@ -326,6 +328,13 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     args = example_args if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
     group_name = group.group_name
+    # Ranks that capture different shapes would cut different plans and fail inside the backend's first collective
+    # (gloo aborts on mismatched sizes); one all_gather of the signatures turns that into the same error everywhere.
+    from .distribute import agree
+
+    leaves, _ = tree_flatten((tuple(args), kwargs))
+    n_params = sum(p.numel() for p in model.parameters())
+    agree(group, (_signature(leaves), tuple(kwargs), n_params, bool(training)), [], "fxopt.parallelize")
 
     def factory(params, grads):
         return TPContext(group_name, rank, tp, params, bool(training), grads)
