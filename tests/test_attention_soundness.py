@@ -386,3 +386,49 @@ def test_row10_symbolic_scale_is_a_scale():
     torch.testing.assert_close(run(q, k, v), fn(q, k, v))
     assert run.rewrites == 1 == len(run.backend.results), run.reasons
     assert not any("tensor" in r for r in run.reasons)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_row5_additive_min_fully_masked_rows_gradients(gqa):
+    """transformers' eager form with left padding, in training: dead rows average v, and their gradient reaches
+    q and k through the softmax at p = 1/n, as in eager."""
+    def fn(q, k, v, pad):
+        if gqa:
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        keep = (j <= i) & pad[:, None, None, :]
+        s = q @ k.transpose(-1, -2) * 0.25
+        s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+        return s.softmax(-1) @ v
+
+    q, k, v = _qkv(H=4, Hkv=2 if gqa else 4, seed=5)
+    pad = _left_pad()
+    grads, run = [], _Run(fn)
+    for f in (fn, run):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args, pad)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert run.rewrites == 1, run.reasons
+
+
+def test_row5_neg_inf_fully_masked_rows_nan_gradients():
+    """-inf fills, a fully masked row: eager's NaN output and NaN gradients (dq on the row, dk / dv on the head)."""
+    def fn(q, k, v, pad):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        keep = (j <= i) & pad[:, None, None, :]
+        return (q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    q, k, v = _qkv(seed=6)
+    grads, run = [], _Run(fn)
+    for f in (fn, run):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        f(*args, _left_pad()).sum().backward()
+        grads.append([a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, equal_nan=True)
+    assert run.rewrites == 1, run.reasons

@@ -1352,7 +1352,13 @@ def _dead_row_policy(m: _Match, masks: _Masks, add_keep: list, possible: bool, t
         return None
     fills = set(masks.fills)
     if not masks.keeps or fills == {-math.inf}:
-        return "nan"
+        replaced = len(masks.keeps) - len(add_keep)  # masked_fill / where literals: no gradient where they fill
+        if not training:
+            return "nan"
+        if replaced and (add_keep or masks.additive):
+            return ("!rows may be fully masked by both -inf fills and additive masks, in training: which scores "
+                    "eager's NaN gradient reaches is not reproduced")
+        return "nan_filled" if replaced else "nan"
     if len(fills) != 1 or m.dropout_p:
         return (f"!rows may be fully masked with fills {sorted(fills)}"
                 + (" and dropout" if m.dropout_p else "") + ": eager's result there cannot be reproduced")
@@ -1365,9 +1371,9 @@ def _dead_row_policy(m: _Match, masks: _Masks, add_keep: list, possible: bool, t
         if add_dt not in (torch.float32, torch.bfloat16) or abs(_in_dtype(fa, add_dt)) < 1e30:
             return (f"!rows may be fully masked and a fill of {fa} added to {add_dt} scores does not swamp them "
                     "(eager's rounded row is not reproduced)")
-        if training:
-            return "!rows may be fully masked by an additive fill: its gradient reaches the scores there"
-        return "mean"
+        if training and m.softcap:
+            return "!rows may be fully masked by an additive fill, with softcap, in training"
+        return "mean_additive" if training else "mean"
     if masks.additive and not masks.additive_first:
         return "!rows may be fully masked, with an additive mask after the fill"
     return "mean"
@@ -1394,13 +1400,15 @@ def _call_with_dead_rows(b: _Builder, q, k, v, kwargs: dict, dead: str, Hq: int,
     out = b.call(operator.getitem, (pair, 0))
     lse = b.call(operator.getitem, (pair, 1))
     is_dead = b.call(operator.getitem, (b.call(operator.eq, (lse, math.inf)), (Ellipsis, None)))
-    if dead == "nan":
+    if dead in ("nan", "nan_filled"):
+        # "nan_filled": the row's scores were replaced (masked_fill), so eager's NaN gradient stops there: only dv
         res = b.call(torch.where, (is_dead, math.nan, out))
         if training:
             poison = b.call(torch.where, (is_dead, math.nan, 0.0))  # [B, Hq, Sq, 1], float32, no gradient
-            terms = [b.call("sum", (b.call(operator.mul, (q, 0.0)), -1), {"keepdim": True}, method=True)]
+            terms = [] if dead == "nan_filled" else [
+                b.call("sum", (b.call(operator.mul, (q, 0.0)), -1), {"keepdim": True}, method=True)]
             Hkv = tensor_val(k).shape[1]
-            for x in (k, v):
+            for x in ((v,) if dead == "nan_filled" else (k, v)):
                 t = b.call("sum", (b.call(operator.mul, (x, 0.0)), (-2, -1)), {"keepdim": True}, method=True)
                 if Hkv != Hq:
                     t = b.call(torch.repeat_interleave, (t, Hq // Hkv), {"dim": 1})
@@ -1409,10 +1417,27 @@ def _call_with_dead_rows(b: _Builder, q, k, v, kwargs: dict, dead: str, Hq: int,
                 pt = b.call(operator.mul, (poison, t))
                 res = b.call(operator.add, (res, b.call("to", (pt, tensor_val(out).dtype), method=True)))
         return res
-    Bv, Hkv, _, D = tensor_val(v).shape
-    mean = b.call("mean", (v, -2), {"keepdim": True}, method=True)  # [B, Hkv, 1, D]
-    if Hkv != Hq:
-        mean = b.call(torch.repeat_interleave, (mean, Hq // Hkv), {"dim": 1})
+    Bv, Hkv, Sk, D = tensor_val(v).shape
+
+    def heads(x):
+        return x if Hkv == Hq else b.call(torch.repeat_interleave, (x, Hq // Hkv), {"dim": 1})
+
+    mean = heads(b.call("mean", (v, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
+    if dead == "mean_additive":
+        # scores + f with f swamping them: the value is the uniform mean, but the softmax's gradient still reaches
+        # the scores, at p = 1/n: d out / d s_j = (v_j - mean v) / n. With s^ = s - detach(s) (value 0) that is
+        # mean v + (1/n) sum_j (s^_j - mean s^) v_j, written through K^T V ([D, D] per head, no S x S term):
+        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X).
+        scale = kwargs.get("scale")
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        vd = b.call("detach", (v,), method=True)
+        ktv = heads(b.call(torch.matmul, (b.call(torch.transpose, (k, -2, -1)), vd)))  # [B, Hq, D, D]
+        kbar = heads(b.call("mean", (k, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
+        x1 = b.call(operator.mul, (b.call(torch.matmul, (q, ktv)), scale / Sk))
+        qk = b.call("sum", (b.call(operator.mul, (q, kbar)), -1), {"keepdim": True}, method=True)
+        x2 = b.call(operator.mul, (b.call(operator.mul, (qk, scale)), b.call("detach", (mean,), method=True)))
+        x = b.call(operator.sub, (x1, x2))
+        mean = b.call(operator.add, (mean, b.call(operator.sub, (x, b.call("detach", (x,), method=True)))))
     mean = b.call("to", (mean, tensor_val(out).dtype), method=True)
     return b.call(torch.where, (is_dead, mean, out))
 
