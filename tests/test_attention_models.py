@@ -93,7 +93,7 @@ def _compile_and_compare(model, args, kwargs, expect_rewrites):
         if n in ref_grads:
             torch.testing.assert_close(p.grad, ref_grads[n], atol=5e-5, rtol=1e-3, msg=lambda m: f"{n}: {m}")
     assert sum(r.rewrites for r in results) == expect_rewrites, [s.reason for r in results for s in r.skipped]
-    flash = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.fxopt.flash_attention.default]
+    flash = [n for gm in graphs for n in gm.graph.nodes if n.target in (torch.ops.fxopt.flash_attention.default, torch.ops.fxopt.flash_attention_fwd.default)]
     assert len(flash) == expect_rewrites
     torch._dynamo.reset()
     return flash
@@ -158,7 +158,7 @@ def _compile_and_compare_nograd(model, ids):
     ref = model(ids, use_cache=False).logits
     out = torch.compile(model, backend=backend)(ids, use_cache=False).logits
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    return [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.fxopt.flash_attention.default]
+    return [n for gm in graphs for n in gm.graph.nodes if n.target in (torch.ops.fxopt.flash_attention.default, torch.ops.fxopt.flash_attention_fwd.default)]
 
 
 class NanoGPTBlock(nn.Module):
@@ -324,7 +324,7 @@ def test_llama_kv_cache_step_masks_lowered(impl):
     torch._dynamo.reset()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert sum(r.rewrites for r in results) == 2, [s.reason for r in results for s in r.skipped]
-    flash = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.fxopt.flash_attention.default]
+    flash = [n for gm in graphs for n in gm.graph.nodes if n.target in (torch.ops.fxopt.flash_attention.default, torch.ops.fxopt.flash_attention_fwd.default)]
     assert len(flash) == 2
     for node in flash:
         q_val, k_val = node.args[0].meta["val"], node.args[1].meta["val"]

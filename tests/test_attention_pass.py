@@ -41,7 +41,7 @@ class Captured:
         import fxopt.kernels.ops  # noqa: F401
 
         return [n for gm in self.graphs for n in gm.graph.nodes
-                if n.op == "call_function" and n.target is torch.ops.fxopt.flash_attention.default]
+                if n.op == "call_function" and n.target in (torch.ops.fxopt.flash_attention.default, torch.ops.fxopt.flash_attention_fwd.default)]
 
     def attn(self):
         return [r for res in self.results for r in res if r.name == "attention"]

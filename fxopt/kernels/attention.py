@@ -1709,6 +1709,9 @@ def _cpu_flash_fwd(q, k, v, is_causal, scale):
     """PyTorch's own fused CPU attention for the plain case (no mask of any kind but causal with Sq == Sk, no
     dropout, softcap or window): ~15x faster than the S x S reference, same (out, natural-log lse)."""
     # GQA is native in this kernel since torch 2.5's enable_gqa (query head h reads kv head h // (Hq / Hkv)).
+    # aten's CPU kernel reads the head dim as contiguous: a view with last stride != 1 (e.g. v stored [B, H, D, S])
+    # gives garbage there, so such operands are copied first
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
     out = torch.empty_like(q)
     out.copy_(o)

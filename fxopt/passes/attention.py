@@ -58,7 +58,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _MAX_EVAL_NUMEL = 1 << 24  # biggest intermediate tensor the mask prover will materialize
 _MAX_EVAL_NODES = 400  # biggest mask subgraph the prover will walk
-_BIG_NEGATIVE = -1e30  # a finite fill at or below this behaves like -inf in an fp32 additive mask
 
 
 def _flash_op():
@@ -127,8 +126,6 @@ class _Builder:
 
     def call(self, target, args=(), kwargs=None, method: bool = False) -> fx.Node:
         kwargs = kwargs or {}
-        with self.graph.inserting_before(self.anchor):
-            node = (self.graph.call_method if method else self.graph.call_function)(target, tuple(args), kwargs)
 
         def to_val(a):
             return a.meta["val"] if isinstance(a, fx.Node) else a
@@ -141,6 +138,9 @@ class _Builder:
                 val = getattr(fargs[0], target)(*fargs[1:], **fkwargs)
             else:
                 val = target(*fargs, **fkwargs)
+        # the node exists only once its value could be computed: a failed check leaves no half-built node
+        with self.graph.inserting_before(self.anchor):
+            node = (self.graph.call_method if method else self.graph.call_function)(target, tuple(args), kwargs)
         node.meta["val"] = val
         node.meta["example_value"] = val
         src = self.anchor.meta.get("stack_trace")
@@ -156,6 +156,122 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mutations
+# ----------------------------------------------------------------------------------------------------------------
+
+_INPLACE_FUNCTIONS = {operator.setitem: "setitem", operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
+                      operator.itruediv: "div", operator.iand: "and", operator.ior: "or", operator.ixor: "xor"}
+_INPLACE_BASE = {"add_": "add", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill", "__iadd__": "add",
+                 "__imul__": "mul", "__itruediv__": "div"}
+# ops whose result never shares memory with an input (everything else is assumed to alias its first input)
+_FRESH = {"matmul", "bmm", "einsum", "baddbmm", "mul", "div", "add", "sub", "neg", "invert", "softmax", "masked_fill",
+          "where", "tanh", "sqrt", "linear", "sdpa", "clone", "tril", "triu", "ones", "zeros", "full", "arange",
+          "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "cat", "stack", "exp"}
+_FRESH_TARGETS = {operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_,
+                  operator.or_, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and,
+                  torch.logical_or, torch.tril, torch.triu, torch.ones, torch.zeros, torch.full, torch.arange,
+                  torch.cat, torch.stack, torch.exp, torch.clone}
+
+
+def _mutated_arg(n: fx.Node) -> Optional[fx.Node]:
+    """The tensor ``n`` writes in place (``x.add_``, ``x[i] = y``, ``x += y``, ``out=``, ``inplace=True``), or None."""
+    if n.op not in ("call_function", "call_method"):
+        return None
+    first = n.args[0] if n.args else None
+    if isinstance(n.kwargs.get("out"), fx.Node):
+        return n.kwargs["out"]
+    mutates = False
+    if n.op == "call_method":
+        t = n.target
+        mutates = (t.endswith("_") and not t.startswith("__")) or t in ("__setitem__", "__iadd__", "__isub__",
+                                                                       "__imul__", "__itruediv__")
+    elif n.target in _INPLACE_FUNCTIONS:
+        mutates = True
+    elif isinstance(n.target, torch._ops.OpOverload):
+        mutates = n.target._schema.is_mutable
+    else:
+        name = getattr(n.target, "__name__", "")
+        mutates = name.endswith("_") and not name.startswith("_") and n.target not in (
+            operator.and_, operator.or_, operator.not_, operator.inv, operator.invert)
+    if n.kwargs.get("inplace") is True:
+        mutates = True
+    return first if mutates and isinstance(first, fx.Node) else None
+
+
+class _Mutations:
+    """Every in-place write of a graph and which values it may change (alias classes, found conservatively: any op
+    not known to return fresh memory is taken to alias its first input).
+
+    An in-place op on a fresh, otherwise unused intermediate (``s = q @ kᵀ; s += mask``) changes nothing anyone else
+    reads: it is taken as its functional form (:func:`_functional_inplace`) and is not a mutation here."""
+
+    def __init__(self, graph: fx.Graph):
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.parent: dict = {}
+        self.writes: list = []  # (node, root of the value it writes)
+        for n in graph.nodes:
+            first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            if first is not None and (_mutated_arg(n) is not None or not self._fresh(n)):
+                self._union(n, first)
+        for n in graph.nodes:
+            t = _mutated_arg(n)
+            if t is not None and _functional_inplace(n) is None:
+                self.writes.append((n, self._root(t)))
+
+    @staticmethod
+    def _fresh(n: fx.Node) -> bool:
+        if n.op not in ("call_function", "call_method"):
+            return True
+        if n.op == "call_function" and n.target in _FRESH_TARGETS:
+            return True
+        return op_name(n) in _FRESH
+
+    def _root(self, n):
+        while self.parent.get(n, n) is not n:
+            n = self.parent[n]
+        return n
+
+    def _union(self, a, b):
+        ra, rb = self._root(a), self._root(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+
+    def touching(self, nodes, lo: int = -1, hi: Optional[int] = None) -> Optional[fx.Node]:
+        """A write at a position in (lo, hi) to a value that may alias one of ``nodes``, or None."""
+        roots = {self._root(n) for n in nodes if isinstance(n, fx.Node)}
+        for w, r in self.writes:
+            p = self.pos.get(w, -1)
+            if r in roots and p > lo and (hi is None or p < hi):
+                return w
+        return None
+
+
+def _functional_inplace(n: fx.Node) -> Optional[str]:
+    """Base op name when ``n`` writes in place into a fresh intermediate that nothing else reads (exactly its
+    functional form), else None."""
+    if n.op == "call_function":
+        base = _INPLACE_FUNCTIONS.get(n.target)
+    elif n.op == "call_method":
+        base = _INPLACE_BASE.get(n.target)
+    else:
+        base = None
+    if base not in ("add", "mul", "div", "sub", "masked_fill"):
+        return None
+    x = n.args[0] if n.args else None
+    if not isinstance(x, fx.Node) or len(x.users) != 1 or not _Mutations._fresh(x) or x.op == "placeholder":
+        return None
+    if _mutated_arg(x) is not None and _functional_inplace(x) is None:
+        return None
+    return base
+
+
+def _node_name(n: Any) -> Optional[str]:
+    """``op_name``, with an exact in-place form (:func:`_functional_inplace`) read as its functional op."""
+    base = _functional_inplace(n) if isinstance(n, fx.Node) else None
+    return base or op_name(n)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,6 +351,9 @@ def _const_eval(node: fx.Node, cache: dict) -> Optional[Any]:
     nodes = _ancestors(node)
     if nodes is None:
         return None
+    muts = cache.get("__mutations__")
+    if muts is not None and muts.touching(nodes) is not None:
+        return None  # written in place somewhere: its compile-time value is not the value the graph reads
     env: dict = {}
     for n in nodes:
         if not _is_pure_eval_target(n):
@@ -253,6 +372,9 @@ def _padding_probe(node: fx.Node, cache: dict) -> Optional[tuple[fx.Node, torch.
     """If ``node`` is ``bool(P)`` gathered with constant indices from one placeholder P, return (P, index map)."""
     nodes = _ancestors(node)
     if nodes is None:
+        return None
+    muts = cache.get("__mutations__")
+    if muts is not None and muts.touching(nodes) is not None:
         return None
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -327,7 +449,6 @@ class _Lowered:
     kpm: Optional[fx.Node] = None  # placeholder P; key_padding_mask = P[:, :Sk].bool()
     kpm_len: int = 0
     const_has_empty_row: bool = False
-    fix_dead_rows: bool = False  # emulate the model's finite fill on rows with no visible key
 
 
 def _analyze_keep(lit: _Keep, cache: dict, shape4: tuple) -> Optional[tuple[Optional[torch.Tensor], list]]:
@@ -517,10 +638,14 @@ class _Match:
     three_d: bool = False
     matched: list = field(default_factory=list)  # nodes replaced (erased if unused)
     k_is_kt: bool = False  # k node is kᵀ [.., D, Sk]: insert a transpose
+    scale_syms: list = field(default_factory=list)  # (node, divides): symbolic (SymInt / SymFloat) scale factors
+    casts: list = field(default_factory=list)  # dtypes of every cast matched on the scores / probabilities
+    add_dtypes: list = field(default_factory=list)  # dtype of the scores each additive mask is added into
 
 
-def _strip_scalar(node: fx.Node, matched: list, cache: dict) -> tuple[fx.Node, float]:
-    """Peel ``x * c`` / ``x / c`` (c a number or a constant 0-d tensor) off a single-use operand chain."""
+def _strip_scalar(node: fx.Node, matched: list, cache: dict, syms: list) -> tuple[fx.Node, float]:
+    """Peel ``x * c`` / ``x / c`` (c a number, a constant 0-d tensor, or a symbolic number, appended to ``syms``)
+    off a single-use operand chain."""
     factor = 1.0
     while True:
         name = op_name(node)
@@ -530,7 +655,19 @@ def _strip_scalar(node: fx.Node, matched: list, cache: dict) -> tuple[fx.Node, f
         c = _scalar_value(b, cache)
         if c is None and name == "mul":
             c = _scalar_value(a, cache)
-            a = b
+            if c is not None:
+                a = b
+        if c is None and _sym_scalar(b) is not None and isinstance(a, fx.Node) and node.kwargs.get(
+                "rounding_mode") is None:
+            syms.append((b, name == "div"))
+            matched.append(node)
+            node = a
+            continue
+        if c is None and name == "mul" and _sym_scalar(a) is not None and isinstance(b, fx.Node):
+            syms.append((a, False))
+            matched.append(node)
+            node = b
+            continue
         if c is None or not isinstance(a, fx.Node):
             return node, factor
         if name == "div" and node.kwargs.get("rounding_mode") is not None:
@@ -552,6 +689,15 @@ def _scalar_value(x: Any, cache: dict) -> Optional[float]:
             c = _const_eval(x, cache)
             if isinstance(c, torch.Tensor) and c.numel() == 1 and c.dtype.is_floating_point | (not c.dtype.is_complex):
                 return float(c)
+    return None
+
+
+def _sym_scalar(x: Any) -> Optional[fx.Node]:
+    """``x`` when it is a graph node holding a (possibly symbolic) Python number: a scale, not a tensor."""
+    if isinstance(x, fx.Node):
+        v = x.meta.get("val", x.meta.get("example_value"))
+        if isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return x
     return None
 
 
@@ -685,17 +831,26 @@ def _repeat_kv_source(n: fx.Node) -> Optional[tuple[fx.Node, int]]:
 
 
 def _is_where_zero_fill(m: fx.Node, cache: dict) -> Optional[tuple[fx.Node, float]]:
-    """(cond, fill) when the float mask ``m`` is ``where(cond, 0, fill)`` (transformers' eager mask)."""
+    """(cond, fill) when the float mask ``m`` is ``where(cond, 0, fill)`` (transformers' eager mask), possibly cast
+    to other float dtypes afterwards (``fill`` is then the value the last cast stores)."""
+    dtypes = []
+    while _cast_dtype(m) is not None and isinstance(m.args[0], fx.Node) and tensor_val(m.args[0]) is not None:
+        dtypes.append(_cast_dtype(m))
+        m = m.args[0]
     if op_name(m) != "where" or len(m.args) != 3:
+        return None
+    if not all(dt.is_floating_point for dt in dtypes):
         return None
     cond, a, b = m.args
     za = _scalar_value(a, cache)
     fb = _scalar_value(b, cache)
-    if za != 0.0 or fb is None or not (fb == -math.inf or fb <= _BIG_NEGATIVE):
+    if za != 0.0 or fb is None:
         return None
     cv = tensor_val(cond)
-    if cv is None or cv.dtype != torch.bool:
+    if cv is None or cv.dtype != torch.bool or tensor_val(m) is None:
         return None
+    for dt in [tensor_val(m).dtype] + dtypes[::-1]:
+        fb = _in_dtype(fb, dt)
     return cond, fb
 
 
@@ -710,6 +865,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
     if sdt not in (None, torch.float32) and sdt != sv.dtype:
         return None, f"softmax dtype {sdt} unsupported"
     matched = [sm]
+    casts: list = []
     # downstream: casts, dropout, then P @ V
     dropout_p = 0.0
     cur = sm
@@ -718,6 +874,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
             return None, "attention probabilities are used elsewhere"
         (u,) = cur.users
         if _cast_dtype(u) is not None:
+            casts.append(_cast_dtype(u))
             matched.append(u)
             cur = u
             continue
@@ -728,6 +885,8 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 return None, "in-place dropout"
             if _num(p) is None or not isinstance(training, bool):
                 return None, "dropout with a non-constant p or training flag"
+            if training and not 0 <= p < 1:
+                return None, f"dropout p={p} (the kernel takes 0 <= p < 1)"
             if training and p > 0:
                 if dropout_p > 0:
                     return None, "two dropouts on the probabilities"
@@ -737,7 +896,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
             continue
         break
     pv = u
-    m = _Match(q=None, k=None, v=None, out=pv, dropout_p=dropout_p)
+    m = _Match(q=None, k=None, v=None, out=pv, dropout_p=dropout_p, casts=casts)
     pname = op_name(pv)
     if pname in ("matmul", "bmm"):
         if pv.args[0] is not cur or len(pv.args) < 2:
@@ -763,9 +922,10 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         xv = tensor_val(x)
         if xv is None or tuple(xv.shape) != scores_shape:
             return None, "score chain changes shape"
-        name = op_name(x)
+        name = _node_name(x)
         dt = _cast_dtype(x)
         if dt is not None:
+            casts.append(dt)
             matched.append(x)
             x = x.args[0]
             continue
@@ -786,6 +946,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 if mv is None or not mv.dtype.is_floating_point:
                     return None, "additive mask is not floating point"
                 masks.additive.append(mask)
+                m.add_dtypes.append(xv.dtype)
                 if seen_replacement:
                     masks.additive_first = False
                 matched.append(x)
@@ -797,6 +958,8 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
             fill = _scalar_value(get_arg(x, 2, "value"), cache)
             if fill is None or not isinstance(mnode, fx.Node):
                 return None, "masked_fill with a non-constant fill value"
+            if not _masks_out(fill, xv.dtype):
+                return None, f"masked_fill value {fill} is neither -inf nor <= finfo({xv.dtype}).min: it does not mask"
             masks.keeps.append(_Keep(mnode, negate=True))
             masks.fills.append(fill)
             seen_replacement = True
@@ -817,6 +980,9 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 chain = b
             else:
                 return None, "where on the scores not understood"
+            if not _masks_out(masks.fills[-1], xv.dtype):
+                return None, (f"where fill {masks.fills[-1]} is neither -inf nor <= finfo({xv.dtype}).min: it "
+                              "does not mask")
             if not isinstance(cond, fx.Node) or tensor_val(cond) is None or tensor_val(cond).dtype != torch.bool:
                 return None, "where condition is not a bool tensor"
             seen_replacement = True
@@ -854,11 +1020,28 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 matched.append(x)
                 x = t
                 continue
-            return None, "mul on the scores by a tensor"
+            sym = _sym_scalar(b) if isinstance(a, fx.Node) else None
+            if sym is None and isinstance(b, fx.Node):
+                sym, a = _sym_scalar(a), b
+            if sym is not None:
+                m.scale_syms.append((sym, False))
+                phase = max(phase, 1)
+                matched.append(x)
+                x = a
+                continue
+            return None, "mul of the scores by a non-constant tensor"
         if name == "div":
-            c = _scalar_value(x.args[1] if len(x.args) > 1 else x.kwargs.get("other"), cache)
+            other = x.args[1] if len(x.args) > 1 else x.kwargs.get("other")
+            c = _scalar_value(other, cache)
+            if c is None and _sym_scalar(other) is not None and x.kwargs.get("rounding_mode") is None \
+                    and isinstance(x.args[0], fx.Node):
+                m.scale_syms.append((other, True))
+                phase = max(phase, 1)
+                matched.append(x)
+                x = x.args[0]
+                continue
             if c is None or c == 0 or x.kwargs.get("rounding_mode") is not None or not isinstance(x.args[0], fx.Node):
-                return None, "div of the scores by a tensor"
+                return None, "div of the scores by a non-constant tensor or by 0"
             scale /= c
             phase = max(phase, 1)
             matched.append(x)
@@ -880,17 +1063,17 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         q, kt = qk.args[0], qk.args[1]
         if not isinstance(q, fx.Node) or not isinstance(kt, fx.Node):
             return None, "matmul operands are not tensors"
-        kt_node, kfac = _strip_scalar(kt, matched, cache)
+        kt_node, kfac = _strip_scalar(kt, matched, cache, m.scale_syms)
         scale *= kfac
         if _is_last2_transpose(kt_node) and len(kt_node.users) == 1:
             matched.append(kt_node)
             k = kt_node.args[0]
         else:
             k, m.k_is_kt = kt_node, True
-    q, qfac = _strip_scalar(q, matched, cache)
+    q, qfac = _strip_scalar(q, matched, cache, m.scale_syms)
     scale *= qfac
     if not m.k_is_kt:
-        k, kfac = _strip_scalar(k, matched, cache)
+        k, kfac = _strip_scalar(k, matched, cache, m.scale_syms)
         scale *= kfac
     m.q, m.k = q, k
     m.scale = scale
@@ -906,11 +1089,19 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
     return m, ""
 
 
+def _masks_out(fill: float, dtype: torch.dtype) -> bool:
+    """Whether writing ``fill`` into scores of ``dtype`` removes those keys: -inf, or at most finfo(dtype).min (a
+    smaller finite fill, 0, +inf or NaN changes the softmax instead, and is not a mask)."""
+    if fill is None or math.isnan(fill) or not dtype.is_floating_point:
+        return False
+    return fill == -math.inf or fill <= torch.finfo(dtype).min
+
+
 def _chain_like(n: fx.Node) -> bool:
     """Whether ``n`` can be the score chain (comes from a matmul through elementwise ops)."""
     seen = 0
     while isinstance(n, fx.Node) and seen < 16:
-        name = op_name(n)
+        name = _node_name(n)
         if name in ("matmul", "bmm", "einsum"):
             return True
         if name in ("mul", "div", "add", "masked_fill", "where", "tanh") or _cast_dtype(n) is not None:
@@ -933,10 +1124,11 @@ def _chain_like(n: fx.Node) -> bool:
 
 def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
           result: PassResult) -> Optional[fx.Node]:
-    """Build the flash_attention call for ``m``; returns the replacement node or None (graph untouched)."""
+    """Build the flash_attention call for ``m``; returns the replacement node or None (graph untouched).
+
+    Every check runs before the first node is created."""
     g = gm.graph
     mode = _fake_mode(m.q, m.k, m.v, m.out)
-    # --- decide everything before creating a node ------------------------------------------------------------
     qv, kv_, vv = tensor_val(m.q), tensor_val(m.k), tensor_val(m.v)
     if qv is None or kv_ is None or vv is None:
         return _fail(result, m.out, "missing meta val on q/k/v")
@@ -958,7 +1150,7 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         return _fail(result, m.out, f"q/k/v ranks {len(qs)}/{len(ks)}/{len(vs)} (need 4)")
     # GQA: drop repeat_kv on both k and v
     k_src = v_src = None
-    if not m.three_d and m.k_perm is None and m.v_perm is None:
+    if not m.three_d and m.k_perm is None and m.v_perm is None and not m.k_is_kt:
         kr = _repeat_kv_source(m.k)
         vr = _repeat_kv_source(m.v)
         if kr is not None and vr is not None and kr[1] == vr[1] and \
@@ -966,11 +1158,6 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
             k_src, v_src = kr[0], vr[0]
             ks = list(tensor_val(k_src).shape)
             vs = list(tensor_val(v_src).shape)
-            if m.k_is_kt:
-                k_src = None  # transposed repeat: keep it simple
-                ks = shape_after(kv_, None, kt=True)
-                v_src = None
-                vs = list(vv.shape)
     reason = _check_shapes(qs, ks, vs, qv, kv_, vv)
     if reason:
         return _fail(result, m.out, reason)
@@ -979,49 +1166,74 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         return _fail(result, m.out, "attention output dtype differs from q's")
     B, Hq, Sq, D = qs
     Sk = ks[2]
+    empty = [n for n, x in zip(("B", "Hq", "Sq", "Sk", "D"), (B, Hq, Sq, Sk, D)) if isinstance(x, int) and x == 0]
+    if empty:
+        return _fail(result, m.out, f"empty dim {', '.join(empty)} = 0: the kernels are not called on empty tensors")
+    bad_casts = [dt for dt in m.casts if dt not in (torch.float32, torch.float64, qv.dtype)]
+    if bad_casts:
+        return _fail(result, m.out, f"cast to {bad_casts[0]} on the scores or probabilities (the kernel computes "
+                                    f"them in float32 for {qv.dtype} inputs; a cast to another dtype rounds them)")
     dynamic = not all(isinstance(x, int) for x in (B, Sq, Sk))
-    # masks
+    training = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (qv, kv_, vv))
+    # masks: transformers' eager additive mask where(cond, 0, fill) with a fill that masks is a keep literal
     masks = m.masks
+    add_keep, rest_add = [], []
+    for i, a in enumerate(masks.additive):
+        wz = _is_where_zero_fill(a, cache)
+        add_dt = m.add_dtypes[i] if i < len(m.add_dtypes) else torch.float32
+        if wz is not None and _masks_out(_in_dtype(wz[1], tensor_val(a).dtype), add_dt):
+            add_keep.append((a, wz, add_dt))
+        else:
+            rest_add.append(a)
+    trial = _Masks(keeps=masks.keeps + [_Keep(c) for _, (c, _), _ in add_keep],
+                   fills=masks.fills + [f for _, (_, f), _ in add_keep], additive=rest_add,
+                   additive_first=masks.additive_first)
     low, why = None, ""
-    bh_layout = not m.three_d
-    if masks.keeps or masks.additive:
-        # transformers' eager additive mask where(cond, 0, fill) is a keep literal
-        add_keep = []
-        rest_add = []
-        for a in masks.additive:
-            wz = _is_where_zero_fill(a, cache) if cfg.lower_masks else None
-            if wz is not None and masks.additive_first:
-                add_keep.append((a, wz))
-            else:
-                rest_add.append(a)
-        trial = _Masks(keeps=masks.keeps + [_Keep(c) for _, (c, _) in add_keep],
-                       fills=masks.fills + [f for _, (_, f) in add_keep], additive=rest_add,
-                       additive_first=masks.additive_first)
-        if cfg.lower_masks and trial.keeps and dynamic:
-            why = "dynamic shapes: a mask's structure is proven at static sizes only"
-        elif cfg.lower_masks and trial.keeps:
-            low, why = _lower(trial, cache, (B, Hq, Sq, Sk), bh_layout)
-            if low is not None:
-                finite = any(f != -math.inf for f in trial.fills)
-                # a finite fill gives rows with no visible key the mean of all values (the kernel gives 0)
-                low.fix_dead_rows = finite and (low.kpm is not None or low.const_has_empty_row)
-                if low.fix_dead_rows and (rest_add or m.dropout_p):
-                    low, why = None, "finite mask fill on rows that may be fully masked, with more masks or dropout"
-                elif rest_add and not masks.additive_first:
-                    low, why = None, "additive mask after a replacement mask"
-        if low is not None:
-            masks = trial
-        if low is None and why:
-            result.notes.append(f"attention {m.out.name}: mask passed as a tensor ({why})")
-    if m.sdpa_causal:
-        if low is not None or masks.keeps or masks.additive:
-            return _fail(result, m.out, "SDPA is_causal with an attn_mask")
+    if trial.keeps and cfg.lower_masks and dynamic:
+        why = "dynamic shapes: a mask's structure is proven at static sizes only"
+    elif trial.keeps and cfg.lower_masks:
+        low, why = _lower(trial, cache, (B, Hq, Sq, Sk), not m.three_d)
+    if low is None and why:
+        result.notes.append(f"attention {m.out.name}: mask passed as a tensor ({why})")
+    # rows where every key may be masked: what eager gives there, and whether the op can give the same
+    if m.sdpa_causal or not (trial.keeps or trial.additive):
+        dead_possible = False
+    elif low is not None:
+        dead_possible = low.kpm is not None or low.const_has_empty_row or bool(trial.additive)
+    else:
+        dead_possible = True
+    fp16_adds = [a for i, a in enumerate(masks.additive) if a in rest_add and i < len(m.add_dtypes)
+                 and m.add_dtypes[i] == torch.float16]
+    if fp16_adds and dead_possible and not _is_sdpa(m.out):
+        return _fail(result, m.out, "additive mask on float16 scores: eager rounds scores + mask in float16 (a row "
+                                    "of finfo(float16).min fills overflows or keeps the scores), the kernel adds in "
+                                    "float32")
+    dead = _dead_row_policy(m, trial, add_keep, dead_possible, training)
+    if dead == "nan" and training and m.three_d:
+        return _fail(result, m.out, "rows may be fully masked in a 3-D (bmm) layout in training: eager's NaN "
+                                    "gradients are reproduced for the 4-D layout only")
+    if isinstance(dead, str) and dead.startswith("!"):
+        return _fail(result, m.out, dead[1:])
+    if m.sdpa_causal and (trial.keeps or trial.additive):
+        return _fail(result, m.out, "SDPA is_causal with an attn_mask")
     # A learned bias (an additive mask that requires grad, e.g. T5's position bias): the op gives its gradient, but
     # from an S x S float32 pass after the kernels (attention._mask_grad_impl); SDPA's own backends are the better
     # choice there, so the original stays.
     if any(getattr(tensor_val(a), "requires_grad", False) for a in masks.additive):
         return _fail(result, m.out, "additive mask requires grad (a learned bias): left to the original, whose "
                                     "backward gives the bias gradient without an extra S x S pass")
+    # no in-place write to what the op reads, or to an intermediate, between the region's first node and the op
+    muts = cache.get("__mutations__")
+    if muts is not None:
+        reads = [m.q, k_src or m.k, v_src or m.v] + [lit.node for lit in trial.keeps] + list(trial.additive)
+        if low is not None and low.kpm is not None:
+            reads.append(low.kpm)
+        lo = min(muts.pos.get(n, 1 << 60) for n in m.matched) if m.matched else muts.pos.get(m.out, 0)
+        w = muts.touching(reads, lo, muts.pos.get(m.out)) or muts.touching(
+            [n for n in m.matched if n is not m.out])
+        if w is not None:
+            return _fail(result, m.out, f"in-place write {w.format_node()} inside the attention region: the fused "
+                                        "op would read other values than the original")
     # --- build -----------------------------------------------------------------------------------------------
     b = _Builder(g, m.out, mode)
     try:
@@ -1041,7 +1253,13 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
             k = b.call(torch.unsqueeze, (k, 0))
             v = b.call(torch.unsqueeze, (v, 0))
         kwargs: dict = {}
-        if m.scale is not None:
+        if m.scale_syms:
+            # a symbolic factor goes onto q, the op's scale stays a number: a custom op's float argument would
+            # specialise the SymFloat (a guard on its value, a compile per size)
+            for node, divides in m.scale_syms:
+                q = b.call(operator.truediv if divides else operator.mul, (q, node))
+            kwargs["scale"] = float(1.0 if m.scale is None else m.scale)
+        elif m.scale is not None:
             kwargs["scale"] = float(m.scale)
         if m.softcap:
             kwargs["softcap"] = float(m.softcap)
@@ -1070,11 +1288,9 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
                 if tensor_val(kpm).device != qv.device:
                     kpm = b.call("to", (kpm, qv.device), method=True)
                 kwargs["key_padding_mask"] = kpm
-            attn_mask = _sum_additive(b, masks.additive)
-        elif masks.keeps or masks.additive:
-            attn_mask = _materialize(b, masks, result, m.out, m.three_d)
-            if attn_mask is False:
-                raise _Abort(result.skipped[-1].reason if result.skipped else "mask")
+            attn_mask = _sum_additive(b, trial.additive)
+        elif trial.keeps or trial.additive:
+            attn_mask = _materialize(b, trial, dead is not None or dead_possible)
         if attn_mask is not None:
             mv = tensor_val(attn_mask)
             if mv.dim() > 4:
@@ -1088,27 +1304,27 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         if is_causal:
             kwargs["is_causal"] = True
         out = None
-        if cfg.fp8:
+        if cfg.fp8 and dead is None:
             fp8_ok, fp8_why = _fp8_eligible(tensor_val(q), tensor_val(k), tensor_val(v), kwargs)
             if fp8_ok:
                 out = b.call(torch.ops.fxopt.fp8_attention.default, (q, k, v),
                              {"is_causal": bool(kwargs.get("is_causal", False)), "scale": kwargs.get("scale")})
             else:
                 result.notes.append(f"attention {m.out.name}: fp8 not used ({fp8_why}); fp16/bf16 flash_attention")
-        if out is None:
+        if out is None and dead is None:
             out = b.call(op, (q, k, v), kwargs)
-        if low is not None and low.fix_dead_rows:
-            out = _fix_dead_rows(b, out, v, low, kwargs.get("key_padding_mask"), (B, Hq, Sq, Sk))
+        elif out is None:
+            out = _call_with_dead_rows(b, q, k, v, kwargs, dead, Hq, training)
         if m.three_d:
             out = b.call(torch.squeeze, (out, 0))
         if m.out_perm is not None:
             out = b.call(torch.permute, (out, m.out_perm))
         if tuple(tensor_val(out).shape) != tuple(ov.shape) or tensor_val(out).dtype != ov.dtype:
             raise _Abort(f"rewrite would change shape {tuple(ov.shape)} -> {tuple(tensor_val(out).shape)}")
+        out = _match_layout(b, out, ov)
     except _Abort as e:
         _undo(g, b.created)
-        if not (result.skipped and result.skipped[-1].node == m.out.name):
-            result.skip(m.out, str(e))
+        result.skip(m.out, str(e))
         return None
     except Exception as e:  # noqa: BLE001  (fake propagation refused the call: leave the graph as it was)
         _undo(g, b.created)
@@ -1118,8 +1334,133 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         "lowered": None if low is None else {"is_causal": low.is_causal, "window": low.window,
                                              "key_padding_mask": low.kpm is not None},
         "gqa": k_src is not None or (Hq != ks[1]),
+        "dead_rows": dead,
     }
     return out
+
+
+def _in_dtype(x: float, dtype: torch.dtype) -> float:
+    """``x`` as stored in a tensor of ``dtype`` (finfo.min of a wider dtype becomes -inf in a narrower one)."""
+    return float(torch.tensor(x, dtype=torch.float64).to(dtype)) if dtype.is_floating_point else x
+
+
+def _dead_row_policy(m: _Match, masks: _Masks, add_keep: list, possible: bool, training: bool) -> Any:
+    """What eager gives on a row whose every key is masked, when such rows may exist: None (none can, or the op
+    already gives it: SDPA's zeros), "nan" (every fill is -inf: softmax of -inf only), "mean" (one finite fill: a
+    uniform softmax, the mean of the values), or "!reason" when the op cannot reproduce it."""
+    if not possible or m.out is None or _is_sdpa(m.out):
+        return None
+    fills = set(masks.fills)
+    if not masks.keeps or fills == {-math.inf}:
+        replaced = len(masks.keeps) - len(add_keep)  # masked_fill / where literals: no gradient where they fill
+        if not training:
+            return "nan"
+        if replaced and (add_keep or masks.additive):
+            return ("!rows may be fully masked by both -inf fills and additive masks, in training: which scores "
+                    "eager's NaN gradient reaches is not reproduced")
+        return "nan_filled" if replaced else "nan"
+    if len(fills) != 1 or m.dropout_p:
+        return (f"!rows may be fully masked with fills {sorted(fills)}"
+                + (" and dropout" if m.dropout_p else "") + ": eager's result there cannot be reproduced")
+    (f,) = fills
+    if add_keep:
+        # scores + where(keep, 0, f): a masked row is uniform only when f swamps every score in the add's dtype
+        (a, (_, fa), add_dt), = add_keep if len(add_keep) == 1 else ((None, (None, None), None),)
+        if a is None or masks.keeps[:-1] or masks.additive:
+            return "!rows may be fully masked by several additive masks: eager's sum of fills is not reproduced"
+        if add_dt not in (torch.float32, torch.bfloat16) or abs(_in_dtype(fa, add_dt)) < 1e30:
+            return (f"!rows may be fully masked and a fill of {fa} added to {add_dt} scores does not swamp them "
+                    "(eager's rounded row is not reproduced)")
+        if training and m.softcap:
+            return "!rows may be fully masked by an additive fill, with softcap, in training"
+        return "mean_additive" if training else "mean"
+    if masks.additive and not masks.additive_first:
+        return "!rows may be fully masked, with an additive mask after the fill"
+    return "mean"
+
+
+def _is_sdpa(n: fx.Node) -> bool:
+    return op_name(n) == "sdpa" or (n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention)
+
+
+def _call_with_dead_rows(b: _Builder, q, k, v, kwargs: dict, dead: str, Hq: int, training: bool) -> fx.Node:
+    """The forward op (out, lse); rows the kernel found without a visible key (lse = +inf) get eager's value.
+
+    "nan": eager's softmax of a row of -inf is NaN, and so is its backward: dq on that row, dk and dv on the whole
+    (kv) head. In training a term that is 0 on every other row and NaN on the dead ones, times q, k and v (each times
+    0), carries exactly that NaN pattern into the gradients."""
+    seed = None
+    if kwargs.get("dropout_p"):
+        seed = b.call(torch.randint, (0, 2**31 - 1, ()), {"dtype": torch.int64})
+    args = (q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+            kwargs.get("scale"), kwargs.get("window", -1), kwargs.get("softcap", 0.0), kwargs.get("key_padding_mask"),
+            seed)
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "window", "softcap", "key_padding_mask", "seed")
+    pair = b.call(torch.ops.fxopt.flash_attention_fwd.default, args[:3], dict(zip(names, args[3:])))
+    out = b.call(operator.getitem, (pair, 0))
+    lse = b.call(operator.getitem, (pair, 1))
+    is_dead = b.call(operator.getitem, (b.call(operator.eq, (lse, math.inf)), (Ellipsis, None)))
+    if dead in ("nan", "nan_filled"):
+        # "nan_filled": the row's scores were replaced (masked_fill), so eager's NaN gradient stops there: only dv
+        res = b.call(torch.where, (is_dead, math.nan, out))
+        if training:
+            poison = b.call(torch.where, (is_dead, math.nan, 0.0))  # [B, Hq, Sq, 1], float32, no gradient
+            terms = [] if dead == "nan_filled" else [
+                b.call("sum", (b.call(operator.mul, (q, 0.0)), -1), {"keepdim": True}, method=True)]
+            Hkv = tensor_val(k).shape[1]
+            for x in ((v,) if dead == "nan_filled" else (k, v)):
+                t = b.call("sum", (b.call(operator.mul, (x, 0.0)), (-2, -1)), {"keepdim": True}, method=True)
+                if Hkv != Hq:
+                    t = b.call(torch.repeat_interleave, (t, Hq // Hkv), {"dim": 1})
+                terms.append(t)
+            for t in terms:
+                pt = b.call(operator.mul, (poison, t))
+                res = b.call(operator.add, (res, b.call("to", (pt, tensor_val(out).dtype), method=True)))
+        return res
+    Bv, Hkv, Sk, D = tensor_val(v).shape
+
+    def heads(x):
+        return x if Hkv == Hq else b.call(torch.repeat_interleave, (x, Hq // Hkv), {"dim": 1})
+
+    mean = heads(b.call("mean", (v, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
+    if dead == "mean_additive":
+        # scores + f with f swamping them: the value is the uniform mean, but the softmax's gradient still reaches
+        # the scores, at p = 1/n: d out / d s_j = (v_j - mean v) / n. With s^ = s - detach(s) (value 0) that is
+        # mean v + (1/n) sum_j (s^_j - mean s^) v_j, written through K^T V ([D, D] per head, no S x S term):
+        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X).
+        scale = kwargs.get("scale")
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        vd = b.call("detach", (v,), method=True)
+        ktv = heads(b.call(torch.matmul, (b.call(torch.transpose, (k, -2, -1)), vd)))  # [B, Hq, D, D]
+        kbar = heads(b.call("mean", (k, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
+        x1 = b.call(operator.mul, (b.call(torch.matmul, (q, ktv)), scale / Sk))
+        qk = b.call("sum", (b.call(operator.mul, (q, kbar)), -1), {"keepdim": True}, method=True)
+        x2 = b.call(operator.mul, (b.call(operator.mul, (qk, scale)), b.call("detach", (mean,), method=True)))
+        x = b.call(operator.sub, (x1, x2))
+        mean = b.call(operator.add, (mean, b.call(operator.sub, (x, b.call("detach", (x,), method=True)))))
+    mean = b.call("to", (mean, tensor_val(out).dtype), method=True)
+    return b.call(torch.where, (is_dead, mean, out))
+
+
+def _match_layout(b: _Builder, out: fx.Node, ov: torch.Tensor) -> fx.Node:
+    """``out`` with the strides of the original output ``ov`` (eager's matmul layout), where they differ."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def same(t):
+        return all(statically_known_true(a == b_) for a, b_ in zip(t.stride(), ov.stride()))
+
+    cur = tensor_val(out)
+    if same(cur):
+        return out
+    order = sorted(range(ov.dim()), key=lambda d: ov.stride()[d], reverse=True)
+    inv = [order.index(d) for d in range(ov.dim())]
+    if order == list(range(ov.dim())):
+        new = b.call("contiguous", (out,), method=True)
+    else:
+        new = b.call(torch.permute, (b.call("contiguous", (b.call(torch.permute, (out, order)),), method=True), inv))
+    if not same(tensor_val(new)):
+        raise _Abort(f"cannot give the output the original layout (strides {tuple(ov.stride())})")
+    return new
 
 
 class _Abort(Exception):
@@ -1176,47 +1517,6 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
     return ""
 
 
-def _fix_dead_rows(b: _Builder, out: fx.Node, v: fx.Node, low: _Lowered, kpm: Optional[fx.Node],
-                   shape4: tuple) -> fx.Node:
-    """Rows with no visible key: the model (finite fill) averages all values uniformly; the kernel returns 0.
-
-    dead[b, i] = no valid key in the causal / window range of row i, counted with a cumsum over the padding mask.
-    """
-    B, Hq, Sq, Sk = shape4
-    dev = tensor_val(out).device
-    off = Sk - Sq
-    rows = b.call(torch.arange, (Sq,), {"device": dev})
-    if low.is_causal:
-        hi = b.call(torch.clamp, (b.call(operator.add, (rows, off + 1)),), {"min": 0, "max": Sk})
-    else:
-        hi = b.call(torch.full, ((Sq,), Sk), {"dtype": torch.int64, "device": dev})
-    if low.window >= 0:
-        lo = b.call(torch.clamp, (b.call(operator.add, (rows, off + 1 - low.window)),), {"min": 0, "max": Sk})
-    else:
-        lo = b.call(torch.zeros, ((Sq,),), {"dtype": torch.int64, "device": dev})
-    if kpm is None:
-        count = b.call(operator.sub, (hi, lo))  # [Sq]
-        dead = b.call(operator.eq, (b.call(torch.clamp, (count,), {"min": 0}), 0))
-        dead = b.call(operator.getitem, (dead, (None, None, slice(None), None)))
-    else:
-        csum = b.call(torch.cumsum, (kpm, -1), {"dtype": torch.int64})
-        zero = b.call(torch.zeros, ((B, 1),), {"dtype": torch.int64, "device": dev})
-        cpad = b.call(torch.cat, ([zero, csum], -1))  # [B, Sk + 1]: cpad[:, t] = valid keys among the first t
-        c_hi = b.call(operator.getitem, (cpad, (slice(None), hi)))
-        c_lo = b.call(operator.getitem, (cpad, (slice(None), lo)))
-        count = b.call(operator.sub, (c_hi, c_lo))  # [B, Sq]; hi <= lo gives <= 0
-        dead = b.call(operator.le, (count, 0))
-        dead = b.call(operator.getitem, (dead, (slice(None), None, slice(None), None)))
-    Hkv = tensor_val(v).shape[1]
-    mean = b.call("mean", (v, -2), {"keepdim": True}, method=True)  # [B, Hkv, 1, D]
-    if Hkv != Hq:
-        D = tensor_val(v).shape[3]
-        mean = b.call(operator.getitem, (mean, (slice(None), slice(None), None)))
-        mean = b.call("expand", (mean, B, Hkv, Hq // Hkv, 1, D), method=True)
-        mean = b.call("reshape", (mean, B, Hq, 1, D), method=True)
-    return b.call(torch.where, (dead, mean, out))
-
-
 def _sum_additive(b: _Builder, adds: list) -> Optional[fx.Node]:
     out = None
     for a in adds:
@@ -1224,29 +1524,20 @@ def _sum_additive(b: _Builder, adds: list) -> Optional[fx.Node]:
     return out
 
 
-def _materialize(b: _Builder, masks: _Masks, result: PassResult, anchor: fx.Node, three_d: bool):
-    """One tensor mask for the kernel: a bool keep mask, or a float additive one."""
+def _materialize(b: _Builder, masks: _Masks, keep_as_inf: bool):
+    """One tensor mask for the kernel: the keep literals as a bool mask (a masked key removed: exact with an -inf fill
+    and with any fill that masks, ``_masks_out``, except on fully masked rows, which ``_dead_row_policy`` handles),
+    combined with the additive masks."""
     keep = None
     for lit in masks.keeps:
         node = b.call(operator.invert, (lit.node,)) if lit.negate else lit.node
         keep = node if keep is None else b.call(operator.and_, (keep, node))
     add = _sum_additive(b, masks.additive)
-    fills = set(masks.fills)
     if keep is None:
         return add
-    if fills == {-math.inf}:
-        if add is None:
-            return keep
-        return b.call(torch.where, (keep, add, -math.inf))
-    # finite fill: where(keep, s, f) == s + where(keep, 0, f) (and s + A) only when f swamps s in fp32
-    if len(fills) != 1 or max(fills) > _BIG_NEGATIVE or add is not None:
-        result.skip(anchor, f"mask fill value(s) {sorted(fills)} cannot be expressed for the kernel")
-        return False
-    (f,) = fills
-    zero_add = b.call(torch.where, (keep, 0.0, f))
-    if tensor_val(zero_add).dtype != torch.float32:
-        zero_add = b.call("to", (zero_add, torch.float32), method=True)
-    return zero_add
+    if add is None:
+        return keep
+    return b.call(torch.where, (keep, add, -math.inf))
 
 
 def _erase_dead(g: fx.Graph, candidates: list) -> int:
@@ -1293,8 +1584,13 @@ def _match_sdpa(node: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         return None, "q/k/v are not tensors"
     if _num(dropout_p) is None or not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
         return None, "non-constant dropout_p / is_causal / enable_gqa"
+    sym = None
     if scale is not None and _num(scale) is None:
-        return None, "non-constant scale"
+        sym = _sym_scalar(scale)
+        if sym is None:
+            return None, "scale is neither a number nor a symbolic number"
+    if not 0 <= float(dropout_p) < 1:
+        return None, f"dropout_p={dropout_p} (the kernel takes 0 <= p < 1)"
     qv, kv_ = tensor_val(q), tensor_val(k)
     if qv is None or kv_ is None:
         return None, "missing meta val"
@@ -1302,7 +1598,8 @@ def _match_sdpa(node: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         return None, "different head counts without enable_gqa"
     if qv.dim() != 4:
         return None, f"q rank {qv.dim()} (need 4)"
-    m = _Match(q=q, k=k, v=v, out=node, scale=None if scale is None else float(scale),
+    m = _Match(q=q, k=k, v=v, out=node, scale=None if scale is None else 1.0 if sym is not None else float(scale),
+               scale_syms=[] if sym is None else [(sym, False)],
                dropout_p=float(dropout_p), sdpa_causal=is_causal, matched=[node])
     if mask is not None:
         if not isinstance(mask, fx.Node) or tensor_val(mask) is None:
@@ -1337,7 +1634,7 @@ def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -
         for n in candidates:
             result.skip(n, "torch.ops.fxopt.flash_attention is not available")
         return result
-    cache: dict = {}
+    cache: dict = {"__mutations__": _Mutations(gm.graph)}
     for n in candidates:
         if n.graph is not gm.graph:
             continue  # erased by an earlier rewrite

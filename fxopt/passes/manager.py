@@ -7,8 +7,9 @@ passes after it can trust shapes. The order is fixed and documented (``attention
 pipeline``): attention first so that fused attention ops, not their matmuls, are what later passes see; w4a16 before
 tensor_parallel so that sharding sees the fused quantized linears; pipeline last because it cuts the final graph.
 
-Before the first pass the manager makes sure every node has ``meta["val"]`` (Dynamo records ``example_value``; other
-graphs are run through ``FakeTensorProp``). After each pass it lints the graph and recompiles the module. Timing and
+Before the first pass the manager makes sure every node has ``meta["val"]`` (Dynamo records ``example_value``, used as
+is: a Dynamo graph is never propagated again, which would specialise its symbolic sizes; other graphs are run
+through ``FakeTensorProp``). After each pass it lints the graph and recompiles the module. Timing and
 counts go to ``logging.getLogger("fxopt.passes.manager")``; with ``FXOPT_DUMP_DIR=dir`` each graph is written before
 and after each pass as readable Python (``<graph>_<nn>_<pass>_{before,after}.py``).
 """
@@ -102,12 +103,21 @@ _graph_counter = itertools.count()
 
 
 def ensure_meta_val(gm: fx.GraphModule, example_inputs: list) -> None:
-    """Give every node ``meta["val"]``: from Dynamo's ``example_value`` or by fake-tensor propagation."""
+    """Give every node ``meta["val"]``: Dynamo's ``example_value`` as is, or fake-tensor propagation for other graphs.
+
+    A Dynamo graph is never propagated again: its values carry Dynamo's symbolic sizes, and a second propagation
+    specialises them (a guard, then a compile, per new shape) or fails outright on data-dependent ops
+    (``aten._local_scalar_dense`` of an ``.item()``). Its nodes without ``example_value`` (calls returning None
+    such as ``torch._C._log_api_usage_once``) simply have no value; the passes read ``meta["val"]`` with
+    ``match.val``, which gives None there, and leave such nodes alone."""
     nodes = list(gm.graph.nodes)
+    dynamo_graph = False
     for n in nodes:
-        if "val" not in n.meta and "example_value" in n.meta:
-            n.meta["val"] = n.meta["example_value"]
-    if all("val" in n.meta for n in nodes if n.op not in ("output",)):
+        if "example_value" in n.meta:
+            dynamo_graph = True
+            if "val" not in n.meta:
+                n.meta["val"] = n.meta["example_value"]
+    if dynamo_graph or all("val" in n.meta for n in nodes if n.op not in ("output",)):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

@@ -1,0 +1,434 @@
+"""The attention pass never changes a result: each class of issue 32's table as a named regression test.
+
+Every test compiles a function with the passes only (``Backend(inductor=False)``, CPU reference path of the op) and
+compares with eager on the same inputs, NaN where eager gives NaN. Where the pass must still fuse, the test says so;
+where it must leave the region, the test checks that a reason is recorded.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.backends import Backend
+
+S, D = 8, 16
+
+
+def _qkv(B=2, H=2, Sq=S, Sk=S, d=D, seed=0, dtype=torch.float32, Hkv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, d, generator=g).to(dtype)
+    k = torch.randn(B, Hkv or H, Sk, d, generator=g).to(dtype)
+    v = torch.randn(B, Hkv or H, Sk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+class _Run:
+    """``fn`` compiled through fxopt's passes (no Inductor); ``rewrites`` / ``reasons`` of the attention pass."""
+
+    def __init__(self, fn, dynamic=None):
+        torch._dynamo.reset()
+        self.backend = Backend(inductor=False)
+        self.compiled = torch.compile(fn, backend=self.backend, dynamic=dynamic)
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+    def _attn(self):
+        return [r for res in self.backend.results for r in res if r.name == "attention"]
+
+    @property
+    def rewrites(self):
+        return sum(r.rewrites for r in self._attn())
+
+    @property
+    def reasons(self):
+        return [s.reason for r in self._attn() for s in r.skipped]
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def same_as_eager(fn, *args, rewrites=None, atol=1e-5, rtol=1e-4):
+    """Run ``fn`` eagerly and compiled on copies of ``args``; outputs equal (NaN in the same places)."""
+    ref = fn(*_clone(args))
+    run = _Run(fn)
+    out = run(*_clone(args))
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
+    if rewrites is not None:
+        assert run.rewrites == rewrites, run.reasons
+    if run.rewrites == 0:
+        assert run.reasons, "a candidate left alone must say why"
+    return run
+
+
+def _scores(q, k):
+    return q @ k.transpose(-1, -2) / 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. fill values: only -inf or <= finfo(score dtype).min mask a score
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fill", [0.0, 1.0, -1.0, 5.0, -1e4, float("inf"), float("nan"), -1e30])
+def test_row1_masked_fill_finite_fill_is_not_a_mask(fill):
+    def fn(q, k, v):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        s = q @ k.transpose(-1, -2) * 1e4 if fill == -1e4 else _scores(q, k)
+        return s.masked_fill(j > i, fill).softmax(-1) @ v
+
+    run = same_as_eager(fn, *_qkv())
+    if not (fill == -math.inf or fill <= torch.finfo(torch.float32).min):
+        assert run.rewrites == 0 or not any("is_causal" in str(r) for r in run.reasons)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), "min"])
+def test_row1_real_mask_fills_still_fuse(fill):
+    def fn(q, k, v):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        s = _scores(q, k)
+        f = torch.finfo(s.dtype).min if fill == "min" else fill
+        return s.masked_fill(j > i, f).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(), rewrites=1)
+
+
+def test_row1_where_fill_other_value():
+    def fn(q, k, v):
+        Sq = q.shape[2]
+        keep = torch.ones(Sq, Sq, dtype=torch.bool).tril()
+        return torch.where(keep, _scores(q, k), -1.0).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv())
+
+
+def test_row1_additive_where_small_fill():
+    def fn(q, k, v):
+        Sq = q.shape[2]
+        keep = torch.ones(Sq, Sq, dtype=torch.bool).tril()
+        return (_scores(q, k) + torch.where(keep, 0.0, -3.0)).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. casts: every cast's target dtype is checked
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cast", ["bool", "int32", "int64", "bf16_roundtrip", "fp16_roundtrip", "scores_bf16"])
+def test_row2_casts_of_probabilities(cast):
+    def fn(q, k, v):
+        s = _scores(q, k)
+        if cast == "scores_bf16":
+            return s.to(torch.bfloat16).float().softmax(-1) @ v
+        p = s.softmax(-1)
+        if cast == "bool":
+            p = p.to(torch.bool).to(torch.float32)
+        elif cast in ("int32", "int64"):
+            p = (p * 3).to(getattr(torch, cast)).to(torch.float32)
+        elif cast == "bf16_roundtrip":
+            p = p.to(torch.bfloat16).to(torch.float32)
+        else:
+            p = p.half().float()
+        return p @ v
+
+    same_as_eager(fn, *_qkv(), rewrites=0)
+
+
+def test_row2_upcast_softmax_still_fuses():
+    def fn(q, k, v):
+        return _scores(q, k).float().softmax(-1).to(q.dtype) @ v
+
+    same_as_eager(fn, *_qkv(), rewrites=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. constants are evaluated as the graph runs them, mutations included (or not at all)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["tril_", "setitem", "fill_", "logical_not_"])
+def test_row3_mask_mutated_in_place(how):
+    def fn(q, k, v):
+        Sq = q.shape[2]
+        keep = torch.ones(Sq, Sq, dtype=torch.bool)
+        if how == "tril_":
+            keep.tril_()
+        elif how == "setitem":
+            keep[:, 0] = False
+            keep[0, 0] = True
+        elif how == "fill_":
+            keep[1:].fill_(False)
+            keep[:, 0] = True
+        else:
+            keep = keep.tril()
+            keep.logical_not_()
+            keep[:, 0] = True
+        return _scores(q, k).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. no mutation of an input, mask or intermediate inside the region
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["k_mul_", "q_add_", "v_mul_", "mask_zero_"])
+def test_row4_mutation_inside_region(what):
+    def fn(q, k, v, m):
+        s = q @ k.transpose(-1, -2) / 4
+        if what == "k_mul_":
+            k.mul_(2)
+        elif what == "q_add_":
+            q.add_(1)
+        s = s + m
+        if what == "mask_zero_":
+            m.zero_()
+        p = s.softmax(-1)
+        if what == "v_mul_":
+            v.mul_(3)  # the matmul below reads the mutated v: that one is fine, but only if the op reads it too
+        return p @ v
+
+    q, k, v = _qkv()
+    m = torch.randn(1, 1, S, S)
+    same_as_eager(fn, q, k, v, m)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. rows where every key is masked: eager's result (NaN stays NaN, a finite fill averages)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _left_pad(B=2, Sk=S, n=3):
+    pad = torch.ones(B, Sk, dtype=torch.bool)
+    pad[0, :n] = False
+    return pad
+
+
+def test_row5_two_additive_finfo_min_masks_left_padding():
+    def fn(q, k, v, pad):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        s = _scores(q, k)
+        mn = torch.finfo(s.dtype).min
+        s = s + torch.where(j <= i, 0.0, mn) + torch.where(pad[:, None, None, :], 0.0, mn)
+        return s.softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(), _left_pad())
+
+
+def test_row5_one_additive_finfo_min_mask_left_padding_fuses():
+    def fn(q, k, v, pad):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        s = _scores(q, k)
+        keep = (j <= i) & pad[:, None, None, :]
+        return (s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(), _left_pad(), rewrites=1)
+
+
+@pytest.mark.parametrize("kind", ["lowered", "tensor"])
+def test_row5_neg_inf_fully_masked_rows_give_nan(kind):
+    def fn(q, k, v, pad):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        s = _scores(q, k)
+        if kind == "lowered":
+            keep = (j <= i) & pad[:, None, None, :]
+        else:
+            keep = (q.sum(-1, keepdim=True) > -1e9) & (j <= i) & pad[:, None, None, :]
+        return s.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    out = same_as_eager(fn, *_qkv(), _left_pad())
+    assert out is not None
+
+
+def test_row5_fp16_additive_min_fully_masked_gqa_permuted():
+    def fn(q, k, v, pad):  # q/k/v [B, S, H, D], fp16; scores fp16 += where(keep, 0, finfo(fp16).min)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k = k.repeat_interleave(2, dim=1)
+        v = v.repeat_interleave(2, dim=1)
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        keep = (j <= i) & pad[:, None, None, :]
+        s = q @ k.transpose(-1, -2) * 0.25
+        s += torch.where(keep, 0.0, torch.finfo(torch.float16).min).to(torch.float16)
+        return s.float().softmax(-1).half() @ v
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, S, 4, D, generator=g).half()
+    k = torch.randn(2, S, 2, D, generator=g).half()
+    v = torch.randn(2, S, 2, D, generator=g).half()
+    same_as_eager(fn, q, k, v, _left_pad(), atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. operand strides: any layout reaches the kernel / CPU reference right
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_row6_einsum_v_stored_bhds():
+    def fn(q, k, vt):  # vt: [B, H, D, S]
+        p = torch.einsum("bhqd,bhkd->bhqk", q, k).mul(0.25).softmax(-1)
+        return torch.einsum("bhqk,bhdk->bhqd", p, vt)
+
+    q, k, v = _qkv()
+    same_as_eager(fn, q, k, v.transpose(-1, -2).contiguous(), rewrites=1)
+
+
+def test_row6_qkv_unbound_from_permute():
+    def fn(qkv):  # [B, S, 3, H, D] permuted to [3, B, H, D, S]: q, k, v have last stride != 1
+        q, k, v = qkv.permute(2, 0, 3, 4, 1).transpose(-1, -2).unbind(0)
+        return (q @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v
+
+    qkv = torch.randn(2, S, 3, 2, D)
+    same_as_eager(fn, qkv, rewrites=1)
+
+
+def test_row6_permute_10243():
+    def fn(qkv):  # qkv [B, 3, S, H, D]... permute(1, 0, 2, 4, 3) gives [3, B, S, D, H]
+        q, k, v = qkv.permute(1, 0, 3, 2, 4).unbind(0)
+        return (q @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v
+
+    qkv = torch.randn(2, 3, 2, S, D).transpose(-1, -2).contiguous().transpose(-1, -2)
+    same_as_eager(fn, qkv, rewrites=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. empty dims stay out of the kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Sq,Sk", [(0, S), (S, 0), (0, 0)])
+def test_row7_empty_sequence(Sq, Sk):
+    def fn(q, k, v):
+        return (_scores(q, k)).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(Sq=Sq, Sk=Sk))
+
+
+def test_row7_empty_batch():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    same_as_eager(fn, *_qkv(B=0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. the output has the layout eager's matmul gives
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_row8_output_layout_then_view():
+    def fn(x):  # x [B, S, H, D]; q a transposed view; (p @ v).view(B, H, -1) needs a contiguous [B, H, S, D]
+        q = x.transpose(1, 2)
+        out = (q @ q.transpose(-1, -2) * 0.25).softmax(-1) @ q
+        return out.view(out.shape[0], out.shape[1], -1)
+
+    same_as_eager(fn, torch.randn(2, S, 2, D), rewrites=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. a node is built only after its checks pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_row9_dropout_one():
+    def fn(q, k, v):
+        return F.dropout(_scores(q, k).softmax(-1), 1.0, training=True) @ v
+
+    same_as_eager(fn, *_qkv(), rewrites=0)
+
+
+def test_row9_sdpa_dropout_one():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+
+    same_as_eager(fn, *_qkv(), rewrites=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. fake values kept symbolic: no re-propagation, no added guards
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_row10_node_without_example_value():
+    def fn(q, k, v):
+        torch._C._log_api_usage_once("fxopt.test")
+        return _scores(q, k).softmax(-1) @ v
+
+    run = _Run(fn)
+    for Sq in (5, 6, 7, 9):
+        q, k, v = _qkv(Sq=Sq, Sk=Sq)
+        torch.testing.assert_close(run(q, k, v), fn(q, k, v))
+    assert run.rewrites == len(run.backend.results) >= 1
+    assert len(run.backend.results) <= 2  # static, then one dynamic graph (Dynamo's automatic dynamic)
+
+
+def test_row10_symbolic_scale_is_a_scale():
+    def fn(q, k, v):  # the scale depends on a dynamic size: a SymFloat, not a tensor
+        return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-2])).softmax(-1) @ v
+
+    run = _Run(fn)
+    q, k, v = _qkv()
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 2)
+    torch.testing.assert_close(run(q, k, v), fn(q, k, v))
+    q, k, v = _qkv(Sq=11, Sk=11)
+    torch.testing.assert_close(run(q, k, v), fn(q, k, v))
+    assert run.rewrites == 1 == len(run.backend.results), run.reasons
+    assert not any("tensor" in r for r in run.reasons)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_row5_additive_min_fully_masked_rows_gradients(gqa):
+    """transformers' eager form with left padding, in training: dead rows average v, and their gradient reaches
+    q and k through the softmax at p = 1/n, as in eager."""
+    def fn(q, k, v, pad):
+        if gqa:
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        keep = (j <= i) & pad[:, None, None, :]
+        s = q @ k.transpose(-1, -2) * 0.25
+        s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+        return s.softmax(-1) @ v
+
+    q, k, v = _qkv(H=4, Hkv=2 if gqa else 4, seed=5)
+    pad = _left_pad()
+    grads, run = [], _Run(fn)
+    for f in (fn, run):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args, pad)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert run.rewrites == 1, run.reasons
+
+
+def test_row5_neg_inf_fully_masked_rows_nan_gradients():
+    """-inf fills, a fully masked row: eager's NaN output and NaN gradients (dq on the row, dk / dv on the head)."""
+    def fn(q, k, v, pad):
+        Sq = q.shape[2]
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sq)[None, :]
+        keep = (j <= i) & pad[:, None, None, :]
+        return (q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    q, k, v = _qkv(seed=6)
+    grads, run = [], _Run(fn)
+    for f in (fn, run):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        f(*args, _left_pad()).sum().backward()
+        grads.append([a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, equal_nan=True)
+    assert run.rewrites == 1, run.reasons
