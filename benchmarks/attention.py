@@ -3,13 +3,10 @@
 Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
 H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
 forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
-``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--decode-sweep``:
-decode rows for several split plans. ``--explore``: time fixed
-kernel configs (tuning aid, writes attention_explore.*).
+``--quick``: a few rows; ``--shapes 128x1024,...``: only those rows. Writes ``results/attention.{md,json}``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -247,186 +244,13 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --explore: fixed configs, for choosing the autotune lists (time-boxed; appends JSON lines as it goes)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def explore(out_dir, budget_s=110.0):
-    t0 = time.time()
-    path = os.path.join(out_dir, "attention_explore.jsonl")
-    rows = []
-
-    def emit(r):
-        rows.append(r)
-        with open(path, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        print(r, flush=True)
-
-    def left():
-        return budget_s - (time.time() - t0)
-
-    fwd_sets = [
-        (128, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 0, 0),
-                      (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0), (128, 64, 8, 3, 1, 0),
-                      (128, 128, 4, 2, 1, 1), (128, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1)]),
-        (128, True, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0),
-                     (128, 128, 4, 2, 1, 1)]),
-        (64, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 3, 1, 0),
-                     (128, 128, 4, 3, 1, 1)]),
-        (256, False, [(128, 64, 8, 2, 0, 0), (64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0)]),
-    ]
-    S = 4096
-    for d, causal, cfgs in fwd_sets:
-        B, H = 16384 // S, 2048 // d
-        q, k, v = (_rand(B, H, S, d) for _ in range(3))
-        flops = 4 * B * H * S * S * d / (2 if causal else 1)
-        ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
-        for bm, bn, w, s, tma, ws in cfgs:
-            if left() < 0:
-                break
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, WARP_SPEC=bool(ws))
-            r = {"kind": "fwd", "d": d, "causal": causal, "cfg": [bm, bn, w, s], "tma": tma, "ws": ws}
-            t1 = time.time()
-            try:
-                fn = lambda: A.flash_attention_triton(q, k, v, is_causal=causal, config=cfg, use_tma=bool(tma))  # noqa
-                err = (fn() - ref).abs().max().item()
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r.update(tflops=round(flops / ms / 1e9, 1), err=round(err, 4))
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            r["secs"] = round(time.time() - t1, 1)
-            emit(r)
-    bwd_sets = [
-        (128, False, [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
-         [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3)]),
-        (128, True, [(64, 128, 8, 2), (32, 128, 8, 2)], [(128, 64, 8, 2), (64, 64, 4, 2)]),
-        (64, False, [(64, 128, 8, 2), (64, 64, 4, 2)], [(128, 64, 8, 2), (64, 64, 4, 3)]),
-    ]
-    for d, causal, dkdv_cfgs, dq_cfgs in bwd_sets:
-        B, H = 16384 // S, 2048 // d
-        q, k, v = (_rand(B, H, S, d) for _ in range(3))
-        flops = 4 * B * H * S * S * d / (2 if causal else 1)
-        o, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
-        do = torch.randn_like(o)
-        base_dkdv, base_dq = dkdv_cfgs[0], dq_cfgs[0]
-        trials = [(c, base_dq) for c in dkdv_cfgs] + [(base_dkdv, c) for c in dq_cfgs[1:]]
-        for c1, c2 in trials:
-            if left() < 0:
-                break
-            k1 = dict(BLOCK_M=c1[0], BLOCK_N=c1[1], num_warps=c1[2], num_stages=c1[3])
-            k2 = dict(BLOCK_M=c2[0], BLOCK_N=c2[1], num_warps=c2[2], num_stages=c2[3])
-            r = {"kind": "bwd", "d": d, "causal": causal, "dkdv": list(c1), "dq": list(c2)}
-            t1 = time.time()
-            try:
-                fn = lambda: A.flash_attention_triton_bwd(do, q, k, v, o, lse, is_causal=causal,  # noqa: E731
-                                                          dkdv_config=k1, dq_config=k2)
-                fn()
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r.update(bwd_ms=round(ms, 3), bwd_tflops=round(2.5 * flops / ms / 1e9, 1))
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            r["secs"] = round(time.time() - t1, 1)
-            emit(r)
-    for S in (4096, 32768):
-        B, H, d = 8, 32, 128
-        q, k, v = _rand(B, H, 1, d), _rand(B, H, S, d), _rand(B, H, S, d)
-        nbytes = 2 * B * H * S * d * 2
-        for bn, w, st, cps in [(64, 4, 3, 4), (64, 4, 4, 8), (128, 4, 3, 4), (128, 8, 3, 8), (64, 4, 3, 16),
-                               (32, 4, 4, 8)]:
-            if left() < -20:
-                break
-            r = {"kind": "decode", "S": S, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": cps}
-            try:
-                def fn():
-                    o = torch.empty_like(q)
-                    lse = torch.empty((B, H, 1), device="cuda", dtype=torch.float32)
-                    flags = dict(HEAD_DIM=d, BLOCK_D=d, IS_CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=False,
-                                 MASK_KIND=0, HAS_KPM=False, PREC="tf32")
-                    A._launch_split(q, k, v, o, lse, q, (0, 0, 0, 0), q, (0, 0), 1, d ** -0.5, 0.0, -1, flags,
-                                    block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps)
-                    return o
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r["TBps"] = round(nbytes / ms / 1e9, 2)
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            emit(r)
-    return rows
-
-
 def main():
     def extra(p):
-        p.add_argument("--explore", action="store_true")
-        p.add_argument("--decode-only", action="store_true",
-                       help="decode rows only, combine modes auto / fused / kernel, MHA and GQA "
-                            "(writes attention_decode.*)")
-
-        p.add_argument("--decode-sweep", action="store_true",
-                       help="decode rows for split plans of 1-8 CTAs per SM and the opt-in split-kernel builds "
-                            "(FXOPT_ATTN_DECODE_CFG; writes attention_decode_sweep.*)")
         p.add_argument("--shapes", default=None,
-                       help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows; "
-                            "--tag names the output (attention_<tag>.*), for env A/B runs")
-        p.add_argument("--tag", default="rows")
+                       help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
-    if args.decode_sweep:
-        # Default build (128, 4, 3): the split plan assumes _DECODE_CTAS_PER_SM programs per SM (default 4), but
-        # its 136 KB of shared memory lets only ONE CTA be resident per SM (offline sm_90 build, session 8:
-        # 107 registers, docs/notes_decode_session8.md). Rows 1: which oversubscription factor fills the machine
-        # best. Rows 2: the opt-in builds of _DECODE_CONFIGS (FXOPT_ATTN_DECODE_CFG) with 3-6 resident CTAs per SM,
-        # each with its wave-balanced split plan (ctas_per_sm = residency), MHA and GQA 4:1.
-        rows = []
-        saved, saved_cfg = A._DECODE_CTAS_PER_SM, A._DECODE_CFG
-        BENCH.update(warmup=10, rep=40)  # 34 rows x 5 timings: keeps the sweep near a minute on an H200
-        dev = torch.device("cuda")
-        for S in (4096, 32768):
-            for ctas in (1, 2, 3, 4, 6, 8):
-                A._DECODE_CTAS_PER_SM = ctas
-                splits, split_len = A._split_plan(8, 32, S, dev, 128)
-                rows.append({"cfg": "default", "ctas_per_sm": ctas, "num_splits": splits, "split_len": split_len,
-                             **decode_rows(S)})
-        A._DECODE_CTAS_PER_SM = saved
-        for S in (4096, 32768):
-            for hkv in (32, 8):
-                for name, (bn, w, st, resident) in A._DECODE_CONFIGS.items():
-                    if name == "default" and hkv == 32:
-                        continue  # timed above (ctas_per_sm = 4)
-                    A._DECODE_CFG = name
-                    if name == "default":
-                        splits, split_len = A._split_plan(8, hkv, S, dev, bn)
-                    else:
-                        splits, split_len = A._split_plan(8, hkv, S, dev, bn, resident, balance=True)
-                    rows.append({"cfg": name, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": resident,
-                                 "num_splits": splits, "split_len": split_len, **decode_rows(S, hkv=hkv)})
-        A._DECODE_CFG = saved_cfg
-        write_results("attention_decode_sweep", rows, out_dir=args.out,
-                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): split plans and builds",
-                      notes="cfg: the split-kernel build (_DECODE_CONFIGS: block_n, warps, stages, resident CTAs "
-                            "per SM from offline sm_90 builds); ctas_per_sm: for cfg=default the programs per SM "
-                            "the split plan assumes (real residency 1), for the others the residency used by the "
-                            "wave-balanced plan; num_splits x B*Hkv programs. TB/s = K+V bytes / time; graph_* "
-                            "replayed from a CUDA graph. cuDNN measured in each row.")
-        return
-    if args.decode_only:
-        rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)
-                for c in ("auto", "fused", "kernel")]
-        A._FUSED_COMBINE = None
-        write_results("attention_decode", rows, out_dir=args.out,
-                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): fused combine vs combine kernel",
-                      notes="TB/s = K+V bytes / time. fused: the last split of each (batch, kv head) merges the "
-                            "partials in the split kernel; kernel: a second kernel (_attn_combine) launched with "
-                            "programmatic dependent launch; auto (the default): fused when launched eagerly on at "
-                            "most 192 MB of K/V, the kernel under CUDA-graph capture and above that. graph_* = replayed from a CUDA graph. FA2 takes no "
-                            "GQA here (SDPA enable_gqa), so Hkv=8 rows compare with cuDNN; max_err against SDPA "
-                            "MATH for Hkv=8. Medians of triton.testing.do_bench.")
-        return
-    if args.explore:
-        os.makedirs(args.out, exist_ok=True)
-        rows = explore(args.out, float(os.environ.get("EXPLORE_BUDGET_S", "110")))
-        write_results("attention_explore", rows, title="FlashAttention config exploration (H200, bf16, S=4096)",
-                      out_dir=args.out)
-        return
     if args.quick:
         shapes = [(128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 16384, True), (256, 4096, False),
                   (256, 8192, True)]
@@ -437,7 +261,7 @@ def main():
     if args.shapes:
         shapes = [(int(x.split("x")[0]), int(x.split("x")[1]), c) for x in args.shapes.split(",")
                   for c in (False, True)]
-    name = ("attention_" + args.tag) if args.shapes else "attention" + ("_quick" if args.quick else "")
+    name = "attention"
     rows = []
     t0 = time.time()
     for S in (() if args.shapes else (4096, 32768)):
@@ -445,7 +269,7 @@ def main():
     for i, (d, S, c) in enumerate(shapes):
         rows.append(attention_rows(d, S, c))
         if i % 6 == 5:  # partial results survive a time-out
-            write_results(name + "_partial", rows, title="partial", out_dir=args.out)
+            write_results(name, rows, title="FlashAttention (partial: the run stopped here)", out_dir=args.out)
     notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch; on sm_90 at d = 128 it runs "
              "the Gluon FA3-style kernel, fxopt/kernels/attention_gluon.py); fwd_triton = the Triton-language "
              "kernel alone, fwd_gluon = the Gluon kernel alone (where it takes the inputs); fwd+bwd through "
