@@ -5,59 +5,20 @@ Public op (registered on import)::
     torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                     window=-1, softcap=0.0, key_padding_mask=None) -> Tensor
 
-Design
-------
-* Layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with any strides (a transposed view of [B, S, H, D] is read in
-  place; only a tensor whose *last* dim is not contiguous is copied). Hq % Hkv == 0: query head h reads kv head
-  h // (Hq / Hkv) (GQA / MQA, K/V never repeated in memory). D <= 256 is padded to a power of two inside the kernel
-  (masked loads or zero-filled TMA boxes), so 80, 96, 112, 160, 192 work.
-* Semantics: scores = q.k * scale (scale defaults to 1/sqrt(D)); softcap > 0 turns them into
-  softcap * tanh(scores / softcap); then the float mask is added / the bool mask (True = attend) applied,
-  causal is bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), window >= 0 additionally keeps
-  (i + Sk - Sq) - j < window, key_padding_mask [B, Sk] (True = valid) drops keys. Masks broadcast to
-  [B, Hq, Sq, Sk] through stride-0 views (never expanded in memory). A row with no visible key gives 0 and its
-  log-sum-exp is stored as +inf, so the backward also gives exact zeros (never NaN).
-* Forward (``_attn_fwd``, FA2): grid (query blocks, B*Hq), online softmax in base 2 (log2(e) folded into the scale),
-  fp32 accumulators. Each program walks its key range in three segments: masked blocks at the window edge, full
-  blocks that need no per-element causal/window/bounds test, masked blocks at the causal diagonal / sequence end;
-  blocks that are entirely invisible are never visited. Causal grids are walked longest-row-block first.
-  Hopper: with ``USE_TMA`` the tiles are read through device-side tensor descriptors (``tl.make_tensor_descriptor``,
-  zero padding doubles as the D / sequence masking); on the H200 this only paid at head dim 256, so the host uses it
-  there (``FXOPT_ATTN_TMA`` = auto / 1 / 0; never for misaligned inputs). ``WARP_SPEC`` (Triton's automatic warp
-  specialization of the key loop) is kept as a meta-parameter for experiments only: in Triton 3.6 on sm_90 the
-  ``NVGPUWarpSpecialization`` pass failed on most configs of this kernel, and the one that compiled was slower.
-* Decode (``_attn_fwd_split`` + ``_attn_combine``, flash-decoding): used automatically for few query tokens
-  (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
-  packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
-  GPU; a combine kernel merges the partial (output, lse) pairs, or the last split to finish does, behind an acq_rel
-  arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``). At d = 128
-  the default build (BLOCK_N 128, 3 stages) holds its K/V tiles in 136 KB of cp.async buffers, so one CTA is
-  resident per SM (107 registers); ``_DECODE_CONFIGS`` lists opt-in builds with 3-6 (docs/notes_decode_session8.md).
-* Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
-  KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
-  ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp. At
-  BLOCK_D = 256 (bf16 / fp16) dK/dV run in ``_attn_bwd_dkdv_split``: two programs per key block, each holding one
-  head-dim half of dK and dV (the scores still take full-D dots), so the accumulators fit in registers.
-* Dropout RNG: Philox (``tl.rand``) keyed by a per-call 31-bit seed (drawn from torch's default CPU generator, so
-  ``torch.manual_seed`` reproduces it) and the counter ((b * Hq + h) * Sq + i) * Sk + j; an element is kept when
-  its uniform >= dropout_p and scaled by 1 / (1 - dropout_p). The backward regenerates the same mask from the same
-  seed. The CPU reference draws its mask from ``torch.Generator().manual_seed(seed)`` instead (same seed, other
-  stream; each path is self-consistent between forward and backward).
-* fp32 inputs: computed with exact fp32 dots (``input_precision="ieee"``, no TF32) and smaller tiles; correct but
-  not fast (use bf16/fp16 for speed).
-* Ops: ``fxopt::flash_attention_fwd`` -> (out, lse) and ``fxopt::flash_attention_bwd`` -> (dq, dk, dv) are
-  ``custom_op``s (fake impls allocate like the real ones: out = empty_like(q)); the public ``fxopt::flash_attention``
-  is a CompositeImplicitAutograd op on top (draws the dropout seed, returns out only). Autograd lives on the fwd
-  op. CPU tensors take the float32 PyTorch reference (``attention_reference``); CUDA tensors the Triton kernels.
-  ``flash_attention_triton`` / ``flash_attention_triton_bwd`` launch the kernels directly and also run on CPU
-  tensors under ``TRITON_INTERPRET=1`` (one config there). On CUDA both replay launch plans
-  (``launch_plan.plan_cached``, session 15): from the third call with the same tensor metadata, arguments, switches
-  and routing globals (``_plan_state``), the recorded launches run without this module's Python or Triton's
-  per-call binding. Code that changes other state these functions read must call ``launch_plan.clear_plans()``.
-* Tuning: small per-head-dim config lists (chosen from H200 measurements, see docs/notes_attention.md), autotuned
-  once per (flags, power-of-two bucket of Sq and Sk). Knobs: ``FXOPT_ATTN_TMA`` (auto/1/0),
-  ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count),
-  ``FXOPT_ATTN_DECODE_CFG`` (opt-in split-kernel builds with more resident CTAs per SM, ``_DECODE_CONFIGS``).
+q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] with any strides (GQA / MQA without repeating K/V), D <= 256 (padded to a
+power of two inside the kernels). Causal masks are bottom-right aligned; sliding windows, softcap, key padding,
+float / bool masks (broadcast through stride-0 views) and dropout (Philox, regenerated in the backward) are kernel
+arguments. A row with no visible key gives 0 (never NaN), in the forward and the backward.
+
+This module holds the portable path and the routing: the FA2-style Triton forward (``_attn_fwd``: online softmax in
+base 2, key range walked in masked / unmasked segments, longest causal rows first), the split-KV decode kernels
+(``_attn_fwd_split`` + ``_attn_combine`` or a fused combine, for Sq <= 16 and Sk >= 1024), and the two-kernel Triton
+backward (``_attn_bwd_dkdv`` without atomics, ``_attn_bwd_dq``). On sm_90 the forward and backward are routed to the
+Gluon builds of ``attention_gluon`` / ``attention_gluon_bwd`` where those take the shape (``kernel_routes`` says
+which ran; a build that fails falls back here and says why). CPU tensors take the float32 reference
+``attention_reference``. ``fxopt::flash_attention_fwd`` / ``_bwd`` are custom ops with fake implementations; on CUDA
+both replay launch plans (``launch_plan.plan_cached``). Configs are short per-head-dim lists, autotuned once per
+(flags, power-of-two bucket of Sq and Sk). Design notes and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

@@ -2,92 +2,25 @@
 
 Ops (registered on import):
 
-* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype`` (contiguous).
-  CUDA: a Triton kernel; elsewhere: :func:`fxopt.quant.format.dequantize`.
-* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias=None) -> y [..., N]`` (contiguous,
-  ``x.dtype``). CUDA: the Triton kernels below; CPU: the reference (dequantize + matmul in float32, cast). Autograd
-  with respect to ``x`` (and ``bias``): ``grad_x = grad_y @ W``; the packed tensors get no gradient.
+* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype``.
+* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, bias, group_size) -> y`` = ``x @ dequant(W)^T + bias``.
 
 Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i+j];
 ``scales``/``zeros`` [K/G, N]; ``W = (q - zero) * scale``.
 
-Design
-------
-One Triton kernel, ``_w4a16_kernel``, computes ``y[BLOCK_M, BLOCK_N]`` tiles over a slice of K. The packed tile
-[BLOCK_K/8, BLOCK_N] int32 is one coalesced load along N; it is unpacked in registers as a [BLOCK_K/8, 8, BLOCK_N]
-broadcast shift-and-mask that reshapes to [BLOCK_K, BLOCK_N] in natural K order. No 16-bit weight is written to
-memory. Codes become floats without an int->float conversion: ``code | 0x4300`` read as bf16 is exactly ``128 + q``
-(``code | 0x6400`` read as fp16 is ``1024 + q``), so the unpack is a shift, an and/or, and a 16-bit truncation.
-BLOCK_K always divides the group size, so one tile has a single (scale, zero) row. Two modes (constexpr CODE_DOT):
+Kernels (the tuner picks one per (M bucket, K, N, group size, dtype) by timing a short candidate list the first
+time a shape is seen, cached in the process and optionally in a file):
 
-* CODE_DOT (small M, memory-bound): the tensor cores multiply x by the raw offset codes, and scale and zero are
-  applied once per group to the [BLOCK_M, BLOCK_N] result: ``acc += (x @ (OFF + q) - (OFF + z) * sum_k x) * s``.
-  With BLOCK_M = 16 this costs a few ALU ops per weight, which is what the memory-bound regime can afford.
-* dequant (large M, compute-bound): ``w = (OFF + q) * s - (OFF + z) * s`` (one FMA in fp32, exact codes), cast to
-  the activation dtype, then ``tl.dot`` accumulates; the per-tile dequant is shared by BLOCK_M rows.
+* Triton ``_w4a16_swap_kernel`` ("swapx" / "swapd"): codes as the dot's first operand (y^T = codes @ x^T), so a
+  64-row weight tile fills the MMA at small M; two weights unpacked per 32-bit op into bf16 bits of 128 + q;
+  with integer zeros the dot runs on raw codes and scale / zero are applied once per group to the accumulator.
+* "gemv1" (M <= 4, one launch, CUDA-core FMAs) and "mma" (M <= 16, ``w4a16_mma``: mma.sync with both operands in
+  registers).
+* The Gluon kernel of ``w4a16_gluon`` (sm_90, bf16: warp-specialized TMA ring + wgmma) in every bucket.
+* "dequant_matmul" (dequantize, then cuBLAS) only with ``FXOPT_W4A16_DEQUANT_MATMUL=1``: it writes a 16-bit weight.
 
-``_w4a16_swap_kernel`` (methods "swap" and "swapx", the tuner's choice for M up to 128) swaps the operands:
-``y^T[BLOCK_N, BLOCK_M] = codes[BLOCK_N, BLOCK_K] @ x^T``. The unpacked codes are then the dot's first operand,
-which Hopper's wgmma reads from registers, so they never go through shared memory, and the tensor-core M dimension
-is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile. The packed tile is pipelined into shared
-memory by the compiler (cp.async); x, scale and zero are prefetched one K tile ahead in registers. In "swapx" a small
-kernel (``_prep_x_kernel``) first writes x in the codes' K order together with its sums per K tile, once per call,
-so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS),
-and the codes are unpacked in FRAG order (``_unpack_frag``): the K order of wgmma's register fragment, so a thread
-reads each packed word once and uses all 8 of its nibbles (4x fewer shared-memory loads, fewer registers).
-The main kernel is launched with programmatic dependent launch (``pdl``): its programs become resident and load
-their first scales while the prep kernel runs, and wait (``gdc_wait``) only before reading x. "swapd"
-dequantizes the codes in the activation dtype before the dot, two per PTX instruction, so the dot accumulates over
-K with no per-tile correction and the wgmma stays asynchronous (integer zeros only; otherwise it runs as "swapx").
-It is the tuner's main candidate from M = 17 to 256 (12-35% faster than swapx at M = 64-256 on the H200).
-"gluon" (``fxopt/kernels/w4a16_gluon.py``, sm_90 only) is a warp-specialized Gluon kernel with the swapd
-arithmetic: a TMA producer warp and two consumer warpgroups, one dequantizing while the other's wgmma runs. It is
-listed up to M = 256 for bf16, integer zeros, group 128, K and N multiples of 128, when Gluon imports;
-``FXOPT_W4A16_GLUON=0`` removes it. With its async-wgmma builds (session 7) it is the tuner's pick at M = 64-256 and
-ties or beats swapx at M = 1-16 (``benchmarks/results/w4a16.md``).
-``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
-groups ("gemv2"). It stays a candidate at M = 1.
-``_w4a16_gemv1_kernel`` ("gemv1", session 8; listed for the M buckets up to 4 on CUDA, last, so the tuner times it;
-GPU-checked in session 9, ``FXOPT_W4A16_GEMV1=0`` unlists it) is the one-launch small-M path: x is read as it is (no prep kernel),
-all M <= 4 rows in one program, CUDA-core fp32 FFMA chains. Each code becomes an fp32 with one LOP3, ``(copy &
-0xF0000) | 0x43000000`` = 128 + q or ``(copy & 0xF000) | 0x45000000`` = 2048 + q, from four copies of the word (itself,
-``<< 8``, ``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1, no smem, no barrier in
-the K loop, the next K tile's loads issued before the current one is computed. Offsets and zeros are removed once
-per thread, column and K tile (the chain starts at ``-(sum x OFF + z sum x)``), the scale folded once per K tile.
-Split-K partials go to an fp32 workspace kept at zero between calls (relaxed fp32 atomics, one per output element
-and CTA); the CTA that bumps the column tile's counter last reads the total, zeroes it, adds the bias and writes y.
-Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill. On
-the H200 (session 9) it wins at M = 1 on three of the four benchmark shapes (2.05-2.37x bf16) and loses at M = 2 / 4
-(every row re-reads the weights' registers per x row: 1.0-1.5x). The tuner checks its output against the default
-config's before timing it. ``prefetch`` (constexpr PREFETCH, 1-3): K tiles of loads kept in flight ahead of the
-computed one, as a ring of register buffers. With 1, ptxas issues the next tile's packed loads only 71% of the way
-through the current tile (a third of a tile of lead); with 2 the lead is 1.15 tiles, at 168 registers for BN 256 w4
-(3 CTAs per SM, 96 KB of weights in flight per SM against 64 KB) and 12% more instructions (the ring's register
-copies). With ``FXOPT_W4A16_GEMV1_PREFETCH=1`` (opt-in until its GPU test, session 9 offline only) the M = 1
-bucket lists prefetch-2 candidates next to the prefetch-1 ones (same arithmetic, bit-identical per split);
-docs/notes_w4a16_gemv1_session9.md.
-
-Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
-(SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
-(acq_rel atomic after a CTA barrier) and the last one to arrive sums the partials, adds the bias, writes y and resets
-the counter. One launch, no memset, no extra reduction kernel.
-
-Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
-time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
-then cached; the candidates within 8% of the best are timed again, longer, before the pick (``_pick_fastest``),
-and the M <= 16 buckets are timed as calls back to back over weight copies (``_bench_streamed_us``). Under
-CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1`` forces
-the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file
-(``FXOPT_W4A16_TUNE_CACHE``) under the GPU model, the software versions, the shape key and the candidate list, so a
-new process does not time again.
-No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
-tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
-M = 1024 / 4096 (session 20, ``benchmarks/results/w4a16.md``). ``FXOPT_W4A16_DEQUANT_MATMUL=1`` (opt-in) adds
-"dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS" to the lists from M = 33 (first, i.e. the
-untuned default, above M = 256): at M = 1024 / 4096 the tuner picked it on every benchmark shape (0.96-1.09x bf16 at
-M = 4096, session 19, ``benchmarks/results/w4a16_dequant_matmul_s19.md``), at the price of writing a temporary
-16-bit W (freed after the call) and reading it back.
-Measurements and predictions: ``docs/notes_w4a16.md``.
+Small grids split K; partials go to an fp32 workspace and the last program of a tile reduces them (one launch).
+Candidates and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
