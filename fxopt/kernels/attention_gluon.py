@@ -58,7 +58,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# The FMA-pipe exp2 (``_exp2_poly``; session 9, written for the fp8 kernel, shared): POLY_EXP of every
+# The FMA-pipe exp2 (``_exp2_poly``, written for the fp8 kernel, shared): POLY_EXP of every
 # POLY_EXP_PACK per-thread exp2s of a score tile computed by a polynomial instead of MUFU.EX2.
 POLY_EXP_CHOICES = (0, 1, 2, 3, 4, 8)
 POLY_EXP_PACK = 16
@@ -98,7 +98,7 @@ _WG3_STAGES = 3
 _WG3_MAXNREG = 128
 _WG3_CONSUMER_REGS = 160
 _WG3_PRODUCER_REGS = 24
-# Persistent two-warpgroup builds, opt-in: the unmasked key-block loop unrolled by two (session 16). The overlapped
+# Persistent two-warpgroup builds, opt-in: the unmasked key-block loop unrolled by two. The overlapped
 # step issues PV_{i-1} from P_{i-1}'s registers and computes P_i while that wgmma still reads them, so a rolled loop
 # ends each step with 32 register moves (PRMT) of P_i into the operand registers of the next PV; unrolled, one of the
 # two steps computes P in place (sm_90 SASS offline: 455 -> 431.5 instructions per step at d = 64, 498 -> 474 at
@@ -108,10 +108,10 @@ _WG3_PRODUCER_REGS = 24
 # Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB. FXOPT_ATTN_GLUON_UNROLL2 (read at import;
 # comma-separated head dims) turns it on.
 _UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "").split(",") if d.strip())
-# Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``
-# (session 16). The ``overlap2`` build of session 7 did this for the non-persistent kernel (bit-identical on the
-# H200, +4.6% at d = 64, +-1% at d = 128, session 8); the persistent builds of session 9 were written without it.
-# Offline sm_90 SASS of the persistent builds: see docs/notes_attention_session16.md. On the H200 (session 17,
+# Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``.
+# The ``overlap2`` build did this for the non-persistent kernel (bit-identical on the
+# H200, +4.6% at d = 64, +-1% at d = 128); the persistent builds were first written without it.
+# Offline sm_90 SASS of the persistent builds: see docs/kernels.md. On the H200 (
 # benchmarks/results/attention_fwd_ab_{base,castlate}*.md, two rounds each, bit-identical): d = 64 +2.5 to +6%
 # (persistent3 from 4k +3 to +5%), d = 128 -0.7 to +2.8%: on by default. FXOPT_ATTN_GLUON_CAST_LATE=0 (read at
 # import) turns it off.
@@ -361,7 +361,7 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     ``PIN_PV=False`` (variant="persistent3" only): no row-sum store, ptxas waits for PV_{i-1} after the row max
     (the pin kept 128 accumulator / operand registers live across the softmax and spilled in 160 registers).
 
-    ``MMA_ROWSUM`` (persistent builds, opt-in, session 10): ``l_i`` is the row-sum ACCUMULATOR [ROWS, RS_N] fp32 (wgmma
+    ``MMA_ROWSUM`` (persistent builds, opt-in): ``l_i`` is the row-sum ACCUMULATOR [ROWS, RS_N] fp32 (wgmma
     layout m64n<RS_N>), handled exactly like O: rescaled by alpha_{i-1} next to O, then L += P_{i-1} E issued right
     after PV_{i-1} (same 16-bit A operand registers; E = ``ones_smem``^T, ones in column 0 only) and waited for
     with it; the softmax does no row sum. S_i's wait allows 2 groups in flight (PV_{i-1} and the row sum). With
@@ -484,7 +484,7 @@ def _fa_p16(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     same rounding as ``p.to(dtype)``; the pair is (element 2k, element 2k+1) of a thread, low half first, which is
     how the 16-bit tensor is packed into 32-bit registers anyway.
 
-    Why (offline sm_90 SASS, session 7): in the overlap build the TTGIR loop carries the 16-bit P operand, but
+    Why (offline sm_90 SASS): in the overlap build the TTGIR loop carries the 16-bit P operand, but
     LLVM folds the loop phi of ``truncf`` into a phi of the fp32 exp2 results. The 64 scalar ``cvt.rn.bf16.f32``
     then sit in the loop header block and the ``mov.b32 {lo, hi}`` packing into the wgmma operand in the body
     block (after the loop-exit branch), so the NVPTX backend cannot pair them; ptxas emits 32 F2FP.PACK_AB with the
@@ -877,7 +877,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
     UNROLL2: gl.constexpr = ((NUM_WG == 2) and (not PINGPONG) and (not MMA_ROWSUM)
                              and ((HEAD_DIM == 64 and _UNROLL2_D64) or (HEAD_DIM == 128 and _UNROLL2_D128)))
-    # the unrolled loop was measured (session 16) with p.to(dtype); with the packed cast too it spills 100 bytes
+    # the unrolled loop was measured with p.to(dtype); with the packed cast too it spills 100 bytes
     CAST_LATE: gl.constexpr = _PERSISTENT_CAST_LATE and (not MMA_ROWSUM) and (not UNROLL2)
     if MMA_ROWSUM:
         RS_COLS: gl.constexpr = ones.shape[0]
@@ -1173,14 +1173,14 @@ def _gl_dtype(dt):
 def host_layout(block: tuple, dtype: torch.dtype):
     """``NVMMASharedLayout.get_default_for(block, dtype)`` for a host-side TensorDescriptor, cached (a frozen
     dataclass): building it was ~7 of the ~10 us a descriptor cost on the host, and a forward launch builds four,
-    a backward launch six or more (session 13 found the op's launch path longer than the GPU work below S = 4096).
+    a backward launch six or more (the op's launch path was measured longer than the GPU work below S = 4096).
     float32 (the backward's lse / delta vectors) included."""
     gdt = gl.float32 if dtype == torch.float32 else _gl_dtype(dtype)
     return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
 
 
 # Builds that failed their H200 check: refused by gluon_attention_fwd unless FXOPT_ATTN_GLUON_UNCHECKED=1.
-_FAILED_GPU_CHECK = {"persistent_pingpong": "was not bit-identical to variant 'overlap' on the H200 (session 10)"}
+_FAILED_GPU_CHECK = {"persistent_pingpong": "was not bit-identical to variant 'overlap' on the H200"}
 VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong", "persistent_pingpong",
             "persistent3")
 # Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
@@ -1188,7 +1188,7 @@ VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "p
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
 _PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2, "persistent_pingpong": 1, "persistent3": 1}
-# variant="pingpong": the overlap build's tiles; every head dim compiles clean offline (session 8).
+# variant="pingpong": the overlap build's tiles; every head dim compiles clean offline.
 _PINGPONG_HEAD_DIMS = (64, 128, 256)
 
 
@@ -1384,7 +1384,7 @@ def resolve_poly_exp(poly_exp, persistent: bool) -> int:
     return value
 
 
-# MMA_ROWSUM (persistent variants, opt-in, session 10): the softmax row sum by a small wgmma next to PV (see
+# MMA_ROWSUM (persistent variants, opt-in): the softmax row sum by a small wgmma next to PV (see
 # _fa_step_overlap). The default when neither ``mma_rowsum=`` nor FXOPT_ATTN_GLUON_MMA_ROWSUM says otherwise.
 MMA_ROWSUM = False
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -1437,10 +1437,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     warpgroups, 192-row tiles). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
     stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
     the grid's upper bound (default: the device's SM count; small values force many items per CTA).
-    ``poly_exp``: persistent variants only (opt-in, session 9, offline only): that many of every 16 per-thread
+    ``poly_exp``: persistent variants only (opt-in, offline only): that many of every 16 per-thread
     softmax exp2s on the FMA pipe (``_exp2_poly``) instead of MUFU.EX2; None = ``FXOPT_ATTN_GLUON_POLY_EXP`` (applied
     to persistent launches only) or 0. Not bit-identical to poly_exp=0 (P differs by up to 2^-13.7 relative before
-    its 16-bit rounding). ``mma_rowsum``: persistent variants only (opt-in, session 10): the softmax row sum by a
+    its 16-bit rounding). ``mma_rowsum``: persistent variants only (opt-in): the softmax row sum by a
     wgmma of the 16-bit P against a constant tile (``MMA_ROWSUM``); "nopin": the same without the PV pin; None =
     ``FXOPT_ATTN_GLUON_MMA_ROWSUM`` (persistent launches only) or the module constant ``MMA_ROWSUM``. Not bit-identical to the FADD row sum (it sums the rounded
     P that P V uses)."""

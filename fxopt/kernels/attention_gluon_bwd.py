@@ -83,12 +83,12 @@ DQW_VARIANT = 5
 DQ_TMA_VARIANT = 6
 DQW_VARIANTS = (DQW_VARIANT, DQ_TMA_VARIANT)  # the variants with dQ tiles in shared memory and a reducer partition
 DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
-DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; GPU-checked)
+DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64: [64, 32] fp32 tiles; GPU-checked)
 DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
 REDUCER_WARPS = 1
-_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
+_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 (GPU-checked, not routed)
 _SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
-# Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``; session 11). Every
+# Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``). Every
 # bit leaves the results WRONG: ``gluon_attention_bwd(..., ablate=mask)`` needs the env var below and the op never
 # passes it. bit -> what the build leaves out (per step and consumer warpgroup).
 ABLATE_BITS = {
@@ -98,7 +98,7 @@ ABLATE_BITS = {
     8: "exp2 (32 MUFU.EX2; P^T = the exponent, same FFMA)",
     16: "wait on ds_bar (the other warpgroup's dS^T publication; the arrives stay)",
 }
-# The same bits at d = 256 (``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``; session 13), per step and warpgroup:
+# The same bits at d = 256 (``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``), per step and warpgroup:
 ABLATE_BITS_D256 = {
     1: "dQ global reductions (32 REDG.F32x2; the dQ wgmma and its wait stay)",
     2: "proxy fence after the P^T / dS^T stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)",
@@ -833,7 +833,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     fence_async_shared()
 
     # Two literal partition lists, one per build: a list built with "+" unwraps constexprs to Python ints, which
-    # warp_specialize cannot capture (at run time GROUP == 1 or H == 1 arrive as constexprs: session 12's H200 run of
+    # warp_specialize cannot capture (at run time GROUP == 1 or H == 1 arrive as constexprs: an earlier H200 run of
     # variant 5 failed to compile there). The argument tuples are literals too: a tuple assigned to a name turns its
     # constexprs into tensors. DQW passes None (no capture) for the consumers' SQ_PAD / dq_ptr and adds the reducer
     # warp(s) to warpgroup 2 at the producer's register budget; variants 1-4 pass None for the dQ tiles and barriers.
@@ -878,7 +878,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Head dim 256 (session 9; routed since session 10): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
+# Head dim 256 (routed): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
 # One CTA = 64 keys; the two consumer warpgroups split the QUERIES of S^T / dP^T (32 each) and the HEAD DIM of
 # dK / dV / dQ (128 columns each). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks, the
 # d = 128 kernels' tile family); P^T and dS^T are exchanged through [64, 64] tiles with a 64-byte swizzle, i.e.
@@ -1044,7 +1044,7 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
         dq_tile.store(gl.permute(gl.reshape(dq, [8, 8, 16, 8]), (0, 2, 1, 3)))
         fence_async_shared()     # generic-proxy stores -> the TMA unit's (async proxy) reads
         gl.thread_barrier()
-        # the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s (session 14:
+        # the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s (
         # each warpgroup issuing its own and waiting for the TMA unit's read gained 2-8% over the REDG build, this
         # 7.5-13%; benchmarks/results/gluon/gluon_attention_bwd_check_d256_s14*.md)
         mbarrier.arrive(q_empty.index(s), count=1)
@@ -1360,8 +1360,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). ``grads_like_inputs=True``:
     dq / dk / dv laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's
     fake implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; the kernels
-    address dq through its strides and dk / dv through TMA descriptors built on them (session 12; GPU-checked
-    in session 13 at d = 64 / 128 / 256, since when the op routes strided inputs here by default).
+    address dq through its strides and dk / dv through TMA descriptors built on them (GPU-checked
+     at d = 64 / 128 / 256, and the op routes strided inputs here by default).
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
@@ -1370,9 +1370,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 and, from S = 4096,
     at d = 64, through ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``). Variants 1-4 exist for d = 64 and 128
     (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
-    d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
-    ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
-    (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).
+    d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here:
+    ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of an H200 check; ``flash_attention_triton_bwd`` routes d = 128 to variant 3.
 
     ``ablate`` (TIMING ONLY, the results are wrong): a bit mask of ``ABLATE_BITS`` for the split-dQ kernel
     (variants 1-4, d = 64 / 128) or the d = 256 kernel (any variant; ``ABLATE_BITS_D256``); refused unless the
@@ -1487,7 +1486,7 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     like ``gluon_attention_bwd``'s; at D = 256 the d = 256 kernel's ``ABLATE``). The split-dQ kernel always gets
     TURNS, ABLATE, DQW, NB and REDUCER_WARPS explicitly here, the d = 256 kernel ABLATE: an offline compile does not
     apply a constexpr's default (it would be None). ``ones``: i32 arguments (e.g. ``("H", "GROUP")``) built as the
-    constexpr 1 that Triton's launcher makes of an int argument equal to 1 (session 12: variant 5 built offline with
+    constexpr 1 that Triton's launcher makes of an int argument equal to 1 (variant 5 built offline with
     i32 arguments but failed to compile at run time with GROUP = 1)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1569,7 +1568,7 @@ def sass_summary(c) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue-slot / resource model of one CTA step from offline SASS (session 10; docs/notes_attention_bwd_issue_session10.md)
+# Issue-slot / resource model of one CTA step from offline SASS (docs/kernels.md)
 # ----------------------------------------------------------------------------------------------------------------
 
 # instruction classes of the step-loop census, first match wins (predicate guards are stripped first)

@@ -24,7 +24,7 @@ from .attention_gluon_bwd import (  # noqa: F401 - re-exported (the kernel and i
 logger = logging.getLogger(__name__)
 
 HEAD_DIM = GB.DQW_HEAD_DIM      # 128: the routed head dim (the default of config_dqw / compile_offline)
-HEAD_DIMS = GB.DQW_HEAD_DIMS    # (64, 128): head dims the kernel builds for (d = 64: session 12, GPU-checked)
+HEAD_DIMS = GB.DQW_HEAD_DIMS    # (64, 128): head dims the kernel builds for (d = 64:, GPU-checked)
 REDUCER_REGS = GB._PRODUCER_REGS  # 24: setmaxnreg of warpgroup 2 (producer + reducer), as variant 3's producer
 SMEM_LIMIT = 232_448    # bytes per CTA on sm_90
 

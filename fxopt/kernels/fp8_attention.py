@@ -628,7 +628,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
 
 
 # The fused persistent quantization kernel is bit-identical to the per-tensor ``_quant_kernel`` launches (interpreter
-# tests, and the GPU tests -k fused: 16 passed, session 9) and faster: 116 / 93 us for q, k, v at d = 128 / 64
+# tests, and the GPU tests -k fused: 16 passed) and faster: 116 / 93 us for q, k, v at d = 128 / 64
 # against 142 / 101-130 us for the three tensor-core launches (benchmarks/results/fp8_quant.md).
 # FXOPT_FP8_QUANT_FUSED=0 turns it off.
 _QUANT_FUSED_DEFAULT = "1"
@@ -656,10 +656,10 @@ _FUSED_QUANT_FAILED: set = set()
 
 def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
     """(num_warps, num_stages, programs per SM, V_DOT) of ``_quant_qkv_kernel``; ``FXOPT_FP8_QUANT_CFG="w,s,p[,1]"``
-    overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6, session 8):
+    overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6):
     at D = 128 a program takes 144 KB of shared memory (3 x 32 KB cp.async stages, the 32 KB transform matrix, 16 KB
     for the store's layout change) and ~220 registers x 256 threads (bf16), so one per SM; at D = 64, 64 KB / 80
-    registers: two per SM. Session 9's GPU sweep (benchmarks/results/fp8_quant_sweep.md, codes and scales
+    registers: two per SM. An earlier GPU sweep (benchmarks/results/fp8_quant_sweep.md, codes and scales
     bit-identical to the per-tensor kernels in every row) moved the defaults: D = 128 with 2 stages, 2 programs per
     SM and V through the tensor cores, 100 us against 116 us for q, k, v at 16k tokens x 16 heads; D <= 64 with 3
     programs per SM, 85 us against 104 us."""
@@ -756,7 +756,7 @@ def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
 
 
 _HMAT_CACHE: dict = {}
-# On since session 8: test_gpu_quantize_tensor_core_transform passed on the H200 and benchmarks/fp8_attention.py's
+# On: test_gpu_quantize_tensor_core_transform passed on the H200 and benchmarks/fp8_attention.py's
 # quant_tc column (141-159 us) beat quant_butterfly (199-203 us). FXOPT_FP8_HAD_DOT=0 keeps the butterflies.
 _HAD_DOT_DEFAULT = "1"
 
@@ -1063,7 +1063,7 @@ _GLUON_FP8_FAILED: set = set()
 def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
     """Run the op on the Gluon (FA3-style, warp-specialized) fp8 kernel of ``fp8_attention_gluon`` when it takes
     these inputs; False leaves the call to the Triton kernel. Same quantization kernels, so the two differ only in
-    accumulation order: on the H200 (session 8, ``benchmarks/fp8_gluon_check.py``) its RMSE against float64 matched
+    accumulation order: on the H200 (an H200 check) its RMSE against float64 matched
     the Triton kernel's to 3 digits and it ran 705-873 TFLOP/s against 665-790 at d = 128, S = 4k / 16k.
     ``FXOPT_FP8_GLUON=0`` turns it off; a build or launch that fails is remembered and not retried."""
     key = (q.device, q.dtype, q.shape[-1], bool(is_causal))

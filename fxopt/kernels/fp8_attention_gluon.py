@@ -73,30 +73,30 @@ _MAXNREG = 168
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 # K rows loaded permuted within every 16 keys so that P needs no cross-lane exchange before the PV wgmma (see
-# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles). On by default since session 8:
+# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles). On by default:
 # the 5-D TMA view works on the H200 (agreement with the Triton fp8 kernel as close as the plain load's on 12 cases).
 PERMUTE_K_DEFAULT = True
-# On by default since session 8 (with permute_k: 705-873 against 561-651 TFLOP/s for the plain build and 665-790 for
+# On by default (with permute_k: 705-873 against 561-651 TFLOP/s for the plain build and 665-790 for
 # the Triton fp8 kernel, d = 128, benchmarks/results/gluon/fp8_gluon_check.md): carry P_{i-1} across the loop back edge in fp32 and cast it to e4m3 right before
 # the PV wgmma that reads it, instead of carrying the e4m3 operand. Triton 3.6 lowers a loop-carried 8-bit register
 # tensor as one byte per 32-bit register, so the default build unpacks P8 at the end of every step (PRMT 0x777x /
 # 0x7610) and repacks it at the top of the next (LOP3 & 0xffff, PRMT 0x3340 / 0x5410): ~180 instructions per step.
 CAST_LATE_DEFAULT = True
-# Opt-in (session 7; on the H200 in session 8 bit-identical but 5-10% SLOWER than cast_late + permute_k alone:
+# Opt-in (on the H200 bit-identical but 5-10% SLOWER than cast_late + permute_k alone:
 # 753-801 against 812-873 TFLOP/s): FA3's intra-warpgroup order (attention_gluon.py's variant="overlap"): issue S_i,
 # rescale O by the factor owed by the previous softmax while S_i runs, issue PV_{i-1}, softmax_i, store l_i to an
 # unread shared slot (pins ptxas's PV wait below every exp2 of the step), wait for PV_{i-1}. See _f8_step_overlap.
 OVERLAP_DEFAULT = False
-# Opt-in (session 8, offline only): explicit warpgroup ping-pong (FA3's inter-warpgroup schedule). Two mbarriers
+# Opt-in (offline only): explicit warpgroup ping-pong (FA3's inter-warpgroup schedule). Two mbarriers
 # ``turn`` order the GEMM issues of the two consumer warpgroups: warpgroup 1 issues its k-th GEMM group (block 0: QK_0;
 # step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
 # warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
 PINGPONG_DEFAULT = False
-# Opt-in (session 9; measured slower on the H200 in session 10): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
+# Opt-in (measured slower on the H200): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
 # polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
 # 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
 POLY_EXP_DEFAULT = 0
-# Opt-in (session 9; bit-identical, mixed on the H200 in session 10: +5.8% / -2.5%): one CTA per SM looping over (head, 128-row query block) work items with two Q
+# Opt-in (bit-identical, mixed on the H200: +5.8% / -2.5%): one CTA per SM looping over (head, 128-row query block) work items with two Q
 # buffers per consumer warpgroup, a never-drained K / V ring and the O store left in flight (attention_gluon.py's
 # variant="persistent", which made the bf16 forward 3-5% faster). A separate kernel, _fp8_fa3_fwd_persistent_kernel.
 PERSISTENT_DEFAULT = False
@@ -104,20 +104,20 @@ PERSISTENT_DEFAULT = False
 # fp8 each) + 2 O staging tiles (64 x d, 16-bit) + barriers: d 128 / 4 stages 196,608 B; 5 stages would be 229,376 B
 # (fits 227 KB = 232,448 B, ``stages=5``); d 64 / 4 stages 98,304 B.
 _PERSISTENT_STAGES = {64: 4, 128: 4}
-# Opt-in (session 10, offline only): the row sum l of P on the tensor cores (module docstring "mma_rowsum"): one extra
+# Opt-in (offline only): the row sum l of P on the tensor cores (module docstring "mma_rowsum"): one extra
 # async wgmma per step, P8 (the PV A operand, registers) x an all-ones [BLOCK_N, RS_N] e4m3 tile in shared memory,
 # instead of ~64 FADD per thread. l then sums the QUANTIZED P, the weights the numerator P8 V uses. Env override
 # FXOPT_FP8_GLUON_MMA_ROWSUM (0 / 1).
 MMA_ROWSUM_DEFAULT = False
-# The H200 check of session 11 failed (benchmarks/results/fp8_rowsum_check.md): RMSE 0.035 against 0.0019 without it
+# The H200 check failed (benchmarks/results/fp8_rowsum_check.md): RMSE 0.035 against 0.0019 without it
 # on N(0, 1) inputs, lse off by up to 3.8, out of range on the outlier inputs; lazy_rescale alone was accurate. So a
 # launch with mma_rowsum=True is refused unless $FXOPT_FP8_GLUON_UNCHECKED=1 (the ablation timing sets it).
-MMA_ROWSUM_FAILED = ("failed its H200 accuracy check (session 11: RMSE 18x the default build's, a ptxas miscompile "
-                     "of the ones-tile fill; session 12, fixed: RMSE 1.08-1.12x the default build's, one GPU test's "
+MMA_ROWSUM_FAILED = ("failed its H200 accuracy check (RMSE 18x the default build's, a ptxas miscompile "
+                     "of the ones-tile fill, fixed: RMSE 1.08-1.12x the default build's, one GPU test's "
                      "1.05x bound failed, for 1.00-1.05x the speed, so it is not used)")
 UNCHECKED_ENV = "FXOPT_FP8_GLUON_UNCHECKED"
 RS_N = 8  # N of the row-sum wgmma (the smallest N of an sm_90 wgmma): a 64 x 8 fp32 accumulator = 4 regs / thread
-# Opt-in (session 10, offline only): FA4's conditional rescaling (module docstring "lazy_rescale"): the running max
+# Opt-in (offline only): FA4's conditional rescaling (module docstring "lazy_rescale"): the running max
 # moves only when a row of the warpgroup would grow by more than LAZY_TAU (log2 units); the O rescale (64 FMUL per
 # thread) runs in a warpgroup-uniform branch. P = exp2(s c + lv - m + LAZY_SHIFT) <= 2^(LAZY_SHIFT + LAZY_TAU) = 256.
 # Env override FXOPT_FP8_GLUON_LAZY_RESCALE (0 / 1).
@@ -128,7 +128,7 @@ if _GLUON_IMPORT_ERROR is None:  # module-level constexprs read by the device co
     LAZY_TAU_C = gl.constexpr(LAZY_TAU)
     RS_N_C = gl.constexpr(RS_N)
 _SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
-# TIMING-ONLY ablation builds (session 10; module docstring "ablate"): constexpr ABLATE, a bit mask of parts of the
+# TIMING-ONLY ablation builds (module docstring "ablate"): constexpr ABLATE, a bit mask of parts of the
 # main-loop step to leave out. The results are WRONG; the launch needs $FXOPT_FP8_GLUON_ABLATE_OK=1. 0 = every build
 # byte-identical to before.
 ABLATE_BITS = {1: "exp2", 2: "rowmax", 4: "rescale", 8: "pv", 16: "qk", 32: "cast", 64: "rowsum"}
@@ -521,7 +521,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     tma.store_wait(0)
 
 
-# ---- MMA_ROWSUM / LAZY_RESCALE (session 10, opt-in; module docstring "mma_rowsum" / "lazy_rescale")
+# ---- MMA_ROWSUM / LAZY_RESCALE (opt-in; module docstring "mma_rowsum" / "lazy_rescale")
 
 
 @gluon.jit
@@ -850,7 +850,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             # cvt.rn.satfinite.e4m3x2.f32 + mov.b32 {%rs, %rs}, which ptxas 12.8 miscompiles into one
             # F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C whose C operand (the upper 16 bits of every 32-bit word) is
             # an unrelated register (the thread id): keys 4j + 2 got weight e4m3(tid) (up to 448, or NaN), keys
-            # 4j + 3 weight 0 (session 11; module docstring "mma_rowsum")
+            # 4j + 3 weight 0 (module docstring "mma_rowsum")
             fill_layout: gl.constexpr = gl.BlockedLayout([1, 16], [RS_N_C // 4, 32 // (RS_N_C // 4)], [4, 1],
                                                          [1, 0])
             ones.store(gl.full([RS_N_C, BLOCK_N], 0x38, gl.int8, layout=fill_layout).to(fp8, bitcast=True))
@@ -1640,8 +1640,8 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     if any(optional.values()):
         # every optional constexpr explicitly: ASTSource binds by position, and Triton 3.6's ASTSource.hash keys the
         # constants by value only (sorted by position), so a partial set would share a cache key with another
-        # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary
-        # before session 10; MMA_ROWSUM / LAZY_RESCALE / ABLATE likewise). The default build passes none of them.
+        # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary;
+        # MMA_ROWSUM / LAZY_RESCALE / ABLATE likewise). The default build passes none of them.
         constexprs.update(optional)
         for name in optional:
             sig[name] = "constexpr"

@@ -753,13 +753,13 @@ class W4A16Config:
     deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
     prefetch: int = 1  # "gemv1" / "mma": K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
     l2_ahead: int = 0  # "mma" only: K-tile distance of the prefetch.global.L2 of the weights (0: none)
-    ws: str = ""  # "gluon" only: "regmajor" = the register-major split-K workspace (session 18, opt-in)
+    ws: str = ""  # "gluon" only: "regmajor" = the register-major split-K workspace (opt-in)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
         if self.method == "dequant_matmul":
             return self.method
-        if self.method == "mma":  # session 10 (fxopt/kernels/w4a16_mma.py): block_n = warps x 16 R columns
+        if self.method == "mma":  # block_n = warps x 16 R columns
             return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
                     + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
                     + (f" l2a{self.l2_ahead}" if self.l2_ahead else ""))
@@ -833,13 +833,12 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     """The Gluon kernel's candidates, or [] where it does not apply or was not measured faster. It runs only on
     sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros). It beat swapd at
     M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
-    8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
-    bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (session 20: picked on
+    8192 x 28672 (M = 16: 48.8 against 54.6 us, gluon_w4a16_async_check.py --time-only), so every
+    bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (picked on
     every benchmark shape at M = 1024 / 4096; ``FXOPT_W4A16_GLUON_LARGE_M=0`` unlists it there). Gated on the
     bucket, not M: the tuner caches one pick per bucket. bf16 only: fp16 was never timed on a GPU.
 
-    Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (session 8,
-    benchmarks/gluon_w4a16_small_check.py: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
+    Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (an H200 check: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
     best per-weight build at 8192 x 28672, M = 1 / 16, but 18.7 against 17.6 us at 8192 x 8192, M = 1; PDL and
     stream-K were slower)."""
     bucket = _m_bucket(M)
@@ -855,10 +854,10 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
         return []
     cands = kg.gluon_w4a16_configs(bucket, K, N)
     if os.environ.get("FXOPT_W4A16_GLUON_LARGEM", "0") == "1":  # opt-in until test_gpu_gluon_largem_chunked_split
-        cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
+        cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
-    # Session 19 (H200, benchmarks/results/w4a16_gluon_probe_s19.md, w4a16_subset_s19_regmajor_pdl.md): the
+    # the
     # register-major split-K workspace is the main kernel's default wherever the standard split epilogue does not
     # spill (e.g. 11008 x 4096, M = 64: 27.1 -> 23.7 us; BN 256 at 8192^2, M = 64: 44.4 -> 31.8 us; at most 2% slower
     # on any probed tile), so those tiles are listed with it in place of the standard one
@@ -884,7 +883,7 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
 # "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl, prefetch). The residency comes from the
 # offline sm_90 builds (``gemv1_offline_report``, bf16, K tile 128: registers 127 / 80 / 102 at M = 1 for BN 256 w4 /
 # BN 128 w4 / BN 256 w8, 168 / 128 at M = 2 for BN 256 w4 / w8, 255 / 168 at M = 4 for BN 256 / 128, no spill),
-# so that the split-K grid is one full wave (``_gemv1_split_for``). Session 9 (offline): ptxas issues the next
+# so that the split-K grid is one full wave (``_gemv1_split_for``). ptxas issues the next
 # tile's packed loads of a prefetch-1 build only 71% of the way through the current tile (SASS positions 560-567 of
 # 788), a lead of about a third of a tile; prefetch 2 (a register ring, loads two tiles ahead) issues them at 85%
 # of the tile before, a lead of 1.15 tiles, at 168 / 128 / 124 registers for BN 256 w4 / BN 128 w4 / BN 256 w8
@@ -914,7 +913,7 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
     return best
 
 
-# Listed for the tuner by default since session 9: test_gpu_gemv1 passed on the H200 (bf16 / fp16, group 128 and
+# Listed for the tuner by default: test_gpu_gemv1 passed on the H200 (bf16 / fp16, group 128 and
 # per-channel, M = 1..4, PDL builds included) and at M = 1 it is the fastest candidate on 3 of the 4 benchmark
 # shapes (14.2 / 11.8 / 11.6 us against 15.8-17.7 us at 8192^2 / 4096x11008 / 11008x4096;
 # benchmarks/results/w4a16_subset_gemv1.md); at M = 2 / 4 it loses and the tuner leaves it. FXOPT_W4A16_GEMV1=0
@@ -922,7 +921,7 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
 _GEMV1_DEFAULT = "1"
 
 
-# The prefetch-2 / 3 builds (session 9) are listed only with FXOPT_W4A16_GEMV1_PREFETCH=1 until test_gpu_gemv1 has
+# The prefetch-2 / 3 builds are listed only with FXOPT_W4A16_GEMV1_PREFETCH=1 until test_gpu_gemv1 has
 # passed with them on a GPU (interpreter-checked and built offline only).
 _GEMV1_PREFETCH_DEFAULT = "0"
 
@@ -949,7 +948,7 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
 
 
 # ---- tuner hook of the "mma" kernel (fxopt/kernels/w4a16_mma.py: mma.sync with the int4 codes and x as register
-# operands, Gluon, sm_80+). Listed by default since session 11: its GPU test passed on the H200 (9 cases) and the tuner
+# operands, Gluon, sm_80+). Listed by default: its GPU test passed on the H200 (9 cases) and the tuner
 # picked it on 12 of the 16 rows at M = 1-8 (benchmarks/results/w4a16_subset_gemv1_mma.md: M = 2 / 4 at 8192^2 from
 # 1.81x to 2.34x / 2.1x bf16). FXOPT_W4A16_MMA=0 takes it off the list; the tuner checks its output against the
 # default config's before timing it.
@@ -995,14 +994,14 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         n_mn = cdiv(M, bm) * cdiv(N, bn)
         split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
         # the main kernel of swapx / swapd launches with programmatic dependent launch: 0.5-1.5 us less per call at
-        # M <= 16 (benchmarks/w4a16_breakdown.py)
+        # M <= 16 (an H200 check)
         cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method, pdl=method in ("swapx", "swapd"))
         if cfg not in out:
             out.append(cfg)
 
-    # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md). "swapx" (weight as the register
+    # Lists from the H200 sweeps (an H200 check, docs/kernels.md). "swapx" (weight as the register
     # operand of wgmma, x permuted and summed once per call) wins up to M = 32; "swapd" (weights dequantized before
-    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29, session 5).
+    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29).
     if bucket <= 16:
         # waves = programs per SM: ~5 of 4 warps fit at BLOCK_N = 64 (registers), ~3 at 128 (Nsight Compute: at
         # M = 1 the kernel is short of eligible warps, so grids that fill those slots are in the list)
@@ -1061,7 +1060,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
             + _gemv1_configs(M, N, K, group_size, num_sms, device)
-            + _mma_configs(M, N, K, group_size, num_sms, device))  # "mma": opt-in, session 10
+            + _mma_configs(M, N, K, group_size, num_sms, device))  # "mma": opt-in, 
 
 
 _TUNED: dict = {}
@@ -1128,7 +1127,7 @@ def _bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -
     """Per-call time (median over ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the
     next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which a single
     call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL and
-    non-PDL builds from run to run, docs/notes_session20.md section 3). ``benchmarks/common.streamed_us`` is this."""
+    non-PDL builds from run to run, docs/kernels.md). ``benchmarks/common.streamed_us`` is this."""
     for c in copies:
         fn_on(c)
     torch.cuda.synchronize()
@@ -1151,7 +1150,7 @@ def _bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -
 
 def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config,
                          default: W4A16Config) -> bool:
-    """Safety net of the tuner for a method not yet checked on a GPU ("gemv1", session 8): its output on the tuning
+    """Safety net of the tuner for a method not yet checked on a GPU ("gemv1"): its output on the tuning
     inputs must match the heuristic default's (within the output dtype's rounding: 2e-2 of max |y| for bf16, 4e-3
     for fp16) before it is timed; otherwise it is dropped with a warning, never picked for being fast."""
     ref = _launch(x2d, qweight, scales, zeros, group_size, bias, default).float()
@@ -1180,8 +1179,8 @@ def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
     import fxopt  # not at module level: fxopt imports this module
 
     _, dtype, bucket, K, N, G, has_bias, intz = key
-    # the timing method is part of the digest: picks timed another way (before session 20's back-to-back timing of
-    # the small-M buckets, or with it turned off) are timed again
+    # the timing method is part of the digest: picks made with the other timing method (back-to-back
+    # timing of the small-M buckets on or off) are timed again
     timing = "streamed" if _streamed_timing(bucket) else "flushed"
     digest = hashlib.sha1("\n".join([f"timing {timing} rounds 2"] + [c.label() for c in cands]).encode()
                           ).hexdigest()[:12]
@@ -1238,7 +1237,7 @@ def _pick_fastest(cands: list, time_us) -> tuple:
     skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
     four) again with ``_FINAL_ROUND_REPS``, since near-equal builds are within one round's run-to-run noise (2-5%).
     The second round alone did not stop the M <= 4 pick flipping between PDL and non-PDL builds from one H200 run to
-    the next; timing those buckets back to back did (``_bench_streamed_us``, docs/notes_session20.md section 3)."""
+    the next; timing those buckets back to back did (``_bench_streamed_us``, docs/kernels.md)."""
     timed = []
     for c in cands:
         try:
@@ -1579,7 +1578,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         w = dequantize_w4_triton(qweight, scales, zeros, group_size)
         return torch.nn.functional.linear(x2d, w, bias)
     if cfg.method == "gluon":
-        # as benchmarks/gluon_w4a16_check.py: the wrapper prepares x in FRAG order (_prep_x), fuses the bias, and
+        # as an H200 check: the wrapper prepares x in FRAG order (_prep_x), fuses the bias, and
         # raises ValueError on what it does not support (non-integer zeros included; the tuner skips such configs)
         kg = _gluon_module()
         if kg is None:
@@ -1590,7 +1589,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
                                  **({"ws_layout": cfg.ws} if cfg.ws else {}), **({"pdl": True} if cfg.pdl else {}))
     if cfg.method == "gemv1":
         return _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg)
-    if cfg.method == "mma":  # session 10, opt-in (FXOPT_W4A16_MMA=1): fxopt/kernels/w4a16_mma.py
+    if cfg.method == "mma":  # listed by default (FXOPT_W4A16_MMA=0 unlists it): fxopt/kernels/w4a16_mma.py
         from fxopt.kernels import w4a16_mma
 
         return w4a16_mma.launch_config(x2d, qweight, scales, zeros, group_size, bias, cfg)
@@ -1657,9 +1656,9 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     return y
 
 
-# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on since session 16, when
+# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on, when
 # tests/test_w4a16_launch_plan_gpu.py passed on the H200 (whole one-GPU suite 433 / 433,
-# benchmarks/results/gpu_tests_h200_session16.txt). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
+# an H200 run). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
 _LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "1") != "0"
 
 

@@ -150,7 +150,7 @@ if HAS_GLUON:
         acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
         # n_iter >= 1 (host: every split gets at least one K tile). Without this the zero-trip path (acc = zeros,
         # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
-        # KSTEP 2 (four consumers, K pairs; session 18): this consumer takes the slice's K tiles KPAR, KPAR + 2, ..
+        # KSTEP 2 (four consumers, K pairs): this consumer takes the slice's K tiles KPAR, KPAR + 2,..
         # (host: every slice has >= 2 K tiles, so both parities have work)
         if KSTEP == 1:
             n_mine = n_iter
@@ -242,7 +242,7 @@ if HAS_GLUON:
         if HAS_BIAS and not (USE_SPLIT and SPLIT_CHUNKED):
             bias = gl.load(bias_ptr + offs_n).to(gl.float32)
         if USE_SPLIT and SPLIT_CHUNKED:
-            # session 8: a tile-major workspace [SPLIT_K, tiles, 2, BM, BN_C] (consumer-local columns n_loc), so a
+            # a tile-major workspace [SPLIT_K, tiles, 2, BM, BN_C] (consumer-local columns n_loc), so a
             # thread's partial addresses are one base plus constants (the [split, M, N] workspace's per-element
             # 64-bit addresses spill at 128 accumulators per thread), and the fixup in row chunks
             blk_elems = BM * BN_C
@@ -259,7 +259,7 @@ if HAS_GLUON:
                 gl.atomic_xchg(cnt, 0)
         elif USE_SPLIT:
             if SPLIT_REGMAJOR:
-                # session 18 (the tuner's default since session 19): a register-major workspace [SPLIT_K, tiles, NCONS,
+                # a register-major workspace [SPLIT_K, tiles, NCONS,
                 # BM * BN_C / 128, 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its
                 # owner in the wgmma accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot =
                 # its register; so one store instruction of a warp writes 128 contiguous bytes (the [split, M, N]
@@ -334,7 +334,7 @@ if HAS_GLUON:
                                 + z_desc.block_type.nbytes)
         i0 = 0
         if PDL:
-            # session 18: as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
+            # as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
             # not depend on the x-prep kernel), x's after it (a copy of _producer_g's lines: calling one from the
             # other changed the GPU-checked small-M PDL build's SASS)
             n_pre = gl.minimum(n_iter, STAGES)
@@ -459,7 +459,7 @@ if HAS_GLUON:
                              off_m, off_n, k_tile0, n_iter, PROBE, PDL)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            # session 18: four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
+            # four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
             gl.warp_specialize([
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
@@ -483,7 +483,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); session 7; GPU-checked in session 8).
+    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); GPU-checked).
     # A separate kernel so that the builds of the measured configs above stay byte-identical.
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -730,7 +730,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); session 7; GPU-checked in session 8). A separate
+    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); GPU-checked). A separate
     # kernel again: every build above stays byte-identical. Module docstring, "Stream-K schedule".
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -1060,7 +1060,7 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
     if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
         add(min(bm, 128), 128, stages=2)
     # regs="async" (wgmma left asynchronous): with the epilogue fix (DRAIN_IN_LOOP) all 72 checked cases passed on
-    # the H200 (session 7, benchmarks/gluon_w4a16_async_check.py) and the best async tile was 6-10% faster at
+    # the H200 (an H200 check) and the best async tile was 6-10% faster at
     # M = 64 / 256, 13% slower at M = 128 (8192 x 8192), so they are candidates and the tuner decides
     if bm <= 64:
         add(bm, 128, regs="async")
@@ -1102,7 +1102,7 @@ def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
 
 def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     """Opt-in small-M candidates (M <= 16; module docstring, "Small-M variant") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
+    an H200 check; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
     ``regs="async"`` split, KC 32, the ring of ``_max_stages``, split-K as ``_split_for``; per tile: BN 256 (M = 1's
     best existing tile) and BN 128 (M = 16's), each with ``deq="xsum"`` and ``deq="group"``, PDL on; plus BN 256 xsum
     without PDL, to separate the two effects. Keys as ``gluon_w4a16_configs`` plus ``deq`` and ``pdl``."""
@@ -1118,9 +1118,9 @@ def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     return out
 
 
-# ---- session 8: split-K for the tiles whose standard split epilogue spills (opt-in, offline only so far) -------
+# ----: split-K for the tiles whose standard split epilogue spills (opt-in, offline only so far) -------
 # Per K tile of one CTA, cycles at 1.83 GHz, fitted on the session-8 H200 measurements at M = 256
-# (docs/notes_w4a16_largem_session8.md): serialized builds (default registers, C7512) cost about
+# (docs/kernels.md): serialized builds (default registers, C7512) cost about
 # (tensor + issue) x 1.25, async builds max(tensor, issue) x 1.7; tensor = BM x BN / 16 cycles (4096 bf16 flop
 # per cycle and SM), issue = 2 consumer warps per scheduler x the loop's instructions per thread (``loop_profile``
 # of the offline builds: about 230 at BN/2 = 64 and 380 at BN/2 = 128).
@@ -1132,7 +1132,7 @@ def largem_schedule_model(M: int, K: int, N: int, cfg: dict, num_sms: int = _NUM
     """Cost model of one config of the per-weight Gluon kernel (``_w4a16_gluon_kernel``), one CTA per SM:
     the grid ``gluon_w4a16_mm`` would launch (split-K as its rules), waves, K tiles per CTA, dequantization work
     (each weight is dequantized once per M tile), the split-K workspace traffic and a time estimate (us). A model,
-    not a measurement: see ``docs/notes_w4a16_largem_session8.md`` for its fit and its limits."""
+    not a measurement: see ``docs/kernels.md`` for its fit and its limits."""
     bm, bn = cfg["block_m"], cfg["block_n"]
     regs = cfg.get("regs")
     cons, prod = _regs_for(regs, 232, 40)
@@ -1181,7 +1181,7 @@ def _wave_split_for(n_tiles: int, k_tiles: int, num_sms: int = _NUM_SMS_DEFAULT,
 
 
 def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[dict]:
-    """Opt-in candidates for the M = 256 bucket (session 8; ``w4a16._gluon_configs`` lists them for the tuner only
+    """Opt-in candidates for the M = 256 bucket (``w4a16._gluon_configs`` lists them for the tuner only
     with ``FXOPT_W4A16_GLUON_LARGEM=1`` until their GPU test): the tiles whose standard split-K
     epilogue spills, BM 256 x BN 128 (default registers, KC 32 / 64) and BM 128 x BN 128 (``regs="async"``,
     KC 32 / 64), with an EXPLICIT ``split_k`` >= 2 from ``_wave_split_for``, which makes ``gluon_w4a16_mm`` use the
@@ -1215,7 +1215,7 @@ def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_D
 
 def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
     """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (slower on the GPU, session 8). M <= 64 (BM <= 64, the
+    an H200 check; NOT tuner candidates (slower on the GPU). M <= 64 (BM <= 64, the
     grids that leave SMs idle or need split-K), ``regs="async"``, KC 32, the ring of ``_max_stages``: BN 256 and
     BN 128 with the per-weight consumer, and for M <= 16 BN 256 with ``deq="xsum"`` + PDL (the small-M consumer).
     Keys as ``gluon_w4a16_small_configs`` plus ``schedule="streamk"`` (``split_k`` stays None)."""
@@ -1332,7 +1332,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
     once per K tile to an fp32 partial instead of per weight); ``pdl=True`` launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
-    assumes the weights are not written by the kernel just before). Session 18: ``pdl=True`` without ``deq`` does
+    assumes the weights are not written by the kernel just before). ``pdl=True`` without ``deq`` does
     the same for the main kernel (two consumers, no ``inflight`` / ``probe``; opt-in, not a tuner candidate). ``xs``: fp32 [M, K/128] sums of x per group
     (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
 
@@ -1341,20 +1341,20 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
 
-    ``ws_layout="regmajor"`` (session 18; GPU-checked and the tuner's default for the main tiles since session 19):
+    ``ws_layout="regmajor"`` (GPU-checked and the tuner's default for the main tiles):
     the split-K partials in a register-major tile workspace (one coalesced 128-byte line per warp store;
     ``_epilogue``), main kernel with two consumers.
 
-    ``inflight`` (session 18, module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
+    ``inflight`` (module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
     flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
     kernel and at least that many KC chunks per K tile).
 
-    ``probe`` (timing only, results WRONG; ``benchmarks/w4a16_gluon_probe.py``): 1 = loads only (the consumers
+    ``probe`` (timing only, results WRONG; an H200 check): 1 = loads only (the consumers
     release each slot unread), 2 = compute only (the ring is loaded once, later K tiles reuse stale slots),
     3 = no x loads (x slots stale), 4 = as 2 without the dequantization (a constant A operand), 5 = as 4 with A
     read from shared memory (BN 128). Main kernel only.
 
-    ``consumers=4`` (session 18, opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
+    ``consumers=4`` (opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
     8. BN 256: four 64-column consumer warpgroups share each x tile; BN 128: two column halves x two K parities
     (each pair takes every other K tile; the parities are summed through the split-K workspace). ``regs`` None /
     "four" = 112 / 24 registers. BM <= 64, main kernel, standard split-K only."""
@@ -1420,7 +1420,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         )
         return y.reshape(*lead, N)
     # where the standard split-K epilogue spills (offline sm_90 builds), an explicit split_k > 1 selects the chunked
-    # fixup (session 8); otherwise such tiles run without split-K
+    # fixup; otherwise such tiles run without split-K
     spills = consumers == 2 and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
     chunked = not small and spills and split_k is not None and split_k > 1
     regmajor = ws_layout == "regmajor" and not chunked
@@ -1514,7 +1514,7 @@ def _inflight_ok(inflight: int, block_m: int, block_n: int, kc: int, regs: Optio
 
 
 def _consumers_ok(consumers: int, block_m: int, block_n: int, regs: Optional[str], other: bool) -> None:
-    """Raise ValueError unless ``consumers`` is usable: 2 always; 4 only as built offline (session 18): BN 256 (64
+    """Raise ValueError unless ``consumers`` is usable: 2 always; 4 only as built offline: BN 256 (64
     columns per consumer) or BN 128 (K pairs), BM <= 64, the "four" register split, the main kernel without
     ``inflight``."""
     if consumers == 2:
@@ -1555,7 +1555,7 @@ def _streamk_config_ok(block_m: int, block_n: int, consumer_regs: int, producer_
 def _split_epilogue_spills(block_m: int, block_n: int, consumer_regs: int, producer_regs: int) -> bool:
     """Tiles whose standard split-K epilogue spills (offline sm_90 builds): 128 fp32 accumulators per thread, or
     BM > 64 with the "async" register split. ``gluon_w4a16_mm`` runs them without split-K unless ``split_k`` > 1 is
-    given explicitly, which selects the chunked fixup (``SPLIT_CHUNKED``, ``_split_reduce_chunked``; session 8)."""
+    given explicitly, which selects the chunked fixup (``SPLIT_CHUNKED``, ``_split_reduce_chunked``)."""
     return ((block_n // 2) * block_m // 128 >= 128
             or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64))
 
@@ -1585,7 +1585,7 @@ def _maxnreg(consumer_regs: int, producer_regs: int, consumers: int = 2) -> int:
     if consumer_regs >= 256 and producer_regs >= 256:
         return 168
     if consumers == 4:
-        # session 18: 20 warps (4 consumer warpgroups + the producer's, padded) get at most 65536 / (20 x 32) =
+        # 20 warps (4 consumer warpgroups + the producer's, padded) get at most 65536 / (20 x 32) =
         # 102 registers each at launch: 96, a pool of 20 x 96 per lane; the default partition (consumer 0) gets
         # what the workers leave (3 x 4 x consumer_regs + 4 x producer_regs)
         if 16 * consumer_regs + 4 * producer_regs > 20 * 96:
@@ -1625,9 +1625,9 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
     consts["PROBE"] = cfg.get("probe", 0)
     consts["NCONS"] = cfg.get("consumers", 2)
     if cfg.get("pdl") and not cfg.get("deq"):
-        consts["PDL"] = True  # the main kernel with PDL (session 18)
+        consts["PDL"] = True  # the main kernel with PDL
     if cfg.get("ws_layout") == "regmajor" and split:
-        consts["SPLIT_REGMAJOR"] = True  # the register-major split-K workspace (session 18)
+        consts["SPLIT_REGMAJOR"] = True  # the register-major split-K workspace
     if consts["NCONS"] == 4:
         _consumers_ok(4, bm, bn, cfg.get("regs") or "four", consts["INFLIGHT"] != 1)
         if cfg.get("regs") is None:
@@ -1817,7 +1817,7 @@ def loop_profile(sass: str) -> list[dict]:
     return out
 
 
-# ---- session 10: instruction census and per-tile cycle model (pure Python on SASS text; no GPU, no kernel change) ----
+# ----: instruction census and per-tile cycle model (pure Python on SASS text; no GPU, no kernel change) ----
 # Opcode classes of the census (first token of the opcode, predicate stripped). "alu": the integer ALU pipe, assumed
 # half rate on sm_90 (64 lanes / clk / SM = 2 issue cycles per warp instruction on its SMSP); "imad": IMAD on the
 # FMA-heavy pipe, also assumed half rate; "half2" (HADD2 / HMUL2 / HFMA2, bf16x2 / f16x2) and "fp32" (FFMA / FADD /
@@ -1926,7 +1926,7 @@ def tile_cycle_model(census: dict, M: int, K: int, N: int, cfg: dict, us: Option
     * ``l2``: all the stage's bytes (x included: every N tile re-reads it) at 27.5 B / clk / SM.
 
     Measured: ``tile_clk = (us - t0) * ghz * 1e3 / (K tiles per CTA x waves)``, t0 (fixed cost: the x-prep launch
-    and gap ~1.5 us + ring fill ~1 us, + ~1 us of split-K tail; session 7 breakdown) by default 2.5 us (+1 with
+    and gap ~1.5 us + ring fill ~1 us, + ~1 us of split-K tail, breakdown) by default 2.5 us (+1 with
     split-K). ``split_k`` None: as ``gluon_w4a16_mm`` (``_split_for``; BM > 64 async and 128-accumulator tiles run
     without split-K). ``frac`` = resource cycles / measured tile cycles; ``bound`` = the largest."""
     bm, bn, bk = cfg["block_m"], cfg["block_n"], GROUP

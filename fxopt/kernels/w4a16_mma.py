@@ -123,7 +123,7 @@ if HAS_GLUON:
         """``prefetch.global.L2`` of K tile min(t, t_last): every 128-byte line of the warp's packed words (BK/8 rows
         x 64 R bytes) and of its scale and zero rows, one line per lane (at R = 2, BK = 128: 16 + 2 lines, one
         instruction per warp and tile). Fire and forget: no register, no scoreboard, so the bytes in flight are not
-        bounded by the register buffers (session 11 note). Rows / columns past K / N are clamped (in bounds)."""
+        bounded by the register buffers (note). Rows / columns past K / N are clamped (in bounds)."""
         KPT: gl.constexpr = BK // 8
         LPW: gl.constexpr = (R + 1) // 2  # 128-byte lines per warp and packed row (64 R bytes)
         NQ: gl.constexpr = KPT * LPW
@@ -378,7 +378,7 @@ class MmaConfig:
     ``split_k`` = K splits (0: one wave over the GPU, ``choose_split``); ``prefetch`` = K tiles of loads kept in
     flight ahead of the one computed (1 or 2); ``block_k`` = K tile (32, 64 or 128; capped at the group size);
     ``pdl`` = programmatic dependent launch (sm_90); ``l2_ahead`` = 0 or the K-tile distance (> prefetch, <= 16) at
-    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``, session 11)."""
+    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``)."""
 
     warps: int = 4
     cols_per_warp: int = 32
@@ -387,8 +387,8 @@ class MmaConfig:
     block_k: int = 128
     pdl: bool = False
     l2_ahead: int = 0
-    # session 16, opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
-    # (session 17, benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
+    # opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
+    # (benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
     maxnreg: int = 0
 
     @property
@@ -414,14 +414,14 @@ _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, Fa
 # them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
 # per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# Session 11: the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
+# the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
 # l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight). Correct on the H200
-# (session 12, 4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
+# (4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
 # against 14.1 / 12.3 / 11.3 / 41.7 (K x N = 8192², 4096 x 11008, 11008 x 4096, 8192 x 28672), M = 4 14.7 against
 # 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096
-# (benchmarks/results/w4a16_l2_prefetch_session12.txt). The exposed-latency model of session 11 is not what limits
+# (an H200 run). The exposed-latency model is not what limits
 # these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
-# Session 17 (benchmarks/results/w4a16_mma_split_sweep.md, python benchmarks/w4a16_mma_split_sweep.py): the one-wave
+# the one-wave
 # split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224 column tiles x split 2
 # fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at M = 1 and 41.5 against
 # 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
@@ -558,7 +558,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
                       l2: Optional[bool] = None) -> list:
     """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
     M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then, when ``l2`` (default: the
-    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``, session 11;
+    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``;
     slower on the H200), each with the one-wave split."""
     if l2 is None:
         l2 = os.environ.get("FXOPT_W4A16_MMA_L2", "0") == "1"
