@@ -55,7 +55,7 @@ def _try(fn, graph=False):
 
 # Rounds of the interleaved timing: every candidate of a row is timed once per round, in the order of
 # ``common.round_order`` (a new stride through the candidates each round), and the row reports the median over
-# rounds. Session 9 timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
+# rounds. timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
 # 631 TFLOP/s): whatever ran first after a pause was favoured, so a single pass in a fixed order is not fair to the
 # anchors timed last. Sessions 9-12 rotated the order by one each round, which keeps the cyclic order: each candidate
 # not first in its round ran right after the same one (fxopt after cuDNN, fwd_gluon after fwd_triton), and session
@@ -63,13 +63,13 @@ def _try(fn, graph=False):
 # equal at d = 64).
 ROUNDS = int(os.environ.get("FXOPT_BENCH_ROUNDS", "3"))
 # fwd+bwd also replayed from CUDA graphs (fbg_* columns). The eager fb_* columns include the host's launch path,
-# and session 13 found ours host-bound at short S: 32 x 16 x 512 x 128 fwd+bwd spends 0.67-0.74 ms in kernels but
+# and found ours host-bound at short S: 32 x 16 x 512 x 128 fwd+bwd spends 0.67-0.74 ms in kernels but
 # 1.1-1.7 ms of host time per call on the H200 box (Python custom-op autograd layer and Triton / Gluon launchers;
 # cuDNN's whole fwd+bwd path 0.64 ms; benchmarks/attention_host_overhead.py). Under torch.compile with CUDA graphs,
 # or in a model whose other layers keep the GPU busy while the host runs ahead, what counts is the GPU time, which
 # the graph replay measures for every candidate alike. The forward too (fwdg_*: the op's launch path against
 # cuDNN): do_bench zero-fills L2 before each call, so a launch path longer than that fill (~60 us) idles the GPU
-# inside the timed interval, which session 12-13's fwd_fxopt (checks and routing) against fwd_gluon (the kernel's
+# inside the timed interval, which an earlier fwd_fxopt (checks and routing) against fwd_gluon (the kernel's
 # launcher alone) showed at 0-3.5%. FXOPT_BENCH_FB_GRAPH=0 skips them.
 FB_GRAPH = os.environ.get("FXOPT_BENCH_FB_GRAPH", "1") != "0"
 
@@ -183,7 +183,7 @@ def attention_rows(d, S, causal, bwd=True):
     # what "fxopt" ran (after the timing, so that a Gluon build that failed during it shows as fallen back)
     routes = A.kernel_routes(qd, kd, vd, is_causal=causal)
     row["fwd_kernel"], row["bwd_kernel"] = routes["forward"], routes["backward"] if bwd else None
-    # the eager columns replay launch plans unless FXOPT_LAUNCH_PLANS=0 (session 15; earlier tables had none)
+    # the eager columns replay launch plans unless FXOPT_LAUNCH_PLANS=0 (earlier tables had none)
     row["launch_plans"] = "on" if LP.ENABLED else "off"
     if any("fell back" in str(r) for r in routes.values()):
         print(f"  WARNING: d={d} S={S} causal={causal}: {routes}", flush=True)
@@ -224,7 +224,7 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     row["graph_vs_cudnn"] = _ratio(row["graph_fxopt_TBps"], row["graph_cudnn_TBps"])
     # calls back to back in one CUDA graph, alternating between two K/V copies (each >= 10x L2), as the layers of a
     # decode step run: no L2 flush in front of each call. do_bench's flush (a 256 MB zero-fill) leaves dirty lines
-    # that the timed call writes back (~12 us on the H200, docs/notes_decode_session8.md)
+    # that the timed call writes back (~12 us on the H200, docs/kernels.md)
     try:
         sets = [(q, k, v), (q, _rand(B, hkv, S, d), _rand(B, hkv, S, d))]
         calls = 24 if S <= 8192 else 8
@@ -287,7 +287,7 @@ def main():
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
     # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd differed by up to 43%
-    # between two runs of one shape (session 12), so the tables say which configs they timed
+    # between two runs of one shape, so the tables say which configs they timed
     picks = []
     for tname in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned"):
         for key, cfg in getattr(getattr(A, tname), "cache", {}).items():

@@ -22,7 +22,7 @@ other argument's value, the current CUDA device and the ``FXOPT_*`` switches of 
 A replay launches the same compiled kernels with the same arguments the ordinary path would, so results are the
 same bit for bit (``tests/test_launch_plan_gpu.py`` checks it across routes). Python state other than the arguments
 and the environment (a module global changed at run time, a monkeypatched function) is not in the key: change such
-state only between ``clear_plans`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
+state only between ``clear_plans()`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
 (read at import) turns plans off.
 """
 from __future__ import annotations
