@@ -26,7 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SEQ_Q = 16
 MAX_ROWS = 128
 
-# Default build (block_n, num_warps, num_stages) and programs per SM; see offline_report / the module docstring.
+# Default build (block_n, num_warps, num_stages) and programs per SM; see offline_report / docs/kernels.md.
 DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, q_per_item=False)
 
 

@@ -652,7 +652,7 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
     hk = h // GROUP
     m0 = pid_m * (2 * ROWS)
 
-    # Key blocks this CTA visits (both consumers walk all of them; see the module docstring).
+    # Key blocks this CTA visits (both consumers walk all of them; see the design notes in docs/kernels.md).
     hi = SEQ_K
     if CAUSAL:
         hi = gl.minimum(SEQ_K, m0 + 2 * ROWS + (SEQ_K - SEQ_Q))
@@ -732,7 +732,7 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ---- variant="persistent" / "persistent_lpt": one CTA per SM, looping over work items (see the module docstring)
+# ---- variant="persistent" / "persistent_lpt": one CTA per SM, looping over work items (see the design notes in docs/kernels.md)
 
 
 @gluon.jit
@@ -1431,7 +1431,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
 
     out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
-    ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the module docstring; both
+    ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the design notes in docs/kernels.md; both
     checked on the H200, "overlap" is what the op routes to), "overlap2", "pingpong", "persistent",
     "persistent_lpt" (opt-in; persistent d = 64 / 128 only), "persistent3" (opt-in, d = 64 only: three consumer
     warpgroups, 192-row tiles). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse

@@ -205,7 +205,7 @@ def _bwd_step(it, mb, k_buf, v_buf, ds_buf, q_smem, do_smem, lse_smem, delta_sme
               q_ready, q_empty, do_ready, do_empty, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
               s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr):
-    """One query block (64 rows) against this warpgroup's 64 keys. See the module docstring for the sequence."""
+    """One query block (64 rows) against this warpgroup's 64 keys. See the design notes in docs/kernels.md for the sequence."""
     dtype: gl.constexpr = q_smem.dtype
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
     s = it % STAGES
@@ -410,7 +410,7 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Variant 1 ("splitdq", opt-in: gluon_attention_bwd(..., variant=1)), d = 128 only. See the module docstring.
+# Variant 1 ("splitdq", opt-in: gluon_attention_bwd(..., variant=1)), d = 128 only. See the design notes in docs/kernels.md.
 # The default kernel above is untouched; this one reuses the producer and changes only the consumers' dQ part.
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -463,13 +463,13 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
-    named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass.
+    named-barrier protocol of the design notes in docs/kernels.md: wait for the own turn after the data waits, issue, pass.
     ``DQW`` (variant 5, with EARLY_DK, d = 64 / 128): the step ends with dQ_w into ``dq_smem`` (guarded by
     ``dq_empty`` / ``dq_full``, NB buffers) instead of the REDG.F32x2 (16 at d = 128, 8 at d = 64); ``dq_row_ptr`` is
     unused (None). See
     ``attention_gluon_bwd_dqw``.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
-    ``ABLATE_BITS`` and "Timing ablations" in the module docstring."""
+    ``ABLATE_BITS`` and "Timing ablations" in the design notes in docs/kernels.md."""
     dtype: gl.constexpr = q_smem.dtype
     HALF: gl.constexpr = HEAD_DIM // 2
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -878,7 +878,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Head dim 256 (routed): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
+# Head dim 256 (routed): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the design notes in docs/kernels.md.
 # One CTA = 64 keys; the two consumer warpgroups split the QUERIES of S^T / dP^T (32 each) and the HEAD DIM of
 # dK / dV / dQ (128 columns each). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks, the
 # d = 128 kernels' tile family); P^T and dS^T are exchanged through [64, 64] tiles with a 64-byte swizzle, i.e.
@@ -958,9 +958,9 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
                    acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0,
                    DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
-    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order.
+    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the design notes in docs/kernels.md for the order.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
-    ``ABLATE_BITS_D256`` and "Timing ablations at d = 256" in the module docstring."""
+    ``ABLATE_BITS_D256`` and "Timing ablations at d = 256" in the design notes in docs/kernels.md."""
     dtype: gl.constexpr = q_smem.dtype
     OTHER: gl.constexpr = 1 - WG
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)

@@ -104,7 +104,7 @@ PERSISTENT_DEFAULT = False
 # fp8 each) + 2 O staging tiles (64 x d, 16-bit) + barriers: d 128 / 4 stages 196,608 B; 5 stages would be 229,376 B
 # (fits 227 KB = 232,448 B, ``stages=5``); d 64 / 4 stages 98,304 B.
 _PERSISTENT_STAGES = {64: 4, 128: 4}
-# Opt-in (offline only): the row sum l of P on the tensor cores (module docstring "mma_rowsum"): one extra
+# Opt-in (offline only): the row sum l of P on the tensor cores (docs/kernels.md "mma_rowsum"): one extra
 # async wgmma per step, P8 (the PV A operand, registers) x an all-ones [BLOCK_N, RS_N] e4m3 tile in shared memory,
 # instead of ~64 FADD per thread. l then sums the QUANTIZED P, the weights the numerator P8 V uses. Env override
 # FXOPT_FP8_GLUON_MMA_ROWSUM (0 / 1).
@@ -117,7 +117,7 @@ MMA_ROWSUM_FAILED = ("failed its H200 accuracy check (RMSE 18x the default build
                      "1.05x bound failed, for 1.00-1.05x the speed, so it is not used)")
 UNCHECKED_ENV = "FXOPT_FP8_GLUON_UNCHECKED"
 RS_N = 8  # N of the row-sum wgmma (the smallest N of an sm_90 wgmma): a 64 x 8 fp32 accumulator = 4 regs / thread
-# Opt-in (offline only): FA4's conditional rescaling (module docstring "lazy_rescale"): the running max
+# Opt-in (offline only): FA4's conditional rescaling (docs/kernels.md "lazy_rescale"): the running max
 # moves only when a row of the warpgroup would grow by more than LAZY_TAU (log2 units); the O rescale (64 FMUL per
 # thread) runs in a warpgroup-uniform branch. P = exp2(s c + lv - m + LAZY_SHIFT) <= 2^(LAZY_SHIFT + LAZY_TAU) = 256.
 # Env override FXOPT_FP8_GLUON_LAZY_RESCALE (0 / 1).
@@ -128,7 +128,7 @@ if _GLUON_IMPORT_ERROR is None:  # module-level constexprs read by the device co
     LAZY_TAU_C = gl.constexpr(LAZY_TAU)
     RS_N_C = gl.constexpr(RS_N)
 _SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
-# TIMING-ONLY ablation builds (module docstring "ablate"): constexpr ABLATE, a bit mask of parts of the
+# TIMING-ONLY ablation builds (docs/kernels.md "ablate"): constexpr ABLATE, a bit mask of parts of the
 # main-loop step to leave out. The results are WRONG; the launch needs $FXOPT_FP8_GLUON_ABLATE_OK=1. 0 = every build
 # byte-identical to before.
 ABLATE_BITS = {1: "exp2", 2: "rowmax", 4: "rescale", 8: "pv", 16: "qk", 32: "cast", 64: "rowsum"}
@@ -223,7 +223,7 @@ def _f8_softmax(s, m_i, l_i, c, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr
     m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha).
     POLY_EXP > 0: that many of every 16 per-thread exp2s by the FMA-pipe polynomial (masked -inf scores still give
     exactly 0; alpha stays on MUFU).
-    ABLATE (timing only, WRONG results; module docstring "ablate"): bit 2 replaces the row max by a per-block scalar
+    ABLATE (timing only, WRONG results; docs/kernels.md "ablate"): bit 2 replaces the row max by a per-block scalar
     (no FMNMX / SHFL), bit 1 drops both exp2s (P = s c - m + 8 and alpha = 1 + max(m_i - m, -1/2): no MUFU), bit 64
     drops the row sum (l = l alpha)."""
     if _ablates(ABLATE, 2):
@@ -254,7 +254,7 @@ def _pp_wait(turn, WG: gl.constexpr, k):
     ``turn.index(w)`` (count 1) is arrived on by the OTHER warpgroup once per issued group. Warpgroup 0 waits for
     phase k - 1 of turn[0] (k = 0: parity 1 = the phase before the first, complete at init: no wait), warpgroup 1 for
     phase k of turn[1]. Each warpgroup's arrivals can run at most one ahead of the other's waits, so a count-1
-    barrier's parity never aliases (module docstring, "pingpong")."""
+    barrier's parity never aliases (docs/kernels.md, "pingpong")."""
     mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
 
 
@@ -272,7 +272,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
              PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, turn=None, WG: gl.constexpr = 0,
              PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr = 0,
              sink=None):
-    """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
+    """Key block i >= 1 (see the design notes in docs/kernels.md). Straight-line from the first wgmma issue to the last wait (a
     branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
 
     CAST_LATE: ``p8`` is the fp32 P_{i-1} (accumulator layout); it is cast to the e4m3 A operand between the QK_i
@@ -281,7 +281,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     PINGPONG: the QK_i + PV_{i-1} issue group is the warpgroup's i-th turn (``_pp_wait`` before the QK_i issue,
     ``_pp_arrive`` right after the PV_{i-1} issue); nothing else changes.
 
-    ABLATE (timing only, WRONG results, CAST_LATE builds; module docstring "ablate"): bit 16: no QK_i wgmma, S_i :=
+    ABLATE (timing only, WRONG results, CAST_LATE builds; docs/kernels.md "ablate"): bit 16: no QK_i wgmma, S_i :=
     the fp32 P_{i-1} (loop state, so nothing downstream is loop-invariant); bit 32: no e4m3 cast, the PV A operand is
     a constant e4m3 tile; bit 8: no PV wgmma, the e4m3 A operand is stored to the warpgroup's ``sink`` tile in
     shared memory instead (keeps the cast alive), S waited for with nothing else in flight; bit 4: no O rescale;
@@ -521,7 +521,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     tma.store_wait(0)
 
 
-# ---- MMA_ROWSUM / LAZY_RESCALE (opt-in; module docstring "mma_rowsum" / "lazy_rescale")
+# ---- MMA_ROWSUM / LAZY_RESCALE (opt-in; docs/kernels.md "mma_rowsum" / "lazy_rescale")
 
 
 @gluon.jit
@@ -850,7 +850,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             # cvt.rn.satfinite.e4m3x2.f32 + mov.b32 {%rs, %rs}, which ptxas 12.8 miscompiles into one
             # F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C whose C operand (the upper 16 bits of every 32-bit word) is
             # an unrelated register (the thread id): keys 4j + 2 got weight e4m3(tid) (up to 448, or NaN), keys
-            # 4j + 3 weight 0 (module docstring "mma_rowsum")
+            # 4j + 3 weight 0 (docs/kernels.md "mma_rowsum")
             fill_layout: gl.constexpr = gl.BlockedLayout([1, 16], [RS_N_C // 4, 32 // (RS_N_C // 4)], [4, 1],
                                                          [1, 0])
             ones.store(gl.full([RS_N_C, BLOCK_N], 0x38, gl.int8, layout=fill_layout).to(fp8, bitcast=True))
@@ -900,7 +900,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif _ablates(ABLATE, ABLATE_ALL_C):
-        # TIMING ONLY (module docstring "ablate"): parts of the step left out, results wrong. ``sink``: one e4m3
+        # TIMING ONLY (docs/kernels.md "ablate"): parts of the step left out, results wrong. ``sink``: one e4m3
         # [ROWS, BLOCK_N] tile per consumer warpgroup, written instead of the PV wgmma by bit 8, never read
         gl.static_assert(CAST_LATE and not (OVERLAP or PINGPONG or POLY_EXP),
                          "ablate: cast_late builds without overlap / pingpong / poly_exp only")
@@ -932,7 +932,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ---- persistent=True: one CTA per SM looping over work items (module docstring, "persistent")
+# ---- persistent=True: one CTA per SM looping over work items (docs/kernels.md, "persistent")
 
 
 @gluon.jit
@@ -1258,7 +1258,7 @@ def _rowsum_combo_reason(mma_rowsum: bool, lazy: bool, overlap, pingpong, poly_e
 def resolve_ablate(ablate=None, *, check_env: bool = True, overlap=None, pingpong=None, poly_exp: int = 0,
                    persistent: bool = False, mma_rowsum: bool = False, lazy_rescale: bool = False,
                    cast_late=None) -> int:
-    """The ABLATE constexpr of a launch (TIMING ONLY; module docstring "ablate"): 0 for None / 0; otherwise a
+    """The ABLATE constexpr of a launch (TIMING ONLY; docs/kernels.md "ablate"): 0 for None / 0; otherwise a
     nonzero int whose bits are in ``ABLATE_BITS``. ValueError for anything else, for a nonzero mask without
     $FXOPT_FP8_GLUON_ABLATE_OK=1 (``check_env``; offline builds pass False: they produce no results), and for a mask
     combined with persistent / overlap / pingpong / poly_exp / mma_rowsum / lazy_rescale or cast_late=False."""
@@ -1449,7 +1449,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
-    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused.
+    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the design notes in docs/kernels.md); pingpong with overlap is refused.
     ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``).
     ``persistent``: None = ``PERSISTENT_DEFAULT``; True runs ``_fp8_fa3_fwd_persistent_kernel`` (not with overlap /
     pingpong); ``num_sms`` caps its grid (default: the device's SM count; small values force many items per CTA),

@@ -213,7 +213,7 @@ if HAS_GLUON:
             if DRAIN_IN_LOOP:
                 if j == n_main - 1:
                     # retire the last wgmma INSIDE the loop: ptxas 12.8 schedules the epilogue's reads of acc
-                    # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (module docstring, "Epilogue
+                    # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (docs/kernels.md, "Epilogue
                     # hazard"); it does not move them into the loop, so this DEPBAR.LE gsb0 0x0 stays before them
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -596,7 +596,7 @@ if HAS_GLUON:
         xs_prev = xs_cur
         if j == n_iter - 1:
             # the last tile: retire and fold INSIDE the loop, so the epilogue never reads a wgmma register
-            # (module docstring, "Epilogue hazard")
+            # (docs/kernels.md, "Epilogue hazard")
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             acc = _fold(acc, part, s_cur, z_cur, xs_cur, DEQ)
         return acc, part, s_prev, z_prev, xs_prev
@@ -608,7 +608,7 @@ if HAS_GLUON:
                     HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr, DEQ: gl.constexpr,
                     PDL: gl.constexpr):
         """``_consumer`` with the scale (and for DEQ 2 the zero) applied per K tile (= group) to a per-tile fp32
-        partial product instead of per weight (module docstring, "Small-M variant"). The last wgmma of tile i
+        partial product instead of per weight (docs/kernels.md, "Small-M variant"). The last wgmma of tile i
         stays in flight while chunk 0 of tile i + 1 is dequantized; then ``warpgroup_mma_wait(0)``, the fold of
         tile i's partial into ``acc``, the release of tile i's slot, and chunk 0's wgmma with ``use_acc=False``."""
         STAGES: gl.constexpr = x_bufs.shape[0]
@@ -1073,7 +1073,7 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
 
 
 def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
-    """``regs="async"`` configs to check on the GPU after the epilogue fix (module docstring, "Epilogue hazard"); NOT
+    """``regs="async"`` configs to check on the GPU after the epilogue fix (docs/kernels.md, "Epilogue hazard"); NOT
     tuner candidates until that check passes. The tiles of the session-6 check (which gave the 5 wrong cases) plus
     BM 128 x BN 128 with KC 64, and, for BM <= 64, the same tiles with ``split_k=1``: the non-split epilogue (where
     the hazard was) then also runs at M = 16 / 64, and the split-K one stays covered by ``split_k=None``."""
@@ -1101,7 +1101,7 @@ def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
 
 
 def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
-    """Opt-in small-M candidates (M <= 16; module docstring, "Small-M variant") for the GPU check
+    """Opt-in small-M candidates (M <= 16; docs/kernels.md, "Small-M variant") for the GPU check
     an H200 check; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
     ``regs="async"`` split, KC 32, the ring of ``_max_stages``, split-K as ``_split_for``; per tile: BN 256 (M = 1's
     best existing tile) and BN 128 (M = 16's), each with ``deq="xsum"`` and ``deq="group"``, PDL on; plus BN 256 xsum
@@ -1214,7 +1214,7 @@ def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_D
 
 
 def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
-    """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
+    """Opt-in stream-K candidates (docs/kernels.md, "Stream-K schedule") for the GPU check
     an H200 check; NOT tuner candidates (slower on the GPU). M <= 64 (BM <= 64, the
     grids that leave SMs idle or need split-K), ``regs="async"``, KC 32, the ring of ``_max_stages``: BN 256 and
     BN 128 with the per-weight consumer, and for M <= 16 BN 256 with ``deq="xsum"`` + PDL (the small-M consumer).
@@ -1328,7 +1328,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     ``consumer_regs`` / ``producer_regs`` arguments, "async" = the register split of ``_REGS["async"]`` (wgmma not
     serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported.
 
-    Small-M variant (module docstring, "Small-M variant"; GPU-checked):
+    Small-M variant (docs/kernels.md, "Small-M variant"; GPU-checked):
     ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
     once per K tile to an fp32 partial instead of per weight); ``pdl=True`` launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
@@ -1336,7 +1336,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     the same for the main kernel (two consumers, no ``inflight`` / ``probe``; opt-in, not a tuner candidate). ``xs``: fp32 [M, K/128] sums of x per group
     (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
 
-    Opt-in stream-K schedule (module docstring, "Stream-K schedule"; GPU-checked, slower):
+    Opt-in stream-K schedule (docs/kernels.md, "Stream-K schedule"; GPU-checked, slower):
     ``schedule="streamk"`` launches ``_w4a16_gluon_sk_kernel`` on ``num_sms`` CTAs (None: the device's SM count),
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
@@ -1345,7 +1345,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     the split-K partials in a register-major tile workspace (one coalesced 128-byte line per warp store;
     ``_epilogue``), main kernel with two consumers.
 
-    ``inflight`` (module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
+    ``inflight`` (docs/kernels.md "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
     flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
     kernel and at least that many KC chunks per K tile).
 
@@ -1354,7 +1354,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     3 = no x loads (x slots stale), 4 = as 2 without the dequantization (a constant A operand), 5 = as 4 with A
     read from shared memory (BN 128). Main kernel only.
 
-    ``consumers=4`` (opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
+    ``consumers=4`` (opt-in, docs/kernels.md "Four consumer warpgroups"): 16 consumer warps instead of
     8. BN 256: four 64-column consumer warpgroups share each x tile; BN 128: two column halves x two K parities
     (each pair takes every other K tile; the parities are summed through the split-K workspace). ``regs`` None /
     "four" = 112 / 24 registers. BM <= 64, main kernel, standard split-K only."""
@@ -1491,16 +1491,16 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 # consumer value (tried 88..104 with consumers 200..232, and PTX edits of the producer's setmaxnreg from 24 to 104);
 # from 112 up (consumers <= 200 to stay in the pool) the main loop keeps one wgmma group in flight
 # (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``. Such builds need the in-loop
-# final wait (``_drain_in_loop``, module docstring "Epilogue hazard").
+# final wait (``_drain_in_loop``, docs/kernels.md "Epilogue hazard").
 _REGS = {"default": (232, 40), "async": (200, 112), "four": (112, 24)}
 
-# Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the module docstring "Small-M variant".
+# Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the design notes in docs/kernels.md "Small-M variant".
 _DEQ = {"group": 1, "xsum": 2}
 
 
 def _inflight_ok(inflight: int, block_m: int, block_n: int, kc: int, regs: Optional[str],
                  other_kernel: bool) -> None:
-    """Raise ValueError unless ``inflight`` is usable (module docstring, "Deeper wgmma queue"): 1 always; 2 / 3 only
+    """Raise ValueError unless ``inflight`` is usable (docs/kernels.md, "Deeper wgmma queue"): 1 always; 2 / 3 only
     for the builds checked offline: ``regs="async"``, the main kernel, KC 32 (a K tile's slot is released after
     chunk ``inflight - 1`` of the next tile, and KC 64 has only 2 chunks), BN 128, and BM <= 64 (BM 128: 2 only).
     Elsewhere ptxas serializes the wgmmas (C7512 / C7514) or the SASS has register hazards."""
@@ -1561,7 +1561,7 @@ def _split_epilogue_spills(block_m: int, block_n: int, consumer_regs: int, produ
 
 
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
-    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; module docstring, "Epilogue
+    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; docs/kernels.md, "Epilogue
     hazard"): every register split except the measured default (232 / 40), whose SASS waits after every HGMMA
     anyway and which is kept byte-identical to the build checked on the H200."""
     return (consumer_regs, producer_regs) != _REGS["default"]

@@ -315,7 +315,7 @@ def _lg(v: int) -> int:
 
 
 def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
-    """The load layouts (module docstring, "Lane mapping"):
+    """The load layouts (docs/kernels.md, "Lane mapping"):
 
     * ``w_layout`` for the packed words [BK/8, BN]: registers = 2R consecutive columns (one vector load), then the
       chunks c (word rows 4 c); lanes = (t: word row, g: column block of 2R); warps: column blocks of 16 R.
