@@ -3,13 +3,10 @@
 Rows (bf16, 16k tokens per batch, hidden 2048): d in {64, 128, 256}, S in {512 .. 16384}, B = 16384 / S,
 H = 2048 / d, causal and not. TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal); fwd+bwd counts 3.5x the
 forward FLOPs. Decode: B = 8, H = 32, d = 128, one query, S in {4096, 32768}, TB/s = K+V bytes / time.
-``--quick``: a few rows. ``--decode-only``: decode rows, fused combine vs combine kernel. ``--decode-sweep``:
-decode rows for several split plans. ``--explore``: time fixed
-kernel configs (tuning aid, writes attention_explore.*).
+``--quick``: a few rows; ``--shapes 128x1024,...``: only those rows. Writes ``results/attention.{md,json}``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -58,7 +55,7 @@ def _try(fn, graph=False):
 
 # Rounds of the interleaved timing: every candidate of a row is timed once per round, in the order of
 # ``common.round_order`` (a new stride through the candidates each round), and the row reports the median over
-# rounds. Session 9 timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
+# rounds. timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
 # 631 TFLOP/s): whatever ran first after a pause was favoured, so a single pass in a fixed order is not fair to the
 # anchors timed last. Sessions 9-12 rotated the order by one each round, which keeps the cyclic order: each candidate
 # not first in its round ran right after the same one (fxopt after cuDNN, fwd_gluon after fwd_triton), and session
@@ -66,13 +63,13 @@ def _try(fn, graph=False):
 # equal at d = 64).
 ROUNDS = int(os.environ.get("FXOPT_BENCH_ROUNDS", "3"))
 # fwd+bwd also replayed from CUDA graphs (fbg_* columns). The eager fb_* columns include the host's launch path,
-# and session 13 found ours host-bound at short S: 32 x 16 x 512 x 128 fwd+bwd spends 0.67-0.74 ms in kernels but
+# and found ours host-bound at short S: 32 x 16 x 512 x 128 fwd+bwd spends 0.67-0.74 ms in kernels but
 # 1.1-1.7 ms of host time per call on the H200 box (Python custom-op autograd layer and Triton / Gluon launchers;
 # cuDNN's whole fwd+bwd path 0.64 ms; benchmarks/attention_host_overhead.py). Under torch.compile with CUDA graphs,
 # or in a model whose other layers keep the GPU busy while the host runs ahead, what counts is the GPU time, which
 # the graph replay measures for every candidate alike. The forward too (fwdg_*: the op's launch path against
 # cuDNN): do_bench zero-fills L2 before each call, so a launch path longer than that fill (~60 us) idles the GPU
-# inside the timed interval, which session 12-13's fwd_fxopt (checks and routing) against fwd_gluon (the kernel's
+# inside the timed interval, which an earlier fwd_fxopt (checks and routing) against fwd_gluon (the kernel's
 # launcher alone) showed at 0-3.5%. FXOPT_BENCH_FB_GRAPH=0 skips them.
 FB_GRAPH = os.environ.get("FXOPT_BENCH_FB_GRAPH", "1") != "0"
 
@@ -186,7 +183,7 @@ def attention_rows(d, S, causal, bwd=True):
     # what "fxopt" ran (after the timing, so that a Gluon build that failed during it shows as fallen back)
     routes = A.kernel_routes(qd, kd, vd, is_causal=causal)
     row["fwd_kernel"], row["bwd_kernel"] = routes["forward"], routes["backward"] if bwd else None
-    # the eager columns replay launch plans unless FXOPT_LAUNCH_PLANS=0 (session 15; earlier tables had none)
+    # the eager columns replay launch plans unless FXOPT_LAUNCH_PLANS=0 (earlier tables had none)
     row["launch_plans"] = "on" if LP.ENABLED else "off"
     if any("fell back" in str(r) for r in routes.values()):
         print(f"  WARNING: d={d} S={S} causal={causal}: {routes}", flush=True)
@@ -227,7 +224,7 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     row["graph_vs_cudnn"] = _ratio(row["graph_fxopt_TBps"], row["graph_cudnn_TBps"])
     # calls back to back in one CUDA graph, alternating between two K/V copies (each >= 10x L2), as the layers of a
     # decode step run: no L2 flush in front of each call. do_bench's flush (a 256 MB zero-fill) leaves dirty lines
-    # that the timed call writes back (~12 us on the H200, docs/notes_decode_session8.md)
+    # that the timed call writes back (~12 us on the H200, docs/kernels.md)
     try:
         sets = [(q, k, v), (q, _rand(B, hkv, S, d), _rand(B, hkv, S, d))]
         calls = 24 if S <= 8192 else 8
@@ -247,186 +244,13 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --explore: fixed configs, for choosing the autotune lists (time-boxed; appends JSON lines as it goes)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def explore(out_dir, budget_s=110.0):
-    t0 = time.time()
-    path = os.path.join(out_dir, "attention_explore.jsonl")
-    rows = []
-
-    def emit(r):
-        rows.append(r)
-        with open(path, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        print(r, flush=True)
-
-    def left():
-        return budget_s - (time.time() - t0)
-
-    fwd_sets = [
-        (128, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 0, 0),
-                      (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0), (128, 64, 8, 3, 1, 0),
-                      (128, 128, 4, 2, 1, 1), (128, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1)]),
-        (128, True, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 2, 1, 0),
-                     (128, 128, 4, 2, 1, 1)]),
-        (64, False, [(128, 64, 4, 3, 0, 0), (128, 128, 8, 3, 0, 0), (128, 64, 4, 3, 1, 0), (128, 128, 8, 3, 1, 0),
-                     (128, 128, 4, 3, 1, 1)]),
-        (256, False, [(128, 64, 8, 2, 0, 0), (64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0)]),
-    ]
-    S = 4096
-    for d, causal, cfgs in fwd_sets:
-        B, H = 16384 // S, 2048 // d
-        q, k, v = (_rand(B, H, S, d) for _ in range(3))
-        flops = 4 * B * H * S * S * d / (2 if causal else 1)
-        ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
-        for bm, bn, w, s, tma, ws in cfgs:
-            if left() < 0:
-                break
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, WARP_SPEC=bool(ws))
-            r = {"kind": "fwd", "d": d, "causal": causal, "cfg": [bm, bn, w, s], "tma": tma, "ws": ws}
-            t1 = time.time()
-            try:
-                fn = lambda: A.flash_attention_triton(q, k, v, is_causal=causal, config=cfg, use_tma=bool(tma))  # noqa
-                err = (fn() - ref).abs().max().item()
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r.update(tflops=round(flops / ms / 1e9, 1), err=round(err, 4))
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            r["secs"] = round(time.time() - t1, 1)
-            emit(r)
-    bwd_sets = [
-        (128, False, [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
-         [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3)]),
-        (128, True, [(64, 128, 8, 2), (32, 128, 8, 2)], [(128, 64, 8, 2), (64, 64, 4, 2)]),
-        (64, False, [(64, 128, 8, 2), (64, 64, 4, 2)], [(128, 64, 8, 2), (64, 64, 4, 3)]),
-    ]
-    for d, causal, dkdv_cfgs, dq_cfgs in bwd_sets:
-        B, H = 16384 // S, 2048 // d
-        q, k, v = (_rand(B, H, S, d) for _ in range(3))
-        flops = 4 * B * H * S * S * d / (2 if causal else 1)
-        o, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
-        do = torch.randn_like(o)
-        base_dkdv, base_dq = dkdv_cfgs[0], dq_cfgs[0]
-        trials = [(c, base_dq) for c in dkdv_cfgs] + [(base_dkdv, c) for c in dq_cfgs[1:]]
-        for c1, c2 in trials:
-            if left() < 0:
-                break
-            k1 = dict(BLOCK_M=c1[0], BLOCK_N=c1[1], num_warps=c1[2], num_stages=c1[3])
-            k2 = dict(BLOCK_M=c2[0], BLOCK_N=c2[1], num_warps=c2[2], num_stages=c2[3])
-            r = {"kind": "bwd", "d": d, "causal": causal, "dkdv": list(c1), "dq": list(c2)}
-            t1 = time.time()
-            try:
-                fn = lambda: A.flash_attention_triton_bwd(do, q, k, v, o, lse, is_causal=causal,  # noqa: E731
-                                                          dkdv_config=k1, dq_config=k2)
-                fn()
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r.update(bwd_ms=round(ms, 3), bwd_tflops=round(2.5 * flops / ms / 1e9, 1))
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            r["secs"] = round(time.time() - t1, 1)
-            emit(r)
-    for S in (4096, 32768):
-        B, H, d = 8, 32, 128
-        q, k, v = _rand(B, H, 1, d), _rand(B, H, S, d), _rand(B, H, S, d)
-        nbytes = 2 * B * H * S * d * 2
-        for bn, w, st, cps in [(64, 4, 3, 4), (64, 4, 4, 8), (128, 4, 3, 4), (128, 8, 3, 8), (64, 4, 3, 16),
-                               (32, 4, 4, 8)]:
-            if left() < -20:
-                break
-            r = {"kind": "decode", "S": S, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": cps}
-            try:
-                def fn():
-                    o = torch.empty_like(q)
-                    lse = torch.empty((B, H, 1), device="cuda", dtype=torch.float32)
-                    flags = dict(HEAD_DIM=d, BLOCK_D=d, IS_CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=False,
-                                 MASK_KIND=0, HAS_KPM=False, PREC="tf32")
-                    A._launch_split(q, k, v, o, lse, q, (0, 0, 0, 0), q, (0, 0), 1, d ** -0.5, 0.0, -1, flags,
-                                    block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps)
-                    return o
-                ms = bench_ms(fn, warmup=10, rep=40)
-                r["TBps"] = round(nbytes / ms / 1e9, 2)
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            emit(r)
-    return rows
-
-
 def main():
     def extra(p):
-        p.add_argument("--explore", action="store_true")
-        p.add_argument("--decode-only", action="store_true",
-                       help="decode rows only, combine modes auto / fused / kernel, MHA and GQA "
-                            "(writes attention_decode.*)")
-
-        p.add_argument("--decode-sweep", action="store_true",
-                       help="decode rows for split plans of 1-8 CTAs per SM and the opt-in split-kernel builds "
-                            "(FXOPT_ATTN_DECODE_CFG; writes attention_decode_sweep.*)")
         p.add_argument("--shapes", default=None,
-                       help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows; "
-                            "--tag names the output (attention_<tag>.*), for env A/B runs")
-        p.add_argument("--tag", default="rows")
+                       help="only these rows, e.g. 128x1024,256x4096 (d x S; causal and not), no decode rows")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
     torch.manual_seed(0)
-    if args.decode_sweep:
-        # Default build (128, 4, 3): the split plan assumes _DECODE_CTAS_PER_SM programs per SM (default 4), but
-        # its 136 KB of shared memory lets only ONE CTA be resident per SM (offline sm_90 build, session 8:
-        # 107 registers, docs/notes_decode_session8.md). Rows 1: which oversubscription factor fills the machine
-        # best. Rows 2: the opt-in builds of _DECODE_CONFIGS (FXOPT_ATTN_DECODE_CFG) with 3-6 resident CTAs per SM,
-        # each with its wave-balanced split plan (ctas_per_sm = residency), MHA and GQA 4:1.
-        rows = []
-        saved, saved_cfg = A._DECODE_CTAS_PER_SM, A._DECODE_CFG
-        BENCH.update(warmup=10, rep=40)  # 34 rows x 5 timings: keeps the sweep near a minute on an H200
-        dev = torch.device("cuda")
-        for S in (4096, 32768):
-            for ctas in (1, 2, 3, 4, 6, 8):
-                A._DECODE_CTAS_PER_SM = ctas
-                splits, split_len = A._split_plan(8, 32, S, dev, 128)
-                rows.append({"cfg": "default", "ctas_per_sm": ctas, "num_splits": splits, "split_len": split_len,
-                             **decode_rows(S)})
-        A._DECODE_CTAS_PER_SM = saved
-        for S in (4096, 32768):
-            for hkv in (32, 8):
-                for name, (bn, w, st, resident) in A._DECODE_CONFIGS.items():
-                    if name == "default" and hkv == 32:
-                        continue  # timed above (ctas_per_sm = 4)
-                    A._DECODE_CFG = name
-                    if name == "default":
-                        splits, split_len = A._split_plan(8, hkv, S, dev, bn)
-                    else:
-                        splits, split_len = A._split_plan(8, hkv, S, dev, bn, resident, balance=True)
-                    rows.append({"cfg": name, "block_n": bn, "warps": w, "stages": st, "ctas_per_sm": resident,
-                                 "num_splits": splits, "split_len": split_len, **decode_rows(S, hkv=hkv)})
-        A._DECODE_CFG = saved_cfg
-        write_results("attention_decode_sweep", rows, out_dir=args.out,
-                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): split plans and builds",
-                      notes="cfg: the split-kernel build (_DECODE_CONFIGS: block_n, warps, stages, resident CTAs "
-                            "per SM from offline sm_90 builds); ctas_per_sm: for cfg=default the programs per SM "
-                            "the split plan assumes (real residency 1), for the others the residency used by the "
-                            "wave-balanced plan; num_splits x B*Hkv programs. TB/s = K+V bytes / time; graph_* "
-                            "replayed from a CUDA graph. cuDNN measured in each row.")
-        return
-    if args.decode_only:
-        rows = [decode_rows(S, hkv=hkv, combine=c) for S in (4096, 32768) for hkv in (32, 8)
-                for c in ("auto", "fused", "kernel")]
-        A._FUSED_COMBINE = None
-        write_results("attention_decode", rows, out_dir=args.out,
-                      title="Split-KV decode (bf16, B=8, H=32, d=128, one query): fused combine vs combine kernel",
-                      notes="TB/s = K+V bytes / time. fused: the last split of each (batch, kv head) merges the "
-                            "partials in the split kernel; kernel: a second kernel (_attn_combine) launched with "
-                            "programmatic dependent launch; auto (the default): fused when launched eagerly on at "
-                            "most 192 MB of K/V, the kernel under CUDA-graph capture and above that. graph_* = replayed from a CUDA graph. FA2 takes no "
-                            "GQA here (SDPA enable_gqa), so Hkv=8 rows compare with cuDNN; max_err against SDPA "
-                            "MATH for Hkv=8. Medians of triton.testing.do_bench.")
-        return
-    if args.explore:
-        os.makedirs(args.out, exist_ok=True)
-        rows = explore(args.out, float(os.environ.get("EXPLORE_BUDGET_S", "110")))
-        write_results("attention_explore", rows, title="FlashAttention config exploration (H200, bf16, S=4096)",
-                      out_dir=args.out)
-        return
     if args.quick:
         shapes = [(128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 16384, True), (256, 4096, False),
                   (256, 8192, True)]
@@ -437,7 +261,7 @@ def main():
     if args.shapes:
         shapes = [(int(x.split("x")[0]), int(x.split("x")[1]), c) for x in args.shapes.split(",")
                   for c in (False, True)]
-    name = ("attention_" + args.tag) if args.shapes else "attention" + ("_quick" if args.quick else "")
+    name = "attention"
     rows = []
     t0 = time.time()
     for S in (() if args.shapes else (4096, 32768)):
@@ -445,7 +269,7 @@ def main():
     for i, (d, S, c) in enumerate(shapes):
         rows.append(attention_rows(d, S, c))
         if i % 6 == 5:  # partial results survive a time-out
-            write_results(name + "_partial", rows, title="partial", out_dir=args.out)
+            write_results(name, rows, title="FlashAttention (partial: the run stopped here)", out_dir=args.out)
     notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch; on sm_90 at d = 128 it runs "
              "the Gluon FA3-style kernel, fxopt/kernels/attention_gluon.py); fwd_triton = the Triton-language "
              "kernel alone, fwd_gluon = the Gluon kernel alone (where it takes the inputs); fwd+bwd through "
@@ -463,7 +287,7 @@ def main():
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
     # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd differed by up to 43%
-    # between two runs of one shape (session 12), so the tables say which configs they timed
+    # between two runs of one shape, so the tables say which configs they timed
     picks = []
     for tname in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned"):
         for key, cfg in getattr(getattr(A, tname), "cache", {}).items():

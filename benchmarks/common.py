@@ -89,7 +89,7 @@ def bench_ms_fixed(fn, warmup: int = 10, iters: int = 100) -> float:
 
     ``triton.testing.do_bench`` picks its repetition count from a timing estimate, so two ranks may call ``fn`` a
     different number of times; the extra collectives of one rank then wait for partners that never come (the TP
-    benchmark hung that way on the H200s, session 5). Every rank here calls ``fn`` exactly ``warmup + iters`` times.
+    benchmark hung that way on the H200s). Every rank here calls ``fn`` exactly ``warmup + iters`` times.
     """
     for _ in range(warmup):
         fn()
@@ -137,7 +137,7 @@ def round_order(names: list, r: int) -> list:
     strides coprime to n in turn: 1, 2, 3, 4 for five candidates, 1, 3 for four), starting at index r (s + 1) mod n.
     Each candidate's predecessor within a round is the one s places before it in ``names``, so it changes between
     consecutive rounds for n >= 3. A plain rotation keeps the cyclic order: each candidate not first in its round
-    ran right after the same one, and session 12 measured one Gluon kernel 1-7% slower as fwd_fxopt (after cuDNN in
+    ran right after the same one, and measured one Gluon kernel 1-7% slower as fwd_fxopt (after cuDNN in
     two of three rounds) than as fwd_gluon (after the Triton kernel) on all six d = 128 non-causal rows."""
     import math
 

@@ -108,7 +108,7 @@ def main():
              "(fxopt.kernels.fp8_attention.fp8_attention_reference, real e4m3 casts); the int8 column is "
              "the exact emulation of the INT8 mode (fxopt.kernels.fp8_attention.int8_attention_reference)."
              % args.heads)
-    write_results("fp8_accuracy" + ("_gpu" if device == "cuda" else ""), rows,
+    write_results("fp8_accuracy", rows,
                   title="FP8 attention accuracy (RMSE vs float64)", notes=notes, out_dir=args.out)
 
 

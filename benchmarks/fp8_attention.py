@@ -19,12 +19,9 @@ TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal). Columns:
   one persistent launch; ``quant_tc`` / ``quant_butterfly``: the per-tensor ``_quant_kernel`` (the default,
   ``FXOPT_FP8_QUANT_FUSED=0``), tensor-core / butterfly transform. The op's Gluon route calls ``quantize_qkv``.
 
-Afterwards each fp8 config of the d = 128 table is timed at S = 4096 (non-causal and causal), and the fused
-quantization kernel's configurations (``FXOPT_FP8_QUANT_CFG``) are swept at 16k tokens (``fp8_quant_sweep``, with a
-bit-identity check against the per-tensor kernels). ``--quant-only`` runs just that sweep and the quant columns.
+Writes ``results/fp8_attention.{md,json}`` (after every row, so a time-out keeps the rows done).
 
-    python benchmarks/fp8_attention.py --out $OUT     # about 2 minutes on an H200, compiles included
-    python benchmarks/fp8_attention.py --quant-only --out $OUT   # the quantization part alone, well under a minute
+    python benchmarks/fp8_attention.py [--quick] [--dims 128,64] --out $OUT   # about 2 minutes on an H200
 """
 from __future__ import annotations
 
@@ -98,70 +95,11 @@ def quant_columns(q, k, v) -> dict:
     return out
 
 
-QUANT_SWEEP = {  # FXOPT_FP8_QUANT_CFG = "num_warps,num_stages,programs_per_sm[,v_dot]"; "" = the default
-    128: ["", "8,4,1", "16,3,1", "16,4,1", "8,3,1,1", "16,3,1,1", "8,2,2,1"],
-    64: ["", "8,3,3", "4,3,3", "8,4,2", "16,3,1", "8,3,2,1"],
-}
-
-
-def _bytes_equal(a, b) -> bool:
-    if a.element_size() == 1:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return a.shape == b.shape and torch.equal(a, b)
-
-
-def quant_sweep(dims) -> list[dict]:
-    """Every fused-kernel configuration at 16k tokens x 2048 hidden (S = 4096), bf16, GQA-free; ``identical``:
-    all six outputs bit-equal to the per-tensor kernels'."""
-    rows = []
-    for d in dims:
-        s, b, h = 4096, 4, 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(d)
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-        nbytes = 3 * q.numel() * (q.element_size() + 1)
-        _quant_env("0")
-        ref = F.quantize_qkv(q, k, v, hadamard=True, seed=0)
-        for cfg in QUANT_SWEEP.get(d, [""]):
-            _quant_env("1", "1", cfg)
-            row = {"d": d, "S": s, "B": b, "H": h, "cfg": cfg or "default " + ",".join(
-                str(int(x)) for x in F._quant_cfg(d))}
-            try:
-                got = F.quantize_qkv(q, k, v, hadamard=True, seed=0)
-                row["identical"] = all(_bytes_equal(x, y) for x, y in zip(got, ref))
-                t = bench_ms(lambda: F.quantize_qkv(q, k, v, hadamard=True, seed=0))
-                row["us"] = t * 1e3
-                row["TBps"] = nbytes / (t * 1e-3) / 1e12
-            except Exception as e:  # noqa: BLE001  (out of shared memory etc.: report, keep going)
-                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            rows.append(row)
-            print(row, flush=True)
-        _quant_env_clear()
-        del q, k, v, ref
-    return rows
-
-
 def main():
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: (p.add_argument("--dims", default="128,64"),
-                                                                 p.add_argument("--quant-only", action="store_true")))
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: (p.add_argument("--dims", default="128,64")))
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     t0 = time.time()
     dims = [int(x) for x in args.dims.split(",")]
-    sweep = quant_sweep(dims)
-    write_results("fp8_quant_sweep", sweep, title="Fused Q/K/V quantization configs (H200), 16k tokens",
-                  notes="us / TB/s of quantize_qkv (one launch) per FXOPT_FP8_QUANT_CFG; identical = bit-equal "
-                        "codes and scales to the per-tensor kernels (FXOPT_FP8_QUANT_FUSED=0).", out_dir=args.out)
-    if args.quant_only:
-        rows = []
-        for d in dims:
-            for s in ([4096] if args.quick else [4096, 1024, 16384]):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                rows.append({"d": d, "S": s, "B": b, "H": h, **quant_columns(q, k, v)})
-                print(rows[-1], flush=True)
-        write_results("fp8_quant", rows, title="Q/K/V quantization alone (H200), 16k tokens, us and TB/s",
-                      out_dir=args.out)
-        print(f"total {time.time() - t0:.0f}s")
-        return
     seqs = [1024, 4096] if args.quick else [4096, 16384, 8192, 1024, 2048]
     rows = []
     notes = ("TFLOP/s (higher is better); fp8_kernel (Triton) and gluon_fp8_kernel exclude quantization (FA3's "
@@ -239,30 +177,6 @@ def main():
                 write_results("fp8_attention", rows, title="FP8 attention forward (H200), TFLOP/s", notes=notes,
                               out_dir=args.out)
             del q, k, v, qq, kq, vt, iq, ik, ivt
-    # every d = 128 config at S = 4096
-    cfg_rows = []
-    s, d = 4096, 128
-    b, h = 16384 // s, 2048 // d
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qq, qs = F.quantize_blocks(q, hadamard=True, seed=0)
-    kq, ks = F.quantize_blocks(k, hadamard=True, seed=0)
-    vt, vs = F.quantize_blocks(v, hadamard=False, transpose=True)
-    for causal in (False, True):
-        for bm, bn, w, st in F.FWD_CONFIGS[d]:
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-            try:
-                def kern():
-                    return F.fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=q.shape, seq_k=s, n_kv_heads=h,
-                                                     out_dtype=q.dtype, is_causal=causal, config=cfg)
-                kern()
-                t = tflops(b, h, s, d, causal, bench_ms(kern))
-            except Exception as e:  # noqa: BLE001  (report, keep going)
-                t = float("nan")
-                print(cfg, e)
-            cfg_rows.append({"d": d, "S": s, "causal": causal, "config": f"{bm}x{bn} w{w} s{st}", "fp8_kernel": t})
-            print(cfg_rows[-1], flush=True)
-    write_results("fp8_attention_configs", cfg_rows, title="FP8 attention kernel configs, d=128 S=4096 (TFLOP/s)",
-                  out_dir=args.out)
     print(f"total {time.time() - t0:.0f}s")
 
 

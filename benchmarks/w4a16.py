@@ -166,7 +166,7 @@ def main():
                   f"tinygemm {t_tg:.1f} ({row['config']})", flush=True)
         del ours, bf, tg
         torch.cuda.empty_cache()
-    name = ("w4a16_subset" if args.ms else "w4a16") + ("_gemv1" if args.gemv1 else "") + ("_mma" if args.mma else "")
+    name = "w4a16"
     write_results(name, rows, title="W4A16 linear, group 128, bf16 (fxopt vs cuBLAS bf16 vs tinygemm)",
                   out_dir=args.out,
                   notes="fxopt_us / bf16_us / tinygemm_us: per-call time of calls run back to back in one CUDA graph, "

@@ -74,7 +74,7 @@ def jit_like_source(kernel, ptrs: dict, ints: dict, floats: tuple, meta: dict):
     offline sm_90 builds: pointers 16-byte aligned, an int equal to 1 a constant, other ints i32 with the
     divisibility-by-16 hint when they are multiples of 16, ``floats`` fp32, every other parameter a constexpr from
     ``meta``. Without the hints the build is not the one the GPU runs (a decode build went from 107 to 255
-    registers without them, session 8)."""
+    registers without them)."""
     from triton.compiler import ASTSource
 
     sig, consts, attrs = {}, {}, {}

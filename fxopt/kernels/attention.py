@@ -5,59 +5,20 @@ Public op (registered on import)::
     torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                     window=-1, softcap=0.0, key_padding_mask=None) -> Tensor
 
-Design
-------
-* Layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] with any strides (a transposed view of [B, S, H, D] is read in
-  place; only a tensor whose *last* dim is not contiguous is copied). Hq % Hkv == 0: query head h reads kv head
-  h // (Hq / Hkv) (GQA / MQA, K/V never repeated in memory). D <= 256 is padded to a power of two inside the kernel
-  (masked loads or zero-filled TMA boxes), so 80, 96, 112, 160, 192 work.
-* Semantics: scores = q.k * scale (scale defaults to 1/sqrt(D)); softcap > 0 turns them into
-  softcap * tanh(scores / softcap); then the float mask is added / the bool mask (True = attend) applied,
-  causal is bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), window >= 0 additionally keeps
-  (i + Sk - Sq) - j < window, key_padding_mask [B, Sk] (True = valid) drops keys. Masks broadcast to
-  [B, Hq, Sq, Sk] through stride-0 views (never expanded in memory). A row with no visible key gives 0 and its
-  log-sum-exp is stored as +inf, so the backward also gives exact zeros (never NaN).
-* Forward (``_attn_fwd``, FA2): grid (query blocks, B*Hq), online softmax in base 2 (log2(e) folded into the scale),
-  fp32 accumulators. Each program walks its key range in three segments: masked blocks at the window edge, full
-  blocks that need no per-element causal/window/bounds test, masked blocks at the causal diagonal / sequence end;
-  blocks that are entirely invisible are never visited. Causal grids are walked longest-row-block first.
-  Hopper: with ``USE_TMA`` the tiles are read through device-side tensor descriptors (``tl.make_tensor_descriptor``,
-  zero padding doubles as the D / sequence masking); on the H200 this only paid at head dim 256, so the host uses it
-  there (``FXOPT_ATTN_TMA`` = auto / 1 / 0; never for misaligned inputs). ``WARP_SPEC`` (Triton's automatic warp
-  specialization of the key loop) is kept as a meta-parameter for experiments only: in Triton 3.6 on sm_90 the
-  ``NVGPUWarpSpecialization`` pass failed on most configs of this kernel, and the one that compiled was slower.
-* Decode (``_attn_fwd_split`` + ``_attn_combine``, flash-decoding): used automatically for few query tokens
-  (Sq <= 16) and long keys (Sk >= 1024) without dropout. All query heads of one KV group (and all query tokens) are
-  packed into the rows of one tile, so K/V are read once per group; the key axis is split into chunks that fill the
-  GPU; a combine kernel merges the partial (output, lse) pairs, or the last split to finish does, behind an acq_rel
-  arrival counter (one launch fewer: used for eager launches of small steps, ``_fused_combine_auto``). At d = 128
-  the default build (BLOCK_N 128, 3 stages) holds its K/V tiles in 136 KB of cp.async buffers, so one CTA is
-  resident per SM (107 registers); ``_DECODE_CONFIGS`` lists opt-in builds with 3-6 (docs/notes_decode_session8.md).
-* Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
-  KV head, looping over the group's query heads and the visible query blocks: dK/dV without atomics, also for GQA),
-  ``_attn_bwd_dq`` (one program per query block). Probabilities are recomputed from the saved log-sum-exp. At
-  BLOCK_D = 256 (bf16 / fp16) dK/dV run in ``_attn_bwd_dkdv_split``: two programs per key block, each holding one
-  head-dim half of dK and dV (the scores still take full-D dots), so the accumulators fit in registers.
-* Dropout RNG: Philox (``tl.rand``) keyed by a per-call 31-bit seed (drawn from torch's default CPU generator, so
-  ``torch.manual_seed`` reproduces it) and the counter ((b * Hq + h) * Sq + i) * Sk + j; an element is kept when
-  its uniform >= dropout_p and scaled by 1 / (1 - dropout_p). The backward regenerates the same mask from the same
-  seed. The CPU reference draws its mask from ``torch.Generator().manual_seed(seed)`` instead (same seed, other
-  stream; each path is self-consistent between forward and backward).
-* fp32 inputs: computed with exact fp32 dots (``input_precision="ieee"``, no TF32) and smaller tiles; correct but
-  not fast (use bf16/fp16 for speed).
-* Ops: ``fxopt::flash_attention_fwd`` -> (out, lse) and ``fxopt::flash_attention_bwd`` -> (dq, dk, dv) are
-  ``custom_op``s (fake impls allocate like the real ones: out = empty_like(q)); the public ``fxopt::flash_attention``
-  is a CompositeImplicitAutograd op on top (draws the dropout seed, returns out only). Autograd lives on the fwd
-  op. CPU tensors take the float32 PyTorch reference (``attention_reference``); CUDA tensors the Triton kernels.
-  ``flash_attention_triton`` / ``flash_attention_triton_bwd`` launch the kernels directly and also run on CPU
-  tensors under ``TRITON_INTERPRET=1`` (one config there). On CUDA both replay launch plans
-  (``launch_plan.plan_cached``, session 15): from the third call with the same tensor metadata, arguments, switches
-  and routing globals (``_plan_state``), the recorded launches run without this module's Python or Triton's
-  per-call binding. Code that changes other state these functions read must call ``launch_plan.clear_plans()``.
-* Tuning: small per-head-dim config lists (chosen from H200 measurements, see docs/notes_attention.md), autotuned
-  once per (flags, power-of-two bucket of Sq and Sk). Knobs: ``FXOPT_ATTN_TMA`` (auto/1/0),
-  ``FXOPT_ATTN_AUTOTUNE=0`` (first config only; fast GPU tests), ``FXOPT_ATTN_DECODE_CTAS_PER_SM`` (split count),
-  ``FXOPT_ATTN_DECODE_CFG`` (opt-in split-kernel builds with more resident CTAs per SM, ``_DECODE_CONFIGS``).
+q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] with any strides (GQA / MQA without repeating K/V), D <= 256 (padded to a
+power of two inside the kernels). Causal masks are bottom-right aligned; sliding windows, softcap, key padding,
+float / bool masks (broadcast through stride-0 views) and dropout (Philox, regenerated in the backward) are kernel
+arguments. A row with no visible key gives 0 (never NaN), in the forward and the backward.
+
+This module holds the portable path and the routing: the FA2-style Triton forward (``_attn_fwd``: online softmax in
+base 2, key range walked in masked / unmasked segments, longest causal rows first), the split-KV decode kernels
+(``_attn_fwd_split`` + ``_attn_combine`` or a fused combine, for Sq <= 16 and Sk >= 1024), and the two-kernel Triton
+backward (``_attn_bwd_dkdv`` without atomics, ``_attn_bwd_dq``). On sm_90 the forward and backward are routed to the
+Gluon builds of ``attention_gluon`` / ``attention_gluon_bwd`` where those take the shape (``kernel_routes`` says
+which ran; a build that fails falls back here and says why). CPU tensors take the float32 reference
+``attention_reference``. ``fxopt::flash_attention_fwd`` / ``_bwd`` are custom ops with fake implementations; on CUDA
+both replay launch plans (``launch_plan.plan_cached``). Configs are short per-head-dim lists, autotuned once per
+(flags, power-of-two bucket of Sq and Sk). Design notes and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -824,7 +785,7 @@ FWD_CONFIGS = {
 }
 # The last entries of each dK/dV list are the configs whose sm_90 build does not spill (bf16, no mask): dK and dV
 # accumulate in registers beside K and V, and the earlier entries spill 18-174 instructions' worth in the loop
-# (offline `triton.compile` for sm_90 + nvdisasm; docs/notes_attention.md). The autotuner picks among them.
+# (offline `triton.compile` for sm_90 + nvdisasm; docs/kernels.md). The autotuner picks among them.
 DKDV_CONFIGS = {
     64: [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 8, 2)],
     128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
@@ -839,7 +800,7 @@ DQ_CONFIGS = {
 }
 # dK/dV with the head dim split in two programs (``_attn_bwd_dkdv_split``), bf16 / fp16 at BLOCK_D = 256 only: every
 # DKDV_CONFIGS[256] entry spills in the sm_90 build (88-916 B, up to 64 LDL + 32 STL in the loop), these do not
-# (0 B spilled, causal and not; offline, docs/notes_attention_bwd256_session7.md). Not yet measured on a GPU.
+# (0 B spilled, causal and not; offline, docs/kernels.md). Not yet measured on a GPU.
 DKDV_SPLIT_CONFIGS = {
     256: [(32, 64, 8, 2), (16, 128, 8, 2), (16, 128, 8, 3), (32, 64, 8, 3)],
 }
@@ -883,7 +844,7 @@ def _split_pruner(configs, named_args, **kwargs):
 def _use_split_d(q, BLOCK_D) -> bool:
     """dK/dV in two head-dim halves (``_attn_bwd_dkdv_split``): bf16 / fp16 with BLOCK_D > 128 when
     ``FXOPT_ATTN_BWD_SPLIT_D=1``. Off by default: it removes the d = 256 spills but recomputes S and dP in both
-    halves (1.5x the dK/dV kernel's matrix work); an offline cost model (docs/notes_attention_bwd256_session7.md)
+    halves (1.5x the dK/dV kernel's matrix work); an offline cost model (docs/kernels.md)
     does not predict a win, so it waits for an H200 A/B against the single-program kernel."""
     return (BLOCK_D > 128 and q.dtype != torch.float32
             and os.environ.get("FXOPT_ATTN_BWD_SPLIT_D", _SPLIT_D_DEFAULT) == "1")
@@ -1169,9 +1130,9 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 _TMA_FAILED: set = set()
 _GLUON_FAILED: set = set()
 # Head dims routed to the Gluon (FA3-style) forward: measured faster than this file's kernel at d = 128 and
-# d = 256 (benchmarks/results/gluon/; d = 256: 686 / 752 against 521 / 531 TFLOP/s at S = 4k / 8k, session 7; its
-# GPU tests passed in session 8); at d = 64 the non-persistent builds were slower.
-# d = 64 since session 9: the persistent build ran 422 / 280 / 446 / 419 / 452 / 449 TFLOP/s against the Triton
+# d = 256 (benchmarks/results/gluon/; d = 256: 686 / 752 against 521 / 531 TFLOP/s at S = 4k / 8k; its
+# GPU tests passed); at d = 64 the non-persistent builds were slower.
+# d = 64: the persistent build ran 422 / 280 / 446 / 419 / 452 / 449 TFLOP/s against the Triton
 # kernel's 387 / 277 / 419 / 388 / 443 / 430 at S = 1k / 1k causal / 4k / 4k causal / 16k / 16k causal (same run,
 # the Triton column timed first; benchmarks/results/attention_d64persistent.md), bit-identical to "overlap" on the
 # variant check's d = 64 cases, max error against FA2 as the Triton kernel's.
@@ -1179,14 +1140,14 @@ _GLUON_FAILED: set = set()
 _GLUON_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_DIMS", "64,128,256").split(",")
                          if d.strip())
 # The build per head dim: "overlap" (softmax exp2s under the in-flight PV wgmma) gave bit-identical outputs to
-# "default" on the cases of benchmarks/gluon_attention_variant_check.py (d = 256 included) and ran 1.0-1.5% faster
-# at d = 128 (session 7); d = 256 was timed with "default" only. "persistent" (one CTA per SM looping over
+# "default" on the cases of an H200 check (d = 256 included) and ran 1.0-1.5% faster
+# at d = 128; d = 256 was timed with "default" only. "persistent" (one CTA per SM looping over
 # zigzag-paired work items, the overlap build's tiles) was bit-identical to "overlap" on every case of the variant
 # check (GQA, Sq != Sk, bshd strides, no-lse) and faster at d = 128: 620 / 571 / 635 / 621 against 601 / 544 / 618 /
-# 618 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal (session 9, variant_check_persistent.txt).
+# 618 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal (variant_check_persistent.txt).
 _GLUON_FWD_VARIANT = {64: "persistent", 128: "persistent", 256: "default"}
 # d = 64 from these query lengths (non-causal / causal) runs "persistent3" (three consumer warpgroups, 192-row items):
-# every case of the variant check passed against float64 and its 19 GPU tests passed (session 11). At 16k tokens per
+# every case of the variant check passed against float64 and its 19 GPU tests passed. At 16k tokens per
 # batch, H = 32, S = 1k / 2k / 4k / 8k / 16k, over "overlap": non-causal persistent 1.138 / 1.062 / 1.034 / 0.990 /
 # 0.997x, persistent3 1.107 / 1.090 / 1.048 / 1.089 / 1.082x; causal persistent 1.023 / 1.137 / 1.065 / 1.032 /
 # 0.997x, persistent3 0.674 / 0.761 / 1.002 / 1.038 / 1.045x (benchmarks/results/gluon/variant_check_s11_d64sweep.txt).
@@ -1197,7 +1158,7 @@ _PERSISTENT3_MIN_SQ = {False: 2048, True: 8192}
 # Triton forward ran 197 / 198 TFLOP/s against the persistent Gluon build's 160 / 162 (whole tables of sessions 14
 # and 16, benchmarks/results/attention.md: 4 of 10 key blocks per head are diagonal, masked blocks cost the
 # exp-bound d = 64 Gluon consumer about two unmasked ones); at 1024 causal Gluon ties or wins (279-281 / 274-277).
-# Since the folded causal mask (session 16) the Gluon build reaches 196-207 there (attention_mask_ab_new_s16.md)
+# Since the folded causal mask the Gluon build reaches 196-207 there (attention_mask_ab_new_s16.md)
 # against the Triton kernel's 202 in the same table: level, so the route stands until one of them pulls ahead;
 # at 1024 causal Gluon now leads (308-312 against 281).
 _GLUON_FWD_CAUSAL_MIN_SK = {64: 1024}
@@ -1239,40 +1200,40 @@ def _gluon_route(q, k, v, attn_mask, key_padding_mask, dropout_p, window, softca
 _GLUON_BWD_FAILED: set = set()
 # Head dims whose backward goes to the Gluon kernel, and its variant: variant 1 (dQ columns split between the two
 # consumer warpgroups, vector atomics) was correct on 59 / 59 GPU cases and ran 427 TFLOP/s against the Triton
-# backward's 410 at d = 128, S = 4096 (benchmarks/results/gluon/gluon_attention_bwd_check.md, session 7).
+# backward's 410 at d = 128, S = 4096 (benchmarks/results/gluon/gluon_attention_bwd_check.md).
 # The full table (benchmarks/results/attention.md, fwd+bwd through the op, same run): with it 1-6% faster than with
 # the Triton backward at S = 4096-16384, mixed at 2048 (-2% / +2%), slower below (S = 1024 causal: 170 against 218
 # TFLOP/s; at short S a CTA's key block meets few query blocks and the warp-specialized prologue does not pay off),
 # hence the length floor.
 # Variant 3 (variant 1 with dK's wgmma issued before dQ's; EARLY_DK) was correct on 59 / 59 cases and 1-3% faster
-# than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096; session 8).
+# than variant 1 at S = 1k-16k (431 against 423 TFLOP/s at d = 128, S = 4096).
 # d = 256 (``_fa3_bwd_kernel_d256``: 64 keys per CTA, head dim split between the two consumer warpgroups) was
-# correct on 18 / 18 GPU cases and ran 274-316 TFLOP/s against the Triton backward's 114-149 (kernel check, S = 1k-16k,
-# session 10); through the op, fwd+bwd 340 / 295 / 371 / 353 TFLOP/s against 226 / 183 / 233 / 210 with the Triton
+# correct on 18 / 18 GPU cases and ran 274-316 TFLOP/s against the Triton backward's 114-149 (kernel check, S = 1k-16k);
+# through the op, fwd+bwd 340 / 295 / 371 / 353 TFLOP/s against 226 / 183 / 233 / 210 with the Triton
 # backward (d = 256, S = 2k / 2k causal / 8k / 8k causal; benchmarks/results/attention_d256gluonbwd.md).
 # d = 64 (split-dQ variant 3) passed its GPU test but lost to the Triton backward through the op at 5 of 6 rows
 # (fwd+bwd 358 / 261 / 372 / 344 / 393 / 390 against 368 / 281 / 392 / 349 / 398 / 377, S = 2k / 4k / 16k,
 # benchmarks/results/attention_d64gluonbwd.md). With the dQ reducer warp (variant 5, below) it wins from S = 4096
-# (session 12, benchmarks/results/attention_d64dqw.md, fwd+bwd through the op): 399 / 363 / 428 / 417 against the
+# (benchmarks/results/attention_d64dqw.md, fwd+bwd through the op): 399 / 363 / 428 / 417 against the
 # Triton backward's 385 / 351 / 402 / 382 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal, = 0.906 / 0.913 / 0.948 /
 # 0.953x cuDNN; at 2048 382 / 255 against 372 / 282 (causal lost): floors below.
 _GLUON_BWD_HEAD_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DIMS", "64,128,256").split(",")
                              if d.strip())
-# Per head dim. d = 128: variant 3 (GPU-checked, session 8; variant 4's named-barrier turns were correct but 1-2%
-# slower, session 10). d = 64: the split-dQ variant 3 (FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel
+# Per head dim. d = 128: variant 3 (GPU-checked; variant 4's named-barrier turns were correct but 1-2%
+# slower). d = 64: the split-dQ variant 3 (FXOPT_ATTN_GLUON_BWD_VARIANT_D64=0 picks the variant-0 kernel
 # for an A/B). d = 256: one kernel whatever the variant.
 _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64", "3")), 128: 3, 256: 0}
 # d = 128 runs variant 3 with FA3's dQ path (``attention_gluon_bwd_dqw``: dQ -> shared memory -> a reducer warp's
-# vector reductions) since session 11: the timing-only ablations put the dQ global reductions at 30-34% of the step
+# vector reductions): the timing-only ablations put the dQ global reductions at 30-34% of the step
 # (benchmarks/results/gluon_bwd_ablation.md), and dqw was correct on 4 / 4 check cases and 12 GPU tests (dK / dV
 # bit-identical to variant 3) and 1.05-1.07x faster: 467 / 421 / 482 / 483 against 443 / 394 / 449 / 452 TFLOP/s
 # (S = 4k / 4k causal / 16k / 16k causal; benchmarks/results/gluon/gluon_bwd_dqw_check.md).
-# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3. d = 64 since session 12 (built offline in session 11; 24 GPU
-# tests at d = 64 / 128 passed, session 12). FXOPT_ATTN_GLUON_BWD_DQW_DIMS (read once, at import) picks the dims.
-# Session 12 also found the folded kernel (session 11's fold of the dqw module into _fa3_bwd_kernel_v1) failing to
+# FXOPT_ATTN_GLUON_BWD_DQW=0 keeps plain variant 3. d = 64 (built offline; 24 GPU
+# tests at d = 64 / 128 passed). FXOPT_ATTN_GLUON_BWD_DQW_DIMS (read once, at import) picks the dims.
+# also found the folded kernel (an earlier fold of the dqw module into _fa3_bwd_kernel_v1) failing to
 # compile at run time, where GROUP = 1 arrives as a constexpr; the op had fallen back to the Triton backward until the
 # fix (tests/test_attention_gluon_bwd_dqw.py builds it with those constexpr ones offline).
-# Session 14: variant 6 (the default; FXOPT_ATTN_GLUON_BWD_DQ_TMA=0 goes back to variant 5) lets the TMA unit do the
+# variant 6 (the default; FXOPT_ATTN_GLUON_BWD_DQ_TMA=0 goes back to variant 5) lets the TMA unit do the
 # reducer's global reductions: one cp.reduce.async.bulk.tensor per warpgroup's dQ half-tile instead of 64 LDS.128 +
 # 64 red.global.add.v4 per step. Kernel A/B on the H200 (benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md, same
 # run, 4 / 4 check cases per head dim, dK / dV bit-identical to variant 3, 24 GPU tests): d = 128 1.13-1.20x variant
@@ -1281,13 +1242,13 @@ _GLUON_BWD_VARIANT = {64: int(os.environ.get("FXOPT_ATTN_GLUON_BWD_VARIANT_D64",
 _GLUON_BWD_DQW_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW_DIMS", "64,128").split(",")
                             if d.strip())
 # FXOPT_ATTN_GLUON_BWD_MIN_SEQ (read once, at import) moves the floor for A/B runs: the kernel-only check
-# (gluon_attention_bwd_check.py, session 8) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
-# against 348 / 246 TFLOP/s), unlike the op-level table of session 7.
+# (gluon_attention_bwd_check.py) had variant 3 ahead of the Triton backward at S = 1024 as well (372 / 278
+# against 348 / 246 TFLOP/s), unlike the op-level table.
 _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
-# d = 256 from S = 1024: there the Triton backward is the weak one (kernel check, session 10: 274 / 226 TFLOP/s for the
+# d = 256 from S = 1024: there the Triton backward is the weak one (kernel check: 274 / 226 TFLOP/s for the
 # Gluon d = 256 kernel against 136 / 114 at S = 1024, non-causal / causal; the 18 GPU cases include S = 1024).
 # d = 128 from S = 512, d = 64 from 2048, by GPU time: fwd+bwd replayed from CUDA graphs, Gluon variant 5 against
-# the Triton backward, same run (session 13, benchmarks/results/attention_fbgraph_floor512.md, TFLOP/s):
+# the Triton backward, same run (benchmarks/results/attention_fbgraph_floor512.md, TFLOP/s):
 # d = 128 S = 512 / 1024 / 2048 / 4096 non-causal 355 / 431 / 468 / 496 against 327 / 395 / 446 / 458, causal
 # 222 / 323 / 395 / 451 against 210 / 298 / 370 / 422; d = 64 S = 1024 340 / 252 against 343 / 253 (a tie), 2048
 # 382 / 321 against 378 / 313. The eager A/Bs of sessions 12-13 (attention_bwdfloor512.md) had put the causal floor
@@ -1295,7 +1256,7 @@ _GLUON_BWD_MIN_SEQ = int(os.environ.get("FXOPT_ATTN_GLUON_BWD_MIN_SEQ", "2048"))
 # op's autograd layer, since bypassed in eager by _EagerFlashAttention, and the Gluon launchers' ~0.4 ms against
 # the Triton backward's ~0.2 ms; benchmarks/results/attention_host_overhead.md). GPU time is what a compiled model
 # with CUDA graphs sees, and what a model whose other layers keep the GPU busy sees. Keys are (head dim, causal);
-# an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode. d = 64 from 1024 since session 14:
+# an explicit FXOPT_ATTN_GLUON_BWD_MIN_SEQ applies to every head dim and mode. d = 64 from 1024:
 # variant 6 is 3-4% faster than variant 5 there (was a tie with the Triton backward). d = 256 from 512 since session
 # 14: with variant 6 the Gluon kernel ran 1.6-1.7x the Triton backward at S = 1024 (graph fwd+bwd 343 / 275 against
 # 212 / 161 TFLOP/s, benchmarks/results/attention.md), and the Triton backward left S = 512 at 0.62-0.66x cuDNN.
@@ -1311,7 +1272,7 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
     ``_GLUON_BWD_MIN_SEQ`` (``_GLUON_BWD_MIN_SEQ_BY_DIM`` per head dim and mode). Strided q, k, v (e.g.
     [B, S, H, D] transposed views, as real models pass them) go there too: the Gluon kernels then write gradients
     laid out like ``torch.empty_like`` of q, k, v, as the op's fake implementation promises (``grads_like_inputs``;
-    GPU-checked in session 13; ``FXOPT_ATTN_GLUON_BWD_STRIDED=0`` keeps them on the Triton backward).
+    GPU-checked; ``FXOPT_ATTN_GLUON_BWD_STRIDED=0`` keeps them on the Triton backward).
     ``FXOPT_ATTN_GLUON_BWD=0`` turns the route off."""
     D = q.shape[-1]
     min_seq = _GLUON_BWD_MIN_SEQ_BY_DIM.get((D, bool(is_causal)), _GLUON_BWD_MIN_SEQ)
@@ -1331,20 +1292,20 @@ def _gluon_bwd_route(dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropo
 
 def _gluon_bwd_build(D: int) -> str:
     """Name of the Gluon backward build ``flash_attention_triton_bwd`` launches at head dim D when routed there."""
-    if D == 256:  # variant 6 = the d = 256 kernel's dQ-by-TMA build (session 14)
+    if D == 256:  # variant 6 = the d = 256 kernel's dQ-by-TMA build
         return "gluon d256" if os.environ.get("FXOPT_ATTN_GLUON_BWD_D256_TMA", "1") == "0" else "gluon d256 variant 6"
     if D in _GLUON_BWD_DQW_DIMS and os.environ.get("FXOPT_ATTN_GLUON_BWD_DQW", "1") != "0":
-        # variant 6 (session 14): variant 5 with the reducer's dQ reductions done by TMA (cp.reduce.async.bulk)
+        # variant 6: variant 5 with the reducer's dQ reductions done by TMA (cp.reduce.async.bulk)
         return "gluon variant 5" if os.environ.get("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "1") == "0" else "gluon variant 6"
     return f"gluon variant {_GLUON_BWD_VARIANT.get(D, 0)}"
 
 
 def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
-    """{"forward": ..., "backward": ...}: the kernels ``flash_attention_triton`` / ``flash_attention_triton_bwd``
+    """{"forward":..., "backward":...}: the kernels ``flash_attention_triton`` / ``flash_attention_triton_bwd``
     run for these inputs with no mask, dropout, window or softcap ("gluon <build>", "triton", "triton split-kv"),
     with " (fell back to triton)" where a Gluon build was routed but failed on this machine earlier in the process
     (``_GLUON_FAILED`` / ``_GLUON_BWD_FAILED``: the op then runs the Triton kernel and logs a warning once). For
-    benchmark tables, which must say what they timed: session 12 found a table whose "fxopt" backward had silently
+    benchmark tables, which must say what they timed: a table was once found whose "fxopt" backward had silently
     been the Triton one. Runs the forward once on the inputs (the backward route needs its out / lse)."""
     D = q.shape[-1]
     key = (q.device, q.dtype, D, bool(is_causal))
@@ -1368,7 +1329,7 @@ def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
 _DECODE_CTAS_PER_SM = int(os.environ.get("FXOPT_ATTN_DECODE_CTAS_PER_SM", "4"))  # read once, at import
 
 # Split-kernel builds for BLOCK_D <= 128 (block_n, num_warps, num_stages, resident CTAs per SM). "resident" comes
-# from offline sm_90 builds at d = 128 bf16, BLOCK_R = 16 (docs/notes_decode_session8.md): registers and shared
+# from offline sm_90 builds at d = 128 bf16, BLOCK_R = 16 (docs/kernels.md): registers and shared
 # memory per CTA against 64K registers and 228 KB per SM. The default (128, 4, 3) needs 107 registers (128 with the
 # fused combine) but 136 KB of shared memory (two cp.async buffers each of a 32 KB K and a 32 KB V tile), so ONE
 # CTA is resident per SM; its split plan keeps the historical oversubscription factor _DECODE_CTAS_PER_SM = 4
@@ -1384,7 +1345,7 @@ _DECODE_CONFIGS = {
     "bn32s3": (32, 4, 3, 6),    # 73 regs, 37 KB
 }
 _DECODE_CFG = os.environ.get("FXOPT_ATTN_DECODE_CFG", "default")  # read once, at import
-# Opt-in (session 9; correct on the H200 in session 10 but slower: 3.83 against 3.91 TB/s at 4k, 4.49 = 4.49 at
+# Opt-in (correct on the H200 but slower: 3.83 against 3.91 TB/s at 4k, 4.49 = 4.49 at
 # 32k, benchmarks/results/decode_persistent.md): the persistent stream-K decode kernel of
 # fxopt/kernels/attention_decode.py (one contiguous range of (head, key block) pairs per program, so each SM's load
 # stream is filled once, not once per head). Read once, at import.
@@ -1476,7 +1437,7 @@ def decode_offline_report(config: str = "default", B: int = 8, H: int = 32, Hkv:
     cuobjdump) specialized as the JIT would for contiguous bf16 inputs of this shape (pointers and multiple-of-16
     ints get ``tt.divisibility = 16``, ints equal to 1 become constants; without those hints Triton builds a
     255-register variant that loads K/V with scalar LDGs) and report registers, shared memory and the resident CTAs
-    per SM (64K registers, 228 KB shared memory, 1 KB reserved per CTA). docs/notes_decode_session8.md."""
+    per SM (64K registers, 228 KB shared memory, 1 KB reserved per CTA). docs/kernels.md."""
     import re
     import subprocess
     import tempfile
@@ -1854,8 +1815,8 @@ def _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, sc
                     key_padding_mask, seed):
     """dL / d attn_mask for an additive float mask that requires grad (a learned bias): the logits' gradient
     (``_reference_bwd(logits_grad=True)``, float32 over [B, Hq, Sq, Sk]: exact, S x S memory) summed over the dims
-    the mask broadcasts along, laid out like ``torch.empty_like(attn_mask)``. The kernels do not write it; before
-    session 13 the op returned None here, and a learned bias lost its gradient without a word."""
+    the mask broadcasts along, laid out like ``torch.empty_like(attn_mask)``. The kernels do not write it;
+    returning None here would leave a learned bias without its gradient, and no error would say so."""
     if dropout_p > 0 and q.device.type != "cpu":
         raise ValueError("flash_attention: the gradient of attn_mask with dropout_p > 0 is only computed on CPU (the "
                          "reference cannot replay the GPU kernel's dropout mask); use dropout_p=0 or SDPA")
@@ -1922,7 +1883,7 @@ class _EagerFlashAttention(torch.autograd.Function):
     ``_flash_bwd_impl``, same kernels, same results bit for bit) under a plain autograd.Function.
 
     Why: the custom op's autograd layer is Python (default filling, a generated Function, a redispatch into the
-    backward op), and session 13 measured it on the H200 box at ~0.5 ms of host time per fwd+bwd: 32 x 16 x 512 x
+    backward op), measured on the H200 box at ~0.5 ms of host time per fwd+bwd: 32 x 16 x 512 x
     128 fwd+bwd took 1.66 ms per call through the custom ops and 1.10 ms through a plain Function, for 0.67-0.74 ms
     of kernels (benchmarks/results/attention_host_experiment.md). Only real tensors outside any tracing take it
     (``_eager_fast_path_ok``): under torch.compile, make_fx, fake / functional tensors, dispatch modes or functorch

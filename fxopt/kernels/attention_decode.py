@@ -1,67 +1,11 @@
 """Persistent ("stream-K") split-KV decode attention: one loop per program over a contiguous range of key blocks.
 
-Measured (H200, session 10, benchmarks/results/decode_persistent.md): correct (GPU tests passed) but not faster. The
-best build ran 3.83 TB/s at S = 4k against the split kernel's 3.91, and 4.49 at 32k, the same as the split kernel.
-It stays opt-in (``FXOPT_ATTN_DECODE_PERSISTENT=1``). docs/notes_decode_session8.md has the fixed-cost analysis.
-
-Why
----
-The split-KV decode path of ``fxopt/kernels/attention.py`` (``_attn_fwd_split`` + ``_attn_combine``) runs one CTA
-per (batch, kv head, key chunk). Measured on the H200 (benchmarks/results/attention_decode_sweep.md; B = 8, H = Hkv
-= 32, d = 128, bf16, one query token): S = 4096 gives 3.94 TB/s (cuDNN 3.95, target ~4.1), S = 32768 4.5-4.59
-TB/s. Its default build holds 107 registers but 136 KB of shared memory, so one CTA is resident per SM; at S = 4k
-a CTA streams only 2 MB (one (batch, head) item: 256 items on 132 SMs), and every CTA pays one pipeline fill and
-one drain (last blocks with no loads behind them, partial store, next CTA's prologue) with nothing to cover them.
-Cutting the keys into more CTAs did not help (sweep): it only adds fills and drains.
-
-Plan
-----
-* Flattened work space: T = B * Hkv * NB key blocks, NB = ceil(Sk / BLOCK_N) per item; block t belongs to item
-  t // NB (item = b * Hkv + kv head) and covers keys [(t % NB) * BLOCK_N, + BLOCK_N). The grid has P programs,
-  P = SMs x ctas_per_sm (capped at T); program p takes the contiguous range [p * T // P, (p + 1) * T // P) and walks
-  it in ONE loop. The K/V (and Q) pointers are computed from t at the top of every iteration, so the software
-  pipeline (``num_stages`` cp.async buffers) keeps streaming across item boundaries: one fill and one drain per
-  program, not per item. Ranges differ by at most one block, so every program finishes at the same time.
-* Rows: all query heads of one GQA group and all query tokens (Sq <= 16) are packed into the BLOCK_R rows of one
-  tile (row r = (head in group r // Sq, query r % Sq)), as the split kernel does, so K/V are read once per group.
-  Online softmax in base 2 with sm_scale * log2(e) folded into one multiply, fp32 accumulators, fp32 inputs with
-  exact ("ieee") dots. Keys past Sk (the last block of an item) are masked; ``is_causal`` (Sq > 1) is bottom-right
-  aligned: key j is visible to query i iff j <= i + Sk - Sq. Rows with no visible key give 0 and lse = +inf (the
-  convention of attention.py).
-* End of a segment (the item changes or the range ends): when the program covered the whole item it writes the
-  normalized output (input dtype) and the natural-log lse directly; otherwise it writes a partial (acc / l, and the
-  base-2 lse m + log2 l) to an fp32 workspace. Then the running (m, l, acc) restart.
-* Workspace: OPART [P, 2, BLOCK_R, BLOCK_D] and LPART [P, 2, BLOCK_R], one allocation. Only a program's first
-  and last segments can be incomplete, so two slots per program suffice: slot 0 holds the partial of the
-  program's first segment, slot 1 that of its last. No zero-fill is needed: the combine reads only written slots.
-* Combine (``_decode_persistent_combine``, one program per item): the programs touching item i are p0 = owner(i *
-  NB) .. p1 = owner(i * NB + NB - 1), owner(t) = ((t + 1) * P - 1) // T (the inverse of the range split). If p0
-  == p1 the item is done; otherwise it merges the p1 - p0 + 1 partials (at most ceil(P / items) + 1) with the
-  log-sum-exp rule, reading program p's slot 0 if its range starts inside the item (p * T // P >= i * NB), else
-  slot 1. On sm_90 the combine is launched with programmatic dependent launch (it waits for the whole main grid).
-* Residency: the programs are meant to be resident together (a persistent grid). ``ctas_per_sm`` must not exceed
-  what the build fits per SM (shared memory ~ (num_stages - 1) x (K + V + Q tiles) + 8 KB); more only queues
-  programs into a second wave (still correct). ``offline_report`` builds the kernel for sm_90 on any machine
-  (Triton's bundled ptxas, ``python -m fxopt.kernels.attention_decode 64,4,3``) and reports registers, spills,
-  shared memory and resident CTAs per SM. Offline figures (bf16, d = 128, MHA, Sq = 1, JIT-like divisibility
-  hints; not yet timed on a GPU):
-
-  | block_n, warps, stages | Q | regs | spills | smem | resident CTAs/SM |
-  |---|---|---|---|---|---|
-  | 64, 4, 3 (default) | pipelined | 128 | 0 | 80 KB | 2 |
-  | 64, 4, 3 | per item | 168 | 0 | 72 KB | 3 |
-  | 32, 4, 4 | pipelined | 128 | 0 | 68 KB | 3 |
-  | 64, 4, 2 | pipelined | 128 | 0 | 44 KB | 4 |
-  | 128, 4, 2 | pipelined | 164 | 0 | 76 KB | 2 |
-  | 64, 8, 3 | pipelined | 106 | 0 | 80 KB | 2 |
-  | 128, 4, 3 | pipelined | 156 | 0 | 144 KB | 1 |
-
-  GQA 4:1 (default build): 152 registers, 80 KB. d = 64: 96 registers, 40 KB (5 per SM). The K/V (and Q) tile
-  offsets inside an item are int32 (row * stride): with int64 per-element offsets the default build took 201
-  registers. All K/V loads are cp.async (LDGSTS): the flush ``if`` inside the loop does not stop the pipeliner.
-
-Not supported (``ValueError``, the caller falls back to the split kernel): attention masks, key padding masks,
-sliding windows, softcap, dropout, Sq > 16 or more than 128 packed rows (GQA group x Sq), head dim > 256.
+Opt-in (``FXOPT_ATTN_DECODE_PERSISTENT=1``): correct, but on the H200 not faster than the split kernel of
+``attention.py`` (3.83 against 3.91 TB/s at S = 4k, equal at 32k), so the default decode path does not use it.
+Each program walks a flat range of the T = B * Hkv * ceil(Sk / BLOCK_N) key blocks, writes the output of items it covers whole
+and an (output, lse) partial of items shared with a neighbouring program, merged afterwards. Masks, windows, softcap,
+dropout, Sq > 16 and head dim > 256 raise ``ValueError`` (the caller falls back to the split kernel). Design notes,
+resource table and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -82,7 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SEQ_Q = 16
 MAX_ROWS = 128
 
-# Default build (block_n, num_warps, num_stages) and programs per SM; see offline_report / the module docstring.
+# Default build (block_n, num_warps, num_stages) and programs per SM; see offline_report / docs/kernels.md.
 DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, q_per_item=False)
 
 

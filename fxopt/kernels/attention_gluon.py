@@ -1,247 +1,22 @@
 """FA3-style FlashAttention forward for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
-Status: the default path is measured on the H200 (``benchmarks/results/gluon/gluon_attention_check.md``: 27/27
-correct, 0.93-1.13x cuDNN at d = 128). ``variant="overlap"`` (see below) gave bit-identical outputs on the 11 cases
-of ``benchmarks/gluon_attention_variant_check.py`` and ran 1.0-1.5% faster at d = 128 (3.6-6.4% at d = 64) on the
-H200 (session 7); the attention op routes d = 128 to it. ``python -m fxopt.kernels.attention_gluon`` prints the resource usage of
-every config and variant; ``benchmarks/gluon_attention_check.py`` checks the default against a float64 / fp32
-reference and times it against the Triton kernel and SDPA (FA2 / cuDNN).
+Why: the Triton-language forward runs QK^T -> softmax -> PV one after the other in every warpgroup and leaves the
+schedulers idle most cycles; Triton cannot place the overlap that FA3 uses. Here ``gl.warp_specialize`` splits a
+CTA (128 query rows of one (batch, head)) into a TMA producer warp and two consumer warpgroups of 64 rows each.
+The consumers software-pipeline the key loop (issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, wait for one group),
+keep P in registers as the PV A operand, and alternate their softmax with each other's GEMMs. K / V stream through
+an mbarrier ring of shared-memory slots.
 
-Why
----
-The Triton-language forward (``fxopt/kernels/attention.py``) runs QK^T -> softmax -> PV one after the other in every
-warpgroup; Nsight shows the schedulers idle 60% of cycles (docs/notes_attention.md). Triton-language cannot keep a
-wgmma in flight across the softmax. Gluon lets us write the FA3 structure by hand.
+Builds the op routes to (``attention._GLUON_FWD_VARIANT``): ``"persistent"`` at d = 64 / 128 (a persistent grid
+over (query tile, head) work items, longest first, packed P cast), ``"persistent3"`` at d = 64 for long queries
+(three consumer warpgroups, 192-row items), ``"default"`` at d = 256. The other variants (``overlap``,
+``overlap2``, ``persistent_lpt``, ``pingpong``, ``persistent_pingpong``, ``mma_rowsum``, ``poly_exp``, ``unroll2``)
+are opt-in builds that were measured slower or were never routed; ``docs/kernels.md`` has their results, the
+barrier protocol, the tile / register budgets and the SASS observations. ``python -m fxopt.kernels.attention_gluon``
+prints the resource usage of every config offline.
 
-Structure (one CTA = one 128-row query tile of one (batch, head); grid = (cdiv(Sq, 128), B * Hq))
--------------------------------------------------------------------------------------------------
-``gl.warp_specialize`` splits the CTA into three partitions (12 warps after rounding to warpgroups):
-
-* consumer warpgroup 0 (default partition, 4 warps) and consumer warpgroup 1 (worker partition, 4 warps): the same
-  function ``_fa_consumer``; warpgroup ``w`` owns query rows ``m0 + 64 w .. m0 + 64 w + 63``. The two warpgroups
-  share every K/V tile in shared memory but never wait for each other, so while one runs its softmax the other's
-  wgmma keeps the tensor cores busy (the hardware scheduler interleaves them). Gluon 3.6 has no named-barrier
-  API; the opt-in ``variant="pingpong"`` (below) adds FA3's explicit ordering with inline-PTX ``bar.sync`` /
-  ``bar.arrive``.
-* producer (worker partition, 1 warp, 24 registers): issues every TMA load: the two 64-row Q tiles once, then K_j
-  and V_j into a ``STAGES``-deep ring of shared-memory slots.
-
-Inside each consumer warpgroup the key loop is software-pipelined like FA3's "intra-warpgroup overlap": at step j
-
-    issue S_j = Q K_j^T            (async wgmma, group A)
-    issue O  += P_{j-1} V_{j-1}    (async wgmma, group B; P_{j-1} in registers as the A operand)
-    wait until <= 1 group is in flight  -> S_j is ready, PV_{j-1} may still run
-    release K_j slot; softmax of S_j (masking, row max, exp2, row sum) -> P_j, alpha_j   (overlaps PV_{j-1})
-    wait for 0 groups in flight -> PV_{j-1} done; release V_{j-1} slot; O *= alpha_j
-
-then after the loop the last O += P_{n-1} V_{n-1}. ``P`` never touches shared memory: the fp32 score accumulator is
-cast to 16 bits and converted (in registers) to ``DotOperandLayout(0, parent=<PV accumulator layout>, k_width=2)``.
-Key blocks that need masking (ragged last block, causal diagonal) run in a second loop compiled with the mask, so
-no branch sits between a wgmma issue and its wait (see ``_fa_step`` for what ptxas does otherwise).
-
-What the sm_90 SASS shows (ptxas 12.8): per step 8 + 8 HGMMA (d = 128), ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after
-the PV issue as intended, no wgmma serialisation warning (C7512), no spills. But ptxas places the second wait
-(``DEPBAR.LE gsb0, 0x0``) right after the row max, before the exp2s, because it reuses the registers PV_{j-1}
-still reads. So within one warpgroup only the row max overlaps PV_{j-1}; the exp2 / row-sum work overlaps the
-*other* warpgroup's wgmma. Moving the wait to the top of the next step made ptxas serialise every wgmma (C7512),
-and forcing P_{j-1} live past the softmax did not move the wait either (both tried and dropped).
-
-``variant="overlap"`` (``gluon_attention_fwd(..., variant="overlap")``, constexpr ``OVERLAP``,
-``_fa_step_overlap``; measured on the H200 in session 7, see the status above). Offline SASS shows why the wait moves up: ptxas's scheduler treats
-``WARPGROUP.DEPBAR`` as a free instruction and drops it into the SHFL latency of the row max, ahead of the
-critical-path O rescale and P packing (with the O rescale deferred and P_even / P_odd in distinct registers by a
-2x key-loop unroll, it still sat right behind the row max at STAGES 3 or BLOCK_N 64; at STAGES 2 the unroll
-spilled). The variant (i) uses FA3's order, O *= alpha_{j-1} between the S_j issue and the PV_{j-1} issue (alpha
-carried to the next step / the tail), and (ii) stores the new row sum l_j (2 STS per thread into a 512 B shared
-slot that nothing reads) just before the PV wait: ptxas 12.8 does not hoist the DEPBAR above a shared store, and
-l_j depends on every exp2 of the step (a scheduling behaviour, not a guarantee: recheck ``ex2_under_pv`` after a
-ptxas upgrade). sm_90 SASS, every d / causal / dtype: all exp2 of a step issue while PV_{j-1} is in flight
-(``ex2_under_pv`` 66 of 66 per step at d = 64 / 128, 34 of 34 at d = 256; default 0-3 of 66, 0-16 of 34), in the
-unmasked and the masked loop; after the wait ~15 instructions remain before the back edge (default ~350); no
-spills (STACK 0, LOCAL 0), no C7512, ``wgmma_sass_hazards`` 0; highest consumer register 168 / 199 / 210
-(d 64 / 128 / 256); +528 B shared memory. The default path's SASS is unchanged instruction for instruction. Same
-tiles, barriers and masking loops as the default. Whether it is faster on the GPU is open: the other warpgroup
-already covered this softmax, and the pin costs 2 STS per step.
-
-``variant="overlap2"`` (opt-in, constexpr ``CAST_LATE`` on top of ``OVERLAP``, ``_fa_step_overlap`` /
-``_fa_p16``; session 7, offline only, NOT yet run on a GPU): the overlap variant with P cast to 16 bits by packed
-inline-PTX ``cvt.rn.{bf16x2,f16x2}.f32`` instead of ``p.to(dtype)``. In the overlap build LLVM folds the loop phi
-of the 16-bit P into a phi of the fp32 exp2 results, so the casts are scalar and ptxas emits 32 F2FP with swapped
-halves plus 32 ``PRMT 0x5432`` per step (64 PRMT + LOP3 / SEL / SHF in the masked loop). overlap2, sm_90 SASS,
-consumer main loop per 128-key step (unmasked / masked): d 128 496 / 728 -> 482 / 624 (causal masked 792 -> 749),
-d 64 460 / 690 -> 451 / 588, d 256 444 / 541 -> 435 / 485; what is left of the P hand-over is ~20 MOVs of packed
-P into the A operand registers, which PV_{i-1} still reads when the cast is done. All 12 builds: no spills, no
-C75xx, ``wgmma_hazards`` 0, every exp2 under the own PV, highest register 169-210. Same rounding, so it should
-be bit-identical to "overlap" (``benchmarks/gluon_attention_variant_check.py`` checks this). See
-docs/notes_attention_fwd_session7.md.
-
-``variant="persistent"`` / ``"persistent_lpt"`` (d = 64 / 128; written offline in session 8, GPU-checked in session 9:
-bit-identical to "overlap" on every case of the variant check; "persistent" is what the op routes to at d = 128, +3.1 /
-+4.9 / +2.8 / +0.5% over overlap at S = 4k / 4k causal / 16k / 16k causal; "persistent_lpt" was 5-8% slower than
-overlap on causal launches: all heads streaming K / V at once; docs/notes_attention_fwd_session8.md). A separate kernel, ``_fa3_fwd_persistent_kernel``,
-so every other build is unchanged (all 36 default / overlap / overlap2 cubins byte-identical in .text / .nv.info /
-.nv.shared / .nv.constant). Grid (P,), P <= number of SMs; CTA ``pid`` runs the work items (batch * head, 128-row
-query block) that ``_fa_sched_item`` gives it, each exactly like one CTA of the "overlap" build (same
-``_fa_step_overlap``, softmax, masks and epilogue), aimed at the ~3 steps of fixed cost per CTA measured in session 7:
-* two Q buffers per consumer warpgroup (shared memory 4 x 64 x d, 197.5 KB at d = 128): the producer loads item
-  t + 1's Q while item t runs, and its K / V ring (one CTA-wide block counter, never drained) fills item t + 1's
-  first blocks as soon as item t releases its last slots, i.e. during item t's last step, tail PV and epilogue;
-* the O tile is staged in the item's own Q buffer and its TMA store is not waited for: item t + 1 runs block 0,
-  then ``store_wait`` (a ``cp.async.bulk.wait_group.read``), then hands the buffer back (``q_empty``) for item t + 2;
-* schedules (constexpr ``SCHED``, chosen on the host by ``persistent_schedule``): 0 = heads-major stride (every
-  non-causal launch, and causal launches with <= 1 item per SM); 1 ("persistent", causal) = zigzag pairs: the
-  query blocks of a head in the order num_m - 1, 0, num_m - 2, 1, ..., two consecutive items per CTA at a time, so
-  every unit (a long and the matching short block) has about the same work and heads stay together for L2;
-  2 ("persistent_lpt", causal) = longest first: every head's longest block, then every head's second longest, ...,
-  dealt out in snake order (near-ideal balance, but all heads stream their K / V at once).
-* mask columns are shifted by the ring position (``_fa_step_overlap`` takes the ring position as its block index; Sk
-  and the diagonal offset are shifted equally: the same integer comparisons), so the arithmetic per tile is the
-  overlap build's and the output should be bit-identical to "overlap" (the GPU check tests ``torch.equal``).
-  ``WRITE_LSE=False`` (``gluon_attention_fwd(..., write_lse=False)``) skips the lse stores.
-* Offline sm_90 (ptxas 12.8), d 64 / 128, bf16 / fp16, causal or not, every SCHED, lse on / off (48 builds): STACK 0,
-  LOCAL 0, 0 spill bytes, no C75xx warning, ``wgmma_sass_hazards`` 0, ``ex2_under_pv`` as overlap (66 of 66);
-  highest consumer register 198-206 (d 128), 172-178 (d 64); main loops 498 / 733-795 instructions per step at
-  d = 128 (overlap 496 / 728-792). ``persistent_protocol_model`` (a CPU model of the barrier protocol, random
-  interleavings) and ``persistent_items`` (the schedule's CPU mirror) back the phase bookkeeping below:
-  ``python -m fxopt.kernels.attention_gluon --protocol``.
-
-``variant="pingpong"`` (opt-in, every d, constexpr ``PINGPONG`` on top of ``OVERLAP``; written offline in session 8;
-GPU-checked in session 9: bit-identical to "overlap", +1.6 / +4.5% on causal d = 128 launches at S = 4k / 16k, +-0.2%
-non-causal; not routed, "persistent" wins where it matters; docs/notes_attention_pingpong_session8.md). The overlap build plus FA3's
-warpgroup ping-pong: the two consumer warpgroups take turns at issuing their wgmma, so warpgroup 1 issues S_i / PV_{i-1}
-only after warpgroup 0 issued its own and vice versa, and one warpgroup's softmax runs under the other's GEMMs
-instead of wherever the warp schedulers put it. Two hardware named barriers, ids 14 and 15 (``_PP_BAR0``; Triton
-uses 0, 1, 2 in this kernel), 256 threads each, inline PTX with no operands (``_fa_pp_wait`` = ``bar.sync 14 + w,
-256``, ``_fa_pp_pass`` = ``bar.arrive 14 + (1 - w), 256``). Issue points of warpgroup w: block 0 (S_0), step i =
-1 .. n - 1 (S_i and PV_{i-1}, in either loop), the tail (PV_{n-1}); n + 1 of them, n = ``n_blocks`` is per CTA so
-both warpgroups have the same number (only their unmasked / masked split differs, and both loops have the same
-turn code). At each point: wait for the own turn after the K (block 0, steps) / V (tail) mbarrier wait, issue,
-pass the turn right after the last issue (before the wgmma waits). Warpgroup 0 holds the first turn (no wait at
-block 0), warpgroup 1 does not pass after its tail: each barrier then gets exactly as many arrives as syncs (n from
-each warpgroup on id 14, n + 1 on id 15) and is clean at exit. Deadlock-free, hazard-free and strictly alternating
-(WG0 point p, WG1 point p, WG0 point p + 1, ...): a warpgroup's next contribution to a barrier needs the other
-warpgroup's turn in between, so one generation never gets two arrivals of the same warpgroup; the turn holder only
-waits for K_i / V_{i-1}, whose refills need releases the other warpgroup made before it reached its own turn wait
-(argument in the notes; ``pingpong_protocol_model`` checks it over random interleavings, ``--protocol``). The
-arithmetic is the overlap build's, instruction for instruction apart from the 14 BAR instructions: the output is
-bit-identical to "overlap" by construction. Offline sm_90 (ptxas 12.8), d 64 / 128 / 256, bf16 / fp16, causal or
-not: STACK 0, LOCAL 0, no spills, no C75xx, ``wgmma_sass_hazards`` 0, ``ex2_under_pv`` as overlap, highest register
-as overlap (168 / 199 / 208-210); in the SASS every ``BAR.SYNC 0xe / 0xf, 0x100`` sits right before the first
-HGMMA of an issue point and every ``BAR.ARV`` right after its last HGMMA (before ``WARPGROUP.DEPBAR``).
-
-Barriers and phases (all mbarriers live in shared memory, one 64-bit word each)
-----------------------------------------------------------------------------
-* ``q_bar[w]`` (count 1): producer ``expect(nbytes)`` + TMA; consumer ``w`` waits parity 0 once (the kernel is not
-  persistent, every barrier is used from a fresh init).
-* ``k_ready[s]`` / ``v_ready[s]`` (count 1 = the producer's expect-arrive; completes when the TMA bytes land).
-  The j-th key block lives in slot ``s = j % STAGES``; it is that slot's ``u = j // STAGES``-th use, so the
-  consumers wait parity ``u & 1``.
-* ``k_empty[s]`` / ``v_empty[s]`` (count 2 = one arrive from each consumer warpgroup, after the wgmma that read the
-  slot has been waited for). The producer's u-th fill of slot s waits parity ``(u & 1) ^ 1``: for u = 0 that is
-  the parity of the phase "before" the first one, which a freshly initialised barrier reports as complete, so the
-  first STAGES fills do not block; fill u >= 1 waits for the completion of phase u - 1, i.e. both consumers
-  released use u - 1.
-  Both consumers walk the same number of key blocks (``n_blocks`` is a per-CTA value), so every slot use gets
-  exactly two releases.
-* No deadlock for any STAGES >= 1: the producer fills K_j then V_j in order of j. Filling K_j waits for the
-  release of K_{j-STAGES}, done in consumer step j - STAGES; filling V_j waits for V_{j-STAGES}, released in step
-  j - STAGES + 1, which needs only K_{j-STAGES+1} and V_{j-STAGES}, both issued earlier by the producer.
-* Triton adds a ``bar.sync`` over the partition's 128 threads before every ``mbarrier.arrive`` (one elected thread
-  arrives), so a warpgroup releases a slot only when all its 4 warps passed the wgmma wait.
-
-Tiles and resources (ptxas, sm_90, offline; see ``python -m fxopt.kernels.attention_gluon``)
------------------------------------------------------------------------------------------
-* d = 64: BLOCK_N = 128, 3 stages; d = 128: BLOCK_N = 128, 2 stages; d = 256: BLOCK_N = 64, 2 stages.
-  64 query rows per consumer warpgroup (128 per CTA). Kernel ``maxnreg`` 168 for 12 warps; the producer asks for 24
-  registers and consumer warpgroup 1 for 240, consumer warpgroup 0 gets what is left (240).
-* Offline build (Triton 3.6, ptxas 12.8), every config bf16 / fp16, causal or not: no spills (LOCAL 0, STACK 0),
-  no C7512 wgmma serialisation; highest register index used by a consumer: 158 (d 64), 189 (d 128), 210 (d 256)
-  of the 240 granted; shared memory 115,064 / 164,152 / 196,920 bytes; HGMMA 72 / 96 / 120 in the binary.
-* Shared memory: Q 2 x 64 x d, K and V STAGES x BLOCK_N x d each (16-bit), plus 2 + 4 * STAGES mbarriers.
-  The output tile is staged through the consumer's own Q buffer (Q is dead after the last QK^T) and written with a
-  TMA store, which clips rows >= Sq by itself.
-
-Semantics
----------
-* q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d], Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq // Hkv)).
-  Any strides with a contiguous last dim and 16-byte aligned other strides and base pointers (TMA rules); the 4-D
-  descriptors take the strides as they are (a [B, S, H, d] tensor viewed as [B, H, S, d] is fine).
-* bf16 / fp16, d in {64, 128, 256}; fp32 accumulation; scale > 0 (default 1/sqrt(d)), folded into the exponent:
-  p = exp2(s * c - m * c) with c = scale * log2(e) and m the running max of the raw dot products.
-* causal: bottom-right aligned like the Triton kernel and FA2 (key j visible to query i iff j <= i + Sk - Sq).
-  Ragged Sq / Sk: TMA zero-fills out-of-range rows, key columns >= Sk are masked to -inf in the last block.
-* Output: ``out`` (same dtype, contiguous [B, Hq, Sq, d]) and ``lse`` fp32 [B, Hq, Sq] = NATURAL-log
-  log-sum-exp of the scaled scores, the convention of ``flash_attention_triton(..., return_lse=True)``. A row with
-  no visible key (causal with Sq > Sk) gives out = 0 and lse = +inf, never NaN.
-* Not supported: masks other than causal, dropout, softcap, windows, fp32 inputs, scale <= 0, d other than
-  64 / 128 / 256, pre-Hopper GPUs. ``gluon_supported`` says why; ``gluon_attention_fwd`` raises ValueError.
-* Persistent variants, per item t of a CTA (everything else as above, with the ring position g = the CTA-wide key
-  block counter in place of j, so slot g % STAGES, use g // STAGES, across item boundaries):
-  ``q_ready[2 b + w]`` / ``q_empty[2 b + w]`` (count 1 each) for Q buffer b = t % 2 of warpgroup w, use u = t // 2:
-  the producer waits ``q_empty`` parity ``(u & 1) ^ 1`` (passes at once for u = 0), the consumer waits
-  ``q_ready`` parity ``u & 1``, and releases buffer (t - 1) % 2 in item t after block 0 and ``store_wait``
-  (predicated off for t = 0: an extra arrive would shift every later phase). The last item's buffers are never
-  released; the consumers ``store_wait`` before exiting.
-* ``variant="persistent_pingpong"`` (d = 64 / 128, session 9; FAILED its H200 check in session 10: its output is not
-  bit-identical to overlap's, even with num_sms = 1, so the turns change more than the issue order -- a protocol or
-  ordering bug not yet found. ``gluon_attention_fwd`` refuses it unless ``FXOPT_ATTN_GLUON_UNCHECKED=1``; timing
-  with that set: +1-2% at d = 128, -3 to +1% at d = 64 against persistent, benchmarks/results/gluon/
-  variant_check_persistent_pingpong_session10.txt): the
-  persistent kernel with variant="pingpong"'s named-barrier turns (constexpr ``PINGPONG`` of
-  ``_fa_consumer_persistent``), chained across a CTA's items: warpgroup 0 waits for the turn before an item's first
-  issue from the second item on, warpgroup 1 passes it back after its last issue when another item follows, so the
-  turns strictly alternate over the CTA's life (concatenating the one-item protocol would let warpgroup 0 arrive
-  twice in one 256-thread generation: a wrong turn, then a deadlock at the last item; the CPU model
-  ``pingpong_protocol_model`` with a list of items catches that). Aimed at the 16k causal row, where pingpong gave
-  +4.5% and persistent +0.5% over overlap (session 9). Offline sm_90: 0 spill bytes, no C75xx, +16 BAR instructions,
-  same HGMMA count; the persistent build's instructions unchanged (identical SASS instruction lines).
-* ``poly_exp=K`` (persistent variants, opt-in, session 9, offline only; env ``FXOPT_ATTN_GLUON_POLY_EXP``): K of every
-  16 per-thread softmax exp2s by ``_exp2_poly`` (degree-3 polynomial on the FMA pipe, 2^-13.7 relative, -inf -> 0;
-  written for the fp8 kernel, defined here and shared) through ``gl.map_elementwise``, so MUFU.EX2 is not issued for
-  them. At d = 64 the MUFU work per step (~1,000 cycles per SM for 2 x 64 x 128 exp2s) is about the tensor cores'
-  (~1,000 for the two GEMMs), which is where taking a share off MUFU can pay. Offline sm_90, persistent builds: MUFU.EX2
-  396 -> 348 / 300 / 204 (K = 2 / 4 / 8), FFMA 456 -> 648 / 840 / 1224, no spills, highest register 170-237; the K = 0
-  build's instructions are unchanged. Not bit-identical to K = 0 (P moves below its 16-bit rounding).
-* ``variant="persistent3"`` (opt-in, d = 64 ONLY, session 10; offline only until its GPU check:
-  ``VCHECK_VARIANTS=persistent,persistent3 python benchmarks/gluon_attention_variant_check.py`` and
-  ``tests/test_attention_gluon_wg3.py -m gpu``): the persistent kernel with THREE consumer warpgroups (constexpr
-  ``NUM_WG = 3`` of ``_fa3_fwd_persistent_kernel``, ``_fa_consumer_persistent_wg2``), i.e. FA3's 192-row query tile
-  at head dim 64. Why: each K / V tile brought into shared memory serves 192 query rows instead of 128, a third less
-  TMA / shared-memory traffic per FLOP, and the per-key-block fixed cost (mbarrier waits, producer work, the
-  step's bookkeeping) is spread over 3 warpgroups' wgmma; the persistent build ran 446-452 TFLOP/s at d = 64 on the
-  H200 (0.95-0.98x cuDNN). Work item = (batch * head, 192-row block): ``num_m = ceil(Sq / 192)``, the same
-  schedules (causal: zigzag pairs, SCHED 1), warpgroup w owns rows m0 + 64 w .. + 63 with its own causal / ragged
-  masking split as before; Q boxes past Sq are zero-filled, the O store clips, lse is masked. Budget:
-  registers: 16 warps (13 rounded to warpgroups), launch maxnreg 128; setmaxnreg producer 24, consumer warpgroups 1
-  and 2 160, warpgroup 0 (default partition) 168: 128 x (24 + 160 + 160 + 168) = 65536, the whole register file
-  (3 consumers at 168 would need 67584). Shared memory at d = 64: Q 2 buffers x 3 warpgroups x 8 KB = 48 KB, K / V
-  ring 3 stages x 32 KB = 96 KB, 147,924 B in all (a 4th stage would still fit: 180 KB). In 160 registers the
-  overlap step's pinned PV wait (the row-sum store) spilled 816 B (S 64 + O 32 + P_{i-1} 32 registers live across
-  the softmax), so persistent3 drops the pin (``PIN_PV=False`` of ``_fa_step_overlap``): ptxas waits for PV_{i-1}
-  after the row max and a warpgroup's exp2s overlap the other two warpgroups' wgmma (``ex2_under_pv`` 0-7 of 66,
-  like the default build). Offline sm_90 (ptxas 12.8), bf16 / fp16, causal or not, SCHED 1 / 0, lse on / off:
-  0 spill bytes, STACK 0, no C75xx, ``wgmma_sass_hazards`` 0, highest register 155-165 (warpgroup 0 may use
-  168, 1 and 2 160), 108 HGMMA (persistent: 72; 176-178, 132,032 B). Not
-  bit-identical to "persistent" (other tile, other masking split): checked against the float64 reference.
-  ``persistent_protocol_model(..., n_consumers=3)`` models it (and catches the planted bugs of
-  ``PROTOCOL_MUTATIONS``). No ping-pong (the named-barrier turns are written for two warpgroups).
-* ``mma_rowsum`` (persistent variants incl. persistent3, opt-in, session 10, offline only so far; constexpr
-  ``MMA_ROWSUM``, module default ``MMA_ROWSUM = False``, env ``FXOPT_ATTN_GLUON_MMA_ROWSUM``): the softmax row sum
-  on the tensor cores. A [RS_N = 8, BLOCK_N] tile E^T (ones in row 0, zeros elsewhere; filled before the partitions
-  fork, 2 KB) and a 64 x 8 fp32 accumulator L per warpgroup (4 registers per thread) handled exactly like O: L *=
-  alpha_{i-1} next to O's rescale, L += P_{i-1} E issued right after PV_{i-1} with the same 16-bit register A
-  operand (one more m64n8k16 group: 8 HGMMA per step), waited for with PV (S_i's wait: <= 2 in flight); the
-  epilogue sums L's row (column 0 + exact zeros). The softmax does no FADD row sum; l is the sum of the ROUNDED P
-  that P V uses (not bit-identical to the FADD build). The overlap pin (a store that depends on every exp2) can no
-  longer store l: it stores a per-row bitwise OR of P's fp32 bits (``_fa_pin_value``; ~36 LOP3 on the ALU pipe).
-  ``mma_rowsum="nopin"`` (MMA_ROWSUM = 2) drops the pin (persistent3 never pins). Offline sm_90 (ptxas 12.8), main
-  loop per step at d = 64 (unmasked / masked): persistent 456 / 688-751 -> 438 / 682-748 (nopin 394-395 /
-  639-705), persistent3 451-452 / 682-746 -> 393 / 635-702; at d = 128 persistent 498 / 733-795 -> 503-508 /
-  735-797 (nopin 459-465 / 690-751). FADD 66 -> 0 per step; every build 0 spills, no C75xx, ``wgmma_sass_hazards``
-  0; highest register d 64 175-178 (nopin 160-172), persistent3 158-163, d 128 218-219 (nopin 217-221). The
-  builds without it are unchanged (SASS identical outside the debug sections, PTX identical but for line info).
-  docs/notes_attention_rowsum_session10.md.
-* Not done (next steps): dynamic (atomic) tile scheduler, FP8, backward.
+Semantics as ``fxopt::flash_attention`` for d in {64, 128, 256}, causal or not, GQA, contiguous last dim with
+16-byte aligned strides (TMA rules); anything else is refused by ``gluon_supported`` with the reason.
 """
 from __future__ import annotations
 
@@ -283,7 +58,7 @@ except Exception as _e:  # pragma: no cover - depends on the installed Triton
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# The FMA-pipe exp2 (``_exp2_poly``; session 9, written for the fp8 kernel, shared): POLY_EXP of every
+# The FMA-pipe exp2 (``_exp2_poly``, written for the fp8 kernel, shared): POLY_EXP of every
 # POLY_EXP_PACK per-thread exp2s of a score tile computed by a polynomial instead of MUFU.EX2.
 POLY_EXP_CHOICES = (0, 1, 2, 3, 4, 8)
 POLY_EXP_PACK = 16
@@ -323,7 +98,7 @@ _WG3_STAGES = 3
 _WG3_MAXNREG = 128
 _WG3_CONSUMER_REGS = 160
 _WG3_PRODUCER_REGS = 24
-# Persistent two-warpgroup builds, opt-in: the unmasked key-block loop unrolled by two (session 16). The overlapped
+# Persistent two-warpgroup builds, opt-in: the unmasked key-block loop unrolled by two. The overlapped
 # step issues PV_{i-1} from P_{i-1}'s registers and computes P_i while that wgmma still reads them, so a rolled loop
 # ends each step with 32 register moves (PRMT) of P_i into the operand registers of the next PV; unrolled, one of the
 # two steps computes P in place (sm_90 SASS offline: 455 -> 431.5 instructions per step at d = 64, 498 -> 474 at
@@ -333,10 +108,10 @@ _WG3_PRODUCER_REGS = 24
 # Not persistent3: in 160 registers the unrolled loop spilled 2.3 KB. FXOPT_ATTN_GLUON_UNROLL2 (read at import;
 # comma-separated head dims) turns it on.
 _UNROLL2_DIMS = tuple(int(d) for d in os.environ.get("FXOPT_ATTN_GLUON_UNROLL2", "").split(",") if d.strip())
-# Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``
-# (session 16). The ``overlap2`` build of session 7 did this for the non-persistent kernel (bit-identical on the
-# H200, +4.6% at d = 64, +-1% at d = 128, session 8); the persistent builds of session 9 were written without it.
-# Offline sm_90 SASS of the persistent builds: see docs/notes_attention_session16.md. On the H200 (session 17,
+# Persistent builds: P cast to 16 bits by ``_fa_p16`` (one packed cvt per pair, inline PTX) instead of ``p.to(dtype)``.
+# The ``overlap2`` build did this for the non-persistent kernel (bit-identical on the
+# H200, +4.6% at d = 64, +-1% at d = 128); the persistent builds were first written without it.
+# Offline sm_90 SASS of the persistent builds: see docs/kernels.md. On the H200 (
 # benchmarks/results/attention_fwd_ab_{base,castlate}*.md, two rounds each, bit-identical): d = 64 +2.5 to +6%
 # (persistent3 from 4k +3 to +5%), d = 128 -0.7 to +2.8%: on by default. FXOPT_ATTN_GLUON_CAST_LATE=0 (read at
 # import) turns it off.
@@ -586,7 +361,7 @@ def _fa_step_overlap(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empt
     ``PIN_PV=False`` (variant="persistent3" only): no row-sum store, ptxas waits for PV_{i-1} after the row max
     (the pin kept 128 accumulator / operand registers live across the softmax and spilled in 160 registers).
 
-    ``MMA_ROWSUM`` (persistent builds, opt-in, session 10): ``l_i`` is the row-sum ACCUMULATOR [ROWS, RS_N] fp32 (wgmma
+    ``MMA_ROWSUM`` (persistent builds, opt-in): ``l_i`` is the row-sum ACCUMULATOR [ROWS, RS_N] fp32 (wgmma
     layout m64n<RS_N>), handled exactly like O: rescaled by alpha_{i-1} next to O, then L += P_{i-1} E issued right
     after PV_{i-1} (same 16-bit A operand registers; E = ``ones_smem``^T, ones in column 0 only) and waited for
     with it; the softmax does no row sum. S_i's wait allows 2 groups in flight (PV_{i-1} and the row sum). With
@@ -709,7 +484,7 @@ def _fa_p16(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     same rounding as ``p.to(dtype)``; the pair is (element 2k, element 2k+1) of a thread, low half first, which is
     how the 16-bit tensor is packed into 32-bit registers anyway.
 
-    Why (offline sm_90 SASS, session 7): in the overlap build the TTGIR loop carries the 16-bit P operand, but
+    Why (offline sm_90 SASS): in the overlap build the TTGIR loop carries the 16-bit P operand, but
     LLVM folds the loop phi of ``truncf`` into a phi of the fp32 exp2 results. The 64 scalar ``cvt.rn.bf16.f32``
     then sit in the loop header block and the ``mov.b32 {lo, hi}`` packing into the wgmma operand in the body
     block (after the loop-exit branch), so the NVPTX backend cannot pair them; ptxas emits 32 F2FP.PACK_AB with the
@@ -877,7 +652,7 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
     hk = h // GROUP
     m0 = pid_m * (2 * ROWS)
 
-    # Key blocks this CTA visits (both consumers walk all of them; see the module docstring).
+    # Key blocks this CTA visits (both consumers walk all of them; see the design notes in docs/kernels.md).
     hi = SEQ_K
     if CAUSAL:
         hi = gl.minimum(SEQ_K, m0 + 2 * ROWS + (SEQ_K - SEQ_Q))
@@ -957,7 +732,7 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ---- variant="persistent" / "persistent_lpt": one CTA per SM, looping over work items (see the module docstring)
+# ---- variant="persistent" / "persistent_lpt": one CTA per SM, looping over work items (see the design notes in docs/kernels.md)
 
 
 @gluon.jit
@@ -1102,7 +877,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     PIN_PV: gl.constexpr = (NUM_WG == 2) and (MMA_ROWSUM != 2)
     UNROLL2: gl.constexpr = ((NUM_WG == 2) and (not PINGPONG) and (not MMA_ROWSUM)
                              and ((HEAD_DIM == 64 and _UNROLL2_D64) or (HEAD_DIM == 128 and _UNROLL2_D128)))
-    # the unrolled loop was measured (session 16) with p.to(dtype); with the packed cast too it spills 100 bytes
+    # the unrolled loop was measured with p.to(dtype); with the packed cast too it spills 100 bytes
     CAST_LATE: gl.constexpr = _PERSISTENT_CAST_LATE and (not MMA_ROWSUM) and (not UNROLL2)
     if MMA_ROWSUM:
         RS_COLS: gl.constexpr = ones.shape[0]
@@ -1398,14 +1173,14 @@ def _gl_dtype(dt):
 def host_layout(block: tuple, dtype: torch.dtype):
     """``NVMMASharedLayout.get_default_for(block, dtype)`` for a host-side TensorDescriptor, cached (a frozen
     dataclass): building it was ~7 of the ~10 us a descriptor cost on the host, and a forward launch builds four,
-    a backward launch six or more (session 13 found the op's launch path longer than the GPU work below S = 4096).
+    a backward launch six or more (the op's launch path was measured longer than the GPU work below S = 4096).
     float32 (the backward's lse / delta vectors) included."""
     gdt = gl.float32 if dtype == torch.float32 else _gl_dtype(dtype)
     return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
 
 
 # Builds that failed their H200 check: refused by gluon_attention_fwd unless FXOPT_ATTN_GLUON_UNCHECKED=1.
-_FAILED_GPU_CHECK = {"persistent_pingpong": "was not bit-identical to variant 'overlap' on the H200 (session 10)"}
+_FAILED_GPU_CHECK = {"persistent_pingpong": "was not bit-identical to variant 'overlap' on the H200"}
 VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "pingpong", "persistent_pingpong",
             "persistent3")
 # Persistent variants: the head dims whose two Q buffers per consumer warpgroup fit in shared memory next to the
@@ -1413,7 +1188,7 @@ VARIANTS = ("default", "overlap", "overlap2", "persistent", "persistent_lpt", "p
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Causal schedule of each persistent variant (``_fa_sched_item``): 1 = zigzag pairs, 2 = LPT snake.
 _PERSISTENT_SCHED = {"persistent": 1, "persistent_lpt": 2, "persistent_pingpong": 1, "persistent3": 1}
-# variant="pingpong": the overlap build's tiles; every head dim compiles clean offline (session 8).
+# variant="pingpong": the overlap build's tiles; every head dim compiles clean offline.
 _PINGPONG_HEAD_DIMS = (64, 128, 256)
 
 
@@ -1609,7 +1384,7 @@ def resolve_poly_exp(poly_exp, persistent: bool) -> int:
     return value
 
 
-# MMA_ROWSUM (persistent variants, opt-in, session 10): the softmax row sum by a small wgmma next to PV (see
+# MMA_ROWSUM (persistent variants, opt-in): the softmax row sum by a small wgmma next to PV (see
 # _fa_step_overlap). The default when neither ``mma_rowsum=`` nor FXOPT_ATTN_GLUON_MMA_ROWSUM says otherwise.
 MMA_ROWSUM = False
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -1656,16 +1431,16 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
 
     out / lse: buffers to write (``out`` like q, any strides TMA accepts; the attention op passes
     ``empty_like(q)`` so that its strides match the op's fake impl); default contiguous. ``checked=True`` skips
-    ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the module docstring; both
+    ``gluon_supported`` (the caller ran it). ``variant``: "default" or "overlap" (see the design notes in docs/kernels.md; both
     checked on the H200, "overlap" is what the op routes to), "overlap2", "pingpong", "persistent",
     "persistent_lpt" (opt-in; persistent d = 64 / 128 only), "persistent3" (opt-in, d = 64 only: three consumer
     warpgroups, 192-row tiles). ``write_lse=False``: return (out, None); the persistent kernel then skips the lse
     stores (constexpr ``WRITE_LSE``), the others write a scratch buffer. ``num_sms``: persistent variants only,
     the grid's upper bound (default: the device's SM count; small values force many items per CTA).
-    ``poly_exp``: persistent variants only (opt-in, session 9, offline only): that many of every 16 per-thread
+    ``poly_exp``: persistent variants only (opt-in, offline only): that many of every 16 per-thread
     softmax exp2s on the FMA pipe (``_exp2_poly``) instead of MUFU.EX2; None = ``FXOPT_ATTN_GLUON_POLY_EXP`` (applied
     to persistent launches only) or 0. Not bit-identical to poly_exp=0 (P differs by up to 2^-13.7 relative before
-    its 16-bit rounding). ``mma_rowsum``: persistent variants only (opt-in, session 10): the softmax row sum by a
+    its 16-bit rounding). ``mma_rowsum``: persistent variants only (opt-in): the softmax row sum by a
     wgmma of the 16-bit P against a constant tile (``MMA_ROWSUM``); "nopin": the same without the PV pin; None =
     ``FXOPT_ATTN_GLUON_MMA_ROWSUM`` (persistent launches only) or the module constant ``MMA_ROWSUM``. Not bit-identical to the FADD row sum (it sums the rounded
     P that P V uses)."""

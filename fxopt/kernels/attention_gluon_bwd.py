@@ -1,458 +1,21 @@
-"""FA3-style FlashAttention BACKWARD for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
+"""FA3-style FlashAttention backward for Hopper (sm_90), written in Gluon (``triton.experimental.gluon``).
 
-Status (session 14): the op routes d = 64 / 128 to variant 6 and d = 256 to the d = 256 kernel's variant-6 build
-("Variant 6" below: the dQ global reductions done by the TMA unit, ``cp.reduce.async.bulk.tensor``), from S = 512
-(d = 128 / 256) and 1024 (d = 64). Graph-replayed fwd+bwd through the op, full H200 table
-(benchmarks/results/attention.md): 0.96-1.08x cuDNN at d = 128 (S = 512-16k), 0.90-0.98x at d = 64, 0.88-1.03x at
-d = 256 (S = 1k-16k). History: the default kernel (variant 0) was correct on its first GPU run, 27 / 27 cases, but slow
-(283-335 TFLOP/s at d = 128, 16k tokens; benchmarks/results/gluon/gluon_attention_bwd_check.md). Variants 1 and 3
-("split dQ", below) were correct on 59 / 59 GPU cases (sessions 7 / 8). The d = 256 kernel (session 9, "Head dim 256"
-below) passed its 18 GPU cases in session 10. ``benchmarks/gluon_attention_bwd_check.py`` checks the kernels against
-a float64 autograd reference and times them against the Triton backward and cuDNN.
+Why: the Triton backward runs two kernels that each recompute S and P (7 GEMMs per block pair instead of 5) and waits
+for every wgmma before the next. Here one CTA owns a 128-key block of one (batch, kv head): a TMA producer warp
+streams Q, dO, lse and delta of every query block of the GQA group through a shared-memory ring, two consumer
+warpgroups (64 keys each) compute S^T, dP^T, dV, dK in registers and dS^T into shared memory, and dQ is reduced into
+an fp32 buffer that a last launch converts. Three launches: ``_bwd_preprocess`` (delta = rowsum(dO * O)), the main
+kernel, ``_bwd_dq_convert``.
 
-Why
----
-The Triton-language backward (``flash_attention_triton_bwd``) runs two kernels that each recompute S and P (a dK/dV
-kernel and a dQ kernel: 7 GEMMs of Q-block x K-block size instead of 5), and every wgmma is waited for before the
-next instruction (docs/notes_attention.md): 0.73-0.79x cuDNN at d = 128. This kernel follows FA3's backward: one
-main kernel parallel over key blocks that does all five GEMMs, dQ accumulated with fp32 atomics.
+Builds the op routes to (``attention._gluon_bwd_build``): "variant 6" at d = 64 / 128 (dK early, dQ through shared
+memory and a reducer warp whose global reductions are TMA ``cp.reduce.async.bulk.tensor``; the kernel of
+``attention_gluon_bwd_dqw``) and the d = 256 kernel ``_fa3_bwd_kernel_d256`` with the same TMA dQ reductions, from
+S = 512 (d = 128 / 256) and 1024 (d = 64). Variants 0-5 and the timing-only ``ABLATE`` masks are kept as opt-in builds
+for comparison; ``docs/kernels.md`` has their design, the barrier protocol, resource tables, the issue-slot model and
+the measurements. ``python -m fxopt.kernels.attention_gluon_bwd`` prints resource usage offline.
 
-Three launches
---------------
-1. ``_bwd_preprocess`` (Triton language, mirrors ``_attn_bwd_preprocess``): per query row
-   ``delta = rowsum(dO * O)`` (fp32) and ``lse2 = lse * log2(e)`` written into PADDED buffers
-   [B * Hq, Sq_pad] (Sq_pad = Sq rounded up to 64); padded rows get lse2 = +inf, delta = 0, so the main kernel
-   needs no row masks (P = exp2(s - inf) = 0). It also zeroes the fp32 dQ workspace [B, Hq, Sq_pad, d].
-2. ``_fa3_bwd_kernel`` (Gluon, the main kernel), below.
-3. ``_bwd_dq_convert`` (Triton language): dq = (workspace * scale).to(dtype), rows < Sq.
-
-Main kernel: one CTA = one 128-key block of one (batch, kv head); grid = (cdiv(Sk, 128), B * Hkv)
----------------------------------------------------------------------------------------------------
-``gl.warp_specialize`` splits the CTA into three partitions (12 warps):
-
-* producer (1 warp, 24 registers): TMA-loads the CTA's K and V (two 64-row boxes each, once, on ``kv_bar``), then
-  for every (query head g of the GQA group, query block m) in order: Q_m and lse2_m into ring slot s on
-  ``q_ready[s]``, dO_m and delta_m on ``do_ready[s]``. 64 query rows per block, ``STAGES`` slots.
-* consumer warpgroup w in {0, 1} (4 warps each, 240 registers): owns keys ``n0 + 64 w .. n0 + 64 w + 63`` and
-  keeps dK_w, dV_w [64, d] fp32 in registers for the whole kernel. Per query block (transposed formulation: rows
-  are keys, columns are queries, so lse / delta are per-column vectors and dK, dV need no transposes):
-
-      S^T  = K_w Q^T            wgmma, A = K_w (smem), B = Q^T (permuted smem view)         \\ issued back to back
-      dP^T = V_w dO^T           wgmma, A = V_w (smem), B = dO^T (permuted smem view)        /  (2 groups)
-      wait(<=1): S^T done -> P^T = exp2(S^T * scale * log2e - lse2)   (causal mask only on diagonal blocks)
-      dV_w += P^T dO            wgmma, A = P^T in registers (DotOperandLayout), B = dO (smem)
-      wait(<=1): dP^T done (dV in flight) -> dS^T = P^T * (dP^T - delta); dS^T -> smem (16 bit)
-      dK_w += dS^T Q            wgmma, A = dS^T in registers, B = Q (smem)
-      wait(0): release the Q and dO slots (arrive on q_empty / do_empty)
-      dQ_part = dS K_w          wgmma, A = (dS^T)^T = permuted smem view (MN-major A, "tnspA" in SASS),
-                                B = K_w (smem); wait(0)
-      dQ_part -> fp32 atomics (REDG.ADD, relaxed, no fences) into the workspace
-
-  Masking is a compile-time variant (MASKED) with two loops per query head, as in the forward: the query
-  blocks that touch the causal diagonal of this key block come first (lowest m), then the unmasked ones.
-  Keys >= Sk need no mask: TMA zero-fills their K / V rows, so they add dS * 0 = 0 to dQ, and their dK / dV
-  rows are clipped by the TMA store. Queries >= Sq need no mask either (padded lse2 = +inf -> P = 0).
-  The overlap is between the two consumer warpgroups (one runs exp2 / dS while the other's wgmma run) and
-  between the TMA producer and both; there is no intra-warpgroup pipelining across query blocks (that would keep
-  a second set of S / dP accumulators live: see the register budget below).
-
-dQ: atomics (chosen) vs a separate dQ kernel (the trade-off)
------------------------------------------------------------
-* A separate dQ kernel (what the Triton backward does) recomputes S = Q K^T and dP = dO V^T: 7 GEMMs per
-  (query block, key block) pair instead of 5 (+40% tensor-core work), plus a second pass over K / V.
-* Atomics (FA3's choice, chosen here): 5 GEMMs; the cost is fp32 reduction traffic into L2 and a workspace of
-  B * Hq * Sq_pad * d * 4 bytes (+ one zeroing pass in the preprocess and one convert pass). Here every
-  consumer warpgroup adds its own partial dQ (over its 64 keys), i.e. 2 * 64 * d fp32 adds per 128-key block
-  and query block: twice what FA3 issues (FA3 first sums the two warpgroups' halves through shared memory
-  and reduces with a TMA ``cp.reduce.async.bulk``, which Gluon 3.6 does not expose for Hopper). The adds are
-  fire-and-forget (``red``), so they cost issue slots and L2 bandwidth, not latency. Results are
-  non-deterministic in the last bits (fp32 summation order), like FA3's default.
-
-Barriers and phases (every barrier is used from a fresh init: the kernel is not persistent)
-----------------------------------------------------------------------------------------
-* ``kv_bar`` (count 1): producer expect(4 boxes) + 4 TMA loads; each consumer waits parity 0 once.
-* ``q_ready[s]`` / ``do_ready[s]`` (count 1 = the producer's expect-arrive; the phase completes when the TMA
-  bytes land). Query block number ``it`` (a running counter over all (g, m) pairs, identical in producer and
-  consumers) lives in slot ``s = it % STAGES`` and is that slot's ``u = it // STAGES``-th use: consumers wait
-  parity ``u & 1``.
-* ``q_empty[s]`` / ``do_empty[s]`` (count 2 = one arrive per consumer warpgroup, after ``wait(0)`` of the wgmma
-  that read the slot: dK (last reader of Q) and dV (last reader of dO); lse2 / delta were read into registers
-  before). The producer's u-th fill of slot s waits parity ``(u & 1) ^ 1``: u = 0 passes at once on a fresh
-  barrier, fill u >= 1 waits for the completion of phase u - 1 (both consumers released use u - 1).
-* Both consumers walk exactly the same (g, m) sequence as the producer, so every slot use gets two releases
-  and no phase is skipped. No deadlock for STAGES >= 1: consumers release slot use u before waiting for u + 1.
-* ``ds_smem[w]`` is private to warpgroup w: written after the previous step's ``wait(0)`` (so the previous dQ
-  wgmma has finished reading it), then ``fence_async_shared`` before the dQ wgmma reads it through the async
-  proxy; Triton's membar pass puts a partition-wide barrier between the 128 threads' stores and the wgmma.
-
-Tiles and resources (ptxas 12.8, sm_90, offline; ``python -m fxopt.kernels.attention_gluon_bwd``)
--------------------------------------------------------------------------------------------------
-* BLOCK_N = 128 keys per CTA (64 per consumer), BLOCK_M = 64 queries per step, STAGES = 2 (d = 128) / 3 (d = 64).
-* Registers per consumer thread at d = 128: dK 64 + dV 64 (whole kernel) + S^T 32 + dP^T 32 + lse2 / delta
-  column vectors 16 each (first half of a step), or dQ_part 64 + P^T / dS^T 16-bit operands (second half).
-  dV and dK are retired (``wait(0)``) before the dQ wgmma is issued: with dV, dK and dQ_part in flight together
-  ptxas spilled 192 B and serialised every wgmma (C7512). Loading lse2 / delta from smem just before use
-  (instead of right after the barrier wait) took the spills from 192 B to 72 B.
-* Shared memory at d = 128: K 32 KB + V 32 KB + STAGES x (Q 16 KB + dO 16 KB + lse2 / delta 0.5 KB) + dS 2 x 8 KB.
-* Offline build (Triton 3.6, ptxas 12.8, sm_90a; bf16 and fp16 identical), kernel maxnreg 168, setmaxnreg
-  240 consumers / 24 producer, no C7512 in any config:
-
-      config        STACK (spill)  smem (B)   HGMMA  DEPBAR.LE 0 / 1  REDG.F32  max reg
-      d64  full          0         100,304      40       4 / 4          64      R191
-      d64  causal        0         100,320      80       8 / 8         128      R227
-      d128 full         72         148,880      56       4 / 4         128      R237
-      d128 causal      200         148,896     112       8 / 8         256      R237
-
-  (counts are for both consumer warpgroups' inlined copies; causal has two loop bodies, masked + unmasked). Per
-  step and warpgroup at d = 128: 8 (S^T) + 8 (dP^T) + 4 (dV) + 4 (dK) + 4 (dQ) HGMMA, waits LE 1 after the
-  S^T result (dP^T in flight), LE 1 after issuing dV (dP^T done, dV in flight), LE 0 after dK, LE 0 after dQ.
-  The d = 128 spills are scalars (loop counters, smem / global base addresses), ~4 LDL per step in the loop,
-  not accumulators. Scalar ``REDG.E.ADD.F32.FTZ.RN.STRONG.GPU`` (64 per thread and step at d = 128,
-  immediate offsets from one base address): Triton 3.6 does not vectorise fp32 reductions here.
-* Not done (next steps): sum the two warpgroups' dQ halves in smem before the atomics (half the L2 traffic,
-  FA3's layout), keep dQ / dK in flight across the next step's S^T / dP^T, STAGES = 3 at d = 128 (smem allows
-  it: 182 KB), a deterministic dQ mode, persistent grid.
-
-Variants 1 / 2 ("split dQ", ``gluon_attention_bwd(..., variant=1 | 2)``, d = 128 only; 1 GPU-checked in session 7)
--------------------------------------------------------------------------------------------------------------------
-The default kernel above (variant 0) is unchanged (same PTX / SASS, only debug line numbers moved). Variant 1 is a
-second kernel, ``_fa3_bwd_kernel_v1`` (same producer, same preprocess / convert; new consumers):
-
-* dQ split by COLUMNS between the warpgroups: warpgroup w computes dQ[:, 64 w : 64 w + 64] over all 128 keys of the
-  CTA, ``dS (64 x 128) K[:, half]`` as two wgmma (A = the two warpgroups' dS^T tiles, transposed smem views;
-  B = column slice of K_0 / K_1: at d = 128 the NVMMA 128-byte-swizzle tile is two [64, 64] blocks, so the slice
-  is a whole block). One set of reductions per CTA and query block (FA3's traffic, half of variant 0's), dQ is
-  32 fp32 registers instead of 64.
-* vectorised reductions: ``red.global.add.v2.f32`` by inline PTX (``_red_add_v2``; Gluon 3.6 has no TMA
-  reduce for Hopper and its ``atomic_add`` emits scalar REDG): 16 ``REDG.E.ADD.F32x2`` per thread and step,
-  was 64 scalar ``REDG.E.ADD.F32``. (v4 would need a layout conversion through smem: each thread holds column
-  pairs in the wgmma layout.)
-* dS^T double-buffered in smem, ``ds_smem[2 p + w]`` with p = it % 2 (4 x 8 KB), and one mbarrier per buffer,
-  ``ds_bar[p]`` (count 2). Per step each warpgroup: store dS^T_w -> ``fence_async_shared`` -> ``thread_barrier``
-  (its 128 threads' stores done) -> one arrive on ds_bar[p]; later wait ds_bar[p] with parity (it // 2) & 1,
-  then the dQ wgmma reads both tiles. Why 2 buffers and no "free" barrier: warpgroup w rewrites buffer (p, w)
-  at step it + 2 only after its ds_bar wait of step it + 1, which needs the other warpgroup's arrive of step
-  it + 1, which that warpgroup issues after ``wait(0)`` of its step-it dQ wgmma (program order). The same
-  argument shows no phase of ds_bar[p] is skipped (use u + 1 needs an arrive that follows the wait of use u),
-  so the parity wait is unambiguous. Both arrives of a step come before either wait: no deadlock.
-* ``end_bar`` (count 2, parity 0): the other warpgroup's dQ wgmma reads K_w until its last step, so both meet
-  after the loop before K_w / V_w are overwritten with dK / dV for the TMA store.
-* spills: the per-k-step wgmma descriptors of the loop-invariant K_w / V_w views were hoisted out of the loop
-  by LLVM and kept live (8 x 64-bit per operand) -> the LDL.64 before each HGMMA group in the causal build.
-  Variant 1 indexes K / V with ``it >> 30`` (always 0, opaque), so they are recomputed per step.
-* variant 2 = variant 1 with dK kept in flight over the ds_bar wait and the dQ wgmma (wait(<=1) retires dV
-  only, wait(0) at the end; q_empty is released after it).
-* d = 64 (session 9; GPU-checked in session 10, not routed): the same kernel with a 64-byte-swizzle K tile; see "Split dQ at head dim 64".
-
-Offline build (ptxas 12.8, sm_90a, bf16; kernel maxnreg 168, setmaxnreg 240 / 24; ``compile_offline(...,
-variant=v)``); counts for both consumer copies; hazards = ``w4a16_gluon.wgmma_sass_hazards``:
-
-      config              STACK  smem (B)  HGMMA  DEPBAR LE0/LE1  REDG.F32x2  REDG.F32  hazards  C7512
-      v0 d128 full          72   148,880     56       4 / 4            0         128       -       no
-      v0 d128 causal       200   148,896    112       8 / 8            0         256       -       no
-      v1 d128 full           8   165,328     64       4 / 4           32           0       0       no
-      v1 d128 causal        56   165,344    128       8 / 8           64           0       0       no
-      v2 d128 full           8   165,328     64       2 / 6           32           0       0       no
-      v2 d128 causal        56   165,344    128       4 / 12          64           0       0       no
-
-  HGMMA per step and warpgroup: 8 S^T + 8 dP^T + 4 dV + 4 dK + 8 dQ (64x64x16; was 4 of 64x128x16: same
-  FLOPs). Inner-loop local memory: v1 / v2 full: 0 LDL in warpgroup 0's step loop; causal: 0 in warpgroup 0,
-  3 LDL per step in warpgroup 1 (v0: ~4 per step and 7 LDL.64 descriptor reloads in the causal loops).
-  Extra per step: 2 partition barriers + 1 mbarrier arrive / wait pair (the warpgroups now run in lockstep per
-  query block, like FA3). Doubts: the lockstep removes some of variant 0's free overlap between the two
-  warpgroups; the inline-asm reduction relies on pack=2 pairing register elements (2j, 2j+1) = columns
-  (c, c+1) (true for the wgmma accumulator; visible in SASS as ``REDG.E.ADD.F32x2 [R.64+0x20 j], R(152+4 j)``).
-  Check and time: ``python benchmarks/gluon_attention_bwd_check.py --quick --variant 1,2 --out $OUT``.
-
-Variant 3 (session 7, ``variant=3``, d = 128 only; the op's route since session 8)
----------------------------------------------------------------------------------
-``_fa3_bwd_kernel_v1`` with the constexpr ``EARLY_DK``: dK += dS^T Q is issued as soon as dS^T is in registers,
-BEFORE the dS^T publication (partition barrier, STSM, proxy fence, thread barrier, ds_bar arrive), which then runs
-while dV and dK are on the tensor cores; variant 1 issues dK after it. Offline (ptxas 12.8, bf16 = fp16): same
-registers / spills / smem as variant 1 (STACK 8 / 56 B full / causal, 165,328 B), 0 wgmma hazards, no C7512 /
-C7514, 5 instead of 6 BAR.SYNC per step. Issuing the next block's S^T before the dQ wait was tried too: ptxas
-serialises every wgmma of that build (C7514), so it was dropped. Analysis and GPU plan:
-docs/notes_attention_bwd_session7.md; check: ``gluon_attention_bwd_check.py --quick --variant 1,3``. On the H200
-(session 8): correct on 59 / 59 cases, 1-3% faster than variant 1 (d = 128: 431 against 423 TFLOP/s at S = 4096
-non-causal, 396 against 385 causal; cuDNN 566 / 466).
-
-Variant 4 (session 9, ``variant=4``, d = 128 only) -- correct on the H200 in session 10, 1-2% slower than variant 3
----------------------------------------------------------------------------------------
-Variant 3 plus turns between the two consumer warpgroups (constexpr ``TURNS`` of ``_fa3_bwd_kernel_v1``), the
-forward's ping-pong (``attention_gluon._fa_pp_wait`` / ``_fa_pp_pass``: ``bar.sync 14 + w, 256`` = wait for the own
-turn, ``bar.arrive 14 + (1 - w), 256`` = pass it; ids 14 / 15, Triton uses 0, 1, 2 here too). The aim: variants 1-3
-run the warpgroups in lockstep (each step meets on ``ds_bar``), so both do exp2 / dS^T math at the same time, share
-the MUFU and interleave their wgmma on the tensor cores. Ordered GEMM groups: each step has TWO issue points per
-warpgroup, (1) S^T + dP^T (issued back to back after both q_ready and do_ready waits) and (2) dQ (after the ds_bar
-wait), and the points alternate strictly, WG0 S^T/dP^T, WG1 S^T/dP^T, WG0 dQ, WG1 dQ, WG0 next S^T/dP^T, ... dV and
-dK stay free. Why these two: WG0's S^T completes first, so its exp2 runs under its own dP^T and WG1's S^T / dP^T;
-WG1's exp2 starts one S^T later (the MUFU phases are staggered) and runs under WG1's dP^T and WG0's dV / dK; the
-dS^T math of each falls under the other's dV / dK (or S^T / dP^T); WG0's reductions and next S^T issue run under
-WG1's dQ. Orderings that put a warpgroup's S^T / dP^T after the other's dV / dK or dQ of the same step (one turn
-held across a step) deadlock or serialise against the ds_bar exchange: the dQ of step it needs BOTH warpgroups'
-dS^T of step it, so both S^T / dP^T issues of a step must precede both dQ issues (the model below deadlocks on
-"hold_turn"). Turn bookkeeping without runtime branches: warpgroup 1 passes once before its loop (hands WG0 the
-first turn), every issue point of both warpgroups waits and passes, and warpgroup 0 waits once more after its loop
-(takes back WG1's last pass). Per CTA with n steps: barrier 14 gets 2n + 1 syncs (WG0) and 2n + 1 arrives (WG1),
-barrier 15 2n and 2n; n = 0 works (one generation). No deadlock: a turn holder only waits for data whose producers
-do not need its turn (q_ready / do_ready: the releases of the slot's previous use were made by the other warpgroup
-before its dQ issue, i.e. before it passed; ds_bar: the other warpgroup's dS^T of the step follows its S^T / dP^T
-point, which precedes this warpgroup's dQ point); no warpgroup contributes twice to one generation (its next
-contribution to a barrier follows its own turn wait, which needs the other's contribution in between); strict
-alternation. ``v4_protocol_model`` / ``check_v4_protocol`` model the whole CTA (producer, ring, ds_bar double
-buffer, end_bar, both named barriers) over random interleavings and catch seven broken variants (``V4_BUGS``).
-Offline (ptxas 12.8, sm_90a; bf16 = fp16): 64 / 128 HGMMA, DEPBAR LE0 / LE1 4 / 4 (8 / 8), 32 / 64 REDG.F32x2, smem
-165,328 / 165,344 B as variant 3; no C75xx, 0 wgmma hazards, 0 LDL / STL in the step loops; STACK 8 / 64 B full /
-causal (variant 3: 8 / 56; ptxas spill stores 8 / 88 B against 8 / 84, the extra slot in WG0's prologue); extra
-instructions = exactly the turns: per step loop and warpgroup 2 ``BAR.SYNC 0xe|0xf, 0x100`` (each right before the
-first HGMMA of its issue point) and 2 ``BAR.ARV`` (each right after its last HGMMA, before the wgmma wait), plus WG1's
-first pass and WG0's final wait (full: 5 + 5, causal: 9 + 9 BAR per CTA). Variants 0-3 and d = 256: SASS
-byte-identical to before. Output: dK / dV bit-identical to variant 3 by construction (same per-warpgroup arithmetic
-and accumulation order); dQ differs in the last bits only as variant 3 does from run to run (fp32 atomics). Notes:
-docs/notes_attention_bwd_v4_session9.md; check: ``gluon_attention_bwd_check.py --quick --variant 3,4``.
-
-Split dQ at head dim 64 (session 9, variants 1-4 at d = 64) -- correct on the H200 in session 10, not routed (slower)
---------------------------------------------------------------------------------------------------------
-Before session 9 a variant != 0 at d = 64 silently ran the default kernel. Now ``_fa3_bwd_kernel_v1`` builds for
-d = 64 too (``_VARIANT_DIMS = (64, 128)``), unchanged but for two constants:
-
-* K tile layout (``_split_k_layout``): warpgroup w's dQ column half is K[:, 32 w : 32 w + 32], 64 bytes, i.e. half a
-  128-byte swizzle row of the default [64, 64] tile (the MN-major B operand would start 64 bytes into each swizzled
-  row; it compiles, but no GPU run has shown it right). K (and the dK staging in it) therefore uses a 64-byte swizzle
-  at d = 64: the [64, 64] tile is two [64, 32] blocks and each dQ half is a whole block, as the [64, 64] half of the
-  128-byte [64, 128] tile is at d = 128. TMA moves each [64, 64] K / dK box as two [64, 32] messages (Triton splits a
-  box wider than its swizzle, as for the d = 256 kernel's [rows, 128] boxes); the host builds the K / dK
-  descriptors with that layout. V, Q, dO, dS^T keep their layouts; S^T reads K as a K-major A operand either way.
-* Ring depth ``_SPLIT_STAGES[64] = 4`` (the default kernel keeps 3 at d = 64): a d = 64 step moves half the bytes
-  (Q + dO 16 KB) and runs ~10% fewer instructions, so the ring holds as many bytes as d = 128's 2 stages (64 KB).
-
-Budget per CTA at d = 64 (one CTA per SM either way: 12 warps x 32 x 168 registers):
-
-      shared memory          K 16 KB + V 16 KB + dS^T 4 x 8 KB = 64 KB fixed, + 16.5 KB per stage (Q 8 + dO 8 +
-                             lse2 / delta 0.5): 3 stages 113.5 KB, 4 stages 130 KB (the build), at most 9 in 227 KB
-      registers / consumer   dK 32 + dV 32 fp32 (whole kernel) + S^T 32 + dP^T 32 + lse2 / delta column vectors, or
-      thread                 dQ half 16 (64 x 32 fp32) + the 16-bit P^T / dS^T operands: max index R180-R203 of 240
-                             (d = 128: R237); 64 queries per step stays (128 would need S^T + dP^T = 128 registers
-                             plus 32-wide lse2 / delta vectors next to dK / dV: over 240); 128 keys per CTA stays (a
-                             third consumer warpgroup would cap consumers at ~165 registers)
-
-Offline (ptxas 12.8, sm_90a; bf16 = fp16 but for the max register index; counts for both consumer copies; "step"
-= instructions of the innermost step loop, the range over the warpgroup / loop copies):
-
-      config        STACK spill st  smem (B)  HGMMA 64x64 / 64x32  LE0/LE1  REDG.F32x2  hazards C75xx  step
-      v0 d64 full           0     0   100,304       40 / 0            4 / 4    (64 F32)     0     -  315-354
-      v0 d64 causal         0     0   100,320       80 / 0            8 / 8   (128 F32)     0     -  370-378 / 530-536
-      v1 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  364-402
-      v1 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  384-389 / 547-552
-      v2 d64 full           0     0   133,648       32 / 16           2 / 6       16       0     -  364-402
-      v3 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  363-403
-      v3 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  383-390 / 546-553
-      v4 d64 full           0     0   133,648       32 / 16           4 / 4       16       0     -  367-407
-      v4 d64 causal         0     0   133,664       64 / 32           8 / 8       32       0     -  386-394 / 549-557
-      v3 d128 full          8     8   165,328   48 / 0 (+16 64x128)   4 / 4       32       0     -  391-435
-      v3 d128 causal       56    84   165,344   96 / 0 (+32 64x128)   8 / 8       64       0     -  408-423 / 580-595
-
-  (causal "step": unmasked / masked loop.) No LDL / STL anywhere in the d = 64 split builds (v3 d = 128: 1-4 LDL in
-  some step-loop copies). Per step and warpgroup: 4 S^T + 4 dP^T + 4 dV + 4 dK m64n64k16 + 8 dQ m64n32k16 (24; d =
-  128: 32), 32 MUFU.EX2 (as d = 128), 8 REDG.F32x2 (d = 128: 16; v0 d = 64: 32 scalar), 5 BAR.SYNC (v1: 6, v4: 7 +
-  2 BAR.ARV). Against v0 at d = 64 the split kernel runs ~50 more instructions per step (the dS^T exchange, 4 more
-  HGMMA) for a quarter of the reduction instructions and half the reduction traffic; whether the lockstep of the
-  warpgroups costs more than that at d = 64 is for the GPU to say. Variants 0-4 at d = 128 and d = 256: SASS
-  instruction lines identical to before. Notes: docs/notes_attention_bwd_d64_session9.md.
-
-Head dim 256 (session 9, ``_fa3_bwd_kernel_d256``; every ``variant`` at d = 256) -- routed since session 10 (GPU-checked)
---------------------------------------------------------------------------------------------------------------------
-At d = 256 a warpgroup cannot own 64 keys x 256 columns of dK and dV (256 fp32 registers per thread), so the split
-is FA3's hdim-256 one: one CTA = 64 keys (grid (cdiv(Sk, 64), B * Hkv)), 64 queries per step, and per step
-warpgroup w computes S^T / dP^T for ITS 32 QUERIES (all 64 keys, full d: [64, 32] = 16 fp32 registers each) and
-dK / dV / dQ for ITS 128 COLUMNS of the head dim (dK_w, dV_w [64, 128] = 64 + 64 registers for the whole kernel,
-dQ [64, 128] = 64 during the dQ phase). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks):
-K, V as 2 column halves (32 KB each), Q / dO per ring slot as 4 tiles [32, 128] (query half r, column half c:
-tile 4 s + 2 r + c; 32 KB each per slot), STAGES = 2. Per step and warpgroup w (other = 1 - w):
-
-      S^T_w  = K Q_w^T        2 wgmma groups (column halves of d), 8 x m64n32k16 each, SS
-      dP^T_w = V dO_w^T       2 groups, likewise;  wait(<=2) -> S^T done
-      P^T_w = exp2(S^T_w * c - lse2[32 w..]) (mask on diagonal blocks) -> 16 bit -> pt[p] block w (smem)
-      dV_w += P^T_w dO[w, w]  register A, K = 32 (2 x m64n128k16);  wait(<=1) -> dP^T done
-      dS^T_w = P^T_w (dP^T_w - delta[32 w..]) -> 16 bit
-      dK_w += dS^T_w Q[w, w]  register A (issued before the publication, as variant 3)
-      dS^T_w -> ds[p] block w; fence_async_shared; thread_barrier; arrive x_bar[p] (count 2)
-      wait x_bar[p] (parity (it // 2) & 1): the other warpgroup's halves are in smem
-      dV_w += P^T_other dO[other, w];  dK_w += dS^T_other Q[other, w]   (A = smem block, K = 32)
-      wait(0); arrive q_empty[s], do_empty[s]
-      dQ[:, 128 w..] = dS K_w: A = ds[p] transposed (both halves, K = 64 keys), B = K column half w; wait(0)
-      32 red.global.add.v2.f32 per thread into the fp32 workspace
-
-  pt / ds are [2 buffers, 64 keys, 64 queries] with a 64-byte swizzle = two [64, 32] column blocks, block w
-  written by warpgroup w (``.slice(32 w, 32, dim=1)``); dQ reads the whole tile through a transposed view. The
-  x_bar double-buffer argument is variant 1's (buffer p is rewritten at step it + 2 only after the x_bar wait of
-  step it + 1, which needs the other warpgroup's arrive of step it + 1, issued after its step-it dQ wait(0)); the
-  end_bar meeting guards the epilogue, which stages dK_w / dV_w in column half w of K / V (read by both
-  warpgroups' S^T / dP^T until their last step) and TMA-stores [64, 128] boxes at column 128 w. Causal: 64-key
-  blocks, m_lo / m_full as in the other kernels with 63 in place of 127. ``d256_protocol_model`` /
-  ``check_d256_protocol`` model this protocol on the CPU (random interleavings; it catches a single P^T / dS^T
-  buffer, an early Q / dO release and a missing end_bar). The preprocess / convert run with 8 warps at d = 256
-  (4 warps spill on the [64, 256] tiles).
-
-  The opaque ``zero = it >> 30`` of variant 1 is also added to the ring slot and the P^T / dS^T buffer index:
-  without it on K / V the build spills 156 / 352 B (full / causal); without it on the slot / buffer the causal build
-  keeps 12 B of stack (worker-loop-carried values). Offline (ptxas 12.8, sm_90a; bf16 = fp16), kernel maxnreg
-  168, setmaxnreg 240 / 24 as above:
-
-      config            STACK  spill  smem (B)  HGMMA (64x32x16 / 64x128x16)  DEPBAR LE0/LE1  REDG.F32x2  hazards
-      d256 full           0      0    230,880        88 (64 / 24)                4 / 2            64          0
-      d256 causal         0      0    230,896       176 (128 / 48)               8 / 4           128          0
-
-  (227 KB = 232,448 B per CTA; no C7512 / C7514; highest register R215 full, R227 causal of 240.) Per step and
-  warpgroup: 44 HGMMA (16 S^T + 16 dP^T + 4 dV + 4 dK + 4 dQ), 16 MUFU.EX2, 32 REDG.F32x2, 6 BAR.SYNC, ~400-420
-  instructions in the step loop (~450-460 in the causal masked loop), 0 LDL / STL. Design notes and GPU plan:
-  docs/notes_attention_bwd256_session9.md.
-
-Issue-slot model of variant 3 at d = 128 (session 10; ``sass_step_loops`` / ``bwd_step_model``; no kernel change)
------------------------------------------------------------------------------------------------------------------
-Step loop per consumer warp (bf16, offline): 391-423 instructions unmasked, 580-595 masked (the causal FSEL and
-its index math); 32 HGMMA (24 SS m64n64k16 = S^T, dP^T, dQ; 8 RS m64n128k16 = dV, dK), 32 MUFU.EX2, 32 FFMA,
-32 FADD, 32 FMUL, 32 F2FP.PACK_AB (already two values each), 16 LDS.64 (lse2, delta), 4 STSM, 16 REDG.F32x2,
-5 BAR.SYNC, 3 mbarrier waits + 3 arrives, 1 MEMBAR.ALL.CTA + proxy fence, ~90-96 uniform-datapath ops (wgmma
-descriptors), 0 SHFL, 0 LDL / STL. Producer warp: 78-80 per step. Per CTA step on one SM: tensor 2560 cycles,
-shared-memory port 2564 (wgmma operands 2048: the SS N = 64 GEMMs read 128 B/clk, the port's limit), MUFU 512,
-issue 796-876 per sub-partition, against ~5,670 measured (447 TFLOP/s at S = 4096; ~5,200-5,400 after the
-preprocess / convert launches, the wave tail and the per-CTA prologue): no resource is above ~50%, issue is ~15%.
-The kernel is latency / serialisation-bound (three wgmma drains per step in lockstep across the warpgroups), not
-issue-bound, so no instruction cut was built: it would move a ~15% resource. Notes and the GPU profile to run:
-docs/notes_attention_bwd_issue_session10.md.
-
-Timing ablations (session 11; ``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``, RESULTS WRONG, timing only)
--------------------------------------------------------------------------------------------------------
-To split the ~54% of the variant-3 step the issue model above does not explain, ``ABLATE`` (a bit mask, default 0 =
-the real kernel; ``ABLATE_BITS``) leaves one stage out: 1 = the dQ reductions are predicated on an opaque zero
-(``_red_add_v2_off``: ptxas branches over them, so no memory traffic, while the dQ wgmma and its wait stay; a sink
-that ignores the values let ptxas delete the dQ wgmma), 2 = no ``fence_async_shared`` after the dS^T store (SASS
-MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), 4 = no dQ wgmma / wait / reductions, 8 = no exp2 (P^T = the exponent, the FFMA
-stays), 16 = no ds_bar wait (the arrives stay; nothing waits on them, so no deadlock: the ring and end_bar still
-pace the warpgroups). ``gluon_attention_bwd(..., ablate=mask)`` needs ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1`` (else
-ValueError) and the split-dQ kernel; the op never passes it. ``compile_offline(..., ablate=mask)`` builds them
-(it now passes TURNS and ABLATE explicitly: an offline compile binds no defaults). With ABLATE = 0 every routed build
-(d = 128 variants 0-4, bf16 / fp16, causal or not; d = 64 variant 3; d = 256) is SASS byte-identical to before.
-Offline (bf16, full; per step loop and warp): 1: 420 / 411 instructions (+15 BRA), 2: 403 / 389 (no MEMBAR /
-FENCE), 4: 331 / 328 (16 SS + 8 RS HGMMA), 8: 373 / 359 (no MUFU; 8 B more stack, none in the loops), 16: 403 / 389
-(one TRYWAIT fewer), against 405 / 391; no C75xx, no wgmma hazard, no LDL / STL in any step loop. GPU timing:
-``benchmarks/gluon_bwd_ablation.py``; notes: docs/notes_attention_bwd_issue_session10.md ("Session 11").
-
-Timing ablations at d = 256 (session 13; ``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``, RESULTS WRONG, timing only)
-------------------------------------------------------------------------------------------------------------------
-The same bits, gate (``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``) and host check (``_check_ablate``: at d = 256 any variant,
-since every variant runs this kernel), ``ABLATE_BITS_D256``: 1 = the 32 REDG.F32x2 per step and warpgroup predicated
-on the opaque zero (``_red_add_v2_off``; each REDG is jumped over, the dQ wgmma and its wait stay), 2 = no proxy fence
-after the P^T / dS^T stores, 4 = no dQ wgmma / wait / reductions, 8 = no exp2, 16 = no x_bar wait (the other
-warpgroup's P^T / dS^T halves; the arrives stay, nothing else waits on x_bar, so no deadlock). ABLATE = 0 builds
-(bf16 / fp16, causal or not) are SASS byte-identical to before, as are every other build of this module (variants
-0-5 at d = 128, 3 / 5 at d = 64, the d = 128 ablations). Offline census (bf16, ptxas 12.8 sm_90a; ``sass_step_loops``
-per step loop and warp, both warpgroups' copies; causal = masked / unmasked loop; per step and warpgroup 32
-m64n32k16 HGMMA (S^T, dP^T) + 12 m64n128k16 (dV 4, dK 4, dQ 4) unless noted; ``bwd_step_model`` with
-``tma_bytes_per_step`` = 2 x 64 x 256 x 2 + 512: tensor / smem / issue cycles per CTA step of 64 keys):
-
-      ABLATE  full loop n  causal loops n          HGMMA   MUFU.EX2  REDG.F32x2           max reg  tensor/smem/issue
-      0       403 / 397    453 / 404, 460 / 411    32+12   16        32                   R215     2560 / 3268 / 800
-      1       466 / 460    486 / 436, 494 / 444    32+12   16        32 jumped (+31 BRA)  R215     2560 / 3268 / 926
-      2       401 / 395    451 / 402, 458 / 409    32+12   16        32 (no MEMBAR/FENCE) R215     2560 / 3268 / 796
-      4       339 / 331    388 / 338, 380 / 330    32+8    16         0                   R189     2048 / 2884 / 670
-      8       387 / 381    437 / 388, 444 / 395    32+12    0        32                   R215     2560 / 3268 / 768
-      16      401 / 395    451 / 402, 458 / 409    32+12   16        32 (1 SYNCS fewer)   R215     2560 / 3268 / 796
-      17      463 / 457    483 / 433, 491 / 441    32+12   16        32 jumped            R215     2560 / 3268 / 920
-
-  (no stack, no C75xx, no wgmma hazard, no LDL / STL in any step loop; smem 230,880 / 230,896 B full / causal;
-  causal max reg R227 (1: R224, 4: R201). REDG / MUFU / HGMMA totals over the kernel: 64 / 32 / 88 full, 128 / 64 /
-  176 causal, bit 4: 0 REDG and 80 / 160 HGMMA, bit 8: 0 MUFU.) The model's per-step shared-memory port (3268
-  cycles: the 40 SS HGMMA read their A and B operands; 64 KB of Q / dO TMA writes) exceeds the tensor time (2560),
-  unlike d = 128 (2564 / 2560); at the measured 274-316 TFLOP/s a 64-key CTA step takes ~8,000-9,200 cycles (1.83
-  GHz), i.e. tensor ~28-32%, shared-memory port ~35-41%: latency-bound as at d = 128 (issue = both consumer
-  warps of a sub-partition). GPU timing: ``python benchmarks/gluon_bwd_ablation.py --dim 256 --out $OUT``.
-
-Design note, not built: a d = 256 dQ reducer-warp path (variant 5's ``DQW`` for this kernel; build it only if bit 1
-saves enough on the GPU: that saving bounds what the path can gain). Per step warpgroup w owns dQ[64 queries, 128 w ..
-128 w + 127] fp32 = 64 registers per thread and a 32 KB tile (both warpgroups: the CTA's whole [64, 256] block,
-64 KB; variant 5 at d = 128: 2 x 16 KB). Shared memory: K 32 + V 32 + 2 stages x (Q 32 + dO 32 + 0.5) + P^T 16 +
-dS^T 16 KB = 230,880 B of 232,448: ~1.5 KB free, so not even one [64, 64] fp32 chunk (16 KB) fits as the kernel
-stands. Ways to make room, none free: (a) STAGES 2 -> 1 frees 64.5 KB: room for one whole tile per warpgroup (NB = 1,
-64 KB) or for two [64, 64] chunks per warpgroup (NB = 2) with dQ issued as two N = 64 wgmma halves (32 registers
-each, the reducer draining one chunk while the other is written), at the cost of the Q / dO prefetch across steps
-(the producer could only refill after both warpgroups' dK / dV wait(0)); (b) alias the P^T buffer pt[p] (dead after
-the wait(0) that retires dV, until step it + 2 rewrites it): 8 KB per warpgroup = a [64, 32] fp32 chunk, i.e. four
-handoffs per step and warpgroup, each a dq_full / dq_empty round trip: serialises on the reducer; (c) a [32, 128]
-query-row half per handoff has the same 16 KB size problem. Reduction work: 64 KB per 64-key CTA step at ~8,500
-cycles (7.7 B/clk; variant 5 at d = 128: 32 KB per ~5,500, 6 B/clk), i.e. 128 ``red.global.add.v4.f32`` per step
-for one reducer warp (the tile stored chunk-transposed as at d = 128, ``attention_gluon_bwd_dqw``): one warp at the
-producer's 24 registers suffices, as at d = 128. Barriers: dq_full[b] (count 2) / dq_empty[b] (count 1) per buffer
-as variant 5; with NB = 1 the second warpgroup's store waits for the reducer to drain the previous step's tile.
-
-Variant 5 = variant 3 + dQ through shared memory (constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; the op's d = 64 / 128 route)
----------------------------------------------------------------------------------------------------------------------
-FA3's dQ path, built in session 11 as a separate kernel and folded into this one in session 12; the design note
-(why, shared-memory layout, bank conflicts, barrier protocol, offline census) is the docstring of
-``attention_gluon_bwd_dqw``, which keeps the public entry ``gluon_attention_bwd_dqw`` (= ``gluon_attention_bwd(...,
-variant=5)``), its CPU protocol model and its step census. d = 128 (routed since session 11) and d = 64 (routed
-from S = 4096 since session 12, GPU-checked; ``DQW_HEAD_DIMS``): the dQ tile is a warpgroup's [64, d / 2] fp32
-column half. What the switch changes:
-* kernel: ``dq_smem`` fp32 [2 NB, 8, d / 16, 8, 8] (allocated after ``ds_smem``) and ``dq_full`` / ``dq_empty`` [NB]
-  (after ``end_bar``; initialised after ``ds_bar``); a fourth partition ``_bwd_dq_reducer`` (REDUCER_WARPS warps at
-  the producer's 24 registers) appended to the ``warp_specialize`` list with a constexpr-conditional tuple ``+``.
-* consumer: no per-head ``dq_row_ptr``; the consumers get None for ``SQ_PAD`` / ``dq_ptr`` (and variants 1-4 None
-  for the dQ tiles and barriers): None is no warp_specialize capture, so both builds capture what they use, in the
-  order the separate kernels did.
-* step (``_bwd_step_v1``): after the dQ wgmma's ``wait(0)``, instead of the 16 (d = 64: 8) REDG.F32x2: wait
-  ``dq_empty[b]``, store the tile, thread barrier, arrive ``dq_full[b]`` (b = it % NB).
-* d = 64 (session 12): the same code, HEAD_DIM-generic (tile [8, d / 16, 8, 8], the reducer reads the head dim off
-  ``dq_smem``'s shape); geometry, budget and census in "Head dim 64" of ``attention_gluon_bwd_dqw``. Every other
-  build (variant 5 at d = 128, variants 0-4 at d = 64 / 128, d = 256) kept its SASS byte for byte.
-Fold check (session 12, offline sm_90a, Triton 3.6's bundled ptxas, fresh cache): the SASS (``cuobjdump -sass``,
-instruction and control words) is byte-identical modulo the kernel name, with the same shared memory and
-``--dump-resource-usage`` line, for variant 5 (bf16 / fp16, causal or not) against the separate
-``_fa3_bwd_kernel_dqw`` and for every other build of this module against before the fold (variants 0-4 at d = 64
-and 128, causal or not, variant 3 fp16, variant 3 with each ABLATE mask, d = 256).
-
-Variant 6 = variant 5 with the dQ reductions done by TMA (``DQ_TMA``; session 14; the op's default at every d)
---------------------------------------------------------------------------------------------------------------
-Gluon 3.6 exposes TMA loads and stores for Hopper but no reduce; its builder has ``create_async_tma_reduce`` (the op
-Triton's ``desc.atomic_add`` lowers to), wrapped here as the builtin ``_tma_reduce_add``: PTX
-``cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group``, SASS ``UTMAREDG.4D.ADD``; ``tma.store_wait(n)``
-waits for the bulk group's reads of shared memory. The fp32 workspace [rows, d] (rows = B * Hq * SQ_PAD) is described
-to TMA as [rows / 8, d / 8, 8, 8] with strides [8 d, 8, d, 1] (``_dq_tma_desc``; no swizzle): a box [8, d / 16, 8, 8]
-is one warpgroup's [64, d / 2] dQ column half, and its shared-memory order (row // 8, col // 8, row % 8, col % 8) is
-exactly variant 5's conflict-free "chunk-transposed" tile, so the consumers' stores are unchanged.
-* d = 64 / 128 (``_fa3_bwd_kernel_v1``, DQW + DQ_TMA): the consumers add a proxy fence (``fence_async_shared``) after
-  their tile store; the reducer warp (``_bwd_dq_reducer`` with ``DQ_TMA``) issues two reduces per step instead of
-  64 LDS.128 + 64 ``red.global.add.v4``, waits for their reads, then releases the buffer. H200 (same run as
-  variants 3 / 5, benchmarks/results/gluon/gluon_bwd_dqw_check_s14.md): 1.13-1.20x variant 5 at d = 128 (547 / 492 /
-  526 / 532 against 455 / 417 / 464 / 479 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), 1.02-1.04x at d = 64.
-* d = 256 (``_fa3_bwd_kernel_d256``, DQ_TMA): shared memory is full (230,880 of 232,448 B), so the dQ tiles
-  ([64, 128] fp32 = 32 KB per warpgroup) go into the ring slot's own Q (warpgroup 0) and dO (warpgroup 1) bytes,
-  which are dead once both warpgroups have retired dV and dK: each warpgroup arrives on ``x_free[s]`` (count 2) after
-  that wait(0), and after its dQ wgmma waits on it before storing (``_reinterpret`` of the slot as fp32 [8, 16, 8, 8]),
-  fences, and arrives on q_empty / do_empty. The producer warp, which waits on q_empty[s] before refilling slot s
-  anyway, first issues both tiles' reduces (``_d256_reduce_slot``) and waits for their reads; after its loop it
-  reduces the last STAGES steps' tiles. Offline: no REDG, 4 UTMAREDG (all in the producer), no spills, no wgmma
-  hazard, +32 B of shared memory. H200 (benchmarks/results/gluon/gluon_attention_bwd_check_d256_s14.md, 20 / 20
-  check cases, 11 GPU tests): 7.5-13% faster than the REDG build (292 / 245 / 341 / 320 / 355 / 351 against 272 /
-  224 / 305 / 287 / 314 / 316 TFLOP/s at S = 1k / 1k causal / 4k / 4k causal / 16k / 16k causal). A first build in
-  which each consumer warpgroup issued its own reduce and waited for the read gained only 2-8%
-  (``..._d256_s14_consumer.md``).
-* dK / dV are bit-identical to the REDG builds (only dQ's path changed); dQ adds fp32 partials in a run-dependent
-  order as before. ``FXOPT_ATTN_GLUON_BWD_DQ_TMA=0`` (d = 64 / 128) and ``FXOPT_ATTN_GLUON_BWD_D256_TMA=0`` route the
-  variant-5 / REDG builds instead.
-
-Semantics
----------
-* q [B, Hq, Sq, d], k / v [B, Hkv, Sk, d] (Hq % Hkv == 0, query head h reads kv head h // (Hq / Hkv)), out /
-  dout like q, lse fp32 [B, Hq, Sq] natural log (+inf on rows with no visible key: those rows get exactly zero
-  gradient). Any strides with a contiguous last dim and 16-byte aligned other strides (TMA rules) for q, k, v,
-  dout; out and lse are read by the Triton preprocess (any strides).
-* causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq), as the forward.
-* returns dq (like q, contiguous), dk, dv (like k / v, contiguous; summed over the query heads of each GQA
-  group inside the CTA, no atomics).
-* Not supported: masks other than causal, dropout, softcap, windows, fp32, d other than 64 / 128 / 256,
-  pre-Hopper.
-  ``gluon_bwd_supported`` says why; ``gluon_attention_bwd`` raises ValueError.
+Semantics: lse is fp32 natural log (+inf on rows with no visible key: exact zero gradients), causal bottom-right
+aligned, GQA; ``gluon_bwd_supported`` names what it refuses.
 """
 from __future__ import annotations
 
@@ -520,12 +83,12 @@ DQW_VARIANT = 5
 DQ_TMA_VARIANT = 6
 DQW_VARIANTS = (DQW_VARIANT, DQ_TMA_VARIANT)  # the variants with dQ tiles in shared memory and a reducer partition
 DQW_HEAD_DIM = 128      # the routed head dim: the dQ tile is [64, 64] fp32 per warpgroup (HEAD_DIM // 2 columns)
-DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64 since session 12: [64, 32] fp32 tiles; GPU-checked)
+DQW_HEAD_DIMS = (64, 128)  # head dims of variant 5 (d = 64: [64, 32] fp32 tiles; GPU-checked)
 DQ_BUFFERS = 2          # NB: dQ tiles in shared memory per warpgroup (double buffer)
 REDUCER_WARPS = 1
-_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 since session 9 (GPU-checked, not routed)
+_VARIANT_DIMS = (64, 128)  # head dims with a split-dQ kernel (variants 1-4); d = 64 (GPU-checked, not routed)
 _SPLIT_STAGES = {64: 4, 128: 2}  # ring stages of the split-dQ kernel (d = 64: 4 x 64 query rows, FA3's 2 x 128)
-# Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``; session 11). Every
+# Timing-only ablations of the split-dQ kernel (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``). Every
 # bit leaves the results WRONG: ``gluon_attention_bwd(..., ablate=mask)`` needs the env var below and the op never
 # passes it. bit -> what the build leaves out (per step and consumer warpgroup).
 ABLATE_BITS = {
@@ -535,7 +98,7 @@ ABLATE_BITS = {
     8: "exp2 (32 MUFU.EX2; P^T = the exponent, same FFMA)",
     16: "wait on ds_bar (the other warpgroup's dS^T publication; the arrives stay)",
 }
-# The same bits at d = 256 (``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``; session 13), per step and warpgroup:
+# The same bits at d = 256 (``ABLATE`` constexpr of ``_fa3_bwd_kernel_d256``), per step and warpgroup:
 ABLATE_BITS_D256 = {
     1: "dQ global reductions (32 REDG.F32x2; the dQ wgmma and its wait stay)",
     2: "proxy fence after the P^T / dS^T stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)",
@@ -642,7 +205,7 @@ def _bwd_step(it, mb, k_buf, v_buf, ds_buf, q_smem, do_smem, lse_smem, delta_sme
               q_ready, q_empty, do_ready, do_empty, dk, dv, keys, dq_row_ptr, qk_scale, diag_off,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
               s_layout: gl.constexpr, acc_layout: gl.constexpr, op_layout: gl.constexpr):
-    """One query block (64 rows) against this warpgroup's 64 keys. See the module docstring for the sequence."""
+    """One query block (64 rows) against this warpgroup's 64 keys. See the design notes in docs/kernels.md for the sequence."""
     dtype: gl.constexpr = q_smem.dtype
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
     s = it % STAGES
@@ -847,7 +410,7 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Variant 1 ("splitdq", opt-in: gluon_attention_bwd(..., variant=1)), d = 128 only. See the module docstring.
+# Variant 1 ("splitdq", opt-in: gluon_attention_bwd(..., variant=1)), d = 128 only. See the design notes in docs/kernels.md.
 # The default kernel above is untouched; this one reuses the producer and changes only the consumers' dQ part.
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -900,13 +463,13 @@ def _bwd_step_v1(WG: gl.constexpr, it, mb, k_smem, v_smem, ds_smem, q_smem, do_s
     """One query block against this warpgroup's 64 keys; dQ columns WG * d/2 .. over all 128 keys of the CTA.
     ``EARLY_DK`` (variant 3): dK is issued before dS^T is published, so the publication runs under dV and dK.
     ``TURNS`` (variant 4, with EARLY_DK): the two issue points of the step (S^T + dP^T, dQ) are turns of the
-    named-barrier protocol of the module docstring: wait for the own turn after the data waits, issue, pass.
+    named-barrier protocol of the design notes in docs/kernels.md: wait for the own turn after the data waits, issue, pass.
     ``DQW`` (variant 5, with EARLY_DK, d = 64 / 128): the step ends with dQ_w into ``dq_smem`` (guarded by
     ``dq_empty`` / ``dq_full``, NB buffers) instead of the REDG.F32x2 (16 at d = 128, 8 at d = 64); ``dq_row_ptr`` is
     unused (None). See
     ``attention_gluon_bwd_dqw``.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
-    ``ABLATE_BITS`` and "Timing ablations" in the module docstring."""
+    ``ABLATE_BITS`` and "Timing ablations" in the design notes in docs/kernels.md."""
     dtype: gl.constexpr = q_smem.dtype
     HALF: gl.constexpr = HEAD_DIM // 2
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -1270,7 +833,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     fence_async_shared()
 
     # Two literal partition lists, one per build: a list built with "+" unwraps constexprs to Python ints, which
-    # warp_specialize cannot capture (at run time GROUP == 1 or H == 1 arrive as constexprs: session 12's H200 run of
+    # warp_specialize cannot capture (at run time GROUP == 1 or H == 1 arrive as constexprs: an earlier H200 run of
     # variant 5 failed to compile there). The argument tuples are literals too: a tuple assigned to a name turns its
     # constexprs into tensors. DQW passes None (no capture) for the consumers' SQ_PAD / dq_ptr and adds the reducer
     # warp(s) to warpgroup 2 at the producer's register budget; variants 1-4 pass None for the dQ tiles and barriers.
@@ -1315,7 +878,7 @@ def _fa3_bwd_kernel_v1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Head dim 256 (session 9; routed since session 10): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the module docstring.
+# Head dim 256 (routed): ``_fa3_bwd_kernel_d256``. See "Head dim 256" in the design notes in docs/kernels.md.
 # One CTA = 64 keys; the two consumer warpgroups split the QUERIES of S^T / dP^T (32 each) and the HEAD DIM of
 # dK / dV / dQ (128 columns each). Every shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks, the
 # d = 128 kernels' tile family); P^T and dS^T are exchanged through [64, 64] tiles with a 64-byte swizzle, i.e.
@@ -1395,9 +958,9 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
                    acc_layout: gl.constexpr, op_layout: gl.constexpr, ABLATE: gl.constexpr = 0,
                    DQ_TMA: gl.constexpr = False, x_free=None, dq_desc=None):
     """One 64-query block at d = 256 for consumer warpgroup WG: S^T / dP^T for queries 32 WG .. 32 WG + 31 (all 64
-    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the module docstring for the order.
+    keys, full d), dK / dV / dQ for columns 128 WG .. 128 WG + 127. See the design notes in docs/kernels.md for the order.
     ``ABLATE`` (timing only, results WRONG; 0 = the real kernel): a bit mask of stages to leave out, see
-    ``ABLATE_BITS_D256`` and "Timing ablations at d = 256" in the module docstring."""
+    ``ABLATE_BITS_D256`` and "Timing ablations at d = 256" in the design notes in docs/kernels.md."""
     dtype: gl.constexpr = q_smem.dtype
     OTHER: gl.constexpr = 1 - WG
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
@@ -1481,7 +1044,7 @@ def _bwd_step_d256(WG: gl.constexpr, it, mb, k_smem, v_smem, q_smem, do_smem, ls
         dq_tile.store(gl.permute(gl.reshape(dq, [8, 8, 16, 8]), (0, 2, 1, 3)))
         fence_async_shared()     # generic-proxy stores -> the TMA unit's (async proxy) reads
         gl.thread_barrier()
-        # the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s (session 14:
+        # the producer issues both tiles' reduces once q_empty[s] completes, before it refills slot s (
         # each warpgroup issuing its own and waiting for the TMA unit's read gained 2-8% over the REDG build, this
         # 7.5-13%; benchmarks/results/gluon/gluon_attention_bwd_check_d256_s14*.md)
         mbarrier.arrive(q_empty.index(s), count=1)
@@ -1797,8 +1360,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). ``grads_like_inputs=True``:
     dq / dk / dv laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's
     fake implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; the kernels
-    address dq through its strides and dk / dv through TMA descriptors built on them (session 12; GPU-checked
-    in session 13 at d = 64 / 128 / 256, since when the op routes strided inputs here by default).
+    address dq through its strides and dk / dv through TMA descriptors built on them (GPU-checked
+     at d = 64 / 128 / 256, and the op routes strided inputs here by default).
 
     ``variant``: 0 = the default kernel (measured correct); 1 = split-dQ kernel (``_fa3_bwd_kernel_v1``: dQ
     columns split between the warpgroups, vectorised reductions); 2 = variant 1 with dK kept in flight over the
@@ -1807,9 +1370,8 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     through shared memory and a reducer warp (``DQW``, d = 64 / 128; the op's route at d = 128 and, from S = 4096,
     at d = 64, through ``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``). Variants 1-4 exist for d = 64 and 128
     (d = 64: GPU-checked, not routed; 64-byte-swizzle K tile, ``_SPLIT_STAGES``).
-    d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here since session 10:
-    ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of ``benchmarks/gluon_attention_bwd_check.py``
-    (session 7); ``flash_attention_triton_bwd`` routes d = 128 to variant 3 (session 8).
+    d = 256 always runs ``_fa3_bwd_kernel_d256`` (GPU-checked; the op routes d = 256 here:
+    ``_GLUON_BWD_HEAD_DIMS``). Variants 0-2 passed the 59 GPU cases of an H200 check; ``flash_attention_triton_bwd`` routes d = 128 to variant 3.
 
     ``ablate`` (TIMING ONLY, the results are wrong): a bit mask of ``ABLATE_BITS`` for the split-dQ kernel
     (variants 1-4, d = 64 / 128) or the d = 256 kernel (any variant; ``ABLATE_BITS_D256``); refused unless the
@@ -1924,7 +1486,7 @@ def compile_offline(D: int, causal: bool, dtype_str: str = "bf16", arch: int = 9
     like ``gluon_attention_bwd``'s; at D = 256 the d = 256 kernel's ``ABLATE``). The split-dQ kernel always gets
     TURNS, ABLATE, DQW, NB and REDUCER_WARPS explicitly here, the d = 256 kernel ABLATE: an offline compile does not
     apply a constexpr's default (it would be None). ``ones``: i32 arguments (e.g. ``("H", "GROUP")``) built as the
-    constexpr 1 that Triton's launcher makes of an int argument equal to 1 (session 12: variant 5 built offline with
+    constexpr 1 that Triton's launcher makes of an int argument equal to 1 (variant 5 built offline with
     i32 arguments but failed to compile at run time with GROUP = 1)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -2006,7 +1568,7 @@ def sass_summary(c) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue-slot / resource model of one CTA step from offline SASS (session 10; docs/notes_attention_bwd_issue_session10.md)
+# Issue-slot / resource model of one CTA step from offline SASS (docs/kernels.md)
 # ----------------------------------------------------------------------------------------------------------------
 
 # instruction classes of the step-loop census, first match wins (predicate guards are stripped first)

@@ -4,82 +4,18 @@ Public ops (registered on import)::
 
     torch.ops.fxopt.fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0) -> Tensor
     torch.ops.fxopt.hadamard_transform(x, seed=0) -> Tensor
-    torch.ops.fxopt.int8_attention(q, k, v, is_causal=False, scale=None, seed=0) -> Tensor   (INT8 mode, below)
+    torch.ops.fxopt.int8_attention(q, k, v, is_causal=False, scale=None, seed=0) -> Tensor
 
 and the host helpers ``fp8_attention_supported(q, k, v, training)`` (for the attention pass), ``quantize_blocks``,
-``fp8_attention_quantized`` (kernel only, on pre-quantized inputs: what the speed benchmark times) and the references
-``fp8_attention_reference`` / ``hadamard_reference``.
+``quantize_qkv``, ``fp8_attention_quantized`` (the kernel alone on pre-quantized inputs) and the references.
 
-Design
-------
-* Incoherent processing. q and k (last dim D, a power of two) are multiplied by the same orthogonal matrix
-  M = H_D * diag(signs) / sqrt(D): H_D is the Sylvester Hadamard matrix and ``signs`` a random +-1 vector drawn from
-  ``torch.Generator().manual_seed(seed)`` (the same on every device, so fixed per model by its seed). Since
-  M M^T = I, (q M)(k M)^T = q k^T exactly, while an outlier channel is spread over all D channels before
-  quantization. x M is computed by a fast Walsh-Hadamard transform: log2(D) butterfly stages in fp32 (``_fwht``:
-  reshape a [rows, D] tile to [rows, D / 2h, 2, h], split the size-2 axis, join (a + b, a - b)), then the signs and
-  1 / sqrt(D). ``hadamard_transform`` runs that alone (``_hadamard_kernel``); the quantization kernel fuses it.
-  For 16-bit inputs with D <= 128 the quantization kernel instead multiplies the 16-bit tile by the +-1 matrix
-  H_D diag(signs) on the tensor cores (``HAD_DOT``; exact products, fp32 accumulation: the same sums in another
-  order) and applies 1 / sqrt(D) after. The butterflies cost about 70 SASS instructions per element (each stage
-  is a layout change through shared memory), which made the three quantization launches issue-bound at ~3x
-  the time of reading q, k and v (session 7, ``docs/notes_fp8.md``). On by default since its GPU check (session 8:
-  141-159 us against 199-203 us for quantizing q, k and v at d = 128, 16k tokens; ``_HAD_DOT_DEFAULT``);
-  ``FXOPT_FP8_HAD_DOT=0`` keeps the butterflies.
-* Block quantization (``_quant_kernel``, one program per block of QBLOCK = 128 rows of one head): load the rows,
-  optionally transform them, take amax over the [QBLOCK, D] tile, store x * (448 / amax) cast to e4m3 and the
-  dequantization scale amax / 448 (fp32, [B * H, S_pad / QBLOCK]). Q is quantized per 128 query rows, K per 128 key
-  rows, V per 128 key rows (no transform). Outputs are padded to S_pad = a multiple of 128 with zero rows, so the
-  attention kernel never masks its loads. V is written transposed, [B, H, D, S_pad]: Hopper's fp8 wgmma reads its
-  B operand from shared memory K-major only, and for P @ V the contraction runs over the keys, so each V^T tile
-  [D, BLOCK_N] is loaded as is and used as ``vt.T`` (contiguous along the keys). K [S, D] is already K-major for
-  q @ k^T (contraction over D).
-* One quantization launch for q, k and v (``quantize_qkv`` -> ``_quant_qkv_kernel``, session 8; opt-in with
-  ``FXOPT_FP8_QUANT_FUSED=1`` until its GPU check; ``quantize_blocks`` on one tensor then takes the same kernel). Offline sm_90 SASS of the per-tensor kernel showed why it reached only
-  ~2 TB/s (142-159 us for 16k tokens x 2048 x 3): each program loads its whole 32 KB tile, waits, transforms,
-  reduces and stores with nothing else in flight (two programs per SM for q / k, whose every block also re-read the
-  32 KB transform matrix from L2: as many L2->SM bytes as the data itself). The fused kernel is persistent (one or
-  two programs per SM) and walks the blocks of v, then of q and k in one loop: q / k tiles come through a 3-stage
-  cp.async pipeline (two blocks in flight while one is on the tensor cores), the matrix is loaded once per
-  program, and v uses a register double buffer (the next block's 16-byte loads are issued before this block's
-  transpose through shared memory, ldmatrix.trans, and 16-byte stores along S). Per-block arithmetic is the
-  per-tensor kernel's (same wgmma shape at the default 8 warps, same amax / scale expressions): bit-identical
-  codes and scales (tests). ``FXOPT_FP8_QUANT_FUSED=0`` returns to the per-tensor kernel; ``FXOPT_FP8_QUANT_CFG``
-  sets warps / stages / programs per SM / V through the tensor cores for the GPU sweep (``_quant_cfg``).
-* Attention (``_fp8_attn_fwd``, FA2 online softmax in base 2, grid (query blocks, B * Hq), causal grids heaviest
-  block first). Scores = dot_fp8(q, k^T) * (q_scale * k_scale * sm_scale * log2 e): both block scales are scalars for
-  a (query block, key block) pair, so dequantizing costs nothing beyond the softmax scale. P = exp2(s - m + 8) lies in
-  [0, 256] (a static scale 2^8: exact, and 256 <= 448 so no saturation), is cast to e4m3 and multiplied with the V
-  tile; l (the row sum) is accumulated from the fp32 P, so the 2^8 cancels in acc / l. The per-block V scale is folded
-  into the rescale the online softmax already does: acc is kept in units of the current V block's scale, and the
-  factor alpha becomes alpha * v_scale_prev / v_scale_cur (one scalar per iteration); the epilogue multiplies by the
-  last v_scale / l. Accumulation is fp32 (the wgmma accumulator), output in the input dtype. Causal is bottom-right
-  aligned (key j visible to query i iff j <= i + Sk - Sq, as ``fxopt::flash_attention``); rows with no visible key
-  give 0. GQA: query head h reads kv head h // (Hq / Hkv). Key blocks that need no causal / length mask run a loop
-  without any per-element test. On sm_90 the tiles come through host-side TMA tensor descriptors (``USE_TMA``);
-  elsewhere (sm_89, interpreter) through plain pointers.
-* Emulation. The quantized dtype is a parameter of the kernels (``qdtype``): with float16 the same code runs on CPU
-  under the Triton interpreter (which has no fp8), which is how the CPU tests check the kernels' indexing, scales and
-  masks. ``fp8_attention_reference`` is the op's CPU path: it performs the same transform, the same block
-  quantization (torch.float8_e4m3fn casts, same scales), the same online softmax over 128-key blocks with the same
-  P quantization, in fp32 — so CPU results show the real FP8 error. It also offers per-tensor scales (the baseline
-  of the accuracy benchmark).
-* Speed (H200, ``benchmarks/results/fp8_attention.md``): the kernel reaches ~750-770 TFLOP/s at d = 128, S >= 4k
-  (1.22-1.35x cuDNN bf16), short of FA3's ~1.2 PFLOP/s: Triton 3.6 waits for each wgmma right after issuing it, so
-  a program's exp2 / convert work never overlaps its own tensor-core work (the sm_90 SASS shows QGMMA followed at
-  once by WARPGROUP.DEPBAR), and ``warp_specialize`` fails to build on sm_90. The only overlap left is between
-  programs: 64-row query blocks on one warpgroup, two programs per SM (``FWD_CONFIGS``). See docs/notes_fp8.md.
-* INT8 mode (``int8_attention``; same kernels, ``INT8`` constexpr). After the Hadamard transform rows are bounded, so
-  a symmetric int8 grid per block keeps ~7 bits where e4m3 keeps 3 of mantissa (Hopper's int8 and fp8 tensor cores
-  run at the same rate). Q, K and V are transformed (V too: P (V M) = (P V) M, undone by ``_fwht`` in the epilogue),
-  codes are int8 with s = amax / 127, scores are int32 dots converted by the magic-number add (``_i32_to_f32``,
-  exact below 2^22: |q.k| <= 127^2 * 256), P = exp2(s - m) in [0, 1] becomes u = round(255 p) fed as u - 128 to the
-  s8 x s8 dot, and 128 * colsum(V rows) (stored per 16 rows by the quantization kernel) adds the offset back.
-  Accuracy: ``int8_attention_reference`` (exact integer emulation), ``benchmarks/fp8_accuracy.py``.
-* Scope: forward only (inference; no autograd is registered, ``fp8_attention_supported`` refuses training), no
-  attention mask / dropout / window, D in {64, 128, 256}, q/k/v float16 or bfloat16. ``fp8_attention`` = quantize
-  (memory-bound: one launch via ``quantize_qkv``) + attention; ``fp8_attention_quantized`` is the attention kernel
-  alone (the figure FA3 reports, K/V quantization being amortised in a KV cache).
+Q and K are multiplied by the same random-signed Hadamard matrix (orthogonal: Q K^T is unchanged, outliers are
+spread over the head dim), then Q, K, V are quantized to e4m3 with one fp32 scale per 128-row block (V transposed,
+no transform); one fused launch quantizes all three (``quantize_qkv``; the transform runs on the tensor cores).
+The attention kernel dequantizes S by the two block scales, rounds P to e4m3 for the PV product and rescales by V's
+scale. On sm_90 at d = 64 / 128 the op runs the Gluon kernel of ``fp8_attention_gluon``; elsewhere the Triton kernel
+here. The INT8 mode (``int8_attention``) is the same kernel on int8 codes. Inference only (no backward). Derivations
+and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -692,7 +628,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
 
 
 # The fused persistent quantization kernel is bit-identical to the per-tensor ``_quant_kernel`` launches (interpreter
-# tests, and the GPU tests -k fused: 16 passed, session 9) and faster: 116 / 93 us for q, k, v at d = 128 / 64
+# tests, and the GPU tests -k fused: 16 passed) and faster: 116 / 93 us for q, k, v at d = 128 / 64
 # against 142 / 101-130 us for the three tensor-core launches (benchmarks/results/fp8_quant.md).
 # FXOPT_FP8_QUANT_FUSED=0 turns it off.
 _QUANT_FUSED_DEFAULT = "1"
@@ -720,10 +656,10 @@ _FUSED_QUANT_FAILED: set = set()
 
 def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
     """(num_warps, num_stages, programs per SM, V_DOT) of ``_quant_qkv_kernel``; ``FXOPT_FP8_QUANT_CFG="w,s,p[,1]"``
-    overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6, session 8):
+    overrides it (the GPU sweep of benchmarks/fp8_attention.py). Chosen from sm_90 builds (Triton 3.6):
     at D = 128 a program takes 144 KB of shared memory (3 x 32 KB cp.async stages, the 32 KB transform matrix, 16 KB
     for the store's layout change) and ~220 registers x 256 threads (bf16), so one per SM; at D = 64, 64 KB / 80
-    registers: two per SM. Session 9's GPU sweep (benchmarks/results/fp8_quant_sweep.md, codes and scales
+    registers: two per SM. An earlier GPU sweep (benchmarks/results/fp8_quant_sweep.md, codes and scales
     bit-identical to the per-tensor kernels in every row) moved the defaults: D = 128 with 2 stages, 2 programs per
     SM and V through the tensor cores, 100 us against 116 us for q, k, v at 16k tokens x 16 heads; D <= 64 with 3
     programs per SM, 85 us against 104 us."""
@@ -820,7 +756,7 @@ def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
 
 
 _HMAT_CACHE: dict = {}
-# On since session 8: test_gpu_quantize_tensor_core_transform passed on the H200 and benchmarks/fp8_attention.py's
+# On: test_gpu_quantize_tensor_core_transform passed on the H200 and benchmarks/fp8_attention.py's
 # quant_tc column (141-159 us) beat quant_butterfly (199-203 us). FXOPT_FP8_HAD_DOT=0 keeps the butterflies.
 _HAD_DOT_DEFAULT = "1"
 
@@ -1127,7 +1063,7 @@ _GLUON_FP8_FAILED: set = set()
 def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
     """Run the op on the Gluon (FA3-style, warp-specialized) fp8 kernel of ``fp8_attention_gluon`` when it takes
     these inputs; False leaves the call to the Triton kernel. Same quantization kernels, so the two differ only in
-    accumulation order: on the H200 (session 8, ``benchmarks/fp8_gluon_check.py``) its RMSE against float64 matched
+    accumulation order: on the H200 (an H200 check) its RMSE against float64 matched
     the Triton kernel's to 3 digits and it ran 705-873 TFLOP/s against 665-790 at d = 128, S = 4k / 16k.
     ``FXOPT_FP8_GLUON=0`` turns it off; a build or launch that fails is remembered and not retried."""
     key = (q.device, q.dtype, q.shape[-1], bool(is_causal))

@@ -1,276 +1,16 @@
 """FP8 (e4m3) FA3-style attention forward for Hopper (sm_90), written in Gluon.
 
-Status: run on the H200 in session 7 (correct; 565-717 TFLOP/s at d = 128, below the Triton fp8 kernel's
-675-779, benchmarks/results/gluon/fp8_gluon_check.md). ``python -m fxopt.kernels.fp8_attention_gluon`` compiles
-every config offline for sm_90 and prints registers, spills, shared memory, the QGMMA / wait counts, the
-``wgmma_sass_hazards`` count and the main-loop instruction counts (``main_loops``; ``--loops`` for the per-class
-counts, ``--cast-late 0`` / ``1`` and ``--overlap 0`` / ``1`` to pick builds; ``ex2_under_pv`` per loop).
-``benchmarks/fp8_gluon_check.py`` is the GPU check (correctness against the Triton fp8 kernel and float64, then
-TFLOP/s), for seven builds (permute_k x cast_late, cast_late (+ permute_k) with overlap, permute_k + cast_late with
-pingpong; ``--quick``: three: plain, the default, the default with pingpong). ``--pingpong 0`` / ``1`` picks builds.
-``--poly-exp 0,1,4`` builds ``POLY_EXP`` variants (exp2 partly on the FMA pipe, "poly_exp" below);
-``benchmarks/fp8_poly_check.py`` is their GPU check (accuracy vs float64 and vs the default build, TFLOP/s).
-``--persistent`` (``--stages N``) builds the persistent kernel, ``--protocol`` runs its CPU barrier-protocol check;
-``benchmarks/fp8_persistent_check.py`` is its GPU check (bit-identity to the default build, TFLOP/s).
+Same structure as ``attention_gluon``: one CTA = 128 query rows of one (batch, head), a TMA producer warp, two
+consumer warpgroups that pipeline S_i = Q K_i^T against O += P8_{i-1} V_{i-1} (QGMMA, fp32 accumulation). Inputs are
+exactly those of ``fp8_attention.fp8_attention_quantized`` (e4m3 Q, K after the Hadamard transform, V transposed, fp32
+block scales). FP8 specifics: sm_90 fp8 wgmma reads shared-memory operands K-major only, hence V transposed; P is
+scaled, packed to e4m3 in registers and fed as the register A operand; the block scales are folded exactly as the
+Triton kernel folds them, so the two agree. d in {64, 128}.
 
-Why
----
-The Triton-language fp8 kernel (``fxopt/kernels/fp8_attention.py``) reaches 656-773 TFLOP/s at d = 128: Triton 3.6
-waits for every wgmma right after issuing it, so a program's exp2 never overlaps its own tensor-core work
-(docs/notes_fp8.md). At d = 128 the exp2s (16 MUFU ops / clock / SM) take as long as the fp8 MMAs, so overlap is
-the whole game. The Gluon bf16 forward (``attention_gluon.py``) already has the FA3 structure; this file is its fp8
-variant.
-
-Inputs: exactly what ``fp8_attention.fp8_attention_quantized`` takes
--------------------------------------------------------------------
-The host wrapper ``fp8_gluon_attention`` runs fp8_attention.py's own ``quantize_blocks`` (it does not reimplement
-the Hadamard transform or the quantization), and ``fp8_gluon_attention_quantized`` has the signature of
-``fp8_attention_quantized`` so it can replace that launch:
-
-* qq [B, Hq, Sq_pad, d] e4m3 (after Q -> Q M when hadamard), qs fp32 [B * Hq, Sq_pad / 128];
-* kq [B, Hkv, Sk_pad, d] e4m3 (K -> K M), ks fp32 [B * Hkv, Sk_pad / 128];
-* vt [B, Hkv, d, Sk_pad] e4m3 (V transposed, no transform), vs fp32 [B * Hkv, Sk_pad / 128];
-* x ~ xq * s with one s per 128 rows of a head (QBLOCK = 128), padded rows are zero.
-
-Structure (one CTA = 128 query rows of one (batch, head); grid = (cdiv(Sq, 128), B * Hq))
-----------------------------------------------------------------------------------------
-Same as ``attention_gluon.py``: ``gl.warp_specialize`` with two consumer warpgroups (64 query rows each, the same
-function) and a 1-warp TMA producer that fills a ``STAGES``-deep ring of K / V^T slots guarded by mbarriers
-(``k_ready`` / ``v_ready`` count 1 + tx bytes, ``k_empty`` / ``v_empty`` count 2 = one release per consumer; the
-phase bookkeeping is identical, see attention_gluon.py's docstring). Per consumer, key block i >= 1:
-
-    S_i = Q K_i^T          async QGMMA (A = Q tile in smem, B = K_i slot permuted: both K-major over d)
-    O  += P8_{i-1} V_{i-1}  async QGMMA (A = P8 in registers, B = V^T slot permuted: K-major over the keys)
-    wait(<= 1 in flight) -> S_i; release K_i; mask; softmax_i        (overlaps PV_{i-1})
-    wait(0) -> PV_{i-1} done; release V_{i-1}; O *= alpha_i * vs_{i-1} / vs_i; P8_i = e4m3(P_i) in registers
-
-FP8 specifics
--------------
-* Operand layouts. sm_90 fp8 wgmma reads shared-memory operands K-major only (no transpose bit for 8-bit types).
-  A = Q [64, d] row-major: K-major. B = K_i^T: the K slot [BLOCK_N, d] is d-contiguous, ``permute((1, 0))`` gives
-  a [d, BLOCK_N] view whose contraction dim (d) is contiguous: K-major. B = V_i: the V^T slot [d, BLOCK_N] (one TMA
-  box of fp8_attention.py's transposed V) permuted to [BLOCK_N, d] has the keys (contraction) contiguous: K-major.
-  That is exactly why fp8_attention.py stores V transposed; no in-kernel transpose is needed.
-* P from registers. The A operand of an 8-bit register wgmma is ``DotOperandLayout(0, parent=<PV accumulator>,
-  k_width=4)`` (k_width = elements per 32-bit register: 4 for 8-bit). Unlike 16-bit (k_width 2), the QK^T
-  accumulator layout is NOT the A-operand layout: in an m64nNk32 fp8 fragment lane t holds keys 4(t%4)..+3 (and
-  +16) of each 32-key chunk, while the accumulator gives it keys 2(t%4), +1, +8, +9 (and +16, +24). So
-  ``gl.convert_layout(p.to(e4m3), p_layout)`` is a real intra-quad exchange (shuffles). ``permute_k=True`` avoids
-  it without touching V's layout: K is loaded through a 5-D TMA view (strides [16d, 2d, 4d, d, 1]) that puts key
-  4q + 2jl + e of every 16 into shared-memory row 8jl + 2q + e, so lane q's accumulator columns ARE keys
-  4q .. 4q+3; P's columns are relabelled in registers (reshape / permute, no data movement) and the causal /
-  length mask uses the permuted key index. The TMA view has non-monotonic strides: allowed by the host
-  TensorDescriptor; it works on the H200 (session 8), and ``PERMUTE_K_DEFAULT`` is True.
-* Instruction shape: accumulator layouts use ``instr_shape=[16, N, 32]`` (k = 32 for 8-bit wgmma).
-* Scales, folded exactly as fp8_attention.py's kernel does (so the two agree to fp32 rounding):
-  - scores in log2 units: t = S_raw * c_j with c_j = qs * ks_j * scale * log2(e) (qs: one per CTA, the 128 query
-    rows are one quantization block; ks_j per key block, BLOCK_N = 128 = QBLOCK). The running max m is kept in
-    these units (c_j changes per block), m_new = max(m, rowmax(S_raw) * c_j) (c_j > 0).
-  - P = exp2(t - m + 8): the static scale 2^8 (``P_SHIFT``), so P in [0, 256] (<= 448, no saturation, exact power
-    of two) and is cast to e4m3 in registers; l sums the fp32 P, so 2^8 cancels in O / l.
-  - O is kept in units of the current V block's scale: the online-softmax factor becomes
-    alpha_i * vs_{i-1} / vs_i (one scalar per row per block), and the epilogue multiplies by vs_{n-1} / l.
-* Output: the input dtype (bf16 / fp16), staged through its own shared buffer (the fp8 Q buffer is half the size)
-  and TMA-stored (rows >= Sq clipped). lse (natural log, +inf for a row with no visible key) is written only when
-  asked (``return_lse=True``); fp8_attention.py produces none.
-* fp32 accumulation: ``max_num_imprecise_acc`` stays Triton's sm_90 default (2^30: no split accumulation), like
-  ``tl.dot`` in the Triton kernel.
-
-Semantics: as ``fxopt::fp8_attention`` (bottom-right aligned causal; rows with no visible key give 0; GQA query head
-h reads kv head h // (Hq / Hkv)); d in {64, 128} (d = 256 is not configured: 2 stages of 32 KB K and V^T slots plus
-the accumulators did not fit the register budget in the bf16 kernel's layout either without BLOCK_N = 64; left out).
-``fp8_gluon_supported`` returns the reason a call is refused; the wrappers raise ValueError with it.
-
-Offline build (Triton 3.6, ptxas 12.8, sm_90a; ``python -m fxopt.kernels.fp8_attention_gluon``)
------------------------------------------------------------------------------------------------
-* Every config (d 64 / 128, causal or not, bf16 / fp16 out, lse on / off, permute_k on / off) compiles: no spills
-  (LOCAL 0, STACK 0), no C7512 serialisation; kernel REG 168, consumers setmaxnreg 240, highest register used
-  205-218 (d 128), 179-191 (d 64). Shared memory 147,880 B (d 128, 3 stages) / 90,536 B (d 64, 4 stages).
-* SASS: QGMMA.64x128x32.F32.E4M3.E4M3 (48 at d 128 = 2 consumers x (4 QK + 4 PV + 2 x 8 per loop step)); 36 at
-  d 64. PV takes P from registers (``QGMMA ... R152, gdesc``). Per step ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after the
-  PV issue, then ptxas places ``DEPBAR.LE gsb0, 0x0`` right after the row max (as in the bf16 kernel), so the exp2
-  work overlaps the other warpgroup's QGMMAs, not the own PV.
-* Main-loop body (d 128, unmasked, one consumer): 719 instructions with the plain K load (64 MUFU.EX2, 32 F2FP,
-  150 PRMT, 64 LOP3, 24 SHFL of which 16 are the P exchange); 674 with ``permute_k`` (the P exchange shuffles are
-  gone: 8 SHFL left, all row max / sum). The remaining ~180 PRMT / LOP3 / SHF are NOT the cast itself (32 F2FP +
-  16 PRMT): P8 is loop-carried, and Triton 3.6 carries an 8-bit register tensor as one byte per 32-bit register,
-  so every step unpacks the packed operand (PRMT 0x7770..0x7773, 0x7610) and repacks it at the top of the next
-  step (LOP3 & 0xffff, PRMT 0x3340 / 0x5410). Session 7 diagnosis; the plain-Triton fp8 kernel casts and uses P
-  in the same iteration and has none of it (566 instructions per step, 64x128 tile, 4 warps).
-* ``cast_late=True`` (opt-in, ``CAST_LATE_DEFAULT`` False; the default build's SASS is unchanged): the loop
-  carries the fp32 P (64 registers, as many as the byte-per-register P8) and casts it between the QK_i issue and
-  the PV_{i-1} issue. Main loop (d 128, unmasked, one consumer): 719 -> 538 (plain K), 674 -> 489 (permute_k);
-  d 64: 676 -> 497, 631 -> 448. All 64 builds (the 32 above x cast_late): no spills, no C7512, zero
-  ``wgmma_sass_hazards``, highest register 193-228. Same arithmetic, so the output should be bit-identical to the
-  build without it. On by default since session 8 (``CAST_LATE_DEFAULT``; docs/notes_fp8_gluon_session7.md): with
-  permute_k 705-873 TFLOP/s at d = 128, S = 4k / 16k, against 561-651 for the plain build.
-* ``overlap=True`` (opt-in, ``OVERLAP_DEFAULT`` False, meant with ``cast_late`` + ``permute_k``; constexpr
-  ``OVERLAP``, ``_f8_step_overlap``): attention_gluon.py's variant="overlap" ported. FA3's order (issue S_i; after
-  the V_{i-1} ready wait, O *= f_{i-1} = alpha_{i-1} vs_{i-2} / vs_{i-1} and the e4m3 cast of P_{i-1}; issue PV_{i-1};
-  softmax_i; 2 STS of l_i into an unread 512 B slot; wait PV_{i-1}). Same operations on O in the same order, so the
-  output should be bit-identical to the same build without it. sm_90 SASS, all 32 builds (d 64 / 128, causal or
-  not, bf16 / fp16, lse on / off, permute_k on / off; cast_late on): all 66 MUFU.EX2 of a step issue while the own
-  PV is in flight (``ex2_under_pv``; 0-8 of 66 without overlap), 5-9 instructions from the PV wait to the back edge
-  (234-373 without), main loop +2..+5 instructions (d 128 unmasked: 492 permute_k, 541 plain), no spills, no
-  C7512 / C7514, zero ``wgmma_sass_hazards``, highest register 196-232, +528 B shared memory. The builds without it
-  are byte-identical (.text) to before. On the H200 (session 8) bit-identical to the build without it but 5-10%
-  slower (753-801 against 812-873 TFLOP/s), so it stays off.
-* ``pingpong=True`` (opt-in, ``PINGPONG_DEFAULT`` False, constexpr ``PINGPONG``, written in session 8; not with
-  ``overlap``). On the H200 (session 9, benchmarks/results/gluon/fp8_gluon_check_pingpong_session9.md) bit-identical
-  to the permute_k + cast_late build on every agreement case but 2-7% slower (804 / 690 / 809 / 808 against 817 /
-  707 / 858 / 872 TFLOP/s at S = 4k / 4k causal / 16k / 16k causal), so it stays off: FA3's inter-warpgroup schedule. The two consumer warpgroups take turns issuing their GEMM groups
-  (block 0: QK_0; step i: QK_i + PV_{i-1}; tail: PV_{n-1}), so one warpgroup's softmax runs under the other's
-  QGMMAs instead of both colliding on the MUFU / issue slots and then on the tensor cores. Primitive: two mbarriers
-  ``turn[0..1]`` (count 1) in shared memory, ``_pp_wait`` right before the QK (tail: PV) issue, ``_pp_arrive`` (on
-  the other warpgroup's barrier) right after the last issue of the group. Not named barriers: Triton 3.6 already
-  uses ``bar.sync 0 / 1 / 2, 128`` for the warp-specialized partitions (every ``mbarrier.arrive`` is preceded by a
-  partition-wide ``bar.sync <id>, 128``, so an arrive also means "all 4 warps of the warpgroup issued"), and
-  Gluon 3.6 has no named-barrier op (``bar.sync`` would need ``gl.inline_asm_elementwise`` on a dummy tensor, an
-  elementwise op the compiler may duplicate or move). Warpgroup w's k-th group (k = 0 .. n_blocks) waits on ``turn[w]`` with parity
-  (k & 1) ^ (1 - w): warpgroup 0 passes k = 0 at once (parity 1 = the phase before the first) and otherwise waits
-  for warpgroup 1's arrive after its group k - 1; warpgroup 1 waits for warpgroup 0's arrive after its group k.
-  Deadlock freedom: (1) both warpgroups have the same number of groups, n_blocks + 1, since n_blocks is per CTA
-  (causal: the masked / unmasked split n_full differs per warpgroup, not the total; a warpgroup whose rows see no
-  key in the last block still runs it masked); (2) every wait points to an earlier event of the total order
-  WG0(0) < WG1(0) < WG0(1) < WG1(1) < ...; the producer's refill of slot j needs the releases of block j - STAGES,
-  done by each warpgroup after its own group j - STAGES (+1 for V) and its local wgmma wait, i.e. before WG0(j)
-  (STAGES >= 2); (3) parity never aliases: turn[1] completes phase k + 1 only after warpgroup 1 passed wait k
-  (warpgroup 0's group k + 1 needs warpgroup 1's arrive k), likewise for turn[0]; (4) the last arrive of warpgroup
-  1 (group n_blocks, on turn[0]) has no waiter: harmless, the kernel ends. The arithmetic is untouched (only waits
-  and arrives are added), so the output is bit-identical to the build without it by construction. sm_90 SASS, all
-  16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off; permute_k + cast_late): see
-  docs/notes_fp8_pingpong_session8.md. The builds without it are byte-identical (.text) to before.
-* ``poly_exp=K`` (opt-in, ``POLY_EXP_DEFAULT`` 0, constexpr ``POLY_EXP``, K in ``POLY_EXP_CHOICES`` = 0, 1, 2, 3,
-  4, 8; env ``FXOPT_FP8_GLUON_POLY_EXP``; session 9; on the H200 in session 10 correct (RMSE unchanged) but slower:
-  K = 2 / 4 / 8 at 0.87-1.02 / 0.91-1.01 / 0.87-0.90x the default, benchmarks/results/fp8_poly_check.md, so the
-  step is not bound by MUFU): K of every 16 per-thread exp2s of the S tile
-  are computed on the FMA / ALU pipes instead of MUFU.EX2 (FA4's trick), i.e. 4K of the 64 per thread and step.
-  Why: MUFU.EX2 runs at 16 / clock / SM (a warp instruction occupies its sub-partition's unit 8 cycles), about as
-  long as the step's QGMMAs; taking part of it off MUFU shortens the softmax if MUFU is what it waits on.
-  How: ``_exp2_poly`` (plain ``@triton.jit``, elementwise, so the Triton interpreter runs it in the tests): clamp
-  x >= -127; t = x + (1.5 * 2^23 + 127) rounds to nearest, f = x - (t - that) in [-1/2, 1/2] exactly; 2^f by a
-  degree-3 relative-minimax polynomial (Remez, ``fit_exp2_poly``, fp32 coefficients ``EXP2_POLY_COEFFS``; max
-  relative error 7.5e-5 = 2^-13.7, measured with the fp32 evaluation, against 2^-4 for e4m3's P; degree 2 would
-  be 2^-9.2, degree 4 2^-18.5 for one more FFMA: 3 is the cheapest with a wide margin for fp32 l as well); 2^n as
-  the float with bits (bits(t) << 23) = (n + 127) << 23, multiplied in. n = -127 gives the bit pattern 0, so x <=
-  -126.5 and masked scores (-inf, set by ``_f8_mask`` before the exp2) give exactly +0.0: the e4m3 P is 0, l gets
-  nothing, rows with no visible key keep l == 0 (output 0, lse +inf) exactly as with MUFU.EX2. Which scores take
-  the polynomial: ``gl.map_elementwise(_ex2_mix<K>, x, pack=16)`` hands a scalar function 16 consecutive
-  per-thread values and it returns K polynomial and 16 - K ``gl.exp2`` results, so the ex2 of those values is
-  never issued (a column-mask ``gl.where`` after computing both would still issue every MUFU.EX2); which scores
-  they are does not matter, every P is summed and cast alike. The row-max alpha exp2s stay on MUFU.
-  sm_90 SASS (ptxas 12.8; ``tests/test_fp8_gluon_poly.py`` checks it): per polynomial exp2 FMNMX, 3 FADD,
-  IMAD.SHL, 3 FFMA, FMUL (ptxas folds the multiply into the row-sum FADD for l, which becomes an FFMA, and keeps
-  the FMUL for P): 9 instructions instead of 1 MUFU.EX2. Main loop, d 128 unmasked, one consumer (MUFU.EX2 /
-  FFMA / instructions): default 66 / 66 / 489; K=1 62 / 82 / 522; K=2 58 / 98 / 554; K=3 54 / 114 / 586; K=4
-  50 / 130 / 618; K=8 34 / 194 / 746 (masked loops the same MUFU / FFMA deltas; d 64 the same deltas). Every
-  build (d 64 / 128, causal or not, K = 1..8): no spills, no C7512, zero ``wgmma_sass_hazards``, highest register
-  173-234 (d 128 full: 220 default, 216 / 212 / 208 / 205 / 227 for K = 1 / 2 / 3 / 4 / 8). The builds without
-  it are byte-identical (.text) to before (d 128 full / causal bf16, d 64 causal fp16 lse, d 128 causal plain).
-  Expectation, honestly: by issue slots it is close to a wash. Two consumer warps per sub-partition: issue ~978 +
-  64 K cycles per step against MUFU 1056 - 64 K, so past K ~ 0.6 the issue slots, not MUFU, are the larger
-  figure (K = 1: 1042 vs 992). It pays only if the step (~2,500 cycles measured, far above both) is bound by
-  the MUFU queue's latency in the softmax's critical path rather than by issue; benchmarks/fp8_poly_check.py
-  measures it. Finer granularity (pack 32 / 64) would be the next step if K = 1 helps.
-* ``persistent=True`` (opt-in, ``PERSISTENT_DEFAULT`` False; session 9; on the H200 in session 10 bit-identical
-  to the default build, +5.8% at S = 4k causal but -2 to -2.5% at 16k, docs/notes_fp8_persistent_session9.md;
-  docs/notes_fp8_persistent_session9.md): attention_gluon.py's variant="persistent" (3-5% faster than its
-  non-persistent build on the H200) ported. A separate kernel, ``_fp8_fa3_fwd_persistent_kernel``, so every other
-  build is unchanged (the 16 default builds, d 64 / 128 x causal x bf16 / fp16 x lse, have identical SASS
-  instruction lines to before). Grid (P,), P <= number of SMs (``num_sms=`` caps it); CTA ``pid`` runs the work
-  items (batch * head, 128-row query block) of attention_gluon.py's ``_fa_sched_count`` / ``_fa_sched_item``
-  (imported; ``persistent_schedule`` picks SCHED 0 = heads-major stride for non-causal launches, 1 = zigzag pairs
-  for causal ones), each exactly like one CTA of the default build: the same ``_f8_step``, ``_f8_softmax``,
-  ``_f8_mask`` and epilogue, so the output should be bit-identical to the default build (any permute_k /
-  cast_late / poly_exp; not with overlap / pingpong: ValueError).
-  - Two fp8 Q buffers per consumer warpgroup (4 x 64 x d): the producer loads item t + 1's Q while item t runs;
-    a warpgroup hands its buffer back (``q_empty``, count 1) right after the item's loops, when its last QK wgmma
-    has been waited for (O is not staged in the Q buffer as in the bf16 kernel: the fp8 Q tile is half the 16-bit
-    O tile's size).
-  - One K / V^T ring with a CTA-wide block counter g (slot g % STAGES, phase (g // STAGES) & 1), never drained:
-    it fills item t + 1's first blocks while item t finishes. ``_f8_step`` is called with the ring position
-    i = g0 + j; the K / V scale pointers are shifted by -g0 blocks (BLOCK_N == QB: one scale per block) and Sk /
-    the diagonal offset by +g0 * BLOCK_N, so the scale loads read block j's scales and the mask compares the same
-    integers. The Q scale is loaded per item. The host refuses launches whose counters could overflow int32.
-  - The O tile goes through the warpgroup's own 16-bit staging buffer; its TMA store is left in flight and waited
-    for (``store_wait``) right before the next item's epilogue rewrites the buffer (Triton puts the partition's
-    ``bar.sync`` between that wait and the ``stmatrix``es).
-  - Shared memory (``persistent_smem_bytes``): d 128, 4 stages (``_PERSISTENT_STAGES``): 197,096 B (5 stages fit
-    too, ``stages=5``: 229,536 B of buffers); d 64, 4 stages: ~98 KB.
-  - ``persistent_protocol_model`` (CPU model of the barriers, random interleavings; it catches an early Q
-    hand-back, a missing ``store_wait`` and unshifted scale pointers) backs the phase bookkeeping.
-  - Offline sm_90 (ptxas 12.8), 16 builds (d 64 / 128, causal or not, bf16 / fp16, lse on / off): STACK 0, LOCAL
-    0, 0 spill bytes, no C75xx, ``wgmma_sass_hazards`` 0, REG 168, highest consumer register 224-228 at d 128
-    (default 220-224), 48 QGMMA (d 128), every main-loop step 66 MUFU.EX2; main loops (d 128, consumer 0 / 1,
-    unmasked / masked): full 490 / 636 / 489 / 639 (default 489 / 635 / 489 / 639), causal 490 / 759 / 489 / 761
-    (default 488 / 767 / 488 / 790).
-* ``mma_rowsum=True`` / ``lazy_rescale=True`` (opt-in, session 10). On the H200 (session 11,
-  benchmarks/results/fp8_rowsum_check.md) mma_rowsum FAILED its accuracy check (RMSE 18x, lse off by up to 3.8)
-  and is refused unless $FXOPT_FP8_GLUON_UNCHECKED=1 until an H200 re-check; it ran 1.01-1.05x the default build.
-  Cause (found offline in session 11): the all-ones B tile was not all ones. ``gl.full(1.0, fp32).to(fp8)`` lowered to
-  ``cvt.rn.satfinite.e4m3x2.f32 %rs, 1.0, 1.0`` + ``mov.b32 {%rs, %rs}``, which ptxas 12.8 compiles to a single
-  ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R4, R3, R3, R0`` (result bits 31:16 = bits 15:0 of C = R0, the thread
-  id): every word was 0x00tt3838, i.e. weight 1 for keys 4j, 4j + 1, e4m3(tid) (up to 448, NaN for 0x7f) for
-  4j + 2 and 0 for 4j + 3, different per column, and the epilogue's max over the columns gave l ~ 20-50x too
-  large (a numpy replay of that tile reproduces RMSE ~ rms(out) and lse + 3.0..4.0). The fill now stores the bit
-  pattern 0x38 (int8, bitcast): SASS ``IMAD.MOV.U32 Rn, RZ, RZ, 0x38383838``; tests/test_fp8_gluon_rowsum.py
-  checks the stored words in the SASS. The row-sum algebra itself was sound (use_acc, alpha steps, tail).
-  lazy_rescale was accurate but 0.88-0.93x. The ablations (benchmarks/results/fp8_ablation.md) put the row sum at
-  266-324 of the ~2,450-2,990 cycles of a step and exp2 + row max + rescale at 626-741. (``MMA_ROWSUM_DEFAULT`` /
-  ``LAZY_RESCALE_DEFAULT`` False, env ``FXOPT_FP8_GLUON_MMA_ROWSUM`` / ``FXOPT_FP8_GLUON_LAZY_RESCALE``; constexprs
-  ``MMA_ROWSUM`` / ``LAZY_RESCALE``; separate device functions ``_f8_consumer_x`` / ``_f8_step_x`` /
-  ``_f8_softmax_x``; not with overlap / pingpong / poly_exp / persistent: ValueError). The kernel is issue-bound
-  (session 7), so these cut instructions per step. MMA_ROWSUM: l = rowsum(P8) by a fourth async wgmma group per
-  step, P8 (the PV A operand, already in registers) x a [BLOCK_N, RS_N = 8] all-ones e4m3 tile in shared memory
-  (filled once by the prologue), accumulating into a 64 x 8 fp32 tile (4 regs / thread) that is rescaled like O;
-  l now sums the quantized P that the numerator uses. The S wait allows 2 groups in flight, the PV wait covers
-  both. LAZY_RESCALE: FA4's conditional rescale: the max moves only when a row of the warpgroup would grow by
-  more than ``LAZY_TAU`` = 2 (log2), decided per warpgroup (Gluon's scalar reduction: 5 SHFL, 2 STS / LDS, 2
-  bar.sync), and O's rescale runs in a branch after the PV wait; O is kept in units of vs_0 (the V-scale ratio
-  log2(vs_j / vs_0) is folded into the max and into P, l weights each block's sum by vs_0 / vs_j), P_SHIFT 8 ->
-  ``LAZY_SHIFT`` 6 so P <= 2^(6 + 2) = 256. Offline sm_90 (d 128, unmasked step, wg 0): default 489, rowsum 434,
-  lazy 540 taken / 476 skipped, both 488 / 424; no spills, no C75xx, 0 hazards, highest register 211-229; the
-  default builds are byte-identical (.text). Table and predictions: docs/notes_fp8_rowsum_session10.md.
-* ``ablate=MASK`` (TIMING ONLY, the results are WRONG; session 10; constexpr ``ABLATE``, bits ``ABLATE_BITS``;
-  launches need $FXOPT_FP8_GLUON_ABLATE_OK=1, ValueError "timing-only ablation, results are wrong" otherwise; only
-  the default build: not with persistent / overlap / pingpong / poly_exp / mma_rowsum / lazy_rescale /
-  cast_late=False). Asks what the ~2,500-cycle step (against ~1,024 tensor-core, ~1,056 MUFU and ~980 issue cycles
-  in the model) waits on, by timing builds whose main-loop step (``_f8_step``, both loops; block 0, the tail and the
-  epilogue unchanged) leaves one part out while the rest of the data flow stays alive: 1: no exp2 (P = s c - m + 8,
-  alpha = 1 + max(m_i - m, -1/2): no MUFU); 2: no row max (m = 8 c, a per-block scalar: no FMNMX, 4 SHFL fewer);
-  4: no O rescale; 8: no PV wgmma (the e4m3 P tile is stored (4 STSM) to a never-read 2 x 64 x BLOCK_N shared tile
-  instead, so the cast stays; S waited for with nothing else in flight); 16: no QK^T wgmma (S_i := the fp32
-  P_{i-1}, loop state, so nothing downstream becomes loop-invariant); 32: no e4m3 cast (the PV A operand is a
-  constant e4m3 1.0 tile; P then only feeds l, and is no longer carried); 64: no row sum (l = l alpha). The K / V
-  mbarrier waits and releases stay, so the producer runs as before. ``ABLATE`` = 0 (or not passed): every build
-  byte-identical (.text) to before (16 builds: d 64 / 128 x causal x lse, fp16, the plain build, poly_exp 2,
-  mma_rowsum, rowsum + lazy, pingpong, overlap, persistent). Offline sm_90 (ptxas 12.8), d 128 / 64 x causal or
-  not, masks 0, 1, 2, 4, 8, 16, 32, 64, 7, 24, 71: STACK 0, LOCAL 0, no C75xx, zero ``wgmma_sass_hazards``. Per-step
-  census (``ablate_census``; d 128 full bf16, wg 0 unmasked step; n: wg0 unmasked / masked, wg1 unmasked / masked):
-
-  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
-  mask  n                    MUFU  FMNMX  FMUL  FADD  F2FP   QGMMA  STSM  highest reg
-  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
-  0     489/635/489/639      67    68     74    70    32     8      0     220
-  1     433/564/433/563      1     70     74    72    32     8      0     221
-  2     416/553/416/552      67    0      73    69    32     8      0     221
-  4     413/552/413/556      66    68     3     70    32     8      0     219
-  8     475/621/475/626      67    68     74    70    32     4      4     210
-  16    475/690/475/689      67    68     74    70    32     4      0     200
-  32    454/593/452/597      67    68     74    70    0      8      0     180
-  64    419/556/419/555      67    68     76    4     32     8      0     218
-  7     278/407/278/407      0     2      2     71    32     8      0     219
-  71    208/337/208/337      0     2      4     5     32     8      0     204
-  24    461/670/462/670      67    68     74    70    32     0      4     193
-  ====  ===================  ====  =====  ====  ====  =====  =====  ====  ===========
-
-  (``python -m fxopt.kernels.fp8_attention_gluon --ablate 0,1,2,4,8,16,32,64,7,71,24`` prints it for every
-  config; MUFU = 66 EX2 + 1 RCP of vs_prev / vs_i.) ``benchmarks/fp8_ablation.py`` times them on the H200 and
-  converts to cycles per step; docs/notes_fp8_rowsum_session10.md ("Ablation builds") reads the results.
-* Issue budget: two consumer warps per SM sub-partition x ~700 instructions per 128-key step ~ 1400 issue slots
-  against ~1024 tensor-core cycles for the step's fp8 QGMMAs at peak: the default build is likely issue-bound
-  below 1000 TFLOP/s; with ``cast_late`` + ``permute_k`` ~980 slots, about the MUFU.EX2 time (66 per warp and
-  step at 16 / clock / SM: ~1056 cycles for the two warpgroups' steps).
+The op routes to the default build (``permute_k`` + ``cast_late``). Opt-in builds kept for comparison
+(``overlap``, ``pingpong``, ``persistent``, ``poly_exp``, ``mma_rowsum``, ``lazy_rescale``, timing-only ``ablate``)
+were measured slower or not checked; ``docs/kernels.md`` has their results, the layouts and the SASS counts.
+``python -m fxopt.kernels.fp8_attention_gluon`` compiles every config offline and prints its resources.
 """
 from __future__ import annotations
 
@@ -333,30 +73,30 @@ _MAXNREG = 168
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 # K rows loaded permuted within every 16 keys so that P needs no cross-lane exchange before the PV wgmma (see
-# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles). On by default since session 8:
+# _f8_p_operand / _k_desc). False = plain K load + Triton's convert_layout (shuffles). On by default:
 # the 5-D TMA view works on the H200 (agreement with the Triton fp8 kernel as close as the plain load's on 12 cases).
 PERMUTE_K_DEFAULT = True
-# On by default since session 8 (with permute_k: 705-873 against 561-651 TFLOP/s for the plain build and 665-790 for
+# On by default (with permute_k: 705-873 against 561-651 TFLOP/s for the plain build and 665-790 for
 # the Triton fp8 kernel, d = 128, benchmarks/results/gluon/fp8_gluon_check.md): carry P_{i-1} across the loop back edge in fp32 and cast it to e4m3 right before
 # the PV wgmma that reads it, instead of carrying the e4m3 operand. Triton 3.6 lowers a loop-carried 8-bit register
 # tensor as one byte per 32-bit register, so the default build unpacks P8 at the end of every step (PRMT 0x777x /
 # 0x7610) and repacks it at the top of the next (LOP3 & 0xffff, PRMT 0x3340 / 0x5410): ~180 instructions per step.
 CAST_LATE_DEFAULT = True
-# Opt-in (session 7; on the H200 in session 8 bit-identical but 5-10% SLOWER than cast_late + permute_k alone:
+# Opt-in (on the H200 bit-identical but 5-10% SLOWER than cast_late + permute_k alone:
 # 753-801 against 812-873 TFLOP/s): FA3's intra-warpgroup order (attention_gluon.py's variant="overlap"): issue S_i,
 # rescale O by the factor owed by the previous softmax while S_i runs, issue PV_{i-1}, softmax_i, store l_i to an
 # unread shared slot (pins ptxas's PV wait below every exp2 of the step), wait for PV_{i-1}. See _f8_step_overlap.
 OVERLAP_DEFAULT = False
-# Opt-in (session 8, offline only): explicit warpgroup ping-pong (FA3's inter-warpgroup schedule). Two mbarriers
+# Opt-in (offline only): explicit warpgroup ping-pong (FA3's inter-warpgroup schedule). Two mbarriers
 # ``turn`` order the GEMM issues of the two consumer warpgroups: warpgroup 1 issues its k-th GEMM group (block 0: QK_0;
 # step i: QK_i + PV_{i-1}; tail: PV_{n-1}) only after warpgroup 0 issued its k-th, warpgroup 0 its (k+1)-th only after
 # warpgroup 1 issued its k-th, so one warpgroup's softmax runs under the other's GEMMs. See _pp_wait / the docstring.
 PINGPONG_DEFAULT = False
-# Opt-in (session 9; measured slower on the H200 in session 10): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
+# Opt-in (measured slower on the H200): compute POLY_EXP of every 16 consecutive per-thread scores' exp2 with a degree-3
 # polynomial on the FMA / ALU pipes (_exp2_poly) instead of MUFU.EX2, i.e. a fraction POLY_EXP / 16 of the S tile.
 # 0 = off (every build byte-identical to before). Allowed: POLY_EXP_CHOICES. Env override: FXOPT_FP8_GLUON_POLY_EXP.
 POLY_EXP_DEFAULT = 0
-# Opt-in (session 9; bit-identical, mixed on the H200 in session 10: +5.8% / -2.5%): one CTA per SM looping over (head, 128-row query block) work items with two Q
+# Opt-in (bit-identical, mixed on the H200: +5.8% / -2.5%): one CTA per SM looping over (head, 128-row query block) work items with two Q
 # buffers per consumer warpgroup, a never-drained K / V ring and the O store left in flight (attention_gluon.py's
 # variant="persistent", which made the bf16 forward 3-5% faster). A separate kernel, _fp8_fa3_fwd_persistent_kernel.
 PERSISTENT_DEFAULT = False
@@ -364,20 +104,20 @@ PERSISTENT_DEFAULT = False
 # fp8 each) + 2 O staging tiles (64 x d, 16-bit) + barriers: d 128 / 4 stages 196,608 B; 5 stages would be 229,376 B
 # (fits 227 KB = 232,448 B, ``stages=5``); d 64 / 4 stages 98,304 B.
 _PERSISTENT_STAGES = {64: 4, 128: 4}
-# Opt-in (session 10, offline only): the row sum l of P on the tensor cores (module docstring "mma_rowsum"): one extra
+# Opt-in (offline only): the row sum l of P on the tensor cores (docs/kernels.md "mma_rowsum"): one extra
 # async wgmma per step, P8 (the PV A operand, registers) x an all-ones [BLOCK_N, RS_N] e4m3 tile in shared memory,
 # instead of ~64 FADD per thread. l then sums the QUANTIZED P, the weights the numerator P8 V uses. Env override
 # FXOPT_FP8_GLUON_MMA_ROWSUM (0 / 1).
 MMA_ROWSUM_DEFAULT = False
-# The H200 check of session 11 failed (benchmarks/results/fp8_rowsum_check.md): RMSE 0.035 against 0.0019 without it
+# The H200 check failed (benchmarks/results/fp8_rowsum_check.md): RMSE 0.035 against 0.0019 without it
 # on N(0, 1) inputs, lse off by up to 3.8, out of range on the outlier inputs; lazy_rescale alone was accurate. So a
 # launch with mma_rowsum=True is refused unless $FXOPT_FP8_GLUON_UNCHECKED=1 (the ablation timing sets it).
-MMA_ROWSUM_FAILED = ("failed its H200 accuracy check (session 11: RMSE 18x the default build's, a ptxas miscompile "
-                     "of the ones-tile fill; session 12, fixed: RMSE 1.08-1.12x the default build's, one GPU test's "
+MMA_ROWSUM_FAILED = ("failed its H200 accuracy check (RMSE 18x the default build's, a ptxas miscompile "
+                     "of the ones-tile fill, fixed: RMSE 1.08-1.12x the default build's, one GPU test's "
                      "1.05x bound failed, for 1.00-1.05x the speed, so it is not used)")
 UNCHECKED_ENV = "FXOPT_FP8_GLUON_UNCHECKED"
 RS_N = 8  # N of the row-sum wgmma (the smallest N of an sm_90 wgmma): a 64 x 8 fp32 accumulator = 4 regs / thread
-# Opt-in (session 10, offline only): FA4's conditional rescaling (module docstring "lazy_rescale"): the running max
+# Opt-in (offline only): FA4's conditional rescaling (docs/kernels.md "lazy_rescale"): the running max
 # moves only when a row of the warpgroup would grow by more than LAZY_TAU (log2 units); the O rescale (64 FMUL per
 # thread) runs in a warpgroup-uniform branch. P = exp2(s c + lv - m + LAZY_SHIFT) <= 2^(LAZY_SHIFT + LAZY_TAU) = 256.
 # Env override FXOPT_FP8_GLUON_LAZY_RESCALE (0 / 1).
@@ -388,7 +128,7 @@ if _GLUON_IMPORT_ERROR is None:  # module-level constexprs read by the device co
     LAZY_TAU_C = gl.constexpr(LAZY_TAU)
     RS_N_C = gl.constexpr(RS_N)
 _SMEM_LIMIT = 232448  # sm_90: 227 KB of dynamic shared memory per block
-# TIMING-ONLY ablation builds (session 10; module docstring "ablate"): constexpr ABLATE, a bit mask of parts of the
+# TIMING-ONLY ablation builds (docs/kernels.md "ablate"): constexpr ABLATE, a bit mask of parts of the
 # main-loop step to leave out. The results are WRONG; the launch needs $FXOPT_FP8_GLUON_ABLATE_OK=1. 0 = every build
 # byte-identical to before.
 ABLATE_BITS = {1: "exp2", 2: "rowmax", 4: "rescale", 8: "pv", 16: "qk", 32: "cast", 64: "rowsum"}
@@ -483,7 +223,7 @@ def _f8_softmax(s, m_i, l_i, c, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr
     m_i / m_new are in log2 units (scaled). Returns (p = exp2(s c - m + 8) fp32, m_new, l_new, alpha).
     POLY_EXP > 0: that many of every 16 per-thread exp2s by the FMA-pipe polynomial (masked -inf scores still give
     exactly 0; alpha stays on MUFU).
-    ABLATE (timing only, WRONG results; module docstring "ablate"): bit 2 replaces the row max by a per-block scalar
+    ABLATE (timing only, WRONG results; docs/kernels.md "ablate"): bit 2 replaces the row max by a per-block scalar
     (no FMNMX / SHFL), bit 1 drops both exp2s (P = s c - m + 8 and alpha = 1 + max(m_i - m, -1/2): no MUFU), bit 64
     drops the row sum (l = l alpha)."""
     if _ablates(ABLATE, 2):
@@ -514,7 +254,7 @@ def _pp_wait(turn, WG: gl.constexpr, k):
     ``turn.index(w)`` (count 1) is arrived on by the OTHER warpgroup once per issued group. Warpgroup 0 waits for
     phase k - 1 of turn[0] (k = 0: parity 1 = the phase before the first, complete at init: no wait), warpgroup 1 for
     phase k of turn[1]. Each warpgroup's arrivals can run at most one ahead of the other's waits, so a count-1
-    barrier's parity never aliases (module docstring, "pingpong")."""
+    barrier's parity never aliases (docs/kernels.md, "pingpong")."""
     mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
 
 
@@ -532,7 +272,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
              PERMUTE_K: gl.constexpr, CAST_LATE: gl.constexpr, turn=None, WG: gl.constexpr = 0,
              PINGPONG: gl.constexpr = False, POLY_EXP: gl.constexpr = 0, ABLATE: gl.constexpr = 0,
              sink=None):
-    """Key block i >= 1 (see the module docstring). Straight-line from the first wgmma issue to the last wait (a
+    """Key block i >= 1 (see the design notes in docs/kernels.md). Straight-line from the first wgmma issue to the last wait (a
     branch in between makes ptxas wait for everything at the join; attention_gluon.py's _fa_step).
 
     CAST_LATE: ``p8`` is the fp32 P_{i-1} (accumulator layout); it is cast to the e4m3 A operand between the QK_i
@@ -541,7 +281,7 @@ def _f8_step(i, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s, o,
     PINGPONG: the QK_i + PV_{i-1} issue group is the warpgroup's i-th turn (``_pp_wait`` before the QK_i issue,
     ``_pp_arrive`` right after the PV_{i-1} issue); nothing else changes.
 
-    ABLATE (timing only, WRONG results, CAST_LATE builds; module docstring "ablate"): bit 16: no QK_i wgmma, S_i :=
+    ABLATE (timing only, WRONG results, CAST_LATE builds; docs/kernels.md "ablate"): bit 16: no QK_i wgmma, S_i :=
     the fp32 P_{i-1} (loop state, so nothing downstream is loop-invariant); bit 32: no e4m3 cast, the PV A operand is
     a constant e4m3 tile; bit 8: no PV wgmma, the e4m3 A operand is stored to the warpgroup's ``sink`` tile in
     shared memory instead (keeps the cast alive), S waited for with nothing else in flight; bit 4: no O rescale;
@@ -781,7 +521,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     tma.store_wait(0)
 
 
-# ---- MMA_ROWSUM / LAZY_RESCALE (session 10, opt-in; module docstring "mma_rowsum" / "lazy_rescale")
+# ---- MMA_ROWSUM / LAZY_RESCALE (opt-in; docs/kernels.md "mma_rowsum" / "lazy_rescale")
 
 
 @gluon.jit
@@ -1110,7 +850,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
             # cvt.rn.satfinite.e4m3x2.f32 + mov.b32 {%rs, %rs}, which ptxas 12.8 miscompiles into one
             # F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C whose C operand (the upper 16 bits of every 32-bit word) is
             # an unrelated register (the thread id): keys 4j + 2 got weight e4m3(tid) (up to 448, or NaN), keys
-            # 4j + 3 weight 0 (session 11; module docstring "mma_rowsum")
+            # 4j + 3 weight 0 (docs/kernels.md "mma_rowsum")
             fill_layout: gl.constexpr = gl.BlockedLayout([1, 16], [RS_N_C // 4, 32 // (RS_N_C // 4)], [4, 1],
                                                          [1, 0])
             ones.store(gl.full([RS_N_C, BLOCK_N], 0x38, gl.int8, layout=fill_layout).to(fp8, bitcast=True))
@@ -1160,7 +900,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
                             v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES, PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif _ablates(ABLATE, ABLATE_ALL_C):
-        # TIMING ONLY (module docstring "ablate"): parts of the step left out, results wrong. ``sink``: one e4m3
+        # TIMING ONLY (docs/kernels.md "ablate"): parts of the step left out, results wrong. ``sink``: one e4m3
         # [ROWS, BLOCK_N] tile per consumer warpgroup, written instead of the PV wgmma by bit 8, never read
         gl.static_assert(CAST_LATE and not (OVERLAP or PINGPONG or POLY_EXP),
                          "ablate: cast_late builds without overlap / pingpong / poly_exp only")
@@ -1192,7 +932,7 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ---- persistent=True: one CTA per SM looping over work items (module docstring, "persistent")
+# ---- persistent=True: one CTA per SM looping over work items (docs/kernels.md, "persistent")
 
 
 @gluon.jit
@@ -1518,7 +1258,7 @@ def _rowsum_combo_reason(mma_rowsum: bool, lazy: bool, overlap, pingpong, poly_e
 def resolve_ablate(ablate=None, *, check_env: bool = True, overlap=None, pingpong=None, poly_exp: int = 0,
                    persistent: bool = False, mma_rowsum: bool = False, lazy_rescale: bool = False,
                    cast_late=None) -> int:
-    """The ABLATE constexpr of a launch (TIMING ONLY; module docstring "ablate"): 0 for None / 0; otherwise a
+    """The ABLATE constexpr of a launch (TIMING ONLY; docs/kernels.md "ablate"): 0 for None / 0; otherwise a
     nonzero int whose bits are in ``ABLATE_BITS``. ValueError for anything else, for a nonzero mask without
     $FXOPT_FP8_GLUON_ABLATE_OK=1 (``check_env``; offline builds pass False: they produce no results), and for a mask
     combined with persistent / overlap / pingpong / poly_exp / mma_rowsum / lazy_rescale or cast_late=False."""
@@ -1709,7 +1449,7 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     """The Gluon kernel alone, on :func:`fp8_attention.quantize_blocks` outputs (same arguments as
     ``fp8_attention.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``). ``permute_k`` /
     ``cast_late`` / ``overlap`` / ``pingpong``: None = ``PERMUTE_K_DEFAULT`` / ``CAST_LATE_DEFAULT`` /
-    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the module docstring); pingpong with overlap is refused.
+    ``OVERLAP_DEFAULT`` / ``PINGPONG_DEFAULT`` (see the design notes in docs/kernels.md); pingpong with overlap is refused.
     ``poly_exp``: None = $FXOPT_FP8_GLUON_POLY_EXP or ``POLY_EXP_DEFAULT`` (``resolve_poly_exp``).
     ``persistent``: None = ``PERSISTENT_DEFAULT``; True runs ``_fp8_fa3_fwd_persistent_kernel`` (not with overlap /
     pingpong); ``num_sms`` caps its grid (default: the device's SM count; small values force many items per CTA),
@@ -1900,8 +1640,8 @@ def compile_offline(D: int, causal: bool, out_str: str = "bf16", write_lse: bool
     if any(optional.values()):
         # every optional constexpr explicitly: ASTSource binds by position, and Triton 3.6's ASTSource.hash keys the
         # constants by value only (sorted by position), so a partial set would share a cache key with another
-        # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary
-        # before session 10; MMA_ROWSUM / LAZY_RESCALE / ABLATE likewise). The default build passes none of them.
+        # build (OVERLAP=True alone and PINGPONG=True alone both hashed as "..., True" and returned one binary;
+        # MMA_ROWSUM / LAZY_RESCALE / ABLATE likewise). The default build passes none of them.
         constexprs.update(optional)
         for name in optional:
             sig[name] = "constexpr"

@@ -2,8 +2,8 @@
 
 Why. On the H200 box a Triton / Gluon launch through ``JITFunction.run`` costs tens of microseconds of host time
 (argument binding and specialization, the cache key, the global-value check, descriptor objects validated in Python),
-and the attention op's own routing and checks add more. Session 15 profiled the eager fwd+bwd at 0.8-1.0 ms of host
-time per call against 0.3-0.5 ms for cuDNN's (``benchmarks/attention_host_overhead.py``): at short sequences the op
+and the attention op's own routing and checks add more: the eager fwd+bwd measured 0.8-1.0 ms of host
+time per call against 0.3-0.5 ms for cuDNN's (an H200 check): at short sequences the op
 was bound by its launch path, not by its kernels.
 
 What. ``@plan_cached`` on an entry point (``flash_attention_triton``, ``flash_attention_triton_bwd``) keys each call

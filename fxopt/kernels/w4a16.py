@@ -2,93 +2,30 @@
 
 Ops (registered on import):
 
-* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype`` (contiguous).
-  CUDA: a Triton kernel; elsewhere: :func:`fxopt.quant.format.dequantize`.
-* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias=None) -> y [..., N]`` (contiguous,
-  ``x.dtype``). CUDA: the Triton kernels below; CPU: the reference (dequantize + matmul in float32, cast). Autograd
-  with respect to ``x`` (and ``bias``): ``grad_x = grad_y @ W``; the packed tensors get no gradient.
+* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype``.
+* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, bias, group_size) -> y`` = ``x @ dequant(W)^T + bias``.
 
 Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i+j];
 ``scales``/``zeros`` [K/G, N]; ``W = (q - zero) * scale``.
 
-Design
-------
-One Triton kernel, ``_w4a16_kernel``, computes ``y[BLOCK_M, BLOCK_N]`` tiles over a slice of K. The packed tile
-[BLOCK_K/8, BLOCK_N] int32 is one coalesced load along N; it is unpacked in registers as a [BLOCK_K/8, 8, BLOCK_N]
-broadcast shift-and-mask that reshapes to [BLOCK_K, BLOCK_N] in natural K order. No 16-bit weight is written to
-memory. Codes become floats without an int->float conversion: ``code | 0x4300`` read as bf16 is exactly ``128 + q``
-(``code | 0x6400`` read as fp16 is ``1024 + q``), so the unpack is a shift, an and/or, and a 16-bit truncation.
-BLOCK_K always divides the group size, so one tile has a single (scale, zero) row. Two modes (constexpr CODE_DOT):
+Kernels (the tuner picks one per (M bucket, K, N, group size, dtype) by timing a short candidate list the first
+time a shape is seen, cached in the process and optionally in a file):
 
-* CODE_DOT (small M, memory-bound): the tensor cores multiply x by the raw offset codes, and scale and zero are
-  applied once per group to the [BLOCK_M, BLOCK_N] result: ``acc += (x @ (OFF + q) - (OFF + z) * sum_k x) * s``.
-  With BLOCK_M = 16 this costs a few ALU ops per weight, which is what the memory-bound regime can afford.
-* dequant (large M, compute-bound): ``w = (OFF + q) * s - (OFF + z) * s`` (one FMA in fp32, exact codes), cast to
-  the activation dtype, then ``tl.dot`` accumulates; the per-tile dequant is shared by BLOCK_M rows.
+* Triton ``_w4a16_swap_kernel`` ("swapx" / "swapd"): codes as the dot's first operand (y^T = codes @ x^T), so a
+  64-row weight tile fills the MMA at small M; two weights unpacked per 32-bit op into bf16 bits of 128 + q;
+  with integer zeros the dot runs on raw codes and scale / zero are applied once per group to the accumulator.
+* "gemv1" (M <= 4, one launch, CUDA-core FMAs) and "mma" (M <= 16, ``w4a16_mma``: mma.sync with both operands in
+  registers).
+* The Gluon kernel of ``w4a16_gluon`` (sm_90, bf16: warp-specialized TMA ring + wgmma) in every bucket.
+* "dequant_matmul" (dequantize to a temporary 16-bit W of one linear, then cuBLAS): listed first above M = 256 (a
+  prefill), where it won every shape measured; ``FXOPT_W4A16_DEQUANT_MATMUL=0`` unlists it, ``=1`` lists it from M = 33.
 
-``_w4a16_swap_kernel`` (methods "swap" and "swapx", the tuner's choice for M up to 128) swaps the operands:
-``y^T[BLOCK_N, BLOCK_M] = codes[BLOCK_N, BLOCK_K] @ x^T``. The unpacked codes are then the dot's first operand,
-which Hopper's wgmma reads from registers, so they never go through shared memory, and the tensor-core M dimension
-is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile. The packed tile is pipelined into shared
-memory by the compiler (cp.async); x, scale and zero are prefetched one K tile ahead in registers. In "swapx" a small
-kernel (``_prep_x_kernel``) first writes x in the codes' K order together with its sums per K tile, once per call,
-so no program permutes or reduces x in its inner loop (about 40% fewer instructions per tile in the sm_90 SASS),
-and the codes are unpacked in FRAG order (``_unpack_frag``): the K order of wgmma's register fragment, so a thread
-reads each packed word once and uses all 8 of its nibbles (4x fewer shared-memory loads, fewer registers).
-The main kernel is launched with programmatic dependent launch (``pdl``): its programs become resident and load
-their first scales while the prep kernel runs, and wait (``gdc_wait``) only before reading x. "swapd"
-dequantizes the codes in the activation dtype before the dot, two per PTX instruction, so the dot accumulates over
-K with no per-tile correction and the wgmma stays asynchronous (integer zeros only; otherwise it runs as "swapx").
-It is the tuner's main candidate from M = 17 to 256 (12-35% faster than swapx at M = 64-256 on the H200).
-"gluon" (``fxopt/kernels/w4a16_gluon.py``, sm_90 only) is a warp-specialized Gluon kernel with the swapd
-arithmetic: a TMA producer warp and two consumer warpgroups, one dequantizing while the other's wgmma runs. It is
-listed up to M = 256 for bf16, integer zeros, group 128, K and N multiples of 128, when Gluon imports;
-``FXOPT_W4A16_GLUON=0`` removes it. With its async-wgmma builds (session 7) it is the tuner's pick at M = 64-256 and
-ties or beats swapx at M = 1-16 (``benchmarks/results/w4a16.md``).
-``_w4a16_gemv2_kernel`` ("gemv"/"gemv2") is a CUDA-core GEMV, one x row per program; its K tiles may span several
-groups ("gemv2"). It stays a candidate at M = 1.
-``_w4a16_gemv1_kernel`` ("gemv1", session 8; listed for the M buckets up to 4 on CUDA, last, so the tuner times it;
-GPU-checked in session 9, ``FXOPT_W4A16_GEMV1=0`` unlists it) is the one-launch small-M path: x is read as it is (no prep kernel),
-all M <= 4 rows in one program, CUDA-core fp32 FFMA chains. Each code becomes an fp32 with one LOP3, ``(copy &
-0xF0000) | 0x43000000`` = 128 + q or ``(copy & 0xF000) | 0x45000000`` = 2048 + q, from four copies of the word (itself,
-``<< 8``, ``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1, no smem, no barrier in
-the K loop, the next K tile's loads issued before the current one is computed. Offsets and zeros are removed once
-per thread, column and K tile (the chain starts at ``-(sum x OFF + z sum x)``), the scale folded once per K tile.
-Split-K partials go to an fp32 workspace kept at zero between calls (relaxed fp32 atomics, one per output element
-and CTA); the CTA that bumps the column tile's counter last reads the total, zeroes it, adds the bias and writes y.
-Offline sm_90 SASS (``gemv1_offline_report``): 3.08 instructions per weight at M = 1, 127 registers, no spill. On
-the H200 (session 9) it wins at M = 1 on three of the four benchmark shapes (2.05-2.37x bf16) and loses at M = 2 / 4
-(every row re-reads the weights' registers per x row: 1.0-1.5x). The tuner checks its output against the default
-config's before timing it. ``prefetch`` (constexpr PREFETCH, 1-3): K tiles of loads kept in flight ahead of the
-computed one, as a ring of register buffers. With 1, ptxas issues the next tile's packed loads only 71% of the way
-through the current tile (a third of a tile of lead); with 2 the lead is 1.15 tiles, at 168 registers for BN 256 w4
-(3 CTAs per SM, 96 KB of weights in flight per SM against 64 KB) and 12% more instructions (the ring's register
-copies). With ``FXOPT_W4A16_GEMV1_PREFETCH=1`` (opt-in until its GPU test, session 9 offline only) the M = 1
-bucket lists prefetch-2 candidates next to the prefetch-1 ones (same arithmetic, bit-identical per split);
-docs/notes_w4a16_gemv1_session9.md.
+Picks are kept in the tuner's file (``FXOPT_W4A16_TUNE_CACHE``, keyed by GPU model, software versions, shape and
+candidate list); the package ships picks for the benchmarked models' shapes on the H200 (``w4a16_picks.json``, no
+versions in the key), so a first compile there times nothing for them.
 
-Small M needs more CTAs than ``N / BLOCK_N`` to fill 132 SMs and keep enough bytes in flight, so K is split
-(SPLIT_K programs per output tile). Partials go to an fp32 workspace; each program bumps a per-tile counter
-(acq_rel atomic after a CTA barrier) and the last one to arrive sums the partials, adds the bias, writes y and resets
-the counter. One launch, no memset, no extra reduction kernel.
-
-Configs are picked per (M bucket, K, N, group size, dtype) by timing a short candidate list on the device the first
-time a shape is seen (L2 emptied by reading a large buffer between runs, each candidate replayed from a CUDA graph),
-then cached; the candidates within 8% of the best are timed again, longer, before the pick (``_pick_fastest``),
-and the M <= 16 buckets are timed as calls back to back over weight copies (``_bench_streamed_us``). Under
-CUDA-graph capture no timing happens (the tuner's file, else the heuristic default; ``FXOPT_W4A16_NO_TUNE=1`` forces
-the heuristic); the Triton interpreter uses a fixed small config. The picks are also kept in a file
-(``FXOPT_W4A16_TUNE_CACHE``) under the GPU model, the software versions, the shape key and the candidate list, so a
-new process does not time again; the package ships such picks for the benchmarked models' shapes on the H200
-(``w4a16_picks.json``, versions not part of the key), so a first compile there times nothing for them.
-No call writes a 16-bit copy of a weight: every candidate dequantizes in registers. Above M = 256 the Gluon
-tiles (``_gluon_configs``) are listed next to the Triton GEMMs; on the H200 they are 0.64-0.89x cuBLAS bf16 at
-M = 1024 / 4096 (``benchmarks/results/w4a16.md``). Above M = 256 (a prefill) the lists also hold, first (the
-untuned default), "dequantize to a 16-bit W with the Triton dequant kernel, then cuBLAS": at M = 1024 / 4096 the tuner
-picked it on every benchmark shape (0.96-1.09x bf16 at M = 4096), at the price of writing a temporary 16-bit W of one
-linear (freed after the call) and reading it back. ``FXOPT_W4A16_DEQUANT_MATMUL=0`` lists fused kernels only at every
-M; ``=1`` lists dequant + cuBLAS from M = 33.
-Measurements and predictions: ``docs/notes_w4a16.md``.
+Small grids split K; partials go to an fp32 workspace and the last program of a tile reduces them (one launch).
+Candidates and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -821,13 +758,13 @@ class W4A16Config:
     deq: str = ""  # "gluon" only: "xsum" / "group" = the small-M consumer (scale and zero once per K tile)
     prefetch: int = 1  # "gemv1" / "mma": K tiles of loads kept in flight ahead of the one computed (1, 2 or 3)
     l2_ahead: int = 0  # "mma" only: K-tile distance of the prefetch.global.L2 of the weights (0: none)
-    ws: str = ""  # "gluon" only: "regmajor" = the register-major split-K workspace (session 18, opt-in)
+    ws: str = ""  # "gluon" only: "regmajor" = the register-major split-K workspace (opt-in)
 
     def label(self) -> str:
         """Short printable name (the "config" column of benchmarks/w4a16.py)."""
         if self.method == "dequant_matmul":
             return self.method
-        if self.method == "mma":  # session 10 (fxopt/kernels/w4a16_mma.py): block_n = warps x 16 R columns
+        if self.method == "mma":  # block_n = warps x 16 R columns
             return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
                     + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
                     + (f" l2a{self.l2_ahead}" if self.l2_ahead else ""))
@@ -901,13 +838,12 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
     """The Gluon kernel's candidates, or [] where it does not apply or was not measured faster. It runs only on
     sm_90 (wgmma, setmaxnreg) and with swapd's exact bf16x2 dequantization (integer zeros). It beat swapd at
     M = 64-256; with the async-wgmma builds it also ties swapx at M = 1-16 on 8192 x 8192 and beats it on
-    8192 x 28672 (M = 16: 48.8 against 54.6 us, session 7, gluon_w4a16_async_check.py --time-only), so every
-    bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (session 20: picked on
+    8192 x 28672 (M = 16: 48.8 against 54.6 us, gluon_w4a16_async_check.py --time-only), so every
+    bucket up to 256 lists it and the tuner decides. Above 256 it is the fastest fused kernel (picked on
     every benchmark shape at M = 1024 / 4096; ``FXOPT_W4A16_GLUON_LARGE_M=0`` unlists it there). Gated on the
     bucket, not M: the tuner caches one pick per bucket. bf16 only: fp16 was never timed on a GPU.
 
-    Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (session 8,
-    benchmarks/gluon_w4a16_small_check.py: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
+    Buckets up to 16 also list the small-M consumer at BN 256 with ``deq="xsum"`` and no PDL (an H200 check: correct on every case; 45.7 / 47.5 us against 48.0 / 49.3 us for the
     best per-weight build at 8192 x 28672, M = 1 / 16, but 18.7 against 17.6 us at 8192 x 8192, M = 1; PDL and
     stream-K were slower)."""
     bucket = _m_bucket(M)
@@ -923,10 +859,10 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
         return []
     cands = kg.gluon_w4a16_configs(bucket, K, N)
     if os.environ.get("FXOPT_W4A16_GLUON_LARGEM", "0") == "1":  # opt-in until test_gpu_gluon_largem_chunked_split
-        cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (session 8, offline)
+        cands += kg.gluon_w4a16_largem_configs(bucket, K, N)  # split-K tiles of the 256 bucket (offline)
     cands += [c for c in kg.gluon_w4a16_small_configs(bucket, K, N)
               if c["deq"] == "xsum" and c["block_n"] == 256 and not c["pdl"]]
-    # Session 19 (H200, benchmarks/results/w4a16_gluon_probe_s19.md, w4a16_subset_s19_regmajor_pdl.md): the
+    # the
     # register-major split-K workspace is the main kernel's default wherever the standard split epilogue does not
     # spill (e.g. 11008 x 4096, M = 64: 27.1 -> 23.7 us; BN 256 at 8192^2, M = 64: 44.4 -> 31.8 us; at most 2% slower
     # on any probed tile), so those tiles are listed with it in place of the standard one
@@ -952,7 +888,7 @@ def _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device) -> list[W4
 # "gemv1" tiles per M bucket: (block_n, warps, resident CTAs per SM, pdl, prefetch). The residency comes from the
 # offline sm_90 builds (``gemv1_offline_report``, bf16, K tile 128: registers 127 / 80 / 102 at M = 1 for BN 256 w4 /
 # BN 128 w4 / BN 256 w8, 168 / 128 at M = 2 for BN 256 w4 / w8, 255 / 168 at M = 4 for BN 256 / 128, no spill),
-# so that the split-K grid is one full wave (``_gemv1_split_for``). Session 9 (offline): ptxas issues the next
+# so that the split-K grid is one full wave (``_gemv1_split_for``). ptxas issues the next
 # tile's packed loads of a prefetch-1 build only 71% of the way through the current tile (SASS positions 560-567 of
 # 788), a lead of about a third of a tile; prefetch 2 (a register ring, loads two tiles ahead) issues them at 85%
 # of the tile before, a lead of 1.15 tiles, at 168 / 128 / 124 registers for BN 256 w4 / BN 128 w4 / BN 256 w8
@@ -982,7 +918,7 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
     return best
 
 
-# Listed for the tuner by default since session 9: test_gpu_gemv1 passed on the H200 (bf16 / fp16, group 128 and
+# Listed for the tuner by default: test_gpu_gemv1 passed on the H200 (bf16 / fp16, group 128 and
 # per-channel, M = 1..4, PDL builds included) and at M = 1 it is the fastest candidate on 3 of the 4 benchmark
 # shapes (14.2 / 11.8 / 11.6 us against 15.8-17.7 us at 8192^2 / 4096x11008 / 11008x4096;
 # benchmarks/results/w4a16_subset_gemv1.md); at M = 2 / 4 it loses and the tuner leaves it. FXOPT_W4A16_GEMV1=0
@@ -990,7 +926,7 @@ def _gemv1_split_for(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1
 _GEMV1_DEFAULT = "1"
 
 
-# The prefetch-2 / 3 builds (session 9) are listed only with FXOPT_W4A16_GEMV1_PREFETCH=1 until test_gpu_gemv1 has
+# The prefetch-2 / 3 builds are listed only with FXOPT_W4A16_GEMV1_PREFETCH=1 until test_gpu_gemv1 has
 # passed with them on a GPU (interpreter-checked and built offline only).
 _GEMV1_PREFETCH_DEFAULT = "0"
 
@@ -1017,7 +953,7 @@ def _gemv1_configs(M: int, N: int, K: int, group_size: int, num_sms: int, device
 
 
 # ---- tuner hook of the "mma" kernel (fxopt/kernels/w4a16_mma.py: mma.sync with the int4 codes and x as register
-# operands, Gluon, sm_80+). Listed by default since session 11: its GPU test passed on the H200 (9 cases) and the tuner
+# operands, Gluon, sm_80+). Listed by default: its GPU test passed on the H200 (9 cases) and the tuner
 # picked it on 12 of the 16 rows at M = 1-8 (benchmarks/results/w4a16_subset_gemv1_mma.md: M = 2 / 4 at 8192^2 from
 # 1.81x to 2.34x / 2.1x bf16). FXOPT_W4A16_MMA=0 takes it off the list; the tuner checks its output against the
 # default config's before timing it.
@@ -1063,14 +999,14 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         n_mn = cdiv(M, bm) * cdiv(N, bn)
         split = _split_for(n_mn, K // bk, int(waves * num_sms)) if waves else 1
         # the main kernel of swapx / swapd launches with programmatic dependent launch: 0.5-1.5 us less per call at
-        # M <= 16 (benchmarks/w4a16_breakdown.py)
+        # M <= 16 (an H200 check)
         cfg = W4A16Config(bm, bn, bk, split, code_dot, 8, warps, stages, method, pdl=method in ("swapx", "swapd"))
         if cfg not in out:
             out.append(cfg)
 
-    # Lists from the H200 sweeps (benchmarks/w4a16_sweep.py, docs/notes_w4a16.md). "swapx" (weight as the register
+    # Lists from the H200 sweeps (an H200 check, docs/kernels.md). "swapx" (weight as the register
     # operand of wgmma, x permuted and summed once per call) wins up to M = 32; "swapd" (weights dequantized before
-    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29, session 5).
+    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29).
     if bucket <= 16:
         # waves = programs per SM: ~5 of 4 warps fit at BLOCK_N = 64 (registers), ~3 at 128 (Nsight Compute: at
         # M = 1 the kernel is short of eligible warps, so grids that fill those slots are in the list)
@@ -1131,7 +1067,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         out.append(W4A16Config(method="dequant_matmul"))
     return (out + _gluon_configs(M, N, K, group_size, integer_zeros, dtype, device)
             + _gemv1_configs(M, N, K, group_size, num_sms, device)
-            + _mma_configs(M, N, K, group_size, num_sms, device))  # "mma": opt-in, session 10
+            + _mma_configs(M, N, K, group_size, num_sms, device))  # "mma": opt-in, 
 
 
 _TUNED: dict = {}
@@ -1198,7 +1134,7 @@ def _bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -
     """Per-call time (median over ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the
     next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which a single
     call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL and
-    non-PDL builds from run to run, docs/notes_session20.md section 3). ``benchmarks/common.streamed_us`` is this."""
+    non-PDL builds from run to run, docs/kernels.md). ``benchmarks/common.streamed_us`` is this."""
     for c in copies:
         fn_on(c)
     torch.cuda.synchronize()
@@ -1221,7 +1157,7 @@ def _bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -
 
 def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config,
                          default: W4A16Config) -> bool:
-    """Safety net of the tuner for a method not yet checked on a GPU ("gemv1", session 8): its output on the tuning
+    """Safety net of the tuner for a method not yet checked on a GPU ("gemv1"): its output on the tuning
     inputs must match the heuristic default's (within the output dtype's rounding: 2e-2 of max |y| for bf16, 4e-3
     for fp16) before it is timed; otherwise it is dropped with a warning, never picked for being fast."""
     ref = _launch(x2d, qweight, scales, zeros, group_size, bias, default).float()
@@ -1250,8 +1186,8 @@ def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
     import fxopt  # not at module level: fxopt imports this module
 
     _, dtype, bucket, K, N, G, has_bias, intz = key
-    # the timing method is part of the digest: picks timed another way (before session 20's back-to-back timing of
-    # the small-M buckets, or with it turned off) are timed again
+    # the timing method is part of the digest: picks made with the other timing method (back-to-back
+    # timing of the small-M buckets on or off) are timed again
     timing = "streamed" if _streamed_timing(bucket) else "flushed"
     digest = hashlib.sha1("\n".join([f"timing {timing} rounds 2"] + [c.label() for c in cands]).encode()
                           ).hexdigest()[:12]
@@ -1308,7 +1244,7 @@ def _pick_fastest(cands: list, time_us) -> tuple:
     skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
     four) again with ``_FINAL_ROUND_REPS``, since near-equal builds are within one round's run-to-run noise (2-5%).
     The second round alone did not stop the M <= 4 pick flipping between PDL and non-PDL builds from one H200 run to
-    the next; timing those buckets back to back did (``_bench_streamed_us``, docs/notes_session20.md section 3)."""
+    the next; timing those buckets back to back did (``_bench_streamed_us``, docs/kernels.md)."""
     timed = []
     for c in cands:
         try:
@@ -1679,7 +1615,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
         w = dequantize_w4_triton(qweight, scales, zeros, group_size)
         return torch.nn.functional.linear(x2d, w, bias)
     if cfg.method == "gluon":
-        # as benchmarks/gluon_w4a16_check.py: the wrapper prepares x in FRAG order (_prep_x), fuses the bias, and
+        # as an H200 check: the wrapper prepares x in FRAG order (_prep_x), fuses the bias, and
         # raises ValueError on what it does not support (non-integer zeros included; the tuner skips such configs)
         kg = _gluon_module()
         if kg is None:
@@ -1690,7 +1626,7 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
                                  **({"ws_layout": cfg.ws} if cfg.ws else {}), **({"pdl": True} if cfg.pdl else {}))
     if cfg.method == "gemv1":
         return _launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg)
-    if cfg.method == "mma":  # session 10, opt-in (FXOPT_W4A16_MMA=1): fxopt/kernels/w4a16_mma.py
+    if cfg.method == "mma":  # listed by default (FXOPT_W4A16_MMA=0 unlists it): fxopt/kernels/w4a16_mma.py
         from fxopt.kernels import w4a16_mma
 
         return w4a16_mma.launch_config(x2d, qweight, scales, zeros, group_size, bias, cfg)
@@ -1757,9 +1693,9 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
     return y
 
 
-# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on since session 16, when
+# Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on, when
 # tests/test_w4a16_launch_plan_gpu.py passed on the H200 (whole one-GPU suite 433 / 433,
-# benchmarks/results/gpu_tests_h200_session16.txt). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
+# an H200 run). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
 _LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "1") != "0"
 
 

@@ -1,248 +1,18 @@
 """W4A16 GEMM for Hopper (sm_90) written in Gluon: warp-specialized, producer ring + two consumer warpgroups.
 
-Status: sm_90 only; GPU-checked (``benchmarks/gluon_w4a16_check.py`` and the other ``gluon_w4a16_*_check.py``).
+Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` from fxopt's packed format (``w4a16.py``), group size 128,
+integer zeros. The weight is wgmma's A operand from registers: a consumer warpgroup loads packed words, unpacks
+them to bf16 (exact pair arithmetic on OFFSET + q), and multiplies by x^T from shared memory; weight columns are
+relabeled so that each thread's A fragment comes from whole packed words. x is rewritten once per call in FRAG
+order (``w4a16._prep_x``) so its TMA tiles match. A producer warp TMA-loads x and weight tiles into a ring of
+STAGES slots guarded by ``ready`` / ``empty`` mbarriers. Small grids split K; partials go to a register-major fp32
+workspace and the last CTA of a tile reduces them. An epilogue wait placed before the first accumulator read avoids
+a SASS hazard ptxas leaves in async builds without split-K.
 
-Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` from fxopt's packed format (``fxopt/kernels/w4a16.py``):
-``qweight`` int32 [K/8, N] (nibble j of row i = code of W[n, 8i + j]), ``scales`` / ``zeros`` [K/128, N] in the
-activation dtype, ``W = (q - zero) * scale``, integer zeros only (the "swapd" arithmetic). Like swapd it computes the
-transposed product ``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]``: the dequantized weights are the REGISTER A operand of
-wgmma (tensor-core M = the weight's N, so 16..256 activation rows are the wgmma N), x^T is the shared-memory B
-operand.
-
-x order. As in "swapd", x is first rewritten in FRAG order by ``fxopt.kernels.w4a16._prep_x`` (every 32 columns
-permuted so that column c holds k = 8 t + 2 kb + h + 4 e, (kb, h, t, e) = (c // 16, c // 8 % 2, c // 2 % 4, c % 2)).
-Then thread t of a quad needs, per 32-K chunk, exactly the 8 nibbles of ONE packed word (word 4 q + t of the chunk),
-so each thread reads whole words and uses all 8 codes.
-
-Partitions (``gl.warp_specialize``), one output tile [BM, BN] (and one K slice with split-K) per CTA:
-
-* producer (worker, 1 warp, few registers): for every K tile (BK = 128 = one group) of the slice it waits for a free
-  ring slot, then TMA-loads into it the x tile [BM, 128] (bf16, 128B swizzle; rows past M are zero-filled by TMA),
-  the packed tile [16, BN] int32 (128B swizzle), and the scale and zero rows [1, BN] (no swizzle); the four copies
-  complete on the slot's ``ready`` barrier (expect-tx = their byte count).
-* consumer 0 (default partition, 4 warps) and consumer 1 (worker, 4 warps): consumer c owns weight columns
-  [c BN/2, (c + 1) BN/2) of the tile (BN_C = BN / 2 rows of y^T) and its own fp32 accumulator [BN_C, BM] in the
-  wgmma layout. Per K tile: wait ``ready``, then per KC-column chunk (KC = 32 or 64): load the chunk's packed words
-  from shared memory (one 2R-word vector per thread and word row, R = BN_C / 64), shift/mask/OR them into bf16x2
-  pair words ``OFFSET + q``, dequantize with PTX ``sub.rn.bf16x2`` (OFFSET + zero: exact for integer zeros) and
-  ``mul.rn.bf16x2`` (scale, one rounding as the reference), relabel the registers (join / reshape / permute, no data
-  movement: checked with ``convert_layout(..., assert_trivial=True)``) into the wgmma A-operand layout, issue an async
-  ``warpgroup_mma`` against the x^T chunk in shared memory, and ``warpgroup_mma_wait(1)``: one wgmma stays in flight
-  while the next chunk is dequantized. The two consumers are independent warpgroups, so one's dequantization
-  overlaps the other's tensor-core work (ping-pong by the warp schedulers, not by an explicit ordering barrier).
-
-Weight-column relabeling. A thread of the wgmma A layout owns tile rows r = 64 rep + 16 warp + 8 h + g (g = lane / 4,
-rep < R, h < 2). Tile row r is mapped to weight column n = 2R (8 warp + g) + 2 rep + h of the consumer's slice, so a
-thread's 2R rows are 2R CONSECUTIVE columns of the packed tile: one vector shared-memory load per word row instead of
-2R scalar loads. The epilogue applies the same map when it writes y.
-
-Ring and barriers (STAGES slots; slot s = i % STAGES, use count u = i // STAGES for the i-th K tile of the slice):
-
-* ``ready[s]`` (count 1): the producer's ``expect`` arrival + the TMA bytes. Consumers wait with parity u & 1.
-* ``empty[s]`` (count 2: one arrival per consumer). The producer waits with parity (u & 1) ^ 1: a fresh barrier
-  counts as having completed the phase before phase 0, so the first STAGES waits pass at once.
-  A consumer releases slot s of tile i only when the wgmmas reading it have finished: right after the
-  ``warpgroup_mma_wait(1)`` that follows the FIRST wgmma of tile i + 1 (at that point every earlier wgmma is done),
-  with ``fence_async_shared`` before the arrive (generic-proxy reads of the slot, then TMA writes into it). The last
-  tile's slot is never released (the producer does not need it: each CTA handles one tile).
-
-Split-K (``split_k`` > 1, small grids: e.g. 8192 x 8192 at M = 64 has 32-64 output tiles for 132 SMs): grid
-(tiles, split_k); each CTA handles a contiguous range of K tiles; each consumer writes its fp32 partial to a workspace
-[split, M, N], bumps a counter per (tile, consumer) (acq_rel atomic after a partition barrier), and the last one to
-arrive sums the partials, adds the bias, writes y and resets the counter (as in ``fxopt/kernels/w4a16.py``).
-
-Register split (``regs=``, ``_REGS``). The measured configs use consumers 232 / producer 40 registers: ptxas then
-serializes every wgmma (C7512, ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each HGMMA), so the overlap above does not
-happen. The cause is the producer's small ``setmaxnreg`` (offline: any producer value < 112 gives C7512, whatever the
-consumer value; the attention kernel's 24 does not, its partitions differ). ``regs="async"`` = consumers 200 (the
-default partition gets the rest of the pool, 192) / producer 112, same maxnreg 168: offline sm_90 SASS (Triton 3.6,
-ptxas 12.8) has no C7512, one ``DEPBAR.LE gsb0, 0x1`` per KC chunk in the main loop (HGMMAs of a chunk grouped), and
-no spill (168 registers, STACK 0, bf16 / fp16, split-K on / off) for the configs of ``_async_regs_ok`` (<= 64 fp32
-accumulators per thread; not BM 64 x BN 256 with KC 64; BM > 64 is run without split-K); exception: BM 64 x BN 256 with
-split-K AND bias keeps 8 bytes (2 words stored at entry, reloaded once in the split-K final sum, not in the loop).
-On the H200 (session 6, ``python benchmarks/gluon_w4a16_check.py --quick``, ``benchmarks/results/gluon/``) the
-"async" builds were 8-14% faster than the default split (8192 x 8192, M = 64: 28.4 against 31.0 us; 8192 x 28672,
-M = 64: 68.4 against 79.3 us), but 5 of the 18 "async" cases checked were WRONG (max relative error 0.07-0.13): every
-BM 128 x BN 128 case at M = 128 and 256, and BM 64 x BN 256 at M = 256 on 4096 x 11008. The M = 16 and 64 cases
-passed. Cause and fix (offline, session 7): "Epilogue hazard" below. On the H200 (session 7,
-``benchmarks/gluon_w4a16_async_check.py``) every config of ``gluon_w4a16_async_configs`` passed (72 cases, 3 launches
-each, max relative error 3.4e-3), so ``gluon_w4a16_configs`` lists "async" tiles beside the default ones.
-
-Epilogue hazard (found offline from the sm_90 SASS; Triton 3.6, ptxas 12.8). The 5 wrong "async" cases are exactly
-the "async" cases that ran WITHOUT split-K: BM 128 is always run with split_k = 1, and BM 64 x BN 256 at M = 256 on
-4096 x 11008 has 172 output tiles > 132 SMs, so ``_split_for`` gives 1; all 13 passing "async" cases ran split-K
-(small grids). The PTX is correct: ``wgmma.wait_group 0`` (the post-loop ``warpgroup_mma_wait(0)``) precedes the
-epilogue's ``cvt.rn.bf16.f32`` of the accumulator. But ptxas schedules ALL the epilogue's conversions of the
-accumulator (``F2FP.BF16.F32.PACK_AB`` / ``F2FP.F16.F32.PACK_AB``, one per two fp32) ABOVE the
-``WARPGROUP.DEPBAR.LE gsb0, 0x0`` it emits for that wait, i.e. while the last chunk's HGMMA group is still in flight
-and writing those registers (BM 128 x BN 128, bf16, either consumer)::
-
-    HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR8], R24 ;
-    HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR8], R24, gsb0 ;   <- last chunk: accumulators R24..R87
-    WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                               <- that group stays in flight
-    @P0 BRA <loop> ;
-    F2FP.BF16.F32.PACK_AB R17, R71, R70 ;                        <- 32 reads of R24..R87 ...
-    ...
-    WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                               <- ... before the wait that retires it
-
-With split-K the first readers of the accumulator are the fp32 partial stores (STG), which ptxas keeps after the
-DEPBAR: no hazard in any split-K build, hence the M = 16 / 64 passes. Every "async" build without split-K had it
-(all 13 tile configs of ``_async_regs_ok``, bf16 and fp16: 4 to 32 F2FP per consumer). The default split (232 / 40)
-has none: ptxas waits 0x0 after every HGMMA, so nothing is in flight at the loop exit (why it never showed there).
-Ruled out on the same SASS: (a) ring slots: slot i is released in tile i + 1 after the ``DEPBAR.LE gsb0, 0x1`` that
-follows chunk 0's HGMMA (in-order retirement: every group of tile i is done), then ``MEMBAR.ALL.CTA``,
-``FENCE.VIEW.ASYNC.S``, a warpgroup ``BAR.SYNC`` (all 4 warps passed the DEPBAR) and ONE ``SYNCS.ARRIVE`` per
-consumer; the slot's packed words, scales and zeros were loaded into registers at the top of tile i and consumed by
-tile i's dequantization, before its last HGMMA issued. (b) A registers: each chunk's A operand has its own
-registers (BM 128 x BN 128: R96-R103, R104-R111, R112-R119, R88-R95 for chunks 0-3), and no instruction writes them
-while a group reading them is in flight, also across the loop's back edge. (d) the two consumers share only ring
-slots (empty count 2). (e) nothing depends on the M tile but off_m; BM 128 differs only by the HGMMA N.
-Fix (``DRAIN_IN_LOOP``, every register split except the default one, ``_drain_in_loop``): in the last K tile the
-consumer calls ``warpgroup_mma_wait(0)`` INSIDE the loop after the last chunk. ptxas does not move the epilogue into
-the loop (observed in every build below), so the only path to the epilogue now passes a ``DEPBAR.LE gsb0, 0x0``::
-
-    WARPGROUP.DEPBAR.LE gsb0, 0x1 ;  @P0 BRA <skip> ;  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;  <skip>: @P0 BRA <loop> ;
-    F2FP.BF16.F32.PACK_AB ...                                   <- after the 0x0 wait on the exiting iteration
-
-The main loop keeps one ``DEPBAR.LE gsb0, 0x1`` per KC chunk (the overlap), plus one predicated branch per K tile;
-no wgmma overlap is lost (the epilogue needed that wait anyway). Offline (``wgmma_sass_hazards`` on
-``sass_of(compile_offline(...))``, 256 x 4096 x 11008): the 13 ``_async_regs_ok`` tile configs x bf16 / fp16 x
-split-K on / off (48 builds), plus 8 with bias: 0 hazard sites (before: 8-64 in each of the 26 non-split builds, 0
-in the 22 split-K ones), DEPBAR 0x1 count unchanged (4 per consumer with KC 32, 2 with KC 64), 168 registers,
-STACK 0 / LOCAL 0 (except the pre-existing 8 bytes of BM 64 x BN 256 split-K + bias). The default split's SASS is
-identical to that of the build checked on the H200 (20 builds compared). ``wgmma_sass_hazards`` is the CPU-side
-ordering argument: it walks the SASS with the group semantics of HGMMA (a group ends at ``gsb0``;
-``DEPBAR.LE gsb0, n`` retires all but the n most recent) and flags any instruction touching an in-flight group's
-accumulator or overwriting its A registers, including across the loop's back edge; it flags the epilogue F2FPs of
-every non-split "async" build before the fix and nothing in the fixed or default builds. Ring ordering is argued
-above, not simulated. Not yet confirmed on a GPU.
-
-Small-M variant (session 7; ``gluon_w4a16_small_configs``, ``benchmarks/gluon_w4a16_small_check.py``,
-``docs/notes_w4a16_gluon_session7.md``). GPU-checked in session 8: correct on every case; BN 256 ``deq="xsum"``
-without PDL is a tuner candidate for M <= 16 (``w4a16._gluon_configs``); PDL and stream-K were slower. At BM = 16 the consumers are
-issue-bound (offline sm_90 SASS, BN 256: 357-360 instructions per K tile and consumer thread = 2.8 per weight, of
-which 1.0 is the per-weight ``sub`` + ``mul``), and the fp32 accumulator is tiny (16 per thread), so
-``_w4a16_gluon_small_kernel`` (a separate kernel: the builds above are unchanged) applies the group's scale once
-per K tile (= group) to a per-tile fp32 partial ``P`` (wgmma accumulator, ``use_acc=False`` on chunk 0):
-
-* ``deq="group"``: A = ``q - z`` (one ``sub.rn`` per two weights, exact: integers in [-15, 15]);
-  ``acc += s * P`` (2.41 instructions per weight).
-* ``deq="xsum"``: A = ``OFFSET + q`` (the pair words as they are: no floating-point instruction per weight);
-  ``acc += s * (P - (OFFSET + z) * xsum)``, xsum = the fp32 sums of x over the group that ``_prep_x`` computes
-  anyway (loaded once per tile, 4 LDG per thread at BM 16) (2.16-2.33 instructions per weight).
-
-Arithmetic: the products (OFFSET + q) x are exact in fp32 and the partial is an fp32 sum, so the result differs
-from the reference (W = (q - z) s rounded to bf16 first) by that rounding, at most 2^-9 relative per weight; a CPU
-emulation of both modes (K 4096 / 8192, M 16) gives 2.0e-3 / 3.0e-3 of max |y|, the same as the bf16 output
-rounding alone (tolerance 1.6e-2). ``pdl=True``: programmatic dependent launch after ``_prep_x`` (which triggers
-its dependents at entry); the producer issues the first ring slots' weight copies, then ``griddepcontrol.wait``,
-then their x copies; the consumers wait too before reading xsum / bias / split-K workspace and counters.
-ptxas constraints found offline: the fold reads the wgmma accumulator, and ptxas serializes every wgmma (C7514)
-if any accumulator is read while any wgmma is in flight (tried: chunk 0 in a second accumulator), so the fold
-follows a ``warpgroup_mma_wait(0)``, which ptxas hoists above chunk 0's dequantization: per K tile one wgmma
-group (the previous tile's last chunk) overlaps only the ready wait and the shared loads. The last tile is
-drained and folded inside the loop (as DRAIN_IN_LOOP). ``wgmma_sass_hazards`` learned that such a conditional
-straight-line region is skipped on looping iterations. Offline (bf16 / fp16, split-K on / off, bias on / off,
-BN 128 / 256): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 (one C7517 wait injected before EXIT), 0 hazards.
-
-Stream-K schedule (opt-in, session 7; correct on the GPU but slower in session 8: 49-58 us against 48-49 at
-8192 x 28672 M = 1 / 16; ``schedule="streamk"``,
-``gluon_w4a16_streamk_configs``, ``docs/notes_w4a16_streamk_session7.md``). ``_w4a16_gluon_sk_kernel`` (separate:
-every build above is byte-identical) runs exactly P = min(num_sms, U) CTAs over the U = output tiles x K tiles work
-units (tile-major, K tile fastest; tiles ordered as the split-K grid, M tiles fastest). CTA p owns the contiguous
-units [floor(p U / P), floor((p + 1) U / P)) (lengths L or L + 1, L = floor(U / P)), which may cross output-tile
-boundaries: one segment per tile it touches. The producer walks the whole range with one running ring index, so
-the next tile's copies are in flight while the consumers finish the previous tile (the ring is never drained or
-restarted). Each consumer (``_consumer_sk``: the per-weight dequantization of ``_consumer``, any register split;
-``_consumer_g_sk``: the small-M ``deq`` consumer, PDL allowed) runs the K loop per segment (ring slot and parity
-from the running index; the slot of a segment's previous K tile is released after chunk 0's wait as before, the
-segment's last slot right after its final ``warpgroup_mma_wait(0)``), then the segment epilogue: a tile owned
-whole by the CTA goes to y directly (only with <= 16 fp32 accumulators per thread, else ptxas spills; larger tiles
-use the workspace path with one contributor); otherwise the fp32 partial goes to workspace slice
-``p - owner(first unit of the tile)`` ([C, M, N], C = the most CTAs sharing a tile, ``_streamk_plan``), and the
-per-(tile, consumer) counter of the split-K scheme counts to the tile's number of owners, known from the schedule
-(owner(u) = floor(((u + 1) P - 1) / U)); whichever CTA arrives last sums the slices, adds the bias, converts,
-writes y and resets the counter. No CTA ever waits for another (no co-residency assumption). Offline (sm_90,
-bf16 / fp16, bias on / off): 168 registers, STACK 0, LOCAL 0, no C7512 / C7514 with ``regs="async"`` (the default
-split has its usual C7512), 0 ``wgmma_sass_hazards``, main loop 0-7 instructions per K tile above the split-K
-builds.
-
-Chunked split-K fixup (opt-in, session 8; offline only, ``gluon_w4a16_largem_configs``,
-``docs/notes_w4a16_largem_session8.md``). The standard split-K epilogue spills for 128 fp32 accumulators per thread
-(BM 256 x BN 128, BM 128 x BN 256) and for BM 128 with ``regs="async"``: its [split, M, N] workspace needs one 64-bit
-address and predicate per accumulator (128 per thread), live around the counter. So ``gluon_w4a16_mm`` ran those
-tiles without split-K (e.g. 32 CTAs for 11008 x 4096 at M = 256 with BM 256 x BN 128). An EXPLICIT ``split_k`` > 1 on
-such a tile now selects ``SPLIT_CHUNKED``: the partial goes to a tile-major workspace [split, tiles, 2 consumers, BM,
-BN/2] (row m, consumer-local column n_loc), so a thread's 128 addresses are one base plus constants (no mask: the
-rows past M exist), and the last program to arrive (``_split_reduce_chunked``) sums the split partials 16 rows at a
-time in a row-major blocked layout, adds the bias and writes y (coalesced along n). Offline sm_90: 168 registers,
-STACK 0, LOCAL 0, 0 hazards; the async build keeps DEPBAR.LE gsb0 0x1 and no C7512 / C7514 (the default-register
-builds keep the C7512 of their measured non-split builds). Every other build is byte-identical (``split_k`` None / 1
-never selects it; ``SPLIT_CHUNKED`` defaults to False).
-
-Census and cycle model (session 10, offline; ``docs/notes_w4a16_gluon_census_session10.md``): ``sass_census``
-counts per K tile and warp the consumer / producer loops of a build's SASS by class (HGMMA shapes, integer ALU, half2,
-LDS, sync, uniform, TMA), ``tile_cycle_model`` turns it into cycles per CTA tile per SM for tensor / issue / ALU /
-smem / DRAM / L2 against a measured time, ``offline_census`` builds a config and counts it. Verdict for the picked
-configs: issue <= 0.54 and integer ALU <= 0.43 of the measured tile time at M = 16-256, so the dequantization is not
-the bound; the highest resource is the L2 -> SM feed of the re-read x tile (0.47-0.90 under an assumed 27.5 B/clk/SM).
-
-Where the time goes at M = 16-128 (session 18, H200; ``benchmarks/w4a16_gluon_probe.py``,
-``benchmarks/results/w4a16_gluon_probe*.md``, ``benchmarks/results/ncu_s18/``). Timing probes (``probe=``, results
-wrong, timing only): 1 = loads only (the consumers release every ring slot unread), 2 = compute only (the ring is
-loaded once; later K tiles dequantize and multiply stale slots), 3 = everything but the x loads, 4 = probe 2 with a
-constant A operand (no dequantization), 5 = probe 4 with A read from shared memory. Every BN 128 tile the tuner
-uses runs at its compute-only time (within 1-5%); the loads alone take 48-81% of it; dropping the x loads changes
-nothing. Per call at 8192², M = 16 / 64 (us): full 20.4 / 28.8, compute only 20.2 / 29.3, loads only 14.8 / 21.9,
-no dequantization 15.5 / 23.9, A from shared memory 15.5 / 23.0. Of a call:
-
-* the x-prep launch (``_prep_x``, FRAG order) costs 1.7-5.4 us (``xp=`` given: 18.7 / 25.1);
-* a fixed cost per call: at K = 256 (one K tile per CTA) the prepped call takes 6.2 / 9.5 us with its split-K
-  epilogue and 4.1 / 4.8 us with ``split_k=1`` (bf16 ``F.linear``: 4.0 / 4.2), so the standard split-K epilogue
-  (per-element fp32 partial stores in the accumulator layout, counter, reload by the last CTA) costs 2.1 / 4.7 us;
-* the K loop: about 725 / 905 cycles per K tile and CTA, of which about 440 / 600 remain without the
-  dequantization (tensor floor 128 / 512).
-
-Nsight Compute on the M = 64 build (``bash benchmarks/profile_kernels.sh s18``): issue slots 31% busy, 3.0 active and
-0.56 eligible warps per scheduler; consumer warps' samples: 22% issuing, 18% fixed-latency dependencies, 15% waiting
-on the ``ready`` barrier, 12% on the wgmma wait, 11% not selected; the consumer loop is 215 SASS instructions per K
-tile and warp, 123 of them the dequantization (LOP3 35, SHF 24, HADD2 32, HMUL2 32). The SMs finish unevenly:
-active cycles 41.1k on average per CTA-holding SM against 46.0k on the slowest and 49.5k elapsed
-(``ncu_w4g_m64_smspread.txt``; the compute-only probe spreads alike: the split-K epilogue's last arrivals).
-
-Three remedies were measured and did not pay (all opt-in, checked on the H200; ``tests/test_w4a16_gluon_inflight.py``):
-
-* Deeper wgmma queue (``inflight`` 2 / 3: ``warpgroup_mma_wait(num_outstanding=inflight)``, a K tile's slot
-  released after chunk ``inflight - 1`` of the next; offline SASS ``DEPBAR.LE gsb0, 0x2`` / ``0x3``, no C7512, no
-  spill, 0 hazards for BN 128 KC 32; KC 64 has register hazards and BN 256 / BM 128 depth 3 serialize, so only
-  BN 128 KC 32 is accepted, BM 128 at depth 2): -2% to +3% at depth 2 and 2-7% slower at depth 3 on every shape
-  and M = 16-128 (``benchmarks/w4a16_gluon_inflight_ab.py``, ``w4a16_gluon_inflight_ab.md``).
-* Four consumer warpgroups (``consumers=4``, 16 consumer warps, registers 112 / 24 at a launch limit of 96: every
-  wgmma serialized, C7512 / C7515): BN 256 as four 64-column slices sharing each x tile, or BN 128 as two column
-  halves x two K parities (each pair takes every other K tile; the parities are two more split-K slices in the
-  workspace). BN 256 four is 5-18% faster than BN 256 two (1-4% slower at 8192 x 28672), but neither beats BN 128
-  with two consumers except 4096 x 11008 at M = 16-32 (one wave of 129 CTAs against 172), where the Triton
-  "swapx" tiles the tuner picks are faster still; the K-pair BN 128 tile is 3-32% slower than the two-consumer one.
-* An unswizzled packed-word TMA box (one box per K tile instead of one per 128-byte strip): loads unchanged,
-  compute 2-8% slower (shared-memory bank conflicts); not kept.
-
-Against the two per-call costs above (built offline in session 18, measured on the H200 in session 19,
-``benchmarks/results/w4a16_gluon_probe_s19.md``; both GPU-tested, ``tests/test_w4a16_gluon_inflight.py``):
-
-* ``ws_layout="regmajor"`` (``_epilogue``: the split-K partials in a register-major tile workspace, one coalesced
-  128-byte line per warp store and reload; offline BM 64 + bias: 2,488 -> 1,760 SASS instructions, no stack, 0
-  hazards, K loop unchanged). At K = 256 (one K tile per CTA, x prepped) the call takes 5.9 / 6.6 / 8.2 us at
-  M = 16 / 32 / 64 against 6.1 / 7.1 / 9.6 with the standard workspace and 4.2 / 4.6 / 4.9 without a split; full
-  calls: 11008 x 4096 BN 128 M = 64 27.1 -> 23.7 us, BN 256 tiles 1.4-1.7x faster (8192^2 M = 64: 44.4 -> 31.8 us),
-  at most 2% slower on any probed tile. The tuner lists it in place of the standard workspace for every main tile
-  whose standard epilogue does not spill (``FXOPT_W4A16_GLUON_REGMAJOR=0``: the standard one).
-* ``pdl=True`` on the main kernel (the producer issues the first slots' weight copies before
-  ``griddepcontrol.wait``, the consumers wait before touching bias / workspace / counters; as the small kernel):
-  1-15% slower on every probed tile (e.g. 8192^2 M = 64: 31.9 against 29.0 us); listed only with
-  ``FXOPT_W4A16_GLUON_PDL=1``.
-
-Supported: sm_90, x bf16 or fp16 (2-D or 3-D, M >= 1; M tiles of BM rows), K and N multiples of 128, group size 128,
-integer zeros, N a multiple of BN, optional bias. Others raise ``ValueError``.
+Candidates the tuner lists: ``gluon_w4a16_configs`` (every M bucket, bf16) and the small-M consumer (``deq="xsum"``,
+BN 256). Opt-in builds kept for comparison (stream-K, chunked split-K fixup, deeper wgmma queue, four consumers,
+PDL, timing probes) were measured slower or not checked; their results, the cycle model and the SASS census are in
+``docs/kernels.md``. Unsupported shapes raise ``ValueError``.
 """
 from __future__ import annotations
 
@@ -380,7 +150,7 @@ if HAS_GLUON:
         acc = gl.zeros([BN_C, BM], gl.float32, acc_layout)
         # n_iter >= 1 (host: every split gets at least one K tile). Without this the zero-trip path (acc = zeros,
         # defined by MOVs) merges into the final wgmma wait and ptxas serializes every wgmma (C7515).
-        # KSTEP 2 (four consumers, K pairs; session 18): this consumer takes the slice's K tiles KPAR, KPAR + 2, ..
+        # KSTEP 2 (four consumers, K pairs): this consumer takes the slice's K tiles KPAR, KPAR + 2,..
         # (host: every slice has >= 2 K tiles, so both parities have work)
         if KSTEP == 1:
             n_mine = n_iter
@@ -443,7 +213,7 @@ if HAS_GLUON:
             if DRAIN_IN_LOOP:
                 if j == n_main - 1:
                     # retire the last wgmma INSIDE the loop: ptxas 12.8 schedules the epilogue's reads of acc
-                    # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (module docstring, "Epilogue
+                    # (F2FP bf16 packs) above the DEPBAR of the post-loop wait (docs/kernels.md, "Epilogue
                     # hazard"); it does not move them into the loop, so this DEPBAR.LE gsb0 0x0 stays before them
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -472,7 +242,7 @@ if HAS_GLUON:
         if HAS_BIAS and not (USE_SPLIT and SPLIT_CHUNKED):
             bias = gl.load(bias_ptr + offs_n).to(gl.float32)
         if USE_SPLIT and SPLIT_CHUNKED:
-            # session 8: a tile-major workspace [SPLIT_K, tiles, 2, BM, BN_C] (consumer-local columns n_loc), so a
+            # a tile-major workspace [SPLIT_K, tiles, 2, BM, BN_C] (consumer-local columns n_loc), so a
             # thread's partial addresses are one base plus constants (the [split, M, N] workspace's per-element
             # 64-bit addresses spill at 128 accumulators per thread), and the fixup in row chunks
             blk_elems = BM * BN_C
@@ -489,7 +259,7 @@ if HAS_GLUON:
                 gl.atomic_xchg(cnt, 0)
         elif USE_SPLIT:
             if SPLIT_REGMAJOR:
-                # session 18 (the tuner's default since session 19): a register-major workspace [SPLIT_K, tiles, NCONS,
+                # a register-major workspace [SPLIT_K, tiles, NCONS,
                 # BM * BN_C / 128, 128 threads]: element (r, m) goes to slot(r, m) * 128 + thread(r, m), thread = its
                 # owner in the wgmma accumulator layout (warp (r // 16) % 4, lane 4 (r % 8) + (m // 2) % 4), slot =
                 # its register; so one store instruction of a warp writes 128 contiguous bytes (the [split, M, N]
@@ -564,7 +334,7 @@ if HAS_GLUON:
                                 + z_desc.block_type.nbytes)
         i0 = 0
         if PDL:
-            # session 18: as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
+            # as _producer_g, the first slots' weight copies go out before griddepcontrol.wait (they do
             # not depend on the x-prep kernel), x's after it (a copy of _producer_g's lines: calling one from the
             # other changed the GPU-checked small-M PDL build's SASS)
             n_pre = gl.minimum(n_iter, STAGES)
@@ -689,7 +459,7 @@ if HAS_GLUON:
                              off_m, off_n, k_tile0, n_iter, PROBE, PDL)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            # session 18: four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
+            # four consumer warpgroups (16 warps, 4 per scheduler) share each x tile
             gl.warp_specialize([
                 (_consumer, (x_bufs, q_bufs, s_bufs, z_bufs, ready, empty, y_ptr, bias_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_ym, MAGIC2, OFFSET, off_m, off_n, n_iter, tile_id, pid_k, SPLIT_K,
@@ -713,7 +483,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); session 7; GPU-checked in session 8).
+    # Small-M variant (opt-in: gluon_w4a16_mm(..., deq="group" / "xsum", pdl=True); GPU-checked).
     # A separate kernel so that the builds of the measured configs above stay byte-identical.
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -826,7 +596,7 @@ if HAS_GLUON:
         xs_prev = xs_cur
         if j == n_iter - 1:
             # the last tile: retire and fold INSIDE the loop, so the epilogue never reads a wgmma register
-            # (module docstring, "Epilogue hazard")
+            # (docs/kernels.md, "Epilogue hazard")
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             acc = _fold(acc, part, s_cur, z_cur, xs_cur, DEQ)
         return acc, part, s_prev, z_prev, xs_prev
@@ -838,7 +608,7 @@ if HAS_GLUON:
                     HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, IS_BF16: gl.constexpr, DEQ: gl.constexpr,
                     PDL: gl.constexpr):
         """``_consumer`` with the scale (and for DEQ 2 the zero) applied per K tile (= group) to a per-tile fp32
-        partial product instead of per weight (module docstring, "Small-M variant"). The last wgmma of tile i
+        partial product instead of per weight (docs/kernels.md, "Small-M variant"). The last wgmma of tile i
         stays in flight while chunk 0 of tile i + 1 is dequantized; then ``warpgroup_mma_wait(0)``, the fold of
         tile i's partial into ``acc``, the release of tile i's slot, and chunk 0's wgmma with ``use_acc=False``."""
         STAGES: gl.constexpr = x_bufs.shape[0]
@@ -960,7 +730,7 @@ if HAS_GLUON:
 
 
     # ------------------------------------------------------------------------------------------------------------
-    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); session 7; GPU-checked in session 8). A separate
+    # Stream-K schedule (opt-in: gluon_w4a16_mm(..., schedule="streamk"); GPU-checked). A separate
     # kernel again: every build above stays byte-identical. Module docstring, "Stream-K schedule".
     # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
@@ -1290,7 +1060,7 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
     if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
         add(min(bm, 128), 128, stages=2)
     # regs="async" (wgmma left asynchronous): with the epilogue fix (DRAIN_IN_LOOP) all 72 checked cases passed on
-    # the H200 (session 7, benchmarks/gluon_w4a16_async_check.py) and the best async tile was 6-10% faster at
+    # the H200 (an H200 check) and the best async tile was 6-10% faster at
     # M = 64 / 256, 13% slower at M = 128 (8192 x 8192), so they are candidates and the tuner decides
     if bm <= 64:
         add(bm, 128, regs="async")
@@ -1303,7 +1073,7 @@ def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
 
 
 def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
-    """``regs="async"`` configs to check on the GPU after the epilogue fix (module docstring, "Epilogue hazard"); NOT
+    """``regs="async"`` configs to check on the GPU after the epilogue fix (docs/kernels.md, "Epilogue hazard"); NOT
     tuner candidates until that check passes. The tiles of the session-6 check (which gave the 5 wrong cases) plus
     BM 128 x BN 128 with KC 64, and, for BM <= 64, the same tiles with ``split_k=1``: the non-split epilogue (where
     the hazard was) then also runs at M = 16 / 64, and the split-K one stays covered by ``split_k=None``."""
@@ -1331,8 +1101,8 @@ def gluon_w4a16_async_configs(M: int, K: int, N: int) -> list[dict]:
 
 
 def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
-    """Opt-in small-M candidates (M <= 16; module docstring, "Small-M variant") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
+    """Opt-in small-M candidates (M <= 16; docs/kernels.md, "Small-M variant") for the GPU check
+    an H200 check; of these only BN 256 xsum without PDL is a tuner candidate. BM 16, the
     ``regs="async"`` split, KC 32, the ring of ``_max_stages``, split-K as ``_split_for``; per tile: BN 256 (M = 1's
     best existing tile) and BN 128 (M = 16's), each with ``deq="xsum"`` and ``deq="group"``, PDL on; plus BN 256 xsum
     without PDL, to separate the two effects. Keys as ``gluon_w4a16_configs`` plus ``deq`` and ``pdl``."""
@@ -1348,9 +1118,9 @@ def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
     return out
 
 
-# ---- session 8: split-K for the tiles whose standard split epilogue spills (opt-in, offline only so far) -------
+# ----: split-K for the tiles whose standard split epilogue spills (opt-in, offline only so far) -------
 # Per K tile of one CTA, cycles at 1.83 GHz, fitted on the session-8 H200 measurements at M = 256
-# (docs/notes_w4a16_largem_session8.md): serialized builds (default registers, C7512) cost about
+# (docs/kernels.md): serialized builds (default registers, C7512) cost about
 # (tensor + issue) x 1.25, async builds max(tensor, issue) x 1.7; tensor = BM x BN / 16 cycles (4096 bf16 flop
 # per cycle and SM), issue = 2 consumer warps per scheduler x the loop's instructions per thread (``loop_profile``
 # of the offline builds: about 230 at BN/2 = 64 and 380 at BN/2 = 128).
@@ -1362,7 +1132,7 @@ def largem_schedule_model(M: int, K: int, N: int, cfg: dict, num_sms: int = _NUM
     """Cost model of one config of the per-weight Gluon kernel (``_w4a16_gluon_kernel``), one CTA per SM:
     the grid ``gluon_w4a16_mm`` would launch (split-K as its rules), waves, K tiles per CTA, dequantization work
     (each weight is dequantized once per M tile), the split-K workspace traffic and a time estimate (us). A model,
-    not a measurement: see ``docs/notes_w4a16_largem_session8.md`` for its fit and its limits."""
+    not a measurement: see ``docs/kernels.md`` for its fit and its limits."""
     bm, bn = cfg["block_m"], cfg["block_n"]
     regs = cfg.get("regs")
     cons, prod = _regs_for(regs, 232, 40)
@@ -1411,7 +1181,7 @@ def _wave_split_for(n_tiles: int, k_tiles: int, num_sms: int = _NUM_SMS_DEFAULT,
 
 
 def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_DEFAULT) -> list[dict]:
-    """Opt-in candidates for the M = 256 bucket (session 8; ``w4a16._gluon_configs`` lists them for the tuner only
+    """Opt-in candidates for the M = 256 bucket (``w4a16._gluon_configs`` lists them for the tuner only
     with ``FXOPT_W4A16_GLUON_LARGEM=1`` until their GPU test): the tiles whose standard split-K
     epilogue spills, BM 256 x BN 128 (default registers, KC 32 / 64) and BM 128 x BN 128 (``regs="async"``,
     KC 32 / 64), with an EXPLICIT ``split_k`` >= 2 from ``_wave_split_for``, which makes ``gluon_w4a16_mm`` use the
@@ -1444,8 +1214,8 @@ def gluon_w4a16_largem_configs(M: int, K: int, N: int, num_sms: int = _NUM_SMS_D
 
 
 def gluon_w4a16_streamk_configs(M: int, K: int, N: int) -> list[dict]:
-    """Opt-in stream-K candidates (module docstring, "Stream-K schedule") for the GPU check
-    ``benchmarks/gluon_w4a16_small_check.py``; NOT tuner candidates (slower on the GPU, session 8). M <= 64 (BM <= 64, the
+    """Opt-in stream-K candidates (docs/kernels.md, "Stream-K schedule") for the GPU check
+    an H200 check; NOT tuner candidates (slower on the GPU). M <= 64 (BM <= 64, the
     grids that leave SMs idle or need split-K), ``regs="async"``, KC 32, the ring of ``_max_stages``: BN 256 and
     BN 128 with the per-weight consumer, and for M <= 16 BN 256 with ``deq="xsum"`` + PDL (the small-M consumer).
     Keys as ``gluon_w4a16_small_configs`` plus ``schedule="streamk"`` (``split_k`` stays None)."""
@@ -1558,33 +1328,33 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     ``consumer_regs`` / ``producer_regs`` arguments, "async" = the register split of ``_REGS["async"]`` (wgmma not
     serialized by ptxas; see ``_REGS``). Raises ValueError when unsupported.
 
-    Small-M variant (module docstring, "Small-M variant"; GPU-checked):
+    Small-M variant (docs/kernels.md, "Small-M variant"; GPU-checked):
     ``deq="group"`` / ``"xsum"`` runs ``_w4a16_gluon_small_kernel`` (scale, and for "xsum" the zero point, applied
     once per K tile to an fp32 partial instead of per weight); ``pdl=True`` launches it with
     programmatic dependent launch after the x-prep kernel (weight TMAs issued before ``griddepcontrol.wait``;
-    assumes the weights are not written by the kernel just before). Session 18: ``pdl=True`` without ``deq`` does
+    assumes the weights are not written by the kernel just before). ``pdl=True`` without ``deq`` does
     the same for the main kernel (two consumers, no ``inflight`` / ``probe``; opt-in, not a tuner candidate). ``xs``: fp32 [M, K/128] sums of x per group
     (``_prep_x``'s second output) when ``xp`` is given with ``deq="xsum"`` (else computed with torch).
 
-    Opt-in stream-K schedule (module docstring, "Stream-K schedule"; GPU-checked, slower):
+    Opt-in stream-K schedule (docs/kernels.md, "Stream-K schedule"; GPU-checked, slower):
     ``schedule="streamk"`` launches ``_w4a16_gluon_sk_kernel`` on ``num_sms`` CTAs (None: the device's SM count),
     each owning an equal contiguous range of (output tile, K tile) units; with ``deq=None`` the per-weight consumer
     (``regs`` as usual), with ``deq`` / ``pdl`` the small-M one. ``split_k`` must be None (the schedule decides).
 
-    ``ws_layout="regmajor"`` (session 18; GPU-checked and the tuner's default for the main tiles since session 19):
+    ``ws_layout="regmajor"`` (GPU-checked and the tuner's default for the main tiles):
     the split-K partials in a register-major tile workspace (one coalesced 128-byte line per warp store;
     ``_epilogue``), main kernel with two consumers.
 
-    ``inflight`` (session 18, module docstring "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
+    ``inflight`` (docs/kernels.md "Deeper wgmma queue"): wgmma chunk groups each consumer keeps in
     flight while it dequantizes the next chunk (1: the measured builds; 2 or 3 need ``regs="async"``, the main
     kernel and at least that many KC chunks per K tile).
 
-    ``probe`` (timing only, results WRONG; ``benchmarks/w4a16_gluon_probe.py``): 1 = loads only (the consumers
+    ``probe`` (timing only, results WRONG; an H200 check): 1 = loads only (the consumers
     release each slot unread), 2 = compute only (the ring is loaded once, later K tiles reuse stale slots),
     3 = no x loads (x slots stale), 4 = as 2 without the dequantization (a constant A operand), 5 = as 4 with A
     read from shared memory (BN 128). Main kernel only.
 
-    ``consumers=4`` (session 18, opt-in, module docstring "Four consumer warpgroups"): 16 consumer warps instead of
+    ``consumers=4`` (opt-in, docs/kernels.md "Four consumer warpgroups"): 16 consumer warps instead of
     8. BN 256: four 64-column consumer warpgroups share each x tile; BN 128: two column halves x two K parities
     (each pair takes every other K tile; the parities are summed through the split-K workspace). ``regs`` None /
     "four" = 112 / 24 registers. BM <= 64, main kernel, standard split-K only."""
@@ -1650,7 +1420,7 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
         )
         return y.reshape(*lead, N)
     # where the standard split-K epilogue spills (offline sm_90 builds), an explicit split_k > 1 selects the chunked
-    # fixup (session 8); otherwise such tiles run without split-K
+    # fixup; otherwise such tiles run without split-K
     spills = consumers == 2 and _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs)
     chunked = not small and spills and split_k is not None and split_k > 1
     regmajor = ws_layout == "regmajor" and not chunked
@@ -1721,16 +1491,16 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
 # consumer value (tried 88..104 with consumers 200..232, and PTX edits of the producer's setmaxnreg from 24 to 104);
 # from 112 up (consumers <= 200 to stay in the pool) the main loop keeps one wgmma group in flight
 # (DEPBAR.LE gsb0 0x1 once per KC chunk). Only for the configs of ``_async_regs_ok``. Such builds need the in-loop
-# final wait (``_drain_in_loop``, module docstring "Epilogue hazard").
+# final wait (``_drain_in_loop``, docs/kernels.md "Epilogue hazard").
 _REGS = {"default": (232, 40), "async": (200, 112), "four": (112, 24)}
 
-# Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the module docstring "Small-M variant".
+# Small-M variant (``_w4a16_gluon_small_kernel``): ``deq=`` names, see the design notes in docs/kernels.md "Small-M variant".
 _DEQ = {"group": 1, "xsum": 2}
 
 
 def _inflight_ok(inflight: int, block_m: int, block_n: int, kc: int, regs: Optional[str],
                  other_kernel: bool) -> None:
-    """Raise ValueError unless ``inflight`` is usable (module docstring, "Deeper wgmma queue"): 1 always; 2 / 3 only
+    """Raise ValueError unless ``inflight`` is usable (docs/kernels.md, "Deeper wgmma queue"): 1 always; 2 / 3 only
     for the builds checked offline: ``regs="async"``, the main kernel, KC 32 (a K tile's slot is released after
     chunk ``inflight - 1`` of the next tile, and KC 64 has only 2 chunks), BN 128, and BM <= 64 (BM 128: 2 only).
     Elsewhere ptxas serializes the wgmmas (C7512 / C7514) or the SASS has register hazards."""
@@ -1744,7 +1514,7 @@ def _inflight_ok(inflight: int, block_m: int, block_n: int, kc: int, regs: Optio
 
 
 def _consumers_ok(consumers: int, block_m: int, block_n: int, regs: Optional[str], other: bool) -> None:
-    """Raise ValueError unless ``consumers`` is usable: 2 always; 4 only as built offline (session 18): BN 256 (64
+    """Raise ValueError unless ``consumers`` is usable: 2 always; 4 only as built offline: BN 256 (64
     columns per consumer) or BN 128 (K pairs), BM <= 64, the "four" register split, the main kernel without
     ``inflight``."""
     if consumers == 2:
@@ -1785,13 +1555,13 @@ def _streamk_config_ok(block_m: int, block_n: int, consumer_regs: int, producer_
 def _split_epilogue_spills(block_m: int, block_n: int, consumer_regs: int, producer_regs: int) -> bool:
     """Tiles whose standard split-K epilogue spills (offline sm_90 builds): 128 fp32 accumulators per thread, or
     BM > 64 with the "async" register split. ``gluon_w4a16_mm`` runs them without split-K unless ``split_k`` > 1 is
-    given explicitly, which selects the chunked fixup (``SPLIT_CHUNKED``, ``_split_reduce_chunked``; session 8)."""
+    given explicitly, which selects the chunked fixup (``SPLIT_CHUNKED``, ``_split_reduce_chunked``)."""
     return ((block_n // 2) * block_m // 128 >= 128
             or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64))
 
 
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
-    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; module docstring, "Epilogue
+    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; docs/kernels.md, "Epilogue
     hazard"): every register split except the measured default (232 / 40), whose SASS waits after every HGMMA
     anyway and which is kept byte-identical to the build checked on the H200."""
     return (consumer_regs, producer_regs) != _REGS["default"]
@@ -1815,7 +1585,7 @@ def _maxnreg(consumer_regs: int, producer_regs: int, consumers: int = 2) -> int:
     if consumer_regs >= 256 and producer_regs >= 256:
         return 168
     if consumers == 4:
-        # session 18: 20 warps (4 consumer warpgroups + the producer's, padded) get at most 65536 / (20 x 32) =
+        # 20 warps (4 consumer warpgroups + the producer's, padded) get at most 65536 / (20 x 32) =
         # 102 registers each at launch: 96, a pool of 20 x 96 per lane; the default partition (consumer 0) gets
         # what the workers leave (3 x 4 x consumer_regs + 4 x producer_regs)
         if 16 * consumer_regs + 4 * producer_regs > 20 * 96:
@@ -1855,9 +1625,9 @@ def compile_offline(M: int, K: int, N: int, cfg: dict, dtype: str = "bf16", spli
     consts["PROBE"] = cfg.get("probe", 0)
     consts["NCONS"] = cfg.get("consumers", 2)
     if cfg.get("pdl") and not cfg.get("deq"):
-        consts["PDL"] = True  # the main kernel with PDL (session 18)
+        consts["PDL"] = True  # the main kernel with PDL
     if cfg.get("ws_layout") == "regmajor" and split:
-        consts["SPLIT_REGMAJOR"] = True  # the register-major split-K workspace (session 18)
+        consts["SPLIT_REGMAJOR"] = True  # the register-major split-K workspace
     if consts["NCONS"] == 4:
         _consumers_ok(4, bm, bn, cfg.get("regs") or "four", consts["INFLIGHT"] != 1)
         if cfg.get("regs") is None:
@@ -2047,7 +1817,7 @@ def loop_profile(sass: str) -> list[dict]:
     return out
 
 
-# ---- session 10: instruction census and per-tile cycle model (pure Python on SASS text; no GPU, no kernel change) ----
+# ----: instruction census and per-tile cycle model (pure Python on SASS text; no GPU, no kernel change) ----
 # Opcode classes of the census (first token of the opcode, predicate stripped). "alu": the integer ALU pipe, assumed
 # half rate on sm_90 (64 lanes / clk / SM = 2 issue cycles per warp instruction on its SMSP); "imad": IMAD on the
 # FMA-heavy pipe, also assumed half rate; "half2" (HADD2 / HMUL2 / HFMA2, bf16x2 / f16x2) and "fp32" (FFMA / FADD /
@@ -2156,7 +1926,7 @@ def tile_cycle_model(census: dict, M: int, K: int, N: int, cfg: dict, us: Option
     * ``l2``: all the stage's bytes (x included: every N tile re-reads it) at 27.5 B / clk / SM.
 
     Measured: ``tile_clk = (us - t0) * ghz * 1e3 / (K tiles per CTA x waves)``, t0 (fixed cost: the x-prep launch
-    and gap ~1.5 us + ring fill ~1 us, + ~1 us of split-K tail; session 7 breakdown) by default 2.5 us (+1 with
+    and gap ~1.5 us + ring fill ~1 us, + ~1 us of split-K tail, breakdown) by default 2.5 us (+1 with
     split-K). ``split_k`` None: as ``gluon_w4a16_mm`` (``_split_for``; BM > 64 async and 128-accumulator tiles run
     without split-K). ``frac`` = resource cycles / measured tile cycles; ``bound`` = the largest."""
     bm, bn, bk = cfg["block_m"], cfg["block_n"], GROUP

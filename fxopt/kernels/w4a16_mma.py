@@ -1,80 +1,12 @@
-"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+ (opt-in, session 10).
+"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+.
 
-Status: GPU-checked on the H200 (sessions 11-17, ``tests/test_w4a16_mma.py -m gpu``); the tuner lists it by default
-(``fxopt.kernels.w4a16._mma_configs``; ``FXOPT_W4A16_MMA=0`` unlists it), as method "mma", for M buckets <= 16.
-
-Why. The one-launch CUDA-core kernel "gemv1" (``fxopt/kernels/w4a16.py``) is issue-bound at M = 1 on the H200
-(3.08 SASS instructions per weight: one LOP3 and one FFMA per weight plus shifts; session 9 note, section 6). Here
-the tensor cores do the multiply-adds and the weights never touch shared memory: per 8 weights a thread spends 3
-shifts + 4 LOP3 (the code pairs) and a quarter of an HMMA.
-
-Product. ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's M dimension (16) is 16 weight columns n, its N dimension
-(8) the M <= 8 activation rows (zero-padded; BM = 16 runs two n8 tiles), K steps of 16. fp32 accumulation.
-
-Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of word (i, n) = code of W[n, 8 i + j];
-``scales`` / ``zeros`` [K/G, N] in the activation dtype; ``W = (q - z) s``.
-
-Lane mapping (PTX ISA, mma.m16n8k16 .bf16/.f16; lane = 4 g + t, g = groupID, t = thread in group): A fragment
-a0..a3 = rows (g, g + 8, g, g + 8) x K columns (2t + e, 2t + e, 2t + 8 + e, 2t + 8 + e), e < 2 the half of the
-register; B fragment b0, b1 = K rows (2t + e, 2t + 8 + e) x column g; C = rows (g, g + 8) x columns 2t + e.
-Triton's ``DotOperandLayout(0, NVMMADistributedLayout([2, 0], [W, 1], [16, 8]), k_width=2)`` is that fragment, with
-tile row r = 16 W rep + 16 warp + 8 h + g and tile column p = 16 kstep + 8 hk + 2 t + e
-(``tests/test_w4a16_mma.py`` checks it against the PTX layout through ``to_linear_layout`` on the CPU).
-
-The kernel relabels both axes (a permutation of K inside a K tile and of n inside a column tile is free as long as
-A, B and the output agree):
-
-* K: tile column p = 32 c + 16 kb + 8 hk + 2 t + e holds k = 8 (4 c + t) + (2 kb + hk) + 4 e. So lane t reads,
-  per 32-K chunk c, exactly the 8 nibbles of packed word row 4 c + t, and each 32-bit A register (a pair e = 0, 1)
-  is ``((word >> 4 j) & 0x000F000F) | MAGIC2`` with j = 2 kb + hk: the 16-bit floats OFFSET + q of nibbles j and
-  j + 4 (MAGIC 0x4300 -> 128 + q in bf16, 0x6400 -> 1024 + q in fp16; exact), one shift and one LOP3 per two
-  weights (no shift for j = 0). The B operand then needs x[8 (4 c + t) + j + 4 e]: the 16 contiguous bytes
-  x[m, 8 (4 c + t) : + 8], one 16-byte load per lane and chunk, permuted in registers.
-* n: tile row r = 16 W rep + 16 warp + 8 h + g is weight column n = 2R (8 warp + g) + 2 rep + h of the column tile
-  (R = 16-row tiles per warp). A thread's 2R rows are 2R consecutive columns: one 8R-byte load per packed word row
-  (16 bytes at R = 2), and 4R-byte loads of the scale and zero rows.
-
-Loads happen in those layouts (``_layouts``: the words [BK/8, BN] int32 with reg bases n then the chunk c, lanes
-(t, g), warps along n; x [BM, BK/8, 8] with the 8 activations of a word row in one lane's registers and every warp
-holding the same x); the unpacked tensors are rearranged by ``join`` / ``reshape`` / ``permute`` only, and every
-``convert_layout`` into the dot-operand / accumulator layouts is ``assert_trivial=True`` (a register relabeling:
-no shared memory, no shuffle). The sm_90 SASS of the K loop has no LDS / STS / BAR / SHFL (``offline_report``).
-
-Scale and zero: once per K tile (BK divides the group, so a tile has one (s, z) row). The codes enter the mma as
-OFFSET + q, so the tile's product is P = sum_k x_k (OFFSET + q_k); the sums of x come from a second mma with an A
-operand of ones (1 HMMA per K step and warp, against R for the weights, and the result lands in the accumulator
-layout: no cross-lane reduction), and ``acc += s (P - (OFFSET + z) xsum)`` per tile: 2 FFMA per accumulator
-element and tile. Chosen over dequantizing in 16 bits (``sub`` + ``mul`` per two weights = 1 more instruction per
-weight, half the budget) and over ``q - z`` in the A operand (0.5 per weight); zeros may be fractional (applied in
-fp32). Exactness: (OFFSET + q) x is exact in fp32 (8 + 8 or 11 + 11 significant bits); the only roundings are the
-fp32 sums and the fold, against the reference's rounding of (q - z) s.
-
-M = 9..16 (BM = 16, two n8 tiles). ``mma_v2`` issues both n-tiles' HMMAs from one A fragment, so the unpack (3 SHF
-+ 4 LOP3 per word) is shared, and x is loaded once per K tile for both (16 tokens x 16 bytes per lane and chunk).
-What doubles is per token: the x registers (32 per buffer at BK = 128) and their pair PRMTs, the xsum HMMAs (one per
-K step and n-tile), the accumulator (8 R fp32 per thread) and the fold (2 FFMA per accumulator element and tile:
-0.25 per weight at any R). At R = 2 that is 2.30-2.34 SASS instructions per weight and, with two x buffers, 168
-registers plus 24 bytes of stack (ptxas spills five loop-invariant addresses to stay at 3 CTAs per SM). R = 4 (64
-columns per warp) spreads the per-token costs over twice the weights: 1.90 per weight (fp16 1.87), 255 registers, no
-stack, 8 warps per SM; the M = 9..16 candidates (``_TILES16``) are all R = 4.
-
-Grid and reduction: program (pid_n, pid_k) = BN = 16 R W columns x a K slice of TILES_PER_SPLIT tiles; each warp owns
-16 R columns and the whole tile K (no cross-warp reduction). Split-K as gemv1: relaxed fp32 atomics into the
-per-device workspace kept at zero (``w4a16._gemv1_workspace``), ``fence.acq_rel.gpu``, a CTA barrier, the column
-tile's counter (acq_rel); the last CTA reads the total, zeroes it, adds the bias and writes y. One launch, no memset.
-The same workspace / counters as gemv1 (one stream per device, as there). ``prefetch`` = K tiles of loads kept in
-registers ahead of the computed one (1: the next tile's loads are issued before the current one is computed, the
-loop unrolled by two over two register buffers; 2: three buffers, unrolled by three; no register copies either way:
-a ring rotated by copies cost 2.32 instead of 1.67 instructions per weight offline). ``pdl``: programmatic dependent
-launch (dependents launched at entry; weights of the first tiles loaded before ``griddepcontrol.wait``, x /
-workspace / counters after).
-
-Session 11 (``load_census``, docs/notes_w4a16_mma_session10.md, "Session 11"): the SASS defeats the register
-prefetch for every other tile (ptxas / LLVM sink tile t + 1's loads into the ``if t + 1 < t_end`` fold: issued 19-36
-instructions before use; prefetch 2 retires all three tiles' loads at one wait, 3 instructions after the last), so a
-DRAM latency is exposed per two K tiles. ``L2_AHEAD`` (``MmaConfig.l2_ahead`` = ``W4A16Config.l2_ahead``, label
-``l2a4``) adds ``prefetch.global.L2`` of the words / scales / zeros of the tiles L2_AHEAD ahead (one
-CCTL.E.PF2 per warp and K tile at R = 2): no registers, no scoreboard, same results bit for bit (loads unchanged).
+The tuner lists it as method "mma" for M buckets <= 16 (``w4a16._mma_configs``; ``FXOPT_W4A16_MMA=0`` unlists it).
+Why: the CUDA-core kernel "gemv1" is issue-bound at M = 1 (about three instructions per weight); here the tensor
+cores take the multiply. Product ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8
+columns the (zero-padded) activation rows. Both axes are relabeled so that lane t reads exactly the 8 nibbles of one
+packed word per 32-K chunk and each A register is a pair of unpacked weights; the codes enter as OFFSET + q and
+scale / zero are applied once per K tile, with the sums of x from a second mma. Split-K by relaxed fp32 atomics.
+Lane maps, register budgets and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -191,7 +123,7 @@ if HAS_GLUON:
         """``prefetch.global.L2`` of K tile min(t, t_last): every 128-byte line of the warp's packed words (BK/8 rows
         x 64 R bytes) and of its scale and zero rows, one line per lane (at R = 2, BK = 128: 16 + 2 lines, one
         instruction per warp and tile). Fire and forget: no register, no scoreboard, so the bytes in flight are not
-        bounded by the register buffers (session 11 note). Rows / columns past K / N are clamped (in bounds)."""
+        bounded by the register buffers (note). Rows / columns past K / N are clamped (in bounds)."""
         KPT: gl.constexpr = BK // 8
         LPW: gl.constexpr = (R + 1) // 2  # 128-byte lines per warp and packed row (64 R bytes)
         NQ: gl.constexpr = KPT * LPW
@@ -383,7 +315,7 @@ def _lg(v: int) -> int:
 
 
 def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
-    """The load layouts (module docstring, "Lane mapping"):
+    """The load layouts (docs/kernels.md, "Lane mapping"):
 
     * ``w_layout`` for the packed words [BK/8, BN]: registers = 2R consecutive columns (one vector load), then the
       chunks c (word rows 4 c); lanes = (t: word row, g: column block of 2R); warps: column blocks of 16 R.
@@ -446,7 +378,7 @@ class MmaConfig:
     ``split_k`` = K splits (0: one wave over the GPU, ``choose_split``); ``prefetch`` = K tiles of loads kept in
     flight ahead of the one computed (1 or 2); ``block_k`` = K tile (32, 64 or 128; capped at the group size);
     ``pdl`` = programmatic dependent launch (sm_90); ``l2_ahead`` = 0 or the K-tile distance (> prefetch, <= 16) at
-    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``, session 11)."""
+    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``)."""
 
     warps: int = 4
     cols_per_warp: int = 32
@@ -455,8 +387,8 @@ class MmaConfig:
     block_k: int = 128
     pdl: bool = False
     l2_ahead: int = 0
-    # session 16, opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
-    # (session 17, benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
+    # opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
+    # (benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
     maxnreg: int = 0
 
     @property
@@ -482,14 +414,14 @@ _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, Fa
 # them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
 # per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# Session 11: the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
+# the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
 # l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight). Correct on the H200
-# (session 12, 4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
+# (4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
 # against 14.1 / 12.3 / 11.3 / 41.7 (K x N = 8192², 4096 x 11008, 11008 x 4096, 8192 x 28672), M = 4 14.7 against
 # 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096
-# (benchmarks/results/w4a16_l2_prefetch_session12.txt). The exposed-latency model of session 11 is not what limits
+# (an H200 run). The exposed-latency model is not what limits
 # these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
-# Session 17 (benchmarks/results/w4a16_mma_split_sweep.md, python benchmarks/w4a16_mma_split_sweep.py): the one-wave
+# the one-wave
 # split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224 column tiles x split 2
 # fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at M = 1 and 41.5 against
 # 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
@@ -626,7 +558,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
                       l2: Optional[bool] = None) -> list:
     """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
     M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then, when ``l2`` (default: the
-    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``, session 11;
+    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``;
     slower on the H200), each with the one-wave split."""
     if l2 is None:
         l2 = os.environ.get("FXOPT_W4A16_MMA_L2", "0") == "1"
