@@ -432,3 +432,15 @@ def test_quantize_float_target_runs_and_tracks_the_float_model(method):
     if method == "gptq":
         with pytest.raises(ValueError, match="float_target"):
             quantize(copy.deepcopy(ref_model), cal, method="rtn", group_size=32, float_target=True, progress=False)
+
+
+def test_rtn_with_default_arguments_quantizes():
+    """method="rtn" with every other argument at its default runs (float_target's default applies to GPTQ / AWQ
+    only) and packs the linears."""
+    import fxopt
+    from fxopt.quant.linear import QuantLinear
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).half()
+    fxopt.quantize(m, [torch.randn(2, 128).half()], method="rtn", group_size=64, progress=False)
+    assert isinstance(m[0], QuantLinear) and isinstance(m[2], QuantLinear)
