@@ -1006,7 +1006,7 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
 
     # Lists from the H200 sweeps (an H200 check, docs/kernels.md). "swapx" (weight as the register
     # operand of wgmma, x permuted and summed once per call) wins up to M = 32; "swapd" (weights dequantized before
-    # the dot) from M = 64 to 256, by 12-35% over swapx (sweep of 2026-11-29).
+    # the dot) from M = 64 to 256, by 12-35% over swapx (H200 sweep).
     if bucket <= 16:
         # waves = programs per SM: ~5 of 4 warps fit at BLOCK_N = 64 (registers), ~3 at 128 (Nsight Compute: at
         # M = 1 the kernel is short of eligible warps, so grids that fill those slots are in the list)
