@@ -20,9 +20,9 @@ elsewhere). Otherwise each product is checked on ``meta["val"]`` and replaced by
 
 * dtypes: ``x`` is fp16/bf16, with the dtype of ``scales`` and ``zeros``; ``qweight`` is int32; the bias is in
   ``x``'s dtype;
-* shapes: ``x`` is 2-D or 3-D (the op's contract) with ``x.shape[-1] = K`` provably (a symbolic size must be known equal); ``qweight`` is [K // 8, N] with
-  static K and N; the group size is a literal int the kernel supports (32, 64, 128 or K) that divides K; ``scales``
-  and ``zeros`` are [K // G, N]; the bias is [N];
+* shapes: ``x`` is 2-D or 3-D (the op's contract) with ``x.shape[-1] = K`` provably (a symbolic size must be known
+  equal); ``qweight`` is [K // 8, N] with static K and N; the group size is a literal int the kernel supports (32,
+  64, 128 or K) that divides K; ``scales`` and ``zeros`` are [K // G, N]; the bias is [N];
 * layout: ``x`` has unit stride along K and its rows collapse to a 2-D [M, K] view (the kernel reads rows of x as
   they are; any other layout is copied on every call), and the packed tensors are contiguous;
 * no in-place op between the ``dequantize_w4`` node and the product writes to storage shared with ``qweight``,
@@ -197,7 +197,7 @@ def _written(node: fx.Node) -> Optional[list]:
     out = [node.kwargs["out"]] if "out" in node.kwargs else []
     if node.op == "call_method":
         name = node.target
-        if name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__"):
+        if (name.endswith("_") and not name.endswith("__")) or name in ("__setitem__", "__iadd__", "__imul__"):
             out.append(node.args[0])
         return out
     if node.op != "call_function":
