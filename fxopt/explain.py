@@ -1,15 +1,15 @@
 """``fxopt.explain``: what fxopt would do to a model, without code generation.
 
-The model is captured with Dynamo, each graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and the per-pass results are gathered into an
-:class:`ExplainReport`: rewrites per pass, every candidate left alone with its reason, the number of graphs and of
-graph breaks (with their reasons).
+The model is captured with Dynamo, each graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and
+the per-pass results are gathered into an :class:`ExplainReport`: rewrites per pass, every candidate left alone with
+its reason, the number of graphs and of graph breaks (with their reasons).
 
 Dynamo's caches are left alone (no ``torch._dynamo.reset()``), so a model the user compiled before does not
 recompile afterwards. The capture is still fresh: the function (or the module's ``forward``) is entered through a
 copy with a code object of its own (Dynamo keeps compiled entries on the code object), and the new backend object
 fails the backend guard of any entry compiled before, so nothing cached is reused. Frames Dynamo compiles apart
-after a graph break inside (sub-modules' ``forward``) get their entries on their own code, as any compile does. Graph breaks are the growth of Dynamo's break counter
-during the call (the counters are not cleared either).
+after a graph break inside (sub-modules' ``forward``) get their entries on their own code, as any compile does.
+Graph breaks are the growth of Dynamo's break counter during the call (the counters are not cleared either).
 """
 from __future__ import annotations
 

@@ -285,6 +285,7 @@ def test_decode_split_plan_balance(monkeypatch):
     assert A._split_plan(8, 32, 4096, None, 128) == A._split_plan(8, 32, 4096, None, 128, 4)
 
 
+@pytest.mark.slow
 def test_decode_config_residency_matches_offline_sm90_build():
     """The resident-CTAs column of _DECODE_CONFIGS is what the sm_90 builds give (compiled offline with Triton's
     bundled ptxas, in a subprocess without the interpreter): the split plans rest on it."""
@@ -380,6 +381,7 @@ def test_backward_split_d_matches_float64(name):
     _bwd_vs_float64(SPLIT_D_CASES[name], torch.float32, cfg)
 
 
+@pytest.mark.slow
 def test_backward_split_d_route_fp16(monkeypatch):
     """fp16 at d = 256 takes the split kernel when FXOPT_ATTN_BWD_SPLIT_D=1 (off by default until measured;
     autotuned wrapper, one config in the interpreter)."""
@@ -867,6 +869,7 @@ def test_gluon_fwd_refuses_builds_that_failed_their_gpu_check(monkeypatch):
         G.gluon_attention_fwd(q, q, q, variant="persistent_pingpong")
 
 
+@pytest.mark.slow
 def test_gluon_persistent_pingpong_offline_sm90_build():
     """The persistent_pingpong build compiles for sm_90 without spills, with the 16 named-barrier instructions of
     the turns on top of the persistent build's barriers, and the same wgmma count."""
@@ -912,6 +915,7 @@ def test_gluon_poly_exp_arguments():
             os.environ["FXOPT_ATTN_GLUON_POLY_EXP"] = old
 
 
+@pytest.mark.slow
 def test_gluon_persistent_poly_exp_offline_sm90_build():
     """poly_exp=K takes K of every 16 per-thread softmax exp2s off MUFU (MUFU.EX2 instructions) in the
     persistent build (d = 64, causal), without spills; poly_exp=0 is the build without the constexpr."""

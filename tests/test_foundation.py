@@ -142,6 +142,7 @@ def test_disabled_config_runs_no_pass():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_fxopt_backend_with_inductor_matches_eager():
     model = tiny_model()
     ids = tiny_ids()
@@ -200,6 +201,7 @@ def test_cudagraphs_option_is_validated():
         fxopt.Config.from_options({"cudagraphs": "yes"})
 
 
+@pytest.mark.slow
 def test_backend_by_name_in_a_fresh_process_that_never_imports_fxopt():
     if "fxopt" not in entry_points(group="torch_dynamo_backends").names:
         pytest.skip("fxopt is not installed (pip install .): the entry point is what this test checks")
@@ -321,6 +323,7 @@ def test_explain_on_transformers_llama():
 
 # --- demo CLI and test helpers --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_cli_runs_and_reports(capsys):
     from fxopt.cli import main
 
@@ -338,6 +341,7 @@ def _allreduce_body(rank, world_size):
     assert t.item() == sum(range(1, world_size + 1))
 
 
+@pytest.mark.slow
 def test_run_on_ranks_gloo():
     from fxopt.testing import run_on_ranks
 
@@ -349,6 +353,7 @@ def _failing_body(rank, world_size):
         raise ValueError("boom on rank 1")
 
 
+@pytest.mark.slow
 def test_run_on_ranks_reports_failures():
     from fxopt.testing import run_on_ranks
 

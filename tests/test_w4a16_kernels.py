@@ -448,6 +448,7 @@ def test_candidate_configs_gemv1_rules(monkeypatch):
     assert not any(c.method == "gemv1" for c in K4.candidate_configs(1, 8192, 8192, 128, device="cuda"))
 
 
+@pytest.mark.slow
 def test_gemv1_offline_sm90_build():
     """The default M = 1 candidate compiles for sm_90 on the CPU (ptxas shipped with Triton) without spills; its K
     loop runs about 3 instructions per weight and no barrier (SASS; docs/notes_w4a16_gemv1_session8.md). Run in a
@@ -659,6 +660,7 @@ def test_gluon_wave_split_and_model():
     assert r["split"] == 1 and r["dequant_passes"] == 2 and r["ctas"] == 128
 
 
+@pytest.mark.slow
 def test_gluon_largem_offline_sm90_builds():
     """The chunked split-K builds compile for sm_90 on the CPU without spills or wgmma hazards; the async one keeps
     wgmma asynchronous (no C7512 / C7514, DEPBAR.LE gsb0 0x1 in the loop); the chunked path is really built (it

@@ -296,6 +296,7 @@ def _assert_register_only_loop(r, max_reg, max_per_weight):
     assert lp["per_weight"] < max_per_weight, lp
 
 
+@pytest.mark.slow
 def test_offline_sm90_build():
     """The first M = 1 candidate compiles for sm_90 on the CPU without spills; its K loop has HMMA and no
     shared-memory traffic, barrier or shuffle (both operands come from registers), and runs well under gemv1's 3.08
@@ -308,6 +309,7 @@ def test_offline_sm90_build():
     _assert_register_only_loop(offline_build_json(code), 128, 2.0)
 
 
+@pytest.mark.slow
 def test_offline_sm90_register_cap():
     """``MmaConfig(maxnreg=96)`` (opt-in, session 16): the build stays within 96 registers (5 resident CTAs of 4
     warps instead of 4), the label names the cap, and the loop keeps its register operands (no shared memory); the
@@ -325,6 +327,7 @@ def test_offline_sm90_register_cap():
     assert 65536 // (96 * 32 * 4) == 5
 
 
+@pytest.mark.slow
 def test_offline_sm90_build_m16():
     """M = 16 (two n8 tiles, BM = 16), the first listed candidate (R = 4: 64 columns per warp, ``_TILES16``): no
     stack / local (no spill), register operands only, under 2.0 SASS instructions per weight (1.90 offline with
@@ -347,6 +350,7 @@ def test_offline_sm90_build_m16():
     assert KM._resident(16, r["cpw"], r["warps"], 1) == min(65536 // (regs * 32 * r["warps"]), 64 // r["warps"])
 
 
+@pytest.mark.slow
 def test_offline_sm90_l2_prefetch_census():
     """Session 11. The session-10 M = 1 pick (bn128 w4 pdl, 128 registers) keeps tile t + 1's loads within 19-36
     instructions of their first use (the compiler sinks them into the ``if t + 1 < t_end`` fold), so one DRAM latency
@@ -378,6 +382,7 @@ def test_offline_sm90_l2_prefetch_census():
         assert sum(w["forced"] for w in c["waits"]) == c["ldg_bytes"]  # every load retired once per iteration
 
 
+@pytest.mark.slow
 def test_offline_sm90_l2_prefetch_m16():
     """The M = 9..16 L2-prefetch tile (bn128 w2, R = 4) keeps 255 registers (8 warps per SM, ``_RESIDENT16``) and no
     stack, with one CCTL.E.PF2 per K tile (16 word rows x 2 lines + 2 = 34 lines: two per warp and tile)."""

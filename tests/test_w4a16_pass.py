@@ -398,4 +398,22 @@ def test_rejects_packed_weight_that_is_not_int32():
 def test_rejects_input_features_other_than_k():
     qw, s, z = _parts()
     reasons = _fake_graph(torch.randn(2, 72).half(), qw, s, z, 32)
-    assert reasons == ["input has 72 features but the packed weight has K = 64"]
+    assert reasons == ["input has 72 features, not provably the packed weight's K = 64"]
+
+
+def test_dynamic_shapes_still_fuse():
+    """dynamic=True: batch and sequence are symbolic; K is known equal to the packed weight's, the rows collapse for
+    every size, so both quantized linears fuse in the one graph, and outputs match eager at two shapes."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        gm, results = run_passes(gm, example_inputs, Config())
+        graphs.append(results)
+        return gm.forward
+
+    model = MLP()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for shape in [(2, 3, 64), (4, 5, 64)]:
+        x = torch.randn(*shape).half()
+        torch.testing.assert_close(compiled(x).float(), model(x).float(), atol=5e-2, rtol=2e-2)
+    assert [r.rewrites for results in graphs for r in results if r.name == "w4a16"] == [2]

@@ -20,9 +20,9 @@ elsewhere). Otherwise each product is checked on ``meta["val"]`` and replaced by
 
 * dtypes: ``x`` is fp16/bf16, with the dtype of ``scales`` and ``zeros``; ``qweight`` is int32; the bias is in
   ``x``'s dtype;
-* shapes: ``x`` is 2-D or 3-D (the op's contract) with a static ``x.shape[-1] = K``; ``qweight`` is [K // 8, N] with
-  static K and N; the group size is a literal int the kernel supports (32, 64, 128 or K) that divides K; ``scales``
-  and ``zeros`` are [K // G, N]; the bias is [N];
+* shapes: ``x`` is 2-D or 3-D (the op's contract) with ``x.shape[-1] = K`` provably (a symbolic size must be known
+  equal); ``qweight`` is [K // 8, N] with static K and N; the group size is a literal int the kernel supports (32,
+  64, 128 or K) that divides K; ``scales`` and ``zeros`` are [K // G, N]; the bias is [N];
 * layout: ``x`` has unit stride along K and its rows collapse to a 2-D [M, K] view (the kernel reads rows of x as
   they are; any other layout is copied on every call), and the packed tensors are contiguous;
 * no in-place op between the ``dequantize_w4`` node and the product writes to storage shared with ``qweight``,
@@ -125,13 +125,14 @@ def _static(*dims) -> bool:
 
 
 def _rows_collapse(xv: torch.Tensor) -> bool:
-    """Whether x [..., K] has unit stride along K and its leading dims merge into one (a [M, K] view, no copy)."""
+    """Whether x [..., K] provably has unit stride along K and leading dims that merge into one (a [M, K] view, no
+    copy). Symbolic sizes (``dynamic=True``) are fine when the relation holds for every value."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
     size, stride = tuple(xv.shape), tuple(xv.stride())
-    if not _static(*size, *stride):
+    if not (known(size[-1] == 1) or known(stride[-1] == 1)):
         return False
-    if size[-1] > 1 and stride[-1] != 1:
-        return False
-    if len(size) == 3 and size[0] > 1 and size[1] > 1 and stride[0] != size[1] * stride[1]:
+    if len(size) == 3 and not (known(size[0] == 1) or known(size[1] == 1) or known(stride[0] == size[1] * stride[1])):
         return False
     return True
 
@@ -153,10 +154,10 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
         return f"activation dtype {xv.dtype} differs from scales/zeros dtype ({sv.dtype}, {zv.dtype})"
     if xv.dim() not in (2, 3):
         return f"input is {xv.dim()}-D; w4a16_linear takes 2-D or 3-D input"
-    if not _static(xv.shape[-1]):
-        return f"input feature dim {xv.shape[-1]} is symbolic; it must be the static K = {K}"
-    if xv.shape[-1] != K:
-        return f"input has {xv.shape[-1]} features but the packed weight has K = {K}"
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not statically_known_true(xv.shape[-1] == K):
+        return f"input has {xv.shape[-1]} features, not provably the packed weight's K = {K}"
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         return f"group size is not a constant int ({group_size!r})"
     G = K if group_size == -1 else group_size
@@ -196,7 +197,7 @@ def _written(node: fx.Node) -> Optional[list]:
     out = [node.kwargs["out"]] if "out" in node.kwargs else []
     if node.op == "call_method":
         name = node.target
-        if name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__"):
+        if (name.endswith("_") and not name.endswith("__")) or name in ("__setitem__", "__iadd__", "__imul__"):
             out.append(node.args[0])
         return out
     if node.op != "call_function":
