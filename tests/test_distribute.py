@@ -235,6 +235,23 @@ def test_four_ranks_training_matches_single_process():
     _run(_four_training, 4)
 
 
+def _zero_bubble(rank, world):
+    from fxopt.parallel.distribute import DistributeError
+
+    x, y = _ids()
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):  # 4 stages on 2 ranks
+        r = _check_training(_llama(), x, y, _mesh((2,), ("pp",)), microbatches=4, schedule=schedule)
+        assert len(r.plan.pipeline_plan.stages) == 4
+    _check_forward(_llama(), x, _mesh((2,), ("pp",)), microbatches=4, schedule="InterleavedZeroBubble")
+    with pytest.raises(DistributeError, match="ZBVZeroBubble is a training schedule"):
+        _check_forward(_llama(), x, _mesh((2,), ("pp",)), microbatches=4, schedule="ZBVZeroBubble")
+
+
+@pytest.mark.slow
+def test_two_ranks_zero_bubble_schedules_train_like_one_process():
+    _run(_zero_bubble, 2)
+
+
 def _eight(rank, world):
     x, y = _ids(b=8)
     mesh = _mesh((2, 2, 2), ("dp", "pp", "tp"))
