@@ -16,7 +16,6 @@ in the same run. ``--smoke-cpu`` checks this path on gloo with a small model.
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time

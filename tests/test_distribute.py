@@ -172,14 +172,6 @@ def test_four_ranks_bad_inputs_pp_tp_dp_tp_inference():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _full_params(r):
-    out = {}
-    for n, p in r.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[n] = t.detach()
-    return out
-
-
 def _check_training(model, x, y, mesh, steps=2, lr=0.5, **kw):
     """Two SGD steps of distribute(model) vs the single-process model on the global batch."""
     from fxopt.parallel.distribute import distribute

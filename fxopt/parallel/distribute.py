@@ -28,7 +28,6 @@ than the machine.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -85,7 +84,8 @@ def _model_dims(model: nn.Module) -> dict:
 
 
 def _tensor_leaves(args, kwargs) -> list:
-    return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return ([a for a in args if isinstance(a, torch.Tensor)]
+            + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
 
 
 def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, world: int, dp: int, pp: int, tp: int,
