@@ -172,14 +172,6 @@ def test_four_ranks_bad_inputs_pp_tp_dp_tp_inference():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _full_params(r):
-    out = {}
-    for n, p in r.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[n] = t.detach()
-    return out
-
-
 def _check_training(model, x, y, mesh, steps=2, lr=0.5, **kw):
     """Two SGD steps of distribute(model) vs the single-process model on the global batch."""
     from fxopt.parallel.distribute import distribute
@@ -233,6 +225,23 @@ def _four_training(rank, world):
 @pytest.mark.slow
 def test_four_ranks_training_matches_single_process():
     _run(_four_training, 4)
+
+
+def _zero_bubble(rank, world):
+    from fxopt.parallel.distribute import DistributeError
+
+    x, y = _ids()
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):  # 4 stages on 2 ranks
+        r = _check_training(_llama(), x, y, _mesh((2,), ("pp",)), microbatches=4, schedule=schedule)
+        assert len(r.plan.pipeline_plan.stages) == 4
+    _check_forward(_llama(), x, _mesh((2,), ("pp",)), microbatches=4, schedule="InterleavedZeroBubble")
+    with pytest.raises(DistributeError, match="ZBVZeroBubble is a training schedule"):
+        _check_forward(_llama(), x, _mesh((2,), ("pp",)), microbatches=4, schedule="ZBVZeroBubble")
+
+
+@pytest.mark.slow
+def test_two_ranks_zero_bubble_schedules_train_like_one_process():
+    _run(_zero_bubble, 2)
 
 
 def _eight(rank, world):

@@ -28,7 +28,6 @@ than the machine.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -38,12 +37,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config
+from .pipeline import MULTI_STAGE, SCHEDULES
 
 log = logging.getLogger(__name__)
 
 __all__ = ["distribute", "Distributed", "DistributePlan", "DistributeError", "validate"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 DATA_PARALLEL = ("ddp", "fsdp")
 _DIMS = ("dp", "pp", "tp")
 
@@ -85,7 +84,8 @@ def _model_dims(model: nn.Module) -> dict:
 
 
 def _tensor_leaves(args, kwargs) -> list:
-    return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return ([a for a in args if isinstance(a, torch.Tensor)]
+            + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
 
 
 def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, world: int, dp: int, pp: int, tp: int,
@@ -109,12 +109,14 @@ def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, 
             if key in dims and dims[key] % tp:
                 what = "attention heads" if key == "heads" else "FFN width (intermediate size)"
                 errs.append(f"tp={tp} does not divide the model's {dims[key]} {what}")
-    n_stages = stages or (2 * pp if schedule == "Interleaved1F1B" and pp > 1 else pp)
+    n_stages = stages or (2 * pp if schedule in MULTI_STAGE and pp > 1 else pp)
     if pp > 1 and "layers" in dims and n_stages > dims["layers"]:
         errs.append(f"{n_stages} pipeline stages but the model has only {dims['layers']} layers")
-    if pp > 1 and schedule == "Interleaved1F1B" and n_stages % pp:
-        errs.append(f"Interleaved1F1B needs the stages ({n_stages}) to be a multiple of pp={pp}")
-    if pp > 1 and schedule != "Interleaved1F1B" and n_stages != pp:
+    if pp > 1 and schedule in MULTI_STAGE and n_stages % pp:
+        errs.append(f"{schedule} needs the stages ({n_stages}) to be a multiple of pp={pp}")
+    if pp > 1 and schedule in ("ZBVZeroBubble", "DualPipeV") and n_stages != 2 * pp:
+        errs.append(f"{schedule} runs two stages per pp rank: stages={n_stages} must be {2 * pp}")
+    if pp > 1 and schedule not in MULTI_STAGE and n_stages != pp:
         errs.append(f"schedule {schedule} runs one stage per pp rank: stages={n_stages} must equal pp={pp}")
     leaves = _tensor_leaves(example_args, example_kwargs)
     if not leaves:
@@ -158,10 +160,13 @@ def agree(group, signature, errors: list, what: str) -> None:
 
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1), v = stages per rank (1 for GPipe and 1F1B)."""
+    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1), v = stages per rank (1 for GPipe and 1F1B).
+
+    For the zero-bubble schedules this is Interleaved1F1B's bubble, an upper bound: their split backward fills part
+    of it, by an amount that depends on the weight-gradient share of the backward (not modelled yet)."""
     if pp <= 1:
         return 0.0
-    v = stages_per_rank if schedule == "Interleaved1F1B" else 1
+    v = stages_per_rank if schedule in MULTI_STAGE else 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
@@ -349,8 +354,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
             Default: ``init_device_mesh`` of ``(dp, pp, tp)`` on ``device``'s type after validation.
         dp / pp / tp: the sizes when no mesh is given (default 1 each; their product must be the world size).
         microbatches: micro-batches per dp replica and step (pp > 1); must divide the replica's batch.
-        schedule: pipeline schedule, ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"``.
-        stages: pipeline stages (default pp; Interleaved1F1B: 2 pp).
+        schedule: pipeline schedule, one of :data:`fxopt.parallel.pipeline.SCHEDULES` (GPipe, 1F1B,
+            Interleaved1F1B and torch's zero-bubble InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
+        stages: pipeline stages (default pp; the multi-stage schedules: 2 pp).
         training: build for training (default: grad enabled and a parameter requires grad).
         data_parallel: training with dp > 1 and pp = 1: ``"ddp"`` (DistributedDataParallel on the dp group) or
             ``"fsdp"`` (FSDP2 ``fully_shard`` on the dp sub-mesh). With pp > 1 the gradients are averaged on dp
@@ -387,6 +393,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         sizes = {"dp": dp or 1, "pp": pp or 1, "tp": tp or 1}
     errs += validate(model, args, kwargs, world=world, dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"],
                      microbatches=microbatches, schedule=schedule, data_parallel=data_parallel, stages=stages)
+    if not training and sizes["pp"] > 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
+        errs.append(f"{schedule} is a training schedule; inference needs GPipe, 1F1B, Interleaved1F1B or "
+                    f"InterleavedZeroBubble")
     if training and data_parallel == "fsdp" and sizes["pp"] > 1 and sizes["dp"] > 1:
         errs.append("data_parallel='fsdp' with pp > 1 is not supported yet; use 'ddp'")
     sig = _signature(model, args, kwargs, tuple(sizes[d] for d in _DIMS))
@@ -433,7 +442,7 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         from ..passes.pipeline import DeviceProfile
         from .pipeline import pipeline, plan_pipeline
 
-        n_stages = stages or (2 * pp_n if schedule == "Interleaved1F1B" else pp_n)
+        n_stages = stages or (2 * pp_n if schedule in MULTI_STAGE else pp_n)
         if plan_only:
             _, pplan, _, _, _ = plan_pipeline(stage_model, l_args, l_kwargs, stages=n_stages, microbatches=m,
                                               schedule=schedule, split_points=split_points,

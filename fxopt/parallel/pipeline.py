@@ -53,7 +53,18 @@ from ..passes.pipeline import PLAN_KEY, STAGE_KEY, DeviceProfile, PipelineError,
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# several stages per rank: stage s on rank s % world ("loop"), or V-shaped for ZBV and DualPipeV (two stages per rank,
+# rank r holds stages r and 2 world - 1 - r, so the first and last stage share rank 0)
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+def stage_rank(s: int, world: int, schedule: str) -> int:
+    """The rank of the pipeline group that runs stage ``s``."""
+    if schedule in V_SHAPED:
+        return s if s < world else 2 * world - 1 - s
+    return s % world
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -469,8 +480,7 @@ class PipelineRunner:
                     yield name, p
 
     def _make(self, loss_fn):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, schedules
 
         def wrap(m):
             return m if self.comm_device == torch.device(self.device) else _HostStaged(m, self.device)
@@ -478,8 +488,11 @@ class PipelineRunner:
         stages = [PipelineStage(wrap(self._compiled[s]), s, self.n_stages, self.comm_device, group=self.group)
                   for s in self.stage_indices]
         kw = {"loss_fn": loss_fn, "scale_grads": False}
-        if self.schedule == "Interleaved1F1B":
-            return ScheduleInterleaved1F1B(stages, self.microbatches, **kw)
+        if self.schedule in MULTI_STAGE:
+            name = self.schedule
+            if loss_fn is None and name == "InterleavedZeroBubble":
+                name = "Interleaved1F1B"  # forward only: the same order, no backward to split
+            return getattr(schedules, "Schedule" + name)(stages, self.microbatches, **kw)
         # With fewer micro-batches than stages, 1F1B's warm-up already covers every micro-batch: the order of work is
         # GPipe's (PyTorch's Schedule1F1B refuses that case), so GPipe runs it.
         one_f_one_b = self.schedule == "1F1B" and loss_fn is not None and self.microbatches >= self.n_stages
@@ -500,6 +513,9 @@ class PipelineRunner:
 
     def forward(self, *args, **kwargs):
         """Inference over micro-batches (GPipe order, no grad): the output on the last stage, ``None`` elsewhere."""
+        if self.schedule in V_SHAPED:
+            raise PipelineError(f"{self.schedule} is a training schedule (its V-shaped stage placement has no "
+                                f"forward-only order in torch); use step(), or build inference with another schedule")
         flat = self._inputs(args, kwargs)
         if self._fwd is None:
             self._fwd = self._make(None)
@@ -629,7 +645,9 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
         example_args / example_kwargs: a full batch; tensors are cut along dim 0 into ``microbatches`` chunks.
         stages: number of stages (default: the world size; ``Interleaved1F1B``: twice the world size).
         microbatches: micro-batches per step (must divide the batch).
-        schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"``.
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or, for training, one of torch's zero-bubble
+            schedules ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"`` (inference with those runs
+            Interleaved1F1B's order; ZBV and DualPipeV place two stages per rank in a V).
         split_points: module names that must start a stage (``["layers.2"]``); the rest is balanced.
         loss_fn: default ``loss_fn(output, target)`` for :meth:`PipelineRunner.step`.
         compile: ``True`` compiles each stage with ``backend="fxopt"`` (the passes of ``config``, minus pipeline
@@ -656,17 +674,19 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if stages is None:
-        stages = 2 * world if schedule == "Interleaved1F1B" else world
+        stages = 2 * world if schedule in MULTI_STAGE else world
     if stages < 2:
         raise PipelineError(f"stages must be >= 2, got {stages}")
-    if schedule == "Interleaved1F1B":
+    if schedule in V_SHAPED and stages != 2 * world:
+        raise PipelineError(f"{schedule} runs two stages per rank: stages must be {2 * world}, got {stages}")
+    if schedule in MULTI_STAGE:
         if stages % world:
-            raise PipelineError(f"Interleaved1F1B needs stages to be a multiple of the world size {world}, got {stages}")
+            raise PipelineError(f"{schedule} needs stages to be a multiple of the world size {world}, got {stages}")
     elif stages != world:
         raise PipelineError(f"schedule {schedule} runs one stage per rank: stages must equal the world size {world}, "
                             f"got {stages} (use Interleaved1F1B for several stages per rank)")
-    if cuda_graphs and schedule == "Interleaved1F1B":
-        raise PipelineError("cuda_graphs supports the GPipe and 1F1B schedules, not Interleaved1F1B")
+    if cuda_graphs and schedule in MULTI_STAGE:
+        raise PipelineError(f"cuda_graphs supports the GPipe and 1F1B schedules, not {schedule}")
     example_kwargs = dict(example_kwargs or {})
     _check_batch(example_args, example_kwargs, microbatches)
     if device is None:
@@ -686,7 +706,7 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     # in a model captured on the host) must name the stage device, or the stage mixes devices.
     src = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), device)
     retarget_devices(gm, src, device)
-    local = [s for s in range(stages) if s % world == rank]
+    local = [s for s in range(stages) if stage_rank(s, world, schedule) == rank]
     mods = build_stage_modules(gm, plan, state, tensors, input_order, only=local)
     for m in mods.values():
         m.to(device)
@@ -694,7 +714,7 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
     # Shared parameters across ranks: one group per rank set (created by every rank, in the same order).
     shared_groups = []
     for qual, st in plan.shared.items():
-        ranks = sorted({s % world for s in st})
+        ranks = sorted({stage_rank(s, world, schedule) for s in st})
         if len(ranks) < 2 or not isinstance(tensors.get(qual), nn.Parameter):
             continue
         global_ranks = [dist.get_global_rank(group, r) for r in ranks] if group is not None else ranks

@@ -997,8 +997,9 @@ def pipeline_pass(gm: fx.GraphModule, cfg: PipelineConfig, ctx: PassContext) -> 
     if cfg.stages <= 1:
         result.skip("graph", f"stages={cfg.stages}: nothing to split")
         return result
-    if cfg.schedule not in ("GPipe", "1F1B", "Interleaved1F1B"):
-        result.skip("graph", f"unknown schedule {cfg.schedule!r} (GPipe, 1F1B, Interleaved1F1B)")
+    known = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    if cfg.schedule not in known:
+        result.skip("graph", f"unknown schedule {cfg.schedule!r} ({', '.join(known)})")
         return result
     profile = ctx.extras.get("pipeline_profile") or DeviceProfile.for_device(_graph_device(gm))
     try:
