@@ -511,3 +511,31 @@ def test_hf_llama_compile_counts_not_above_dynamo():
             per_graph = [sum(r.rewrites for r in res if r.name == "attention") for res in backend.results]
             assert per_graph and all(n == 2 for n in per_graph), per_graph
     assert counts["fxopt"] <= counts["eager"], counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# coverage: forms Inductor's fuse_attention recognizes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["iadd_mask", "bool_added", "clone_probs", "expand_as_mask"])
+def test_inductor_forms_fuse(form):
+    def fn(q, k, v, m):
+        s = q @ k.transpose(-1, -2) / 4
+        if form == "iadd_mask":
+            s += m
+        elif form == "bool_added":
+            s = s + (m > 0)
+        elif form == "expand_as_mask":
+            s = s.masked_fill(m.expand_as(s) > 0.5, float("-inf"))
+        elif form == "clone_probs":
+            s = s + m
+        p = s.softmax(-1)
+        if form == "clone_probs":
+            p = p.clone()
+        return p @ v
+
+    q, k, v = _qkv()
+    m = torch.randn(1, 1, S, S)
+    m[..., 0] = -1.0  # every row keeps key 0
+    same_as_eager(fn, q, k, v, m, rewrites=1)

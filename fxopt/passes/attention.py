@@ -873,6 +873,12 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         if len(cur.users) != 1:
             return None, "attention probabilities are used elsewhere"
         (u,) = cur.users
+        if op_name(u) == "clone" or (u.op == "call_function" and u.target is torch.clone):
+            if u.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+                return None, "clone of the probabilities with a memory format"
+            matched.append(u)
+            cur = u
+            continue
         if _cast_dtype(u) is not None:
             casts.append(_cast_dtype(u))
             matched.append(u)
@@ -917,7 +923,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
     masks = m.masks
     seen_replacement = False
     while True:
-        if not isinstance(x, fx.Node) or len(x.users) != 1:
+        if not isinstance(x, fx.Node) or len(_value_users(x)) != 1:
             return None, "score chain has other users"
         xv = tensor_val(x)
         if xv is None or tuple(xv.shape) != scores_shape:
@@ -943,8 +949,8 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 else:
                     return None, "cannot tell the scores from the mask in an add"
                 mv = tensor_val(mask)
-                if mv is None or not mv.dtype.is_floating_point:
-                    return None, "additive mask is not floating point"
+                if mv is None or not (mv.dtype.is_floating_point or mv.dtype == torch.bool):
+                    return None, f"additive mask of dtype {None if mv is None else mv.dtype}"
                 masks.additive.append(mask)
                 m.add_dtypes.append(xv.dtype)
                 if seen_replacement:
@@ -1095,6 +1101,22 @@ def _masks_out(fill: float, dtype: torch.dtype) -> bool:
     if fill is None or math.isnan(fill) or not dtype.is_floating_point:
         return False
     return fill == -math.inf or fill <= torch.finfo(dtype).min
+
+
+_SHAPE_READERS = ("expand_as", "type_as", "size", "dim", "new_zeros", "new_ones", "new_full", "new_empty")
+
+
+def _value_users(x: fx.Node) -> list:
+    """Users of ``x`` that read its values: ``m.expand_as(x)``, ``m.type_as(x)``, ``x.size()`` read only its
+    shape or dtype and are not counted."""
+    out = []
+    for u in x.users:
+        if u.op == "call_method" and u.target in _SHAPE_READERS and (
+                (u.target in ("expand_as", "type_as") and u.args[0] is not x and x not in u.kwargs.values())
+                or (u.target not in ("expand_as", "type_as") and u.args[0] is x)):
+            continue
+        out.append(u)
+    return out
 
 
 def _chain_like(n: fx.Node) -> bool:
@@ -1520,6 +1542,8 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
 def _sum_additive(b: _Builder, adds: list) -> Optional[fx.Node]:
     out = None
     for a in adds:
+        if not tensor_val(a).dtype.is_floating_point:  # a bool tensor added to the scores adds 1.0 where True
+            a = b.call("to", (a, torch.float32), method=True)
         out = a if out is None else b.call(operator.add, (out, a))
     return out
 
