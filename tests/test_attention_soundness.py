@@ -539,3 +539,26 @@ def test_inductor_forms_fuse(form):
     m = torch.randn(1, 1, S, S)
     m[..., 0] = -1.0  # every row keeps key 0
     same_as_eager(fn, q, k, v, m, rewrites=1)
+
+
+@pytest.mark.parametrize("backend", ["fxopt_eager", "fxopt"])
+def test_attention_inside_activation_checkpoint(backend):
+    from torch.utils.checkpoint import checkpoint
+
+    def attn(q, k, v):
+        return (q @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v
+
+    def fn(q, k, v):
+        return checkpoint(attn, q, k, v, use_reentrant=False).sum(-1)
+
+    q, k, v = _qkv(seed=9)
+    grads = []
+    be = Backend(inductor=backend == "fxopt")
+    for f in (fn, torch.compile(fn, backend=be)):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert sum(r.rewrites for res in be.results for r in res if r.name == "attention") == 1

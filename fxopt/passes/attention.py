@@ -1645,19 +1645,46 @@ def _match_sdpa(node: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _checkpoint_bodies(gm: fx.GraphModule) -> list:
+    """The graph modules of ``tag_activation_checkpoint`` regions (Dynamo's form of ``torch.utils.checkpoint``)."""
+    bodies = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and type(n.target).__name__ == "TagActivationCheckpoint" and n.args:
+            body = n.args[0]
+            if isinstance(body, fx.Node) and body.op == "get_attr":
+                sub = getattr(gm, body.target, None)
+                if isinstance(sub, fx.GraphModule) and sub not in bodies:
+                    bodies.append(sub)
+    return bodies
+
+
 @register_pass("attention")
 def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -> PassResult:
-    """Rewrite every SDPA / hand-written attention it can prove into ``torch.ops.fxopt.flash_attention``."""
+    """Rewrite every SDPA / hand-written attention it can prove into ``torch.ops.fxopt.flash_attention``, in the
+    graph and in its activation-checkpoint bodies (recomputed in the backward: the op is deterministic without
+    dropout, so the recomputation gives the same values; with dropout the body's attention stays as it was)."""
     result = PassResult("attention")
+    for sub in [gm] + _checkpoint_bodies(gm):
+        _rewrite_graph(sub, cfg, result, checkpointed=sub is not gm)
+        if sub is not gm:
+            sub.graph.lint()
+            sub.recompile()
+    return result
+
+
+def _rewrite_graph(gm: fx.GraphModule, cfg: AttentionConfig, result: PassResult, checkpointed: bool) -> None:
     candidates = [n for n in gm.graph.nodes if op_name(n) in ("sdpa", "softmax")
                   or (n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention)]
     if not candidates:
-        return result
+        return
+    for n in gm.graph.nodes:  # a checkpoint body: Dynamo's values, as the manager does for the outer graph
+        if "val" not in n.meta and "example_value" in n.meta:
+            n.meta["val"] = n.meta["example_value"]
     op = _flash_op()
     if op is None:
         for n in candidates:
             result.skip(n, "torch.ops.fxopt.flash_attention is not available")
-        return result
+        return
     cache: dict = {"__mutations__": _Mutations(gm.graph)}
     for n in candidates:
         if n.graph is not gm.graph:
@@ -1666,6 +1693,8 @@ def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -
             m, why = _match_sdpa(n, cache)
         else:
             m, why = _match_softmax(n, cache)
+        if m is not None and checkpointed and m.dropout_p:
+            m, why = None, "dropout inside an activation-checkpoint region (its recomputation must redraw the mask)"
         if m is None:
             result.skip(n, why)
             continue
@@ -1675,10 +1704,11 @@ def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -
         m.out.replace_all_uses_with(new)
         dead = [m.out] + list(m.matched)
         _erase_dead(gm.graph, dead + [a for d in dead for a in d.all_input_nodes])
+        cache["__mutations__"] = _Mutations(gm.graph)
         result.rewrites += 1
         info = new.meta.get("fxopt_attention", {})
         low = info.get("lowered")
         result.notes.append(f"attention {n.name}: -> flash_attention"
                             + (" (GQA native)" if info.get("gqa") else "")
+                            + (" (activation checkpoint)" if checkpointed else "")
                             + ("" if not low else f" mask lowered {low}"))
-    return result
