@@ -30,12 +30,25 @@ With ``cfg.lower_masks`` each keep literal is analysed:
   literal is ``key_padding_mask = P[:, :Sk].bool()``.
 
 If everything lowers, the kernel gets ``is_causal`` / ``window`` / ``key_padding_mask`` and no S×S tensor.
-A finite fill is equivalent to ``-inf`` except on rows where every key is masked (the model then averages all
-values; the kernel returns 0), so a finite-fill mask is lowered only when no row can be fully masked (no padding
-literal, and the constant pattern has a visible key in every row); otherwise the original mask tensor is passed
-(an additive mask as is). Anything that is not proven stays a tensor mask; anything not understood stays as it was,
-with a reason (``result.skip``). Nodes the rewrite leaves unused are erased (only pure ones, only among the
-matched nodes and their ancestors).
+
+Exactness. A region is rewritten only when every node in it is accounted for:
+
+* a fill counts as a mask only when it is -inf or <= finfo(dtype).min of the scores it is written into (0, 5,
+  +inf, NaN, -1e4... change the softmax and leave the region as it was);
+* every cast on the scores / probabilities goes to float32, float64 or q's dtype (a bool, int or bf16 round trip
+  is not the kernel's arithmetic);
+* no in-place write (``_Mutations``: in-place methods, ``x[i] = y``, ``out=``) to a value aliasing what the op
+  reads, between the region's first node and the op, nor to an intermediate; the mask prover never evaluates a
+  subgraph touched by a write. ``s += mask`` on a fresh, otherwise unused intermediate is its functional form;
+* rows where every key may be masked get eager's value: NaN for -inf fills (with eager's NaN gradient pattern in
+  training), the mean of v for one finite fill (with the softmax's gradient at p = 1/n for an additive fill, written
+  through Kᵀ V); the op's lse (+inf on such rows) says which rows. Where eager's value cannot be reproduced (mixed
+  fills, several additive fills, float16 additive masks, softcap in training) the region stays, with the reason;
+* empty dims stay out of the kernels; the output gets the strides of the original; symbolic scales (SymInt /
+  SymFloat) multiply q, so the op's float scale never specialises them; a node is created only after its fake
+  value was computed.
+
+Activation-checkpoint bodies (``tag_activation_checkpoint``) are rewritten as well, except with dropout.
 """
 from __future__ import annotations
 
