@@ -432,3 +432,133 @@ def test_row5_neg_inf_fully_masked_rows_nan_gradients():
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, equal_nan=True)
     assert run.rewrites == 1, run.reasons
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 36 item 1: transformers models under dynamic=True, fullgraph=True
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _hf(kind, impl):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=128, num_hidden_layers=2, attn_implementation=impl)
+    tiny = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny))
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **tiny))
+    if kind == "gemma3":
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(head_dim=16, sliding_window=5, **tiny))
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, attn_implementation=impl, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+    if kind == "bert":
+        return transformers.BertModel(transformers.BertConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, **common))
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["llama"] + [pytest.param(k, marks=pytest.mark.slow)
+                                             for k in ("qwen3", "gemma3", "gpt2", "bert")])
+def test_hf_dynamic_fullgraph_rewrites_attention(kind, impl):
+    torch.manual_seed(0)
+    model = _hf(kind, impl).eval()
+    kwargs = {} if kind == "bert" else {"use_cache": False}
+    backend = Backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for Bsz, Sq in ((2, 7), (3, 12)):  # sizes 0 / 1 are specialised by Dynamo itself
+            ids = torch.randint(0, 128, (Bsz, Sq))
+            out = compiled(ids, **kwargs)
+            ref = model(ids, **kwargs)
+            key = "last_hidden_state" if kind == "bert" else "logits"
+            torch.testing.assert_close(out[key], ref[key], atol=2e-5, rtol=1e-4)
+    rewrites = sum(r.rewrites for res in backend.results for r in res if r.name == "attention")
+    reasons = [s.reason for res in backend.results for r in res if r.name == "attention" for s in r.skipped]
+    assert len(backend.results) == 1, "one dynamic graph for every shape"
+    assert rewrites == 2, reasons
+
+
+@pytest.mark.slow
+def test_hf_llama_compile_counts_not_above_dynamo():
+    """LlamaForCausalLM at S = 5..40, B = 1..4: fxopt compiles no more graphs than Dynamo's own guards ask for
+    (the ``eager`` backend, a lower bound of Inductor's count), and every graph has its attention rewritten."""
+    torch.manual_seed(0)
+    model = _hf("llama", "sdpa").eval()
+    shapes = [(b, s) for s in (5, 9, 17, 40) for b in (1, 2, 4)]
+    counts = {}
+    for name in ("eager", "fxopt"):
+        torch._dynamo.reset()
+        backend = Backend(inductor=False)
+        graphs = []
+
+        def count(gm, ex, backend=backend, name=name):
+            graphs.append(gm)
+            return gm.forward if name == "eager" else backend(gm, ex)
+
+        compiled = torch.compile(model, backend=count)
+        with torch.no_grad():
+            for b, s in shapes:
+                ids = torch.randint(0, 128, (b, s))
+                out = compiled(ids, use_cache=False).logits
+                if name == "fxopt":
+                    torch.testing.assert_close(out, model(ids, use_cache=False).logits, atol=2e-5, rtol=1e-4)
+        counts[name] = len(graphs)
+        if name == "fxopt":
+            per_graph = [sum(r.rewrites for r in res if r.name == "attention") for res in backend.results]
+            assert per_graph and all(n == 2 for n in per_graph), per_graph
+    assert counts["fxopt"] <= counts["eager"], counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# coverage: forms Inductor's fuse_attention recognizes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["iadd_mask", "bool_added", "clone_probs", "expand_as_mask"])
+def test_inductor_forms_fuse(form):
+    def fn(q, k, v, m):
+        s = q @ k.transpose(-1, -2) / 4
+        if form == "iadd_mask":
+            s += m
+        elif form == "bool_added":
+            s = s + (m > 0)
+        elif form == "expand_as_mask":
+            s = s.masked_fill(m.expand_as(s) > 0.5, float("-inf"))
+        elif form == "clone_probs":
+            s = s + m
+        p = s.softmax(-1)
+        if form == "clone_probs":
+            p = p.clone()
+        return p @ v
+
+    q, k, v = _qkv()
+    m = torch.randn(1, 1, S, S)
+    m[..., 0] = -1.0  # every row keeps key 0
+    same_as_eager(fn, q, k, v, m, rewrites=1)
+
+
+@pytest.mark.parametrize("backend", ["fxopt_eager", "fxopt"])
+def test_attention_inside_activation_checkpoint(backend):
+    from torch.utils.checkpoint import checkpoint
+
+    def attn(q, k, v):
+        return (q @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v
+
+    def fn(q, k, v):
+        return checkpoint(attn, q, k, v, use_reentrant=False).sum(-1)
+
+    q, k, v = _qkv(seed=9)
+    grads = []
+    be = Backend(inductor=backend == "fxopt")
+    for f in (fn, torch.compile(fn, backend=be)):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [a.grad for a in args])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert sum(r.rewrites for res in be.results for r in res if r.name == "attention") == 1

@@ -30,12 +30,25 @@ With ``cfg.lower_masks`` each keep literal is analysed:
   literal is ``key_padding_mask = P[:, :Sk].bool()``.
 
 If everything lowers, the kernel gets ``is_causal`` / ``window`` / ``key_padding_mask`` and no S×S tensor.
-A finite fill is equivalent to ``-inf`` except on rows where every key is masked (the model then averages all
-values; the kernel returns 0), so a finite-fill mask is lowered only when no row can be fully masked (no padding
-literal, and the constant pattern has a visible key in every row); otherwise the original mask tensor is passed
-(an additive mask as is). Anything that is not proven stays a tensor mask; anything not understood stays as it was,
-with a reason (``result.skip``). Nodes the rewrite leaves unused are erased (only pure ones, only among the
-matched nodes and their ancestors).
+
+Exactness. A region is rewritten only when every node in it is accounted for:
+
+* a fill counts as a mask only when it is -inf or <= finfo(dtype).min of the scores it is written into (0, 5,
+  +inf, NaN, -1e4... change the softmax and leave the region as it was);
+* every cast on the scores / probabilities goes to float32, float64 or q's dtype (a bool, int or bf16 round trip
+  is not the kernel's arithmetic);
+* no in-place write (``_Mutations``: in-place methods, ``x[i] = y``, ``out=``) to a value aliasing what the op
+  reads, between the region's first node and the op, nor to an intermediate; the mask prover never evaluates a
+  subgraph touched by a write. ``s += mask`` on a fresh, otherwise unused intermediate is its functional form;
+* rows where every key may be masked get eager's value: NaN for -inf fills (with eager's NaN gradient pattern in
+  training), the mean of v for one finite fill (with the softmax's gradient at p = 1/n for an additive fill, written
+  through Kᵀ V); the op's lse (+inf on such rows) says which rows. Where eager's value cannot be reproduced (mixed
+  fills, several additive fills, float16 additive masks, softcap in training) the region stays, with the reason;
+* empty dims stay out of the kernels; the output gets the strides of the original; symbolic scales (SymInt /
+  SymFloat) multiply q, so the op's float scale never specialises them; a node is created only after its fake
+  value was computed.
+
+Activation-checkpoint bodies (``tag_activation_checkpoint``) are rewritten as well, except with dropout.
 """
 from __future__ import annotations
 
@@ -873,6 +886,12 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         if len(cur.users) != 1:
             return None, "attention probabilities are used elsewhere"
         (u,) = cur.users
+        if op_name(u) == "clone" or (u.op == "call_function" and u.target is torch.clone):
+            if u.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+                return None, "clone of the probabilities with a memory format"
+            matched.append(u)
+            cur = u
+            continue
         if _cast_dtype(u) is not None:
             casts.append(_cast_dtype(u))
             matched.append(u)
@@ -917,7 +936,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
     masks = m.masks
     seen_replacement = False
     while True:
-        if not isinstance(x, fx.Node) or len(x.users) != 1:
+        if not isinstance(x, fx.Node) or len(_value_users(x)) != 1:
             return None, "score chain has other users"
         xv = tensor_val(x)
         if xv is None or tuple(xv.shape) != scores_shape:
@@ -943,8 +962,8 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 else:
                     return None, "cannot tell the scores from the mask in an add"
                 mv = tensor_val(mask)
-                if mv is None or not mv.dtype.is_floating_point:
-                    return None, "additive mask is not floating point"
+                if mv is None or not (mv.dtype.is_floating_point or mv.dtype == torch.bool):
+                    return None, f"additive mask of dtype {None if mv is None else mv.dtype}"
                 masks.additive.append(mask)
                 m.add_dtypes.append(xv.dtype)
                 if seen_replacement:
@@ -1095,6 +1114,22 @@ def _masks_out(fill: float, dtype: torch.dtype) -> bool:
     if fill is None or math.isnan(fill) or not dtype.is_floating_point:
         return False
     return fill == -math.inf or fill <= torch.finfo(dtype).min
+
+
+_SHAPE_READERS = ("expand_as", "type_as", "size", "dim", "new_zeros", "new_ones", "new_full", "new_empty")
+
+
+def _value_users(x: fx.Node) -> list:
+    """Users of ``x`` that read its values: ``m.expand_as(x)``, ``m.type_as(x)``, ``x.size()`` read only its
+    shape or dtype and are not counted."""
+    out = []
+    for u in x.users:
+        if u.op == "call_method" and u.target in _SHAPE_READERS and (
+                (u.target in ("expand_as", "type_as") and u.args[0] is not x and x not in u.kwargs.values())
+                or (u.target not in ("expand_as", "type_as") and u.args[0] is x)):
+            continue
+        out.append(u)
+    return out
 
 
 def _chain_like(n: fx.Node) -> bool:
@@ -1520,6 +1555,8 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
 def _sum_additive(b: _Builder, adds: list) -> Optional[fx.Node]:
     out = None
     for a in adds:
+        if not tensor_val(a).dtype.is_floating_point:  # a bool tensor added to the scores adds 1.0 where True
+            a = b.call("to", (a, torch.float32), method=True)
         out = a if out is None else b.call(operator.add, (out, a))
     return out
 
@@ -1621,19 +1658,46 @@ def _match_sdpa(node: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _checkpoint_bodies(gm: fx.GraphModule) -> list:
+    """The graph modules of ``tag_activation_checkpoint`` regions (Dynamo's form of ``torch.utils.checkpoint``)."""
+    bodies = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and type(n.target).__name__ == "TagActivationCheckpoint" and n.args:
+            body = n.args[0]
+            if isinstance(body, fx.Node) and body.op == "get_attr":
+                sub = getattr(gm, body.target, None)
+                if isinstance(sub, fx.GraphModule) and sub not in bodies:
+                    bodies.append(sub)
+    return bodies
+
+
 @register_pass("attention")
 def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -> PassResult:
-    """Rewrite every SDPA / hand-written attention it can prove into ``torch.ops.fxopt.flash_attention``."""
+    """Rewrite every SDPA / hand-written attention it can prove into ``torch.ops.fxopt.flash_attention``, in the
+    graph and in its activation-checkpoint bodies (recomputed in the backward: the op is deterministic without
+    dropout, so the recomputation gives the same values; with dropout the body's attention stays as it was)."""
     result = PassResult("attention")
+    for sub in [gm] + _checkpoint_bodies(gm):
+        _rewrite_graph(sub, cfg, result, checkpointed=sub is not gm)
+        if sub is not gm:
+            sub.graph.lint()
+            sub.recompile()
+    return result
+
+
+def _rewrite_graph(gm: fx.GraphModule, cfg: AttentionConfig, result: PassResult, checkpointed: bool) -> None:
     candidates = [n for n in gm.graph.nodes if op_name(n) in ("sdpa", "softmax")
                   or (n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention)]
     if not candidates:
-        return result
+        return
+    for n in gm.graph.nodes:  # a checkpoint body: Dynamo's values, as the manager does for the outer graph
+        if "val" not in n.meta and "example_value" in n.meta:
+            n.meta["val"] = n.meta["example_value"]
     op = _flash_op()
     if op is None:
         for n in candidates:
             result.skip(n, "torch.ops.fxopt.flash_attention is not available")
-        return result
+        return
     cache: dict = {"__mutations__": _Mutations(gm.graph)}
     for n in candidates:
         if n.graph is not gm.graph:
@@ -1642,6 +1706,8 @@ def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -
             m, why = _match_sdpa(n, cache)
         else:
             m, why = _match_softmax(n, cache)
+        if m is not None and checkpointed and m.dropout_p:
+            m, why = None, "dropout inside an activation-checkpoint region (its recomputation must redraw the mask)"
         if m is None:
             result.skip(n, why)
             continue
@@ -1651,10 +1717,11 @@ def attention_pass(gm: fx.GraphModule, cfg: AttentionConfig, ctx: PassContext) -
         m.out.replace_all_uses_with(new)
         dead = [m.out] + list(m.matched)
         _erase_dead(gm.graph, dead + [a for d in dead for a in d.all_input_nodes])
+        cache["__mutations__"] = _Mutations(gm.graph)
         result.rewrites += 1
         info = new.meta.get("fxopt_attention", {})
         low = info.get("lowered")
         result.notes.append(f"attention {n.name}: -> flash_attention"
                             + (" (GQA native)" if info.get("gqa") else "")
+                            + (" (activation checkpoint)" if checkpointed else "")
                             + ("" if not low else f" mask lowered {low}"))
-    return result
