@@ -311,7 +311,7 @@ def run_tp(args):
         dist.destroy_process_group()
     else:
         # On the H200s destroy_process_group() never returned once CUDA graphs held NCCL work (Python stacks of both
-        # ranks, session 5): the table is written and every rank is past the barrier, so leave at once.
+        # ranks): the table is written and every rank is past the barrier, so leave at once.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -22,9 +22,9 @@ register operand of wgmma / mma need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t
 in this order are spread over several words; they keep one word per thread by relabeling K and permuting x to
 match: the mma.sync kernel in its own registers (x is a register operand there too), the wgmma kernels ("swapx",
 "swapd", "gluon", whose x is read from shared memory) through a small prep kernel that writes x in that "FRAG"
-order once per call (1.7-5.4 us on the H200, ``docs/notes_session18.md``). Storing the nibbles in fragment order
+order once per call (1.7-5.4 us on the H200, ``docs/kernels.md``). Storing the nibbles in fragment order
 would remove that prep but give every other kernel (GEMV, mma.sync, the dequantization) a permuted x and GPTQ
-checkpoints a repack; the read rate itself does not depend on the layout (``docs/notes_session17.md`` section 3).
+checkpoints a repack; the read rate itself does not depend on the layout (``docs/kernels.md``).
 
 Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
 ``fxopt/kernels/w4a16.py``.
