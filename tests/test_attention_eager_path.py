@@ -1,6 +1,6 @@
 """The eager fast path of ``fxopt::flash_attention`` (``attention._EagerFlashAttention``): the same bodies as the
-custom ops under a plain autograd.Function, taken only by real tensors outside any tracing (session 13: the custom
-op's Python autograd layer cost ~0.5 ms of host time per fwd+bwd on the H200 box)."""
+custom ops under a plain autograd.Function, taken only by real tensors outside any tracing (the custom
+op's Python autograd layer costs ~0.5 ms of host time per fwd+bwd on the H200 box)."""
 import pytest
 import torch
 
@@ -127,7 +127,7 @@ MASK_GRAD_CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D), mask shape, op kwargs
 @pytest.mark.parametrize("name", list(MASK_GRAD_CASES))
 def test_learned_additive_mask_gets_its_gradient(name, fast, monkeypatch):
     """An additive float attn_mask that requires grad (a learned bias) gets dL/dmask, summed over the dims it
-    broadcasts along, on both eager paths; until session 13 it got None and the bias silently stopped learning."""
+    broadcasts along, on both eager paths; with None the bias would silently stop learning."""
     monkeypatch.setattr(A, "_EAGER_FUNCTION", fast)
     (B, Hq, Hkv, Sq, Sk, D), mshape, kw = MASK_GRAD_CASES[name]
     g = torch.Generator().manual_seed(len(name))

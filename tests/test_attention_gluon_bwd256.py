@@ -1,4 +1,4 @@
-"""The d = 256 Gluon FA3-style attention backward (``attention_gluon_bwd._fa3_bwd_kernel_d256``, session 9).
+"""The d = 256 Gluon FA3-style attention backward (``attention_gluon_bwd._fa3_bwd_kernel_d256``).
 
 CPU: the offline sm_90 builds (Triton's bundled ptxas, no GPU; skipped without it), the CPU model of the kernel's
 barrier protocol, and the host wrapper's input checks. GPU (``-m gpu``, sm_90 only): dQ / dK / dV against the exact
@@ -172,7 +172,7 @@ def test_gpu_d256_backward_matches_float64(name):
     dq3, dk3, dv3 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=3)
     for got, want in ((dq3, rdq), (dk3, rdk), (dv3, rdv)):
         assert (got.double() - want).abs().max().item() <= TOL[dtype] * 2 * max(1.0, want.abs().max().item())
-    # except variant 6 (session 14): dQ tiles in the slot's dead Q / dO bytes, reduced by TMA (issued by the
+    # except variant 6: dQ tiles in the slot's dead Q / dO bytes, reduced by TMA (issued by the
     # producer warp); dK / dV bit-identical to the REDG build
     for var in (GB.DQ_TMA_VARIANT,):
         dq6, dk6, dv6 = GB.gluon_attention_bwd(dout, q, k, v, out, lse, causal=causal, variant=var)
@@ -224,8 +224,8 @@ print(json.dumps(rows))
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_d256_route_through_the_op_from_s512(causal):
-    """``flash_attention_triton_bwd`` routes d = 256 to the Gluon kernel from S = 512 (``_GLUON_BWD_MIN_SEQ_BY_DIM``:
-    1024 in session 10, 512 since session 14) and keeps S = 256 on the Triton backward; both agree with the float64
+    """``flash_attention_triton_bwd`` routes d = 256 to the Gluon kernel from S = 512 (``_GLUON_BWD_MIN_SEQ_BY_DIM``)
+    and keeps S = 256 on the Triton backward; both agree with the float64
     backward."""
     import fxopt.kernels.attention as A
 

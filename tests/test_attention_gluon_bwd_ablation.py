@@ -1,11 +1,11 @@
 """Timing-only ablation builds of the Gluon attention backward (``ABLATE`` constexpr of ``_fa3_bwd_kernel_v1``,
-``gluon_attention_bwd(..., ablate=mask)``; session 11). The ablations leave results WRONG on purpose, so there is no
-GPU correctness test here: the GPU side is ``benchmarks/gluon_bwd_ablation.py`` (timing only).
+``gluon_attention_bwd(..., ablate=mask)``). The ablations leave results WRONG on purpose, so there is no
+GPU correctness test here: the GPU side is timing only (docs/kernels.md, "Timing ablations").
 
 CPU: the gate (no ablation without ``FXOPT_ATTN_GLUON_BWD_ABLATE_OK=1``, only known bits, only the split-dQ kernel),
 ABLATE = 0 as every entry point's default, and the offline sm_90 builds (Triton's bundled ptxas; skipped without
 it): each bit builds without new spills, serialisation warnings or wgmma hazards, and removes exactly the
-instruction class it names from the step loops. d = 256 (session 13): the same gate and bits for
+instruction class it names from the step loops. d = 256: the same gate and bits for
 ``_fa3_bwd_kernel_d256`` (any variant: every variant runs it), and its offline builds (bit 1 jumps over every
 REDG, bit 4 removes them with the dQ HGMMA, bit 8 the MUFU.EX2)."""
 import inspect

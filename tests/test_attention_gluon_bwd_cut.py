@@ -1,8 +1,8 @@
-"""Issue-slot model of the Gluon attention backward at d = 128, variant 3 (the op's route; session 10).
+"""Issue-slot model of the Gluon attention backward at d = 128, variant 3 (the split-dQ kernel).
 
 ``attention_gluon_bwd.sass_step_loops`` counts the instructions of each innermost step loop of the offline sm_90
 SASS, ``bwd_step_model`` turns the counts into cycles per CTA step for each SM resource. The model said the kernel is
-not issue-bound (docs/notes_attention_bwd_issue_session10.md), so no kernel change was built and there is no GPU test
+not issue-bound (docs/kernels.md, ``attention_gluon_bwd.py``), so no kernel change was built and there is no GPU test
 here. CPU: the census and the model on hand-made SASS (exact numbers), and on the real offline build (skipped without
 Triton's bundled ptxas / cuobjdump): the counts the model rests on, and its verdict at the measured speed."""
 import pytest
@@ -68,9 +68,9 @@ def test_bwd_step_model_arithmetic():
 
 def test_variant3_d128_step_census_and_verdict():
     """The routed kernel (variant 3, d = 128, bf16), full and causal: the per-step counts the model uses, and the
-    model's verdict at the measured 447 TFLOP/s (S = 4096, non-causal; session 10): tensor 2560 and shared-memory
+    model's verdict at the measured 447 TFLOP/s (S = 4096, non-causal): tensor 2560 and shared-memory
     port ~2564 cycles per CTA step, issue ~15% of the step, nothing above ~50%, i.e. not issue-bound. Also checks
-    the "already minimal" claims of the notes: the 16-bit conversions are all packed pairs (F2FP.PACK_AB, 32 per
+    the "already minimal" claims of docs/kernels.md: the 16-bit conversions are all packed pairs (F2FP.PACK_AB, 32 per
     warp = 64 values of P^T and dS^T), exp2 is one FFMA + one MUFU per element (lse2 is pre-scaled), dQ goes out as
     16 REDG.F32x2 per warp, no SHFL and no local memory in the step loops."""
     from fxopt.testing import offline_build_json

@@ -1,4 +1,4 @@
-"""The split-dQ variants (1-4) of the Gluon FA3-style attention backward at head dim 64 (session 9, offline only so
+"""The split-dQ variants (1-4) of the Gluon FA3-style attention backward at head dim 64 (offline only so
 far: ``gluon_attention_bwd(..., variant=1 | 3)`` at d = 64 runs ``_fa3_bwd_kernel_v1``; before, d = 64 fell back to
 the default kernel).
 

@@ -1,7 +1,6 @@
 """Gluon attention backward at d = 128 (and d = 64) with dQ through shared memory and a reducer warp
-(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; the op's backward at d = 128 since session 11; since session 12
-variant 5 of ``attention_gluon_bwd``, the constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; d = 64 since session 12, not
-routed).
+(``attention_gluon_bwd_dqw.gluon_attention_bwd_dqw``; the op's backward at d = 128; variant 5 of
+``attention_gluon_bwd``, the constexpr ``DQW`` of ``_fa3_bwd_kernel_v1``; d = 64 not routed).
 
 CPU: the protocol model of the new barriers (random interleavings; six planted bugs must each be caught; d = 64 uses
 the same buffers and phases), the host checks (variant 5 at d = 64 / 128, refusals of other head dims and of
@@ -170,9 +169,9 @@ print(json.dumps(dict(stack=int(re.search(r"STACK:(\\d+)", use).group(1)), smem=
 
 def test_dqw_builds_with_the_launchers_constexpr_ones():
     """At run time Triton's launcher turns an int argument equal to 1 into the constexpr 1; GROUP = 1 (no GQA) and
-    H = 1 are the common case. Session 12's H200 run found variant 5 failing to compile there ('int' object has no
-    attribute '_flatten_ir': a partition list built with "+" unwrapped the constexpr), while its offline builds,
-    all-i32, passed. Variant 5 builds at d = 64 and 128 with H and GROUP as constexpr 1, and with GROUP alone."""
+    H = 1 are the common case. On the H200 variant 5 failed to compile there ('int' object has no attribute
+    '_flatten_ir': a partition list built with "+" unwrapped the constexpr), while its offline builds, all-i32,
+    passed. Variant 5 builds at d = 64 and 128 with H and GROUP as constexpr 1, and with GROUP alone."""
     from fxopt.testing import offline_build_json
 
     code = """
@@ -204,7 +203,7 @@ def test_gpu_dqw_matches_float64_and_v3(name, head_dim, tma):
     """dQ against the float64 backward (and variant 3 at the same head dim, same bound: both use fp32 reductions in a
     run-dependent order); dK / dV bit-identical to variant 3 (the consumer's arithmetic up to the dQ wgmma is
     variant 3's). d = 64: variant 3 is the split-dQ kernel at d = 64 (64-byte-swizzle K tile, 4 ring stages).
-    ``tma``: variant 6, the reducer's reductions done by the TMA unit (session 14)."""
+    ``tma``: variant 6, the reducer's reductions done by the TMA unit."""
     if DQW._GLUON_IMPORT_ERROR is not None:
         pytest.skip(DQW._GLUON_IMPORT_ERROR)
     if torch.cuda.get_device_capability() != (9, 0):
@@ -279,8 +278,8 @@ def test_gpu_bwd_grads_like_strided_inputs(head_dim, causal):
     """``grads_like_inputs=True`` on [B, S, H, D] views (q / k / v / out / dout as a model's transposes give them;
     GQA 4:2, ragged S): gradients laid out like ``torch.empty_like`` of q / k / v, dK / dV bit-identical to the
     same build on contiguous copies (same per-CTA arithmetic; only the addresses differ), dQ within the fp32
-    reduction-order tolerance of it. The op routes strided inputs here since this passed on the H200 (session 13;
-    FXOPT_ATTN_GLUON_BWD_STRIDED=0 turns that off)."""
+    reduction-order tolerance of it. The op routes strided inputs here since this passed on the H200
+    (FXOPT_ATTN_GLUON_BWD_STRIDED=0 turns that off)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     from fxopt.testing import GLUON_BWD_TOL

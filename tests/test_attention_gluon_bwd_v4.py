@@ -1,5 +1,5 @@
 """Variant 4 of the Gluon FA3-style attention backward at d = 128 (``gluon_attention_bwd(..., variant=4)``: variant 3
-plus named-barrier turns between the two consumer warpgroups; session 9, offline only).
+plus named-barrier turns between the two consumer warpgroups; offline only).
 
 CPU: the CPU model of the protocol (random interleavings) and its mutation check, and the offline sm_90 builds
 (Triton's bundled ptxas, no GPU; skipped without it): variant 4 as variant 3 plus exactly the turn instructions, and

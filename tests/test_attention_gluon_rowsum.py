@@ -1,6 +1,6 @@
-"""``mma_rowsum`` of the Gluon FA3-style forward (session 10, opt-in, persistent variants only): the softmax row sum of
+"""``mma_rowsum`` of the Gluon FA3-style forward (opt-in, persistent variants only): the softmax row sum of
 P by a small wgmma (P [64, BLOCK_N] x a constant [BLOCK_N, 8] tile, ones in column 0) issued with PV, instead of ~64
-FADD per thread and step (docs/notes_attention_rowsum_session10.md).
+FADD per thread and step (``mma_rowsum`` in docs/kernels.md).
 
 CPU: how the switch resolves (argument, ``FXOPT_ATTN_GLUON_MMA_ROWSUM``, module default) and what is refused (a
 non-persistent variant with mma_rowsum=True, non-boolean values), one offline sm_90 pair of builds (Triton's bundled
@@ -146,7 +146,7 @@ def test_gpu_mma_rowsum_matches_float64(name, variant, D, dtype, monkeypatch):
         # the tensor cores sum P rounded to the input dtype: a sum of rounded positive terms is within the unit
         # roundoff u of the exact one, so lse within -log(1 - u) (u = 2^-8 bf16, 2^-11 fp16). Rows with a few visible keys
         # (causal) do not average the roundings away: 8 causal bf16 cases exceeded the 1e-3 of the FADD build on
-        # the H200 (session 13's whole GPU suite)
+        # the H200 (a run of the whole GPU suite)
         u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
         assert_gluon_fwd_close(out, lse, ref, ref_lse, fin, lim, f"num_sms={num_sms}", lse_tol=1.1 * u)
     for n in (3, 1):  # the arithmetic of a tile does not depend on the CTA that runs it

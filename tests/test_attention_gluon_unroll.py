@@ -1,7 +1,7 @@
 """The persistent Gluon forward's unmasked key-block loop unrolled by two (``attention_gluon._UNROLL2_DIMS``,
-opt-in since session 16, ``FXOPT_ATTN_GLUON_UNROLL2=64``), checked on the sm_90 SASS of offline builds (no GPU): the unrolled loop holds two steps (2 x 66
-MUFU.EX2), costs fewer instructions per step than the rolled loop of the build with the switch off, and spills
-nothing; persistent3 keeps its rolled loop."""
+opt-in, ``FXOPT_ATTN_GLUON_UNROLL2=64``), checked on the sm_90 SASS of offline builds (no GPU): the unrolled loop
+holds two steps (2 x 66 MUFU.EX2), costs fewer instructions per step than the rolled loop of the build with the
+switch off, and spills nothing; persistent3 keeps its rolled loop."""
 import json
 import os
 import subprocess
@@ -56,8 +56,8 @@ def _offline(code: str, **switches: str) -> dict:
 
 
 def _loops(unroll: str) -> dict:
-    # both sides with P cast by p.to(dtype): the unrolled build never takes the packed cast (on by default since
-    # session 17), so the rolled side of the comparison is the build the unroll was measured against
+    # both sides with P cast by p.to(dtype): the unrolled build never takes the packed cast (on by default), so
+    # the rolled side of the comparison is the build the unroll was measured against
     return _offline(_LOOPS, FXOPT_ATTN_GLUON_UNROLL2=unroll, FXOPT_ATTN_GLUON_CAST_LATE="0")
 
 
@@ -91,7 +91,7 @@ def _cast_late_build(flag: str) -> dict:
 
 
 def test_persistent_cast_late_drops_the_p_half_swaps():
-    """``FXOPT_ATTN_GLUON_CAST_LATE=1`` (session 16; on by default since the H200 A/B of session 17): the persistent builds cast P with
+    """``FXOPT_ATTN_GLUON_CAST_LATE=1`` (on by default, chosen by an A/B on the H200): the persistent builds cast P with
     ``_fa_p16`` (packed cvt, inline PTX), so the per-step PRMT half-swaps of P go (persistent3, d = 64: 452 -> 419
     instructions per unmasked step offline), with no spill and a smaller kernel."""
     on, off = _cast_late_build("1"), _cast_late_build("0")

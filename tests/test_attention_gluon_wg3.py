@@ -1,4 +1,4 @@
-"""variant="persistent3" of the Gluon FA3-style forward (session 10, offline only so far): the persistent kernel with
+"""variant="persistent3" of the Gluon FA3-style forward (offline only so far): the persistent kernel with
 THREE consumer warpgroups, i.e. a 192-row query tile per work item, at head dim 64 only.
 
 CPU: the config and its validation (other head dims refused with the reason), the schedule over 192-row tiles (every

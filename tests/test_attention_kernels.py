@@ -767,7 +767,7 @@ def test_gluon_bwd_grad_strides_and_strided_route_switch(monkeypatch):
 def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
     """``kernel_routes`` (the benchmark's fwd_kernel / bwd_kernel columns): Triton on CPU; the Gluon backward build
     per head dim (variant 5 at d = 64 / 128 unless switched off, d = 256's kernel); a key in the failed sets reads
-    "fell back to triton" (session 12: a table's "fxopt" backward had silently been the Triton one)."""
+    "fell back to triton" (so that a table's "fxopt" backward is never silently the Triton one)."""
     q, k, v = _inputs(1, 2, 2, 40, 40, 64, torch.float32, "cpu")
     assert A.kernel_routes(q, k, v, is_causal=True) == {"forward": "triton", "backward": "triton"}
     kd = torch.randn(1, 2, 1024, 64)  # one query against 1024 keys: the decode kernel
@@ -775,11 +775,11 @@ def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
     monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_DQW", raising=False)
     monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_DQ_TMA", raising=False)
     monkeypatch.setattr(A, "_GLUON_BWD_DQW_DIMS", (64, 128))
-    assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 6"   # dQ by TMA (session 14)
+    assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 6"   # dQ by TMA
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQ_TMA", "0")
     assert A._gluon_bwd_build(128) == A._gluon_bwd_build(64) == "gluon variant 5"
     monkeypatch.delenv("FXOPT_ATTN_GLUON_BWD_D256_TMA", raising=False)
-    assert A._gluon_bwd_build(256) == "gluon d256 variant 6"      # dQ by TMA, issued by the producer (session 14)
+    assert A._gluon_bwd_build(256) == "gluon d256 variant 6"      # dQ by TMA, issued by the producer
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_D256_TMA", "0")
     assert A._gluon_bwd_build(256) == "gluon d256"
     monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_DQW", "0")
@@ -797,10 +797,10 @@ def test_kernel_routes_names_what_runs_and_fallbacks(monkeypatch):
 @pytest.mark.parametrize("name", list(GLUON_CASES))
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_gluon_backward_route(name, dtype, head_dim, monkeypatch):
-    """The op's backward at d = 128 and 64 (variant 5, the dQ reducer warp, at both since session 12): routed above
-    the length floor, correct against float64 and not fallen back (session 12 found the routed build failing to
-    compile at run time, silently replaced by the Triton backward). The [B, S, H, D] view case is routed by default
-    since it passed here (session 13; FXOPT_ATTN_GLUON_BWD_STRIDED=0 refuses it): gradients laid out like q, k, v."""
+    """The op's backward at d = 128 and 64 (variant 5, the dQ reducer warp, at both): routed above the length floor,
+    correct against float64 and not fallen back (a routed build that fails to compile at run time is silently
+    replaced by the Triton backward). The [B, S, H, D] view case is routed by default
+    since it passed here (FXOPT_ATTN_GLUON_BWD_STRIDED=0 refuses it): gradients laid out like q, k, v."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is routed on sm_90 only")
     if head_dim not in A._GLUON_BWD_HEAD_DIMS:
@@ -810,7 +810,7 @@ def test_gpu_gluon_backward_route(name, dtype, head_dim, monkeypatch):
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, head_dim, dtype, "cuda", bshd=bshd)
     out, lse = A.flash_attention_triton(q, k, v, is_causal=causal, return_lse=True)
     do = torch.randn_like(out)
-    if bshd:  # strided inputs: routed by default (session 13), kept on Triton when switched off
+    if bshd:  # strided inputs: routed by default, kept on Triton when switched off
         floor = A._GLUON_BWD_MIN_SEQ
         monkeypatch.setattr(A, "_GLUON_BWD_MIN_SEQ", 0)
         monkeypatch.setenv("FXOPT_ATTN_GLUON_BWD_STRIDED", "0")
@@ -857,7 +857,7 @@ def test_gluon_pingpong_protocol_single_and_chained_items():
 
 
 def test_gluon_fwd_refuses_builds_that_failed_their_gpu_check(monkeypatch):
-    """persistent_pingpong was not bit-identical to overlap on the H200 (session 10): the wrapper refuses it, naming
+    """persistent_pingpong was not bit-identical to overlap on the H200: the wrapper refuses it, naming
     the reason and the debugging switch, before it looks at the inputs."""
     G = pytest.importorskip("fxopt.kernels.attention_gluon")
     q = torch.randn(1, 1, 8, 64)

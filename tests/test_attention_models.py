@@ -237,7 +237,7 @@ def test_inductor_tiny_llama_handwritten():
 def test_gpu_tiny_llama_training_step_under_cuda_graphs():
     """``torch.compile(model, backend="fxopt", mode="reduce-overhead")`` (Inductor's CUDA graphs) around a training
     step of a tiny Llama (bf16, GQA 4:2, d = 64, S = 512): three steps replayed, loss and gradients against eager.
-    CUDA graphs take the op's host launch path away (session 13: below S = 4096 the eager fwd+bwd is host-bound),
+    CUDA graphs take the op's host launch path away (below S = 4096 the eager fwd+bwd is host-bound),
     so short-sequence training should run this way; the custom ops must be capturable (no host sync)."""
     from fxopt.models import TinyLlamaConfig, build_demo_model
 

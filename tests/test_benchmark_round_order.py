@@ -1,7 +1,7 @@
-"""The benchmarks' interleaved timing order (``benchmarks/common.py::round_order``, used by attention.py and the
-Gluon / fp8 check scripts): every round is a permutation of the candidates, and no candidate is always timed right
-after the same one (session 12: a rotation kept fwd_fxopt always after cuDNN and measured it 1-7% under the same
-kernel timed as fwd_gluon)."""
+"""The benchmarks' interleaved timing order (``benchmarks/common.py::round_order``, used by
+benchmarks/attention.py): every round is a permutation of the candidates, and no candidate is always timed right
+after the same one (a rotation that kept fwd_fxopt always after cuDNN measured it 1-7% under the same kernel
+timed as fwd_gluon)."""
 import importlib.util
 import os
 

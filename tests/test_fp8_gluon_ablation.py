@@ -1,5 +1,5 @@
 """ABLATE (timing-only builds) of the Gluon fp8 attention forward (fxopt/kernels/fp8_attention_gluon.py, module
-docstring "ablate"; benchmarks/fp8_ablation.py times them).
+docstring "ablate"; timing only, see docs/kernels.md).
 
 * Host gate: ``resolve_ablate`` (0 / None = off without any environment; a nonzero mask only with
   $FXOPT_FP8_GLUON_ABLATE_OK=1, ValueError "timing-only ablation, results are wrong" otherwise; bad masks and the

@@ -12,7 +12,7 @@
   hazards, the FADDs of the row sum gone (MMA_ROWSUM), 4 more QGMMA per step, the O-rescale FMULs in a branch
   (LAZY), the default build byte-identical (.text) to one compiled with the two constexprs passed as False, and
   every 32-bit word of the prologue's all-ones e4m3 tile provably 0x38383838 in the SASS (``ones_fill_words``).
-  Session 11's H200 failure of MMA_ROWSUM was that tile: the fp32 splat 1.0 cast to e4m3 became
+  MMA_ROWSUM's failure on the H200 was that tile: the fp32 splat 1.0 cast to e4m3 became
   ``cvt.rn.satfinite.e4m3x2.f32`` + ``mov.b32 {%rs, %rs}``, which ptxas 12.8 compiles to ONE
   ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R4, R3, R3, R0`` (bits 31:16 of the result = bits 15:0 of C = R0, the
   thread id, never set to the packed pair), so keys 4j + 2 had weight e4m3(tid) (up to 448, or NaN) and keys
@@ -396,7 +396,7 @@ def test_offline_sm90_rowsum_builds():
 
 
 def test_mma_rowsum_launch_refused_after_failed_check(monkeypatch):
-    """The H200 check of session 11 failed, so a launch with mma_rowsum=True raises, naming the failure, unless
+    """mma_rowsum failed its H200 accuracy check, so a launch with mma_rowsum=True raises, naming the failure, unless
     $FXOPT_FP8_GLUON_UNCHECKED=1; the refusal comes before the tensors are used."""
     monkeypatch.delenv(G.UNCHECKED_ENV, raising=False)
     with pytest.raises(ValueError, match="failed its H200 accuracy check"):  # before the tensors are looked at
@@ -483,6 +483,6 @@ def test_switches_masked_ragged_gqa_gpu(D):
             if (~empty).any():
                 # mma_rowsum sums P as rounded to e4m3 for the PV product: a sum of positive terms each within
                 # the unit roundoff u = 2^-4 of exact is within u of the exact sum, so lse within -log(1 - u)
-                # (0.0269 at d = 128 on the H200, session 13); the FADD row sum (lazy only) keeps 2e-2
+                # (0.0269 at d = 128 on the H200); the FADD row sum (lazy only) keeps 2e-2
                 tol = 1.1 * 2.0 ** -4 if mr else 2e-2
                 assert (lse[~empty] - lse0[~empty]).abs().max().item() < tol

@@ -1,8 +1,8 @@
 """Every ``gl.warp_specialize`` call in the Gluon kernels takes its partition list, worker warp counts and register
-budgets as list literals. A list built with ``+`` (session 11's fold of the dQ reducer-warp kernel appended its
-partition as ``[...] + ([...] if DQW else [])``) unwraps constexpr arguments into Python ints; Triton's launcher
-makes the constexpr 1 of an int argument equal to 1 (GROUP = 1, the common case), and the build then failed at run
-time with "'int' object has no attribute '_flatten_ir'" while every offline build, all-i32, passed (session 12)."""
+budgets as list literals. A list built with ``+`` (such as the dQ reducer warp's partition appended as
+``[...] + ([...] if DQW else [])``) unwraps constexpr arguments into Python ints; Triton's launcher
+makes the constexpr 1 of an int argument equal to 1 (GROUP = 1, the common case), and the build then fails at run
+time with "'int' object has no attribute '_flatten_ir'" while every offline build, all-i32, passes."""
 import ast
 import os
 

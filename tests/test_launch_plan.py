@@ -262,7 +262,7 @@ def test_entry_switch_and_argument_state(monkeypatch):
 
 
 def test_w4a16_plans_default_and_switch():
-    """On by default (GPU tests passed on the H200, session 16); FXOPT_W4A16_LAUNCH_PLANS=0 turns them off."""
+    """On by default (GPU tests passed on the H200); FXOPT_W4A16_LAUNCH_PLANS=0 turns them off."""
     import subprocess
     import sys
 

@@ -1,5 +1,5 @@
 """Instruction census and per-tile cycle model of the Gluon W4A16 GEMM (``fxopt.kernels.w4a16_gluon``:
-``sass_census``, ``tile_cycle_model``, ``offline_census``; docs/notes_w4a16_gluon_census_session10.md).
+``sass_census``, ``tile_cycle_model``, ``offline_census``; see docs/kernels.md).
 
 CPU: the census on hand-made SASS and the model's arithmetic. Offline build (no GPU; skipped without Triton's bundled
 ptxas / cuobjdump): the census of the config the tuner picks at M = 64 on 8192 x 8192."""
@@ -83,7 +83,7 @@ def test_tile_cycle_model_arithmetic():
 
 
 def test_census_offline_sm90_m64_pick():
-    """The build the tuner picks at M = 64 on 8192 x 8192 (benchmarks/results/w4a16_subset.md: "gluon bm64 bn128 s8
+    """The build the tuner picks at M = 64 on 8192 x 8192 (measured: "gluon bm64 bn128 s8
     kc32 async", 28.9 us): per K tile and consumer warp, 8 HGMMA 64x64x16 (4 KC chunks x 2 k-steps), 2 half2
     instructions per packed pair (sub + mul), 6 shared loads, wgmma kept asynchronous; the producer issues 8 TMA
     copies. Model verdict: issue and integer ALU stay below half of the measured tile time (not the bound)."""

@@ -1,4 +1,4 @@
-"""The Gluon W4A16 kernel with two or three wgmma groups in flight per consumer (``inflight``, session 18)."""
+"""The Gluon W4A16 kernel with two or three wgmma groups in flight per consumer (``inflight``)."""
 from __future__ import annotations
 
 import pytest

@@ -342,7 +342,7 @@ def gemv1(block_n=256, block_k=128, split_k=2, num_warps=4, pdl=False, prefetch=
     (-1, 200, 136, gemv1(block_n=128, split_k=2)),  # per-channel, K = 200: the last K tile is partial
     (32, 128, 48, gemv1(block_n=128, split_k=1)),  # group 32 (K tile 32, 4 warps of one packed row), no split
     (64, 512, 520, gemv1(block_n=512, num_warps=2, split_k=3)),  # 4 chunks of 128 columns, 4 rows per warp
-    # register ring of loads 2 / 3 K tiles ahead (session 9): 4 tiles in one split; 2 partial-K tiles (fewer than
+    # register ring of loads 2 / 3 K tiles ahead: 4 tiles in one split; 2 partial-K tiles (fewer than
     # the ring: clamped loads); 4 tiles per split, 2 warps, column masks
     (128, 512, 256, gemv1(split_k=1, prefetch=2)),
     (-1, 200, 136, gemv1(block_n=128, split_k=1, prefetch=3)),
@@ -451,7 +451,7 @@ def test_candidate_configs_gemv1_rules(monkeypatch):
 @pytest.mark.slow
 def test_gemv1_offline_sm90_build():
     """The default M = 1 candidate compiles for sm_90 on the CPU (ptxas shipped with Triton) without spills; its K
-    loop runs about 3 instructions per weight and no barrier (SASS; docs/notes_w4a16_gemv1_session8.md). Run in a
+    loop runs about 3 instructions per weight and no barrier (SASS; gemv1 in docs/kernels.md). Run in a
     subprocess without TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
     code = ("import json, torch\n"
             "from fxopt.kernels import w4a16 as K4\n"
@@ -591,7 +591,7 @@ def test_gpu_gemv1(dtype, group_size, monkeypatch):
     assert_close_to_ref(y3.reshape(3, N), reference(x3.reshape(3, K), qweight, scales, zeros, G), dtype)
 
 
-# ------------------------------------------------------------- session 8: chunked split-K fixup at M = 256 (Gluon)
+# ------------------------------------------------------------------------ chunked split-K fixup at M = 256 (Gluon)
 _LARGEM_SHAPES = [(8192, 8192), (4096, 11008), (11008, 4096), (8192, 28672)]
 
 
@@ -757,7 +757,7 @@ def test_gemv1_prefetch_candidates_are_opt_in(monkeypatch):
 
 
 def test_candidate_configs_gluon_regmajor_default_pdl_opt_in(monkeypatch):
-    """Session 19: the main Gluon kernel's tiles whose standard split epilogue does not spill are listed with the
+    """The main Gluon kernel's tiles whose standard split epilogue does not spill are listed with the
     register-major split-K workspace in place of the standard one (measured faster on the H200);
     FXOPT_W4A16_GLUON_REGMAJOR=0 lists the standard one instead. PDL (measured slower) is listed only with
     FXOPT_W4A16_GLUON_PDL=1, as extra candidates after the others, labelled."""

@@ -79,9 +79,9 @@ def test_candidate_configs():
         l2 = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
         cs = KM.candidate_configs(M, 8192, 8192, 128, l2=True)
         assert len(cs) == len(tiles) + len(l2) and all(c.method == "mma" for c in cs)
-        # the L2-prefetch tiles were slower on the H200 (session 12): listed only when asked for
+        # the L2-prefetch tiles were slower on the H200: listed only when asked for
         assert KM.candidate_configs(M, 8192, 8192, 128) == cs[:len(tiles)]
-        # the session-10 tiles first, unchanged (no L2 prefetch), then their L2-prefetch variants (session 11)
+        # the standard tiles first, unchanged (no L2 prefetch), then their L2-prefetch variants
         for c, (cpw, warps, prefetch, pdl, l2_ahead) in zip(cs, [t + (0,) for t in tiles] + list(l2)):
             mc = KM.to_mma_config(c)
             assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl, mc.l2_ahead) == (cpw, warps, prefetch, pdl,
@@ -311,7 +311,7 @@ def test_offline_sm90_build():
 
 @pytest.mark.slow
 def test_offline_sm90_register_cap():
-    """``MmaConfig(maxnreg=96)`` (opt-in, session 16): the build stays within 96 registers (5 resident CTAs of 4
+    """``MmaConfig(maxnreg=96)`` (opt-in): the build stays within 96 registers (5 resident CTAs of 4
     warps instead of 4), the label names the cap, and the loop keeps its register operands (no shared memory); the
     spilled loop invariants are reloaded from local memory (LDL, no STL in the loop)."""
     code = ("import json, torch\n"
@@ -352,7 +352,7 @@ def test_offline_sm90_build_m16():
 
 @pytest.mark.slow
 def test_offline_sm90_l2_prefetch_census():
-    """Session 11. The session-10 M = 1 pick (bn128 w4 pdl, 128 registers) keeps tile t + 1's loads within 19-36
+    """The M = 1 pick without L2 prefetch (bn128 w4 pdl, 128 registers) keeps tile t + 1's loads within 19-36
     instructions of their first use (the compiler sinks them into the ``if t + 1 < t_end`` fold), so one DRAM latency
     per two K tiles is exposed; its L2-prefetch variants (``_TILES_L2``) build with the same 128 registers (4 CTAs per
     SM), no stack, the same 20 LDG = 288 bytes per thread per loop iteration (2 tiles x (4 x 16 B words + 4 x 16 B x
@@ -506,7 +506,7 @@ def test_gpu_mma_through_the_tuner(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [128, -1])
 def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
-    """Session 11: the L2-prefetch tiles (``_TILES_L2`` at M = 1, 4; ``_TILES16_L2`` at M = 16) against the float64
+    """The L2-prefetch tiles (``_TILES_L2`` at M = 1, 4; ``_TILES16_L2`` at M = 16) against the float64
     reference, on ragged shapes (N = 2200: partial column tiles; per channel K = 4200: a partial K tile) and on a K of
     two tiles (the prefetch distance runs past the split: clamped addresses), with the automatic split, split 1 and
     an odd split (tiles per split not a multiple of the unroll), bias off / on; workspace and counters back at zero."""
@@ -525,7 +525,7 @@ def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
 
 
 def test_candidates_list_twice_the_split_when_one_wave_leaves_slots_idle():
-    """Session 17 (benchmarks/results/w4a16_mma_split_sweep.md): the PDL tile is listed a second time, with twice the
+    """The PDL tile is listed a second time, with twice the
     one-wave split, only where that wave fills less than 90% of the CTA slots (8192 x 28672: 224 tiles x 2 of 528),
     not where it fills them (8192²: 64 x 8 of 528), and never at BM = 16."""
     def pdl_splits(M, K, N):
