@@ -46,9 +46,10 @@ class NoFold(nn.Module):
         self.norm = nn.LayerNorm(64)
         self.fc1 = nn.Linear(64, 128)
         self.fc2 = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 16)  # the last linear stays float (quantize's default)
 
     def forward(self, x):
-        return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return self.head(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 def test_awq_without_fold_leaves_no_scale_module_and_round_trips(tmp_path):

@@ -111,7 +111,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
-        float_target: GPTQ / AWQ: aim each linear at the float model's output ``W x`` rather than at ``W x̃``
+        float_target: GPTQ / AWQ (default on; ignored by RTN; ``False`` gives the papers' plain algorithms): aim each
+            linear at the float model's output ``W x`` rather than at ``W x̃``
             (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
             compute, one more copy of each parameter the calibration changes) and quantizes the weight that best
             maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
@@ -153,7 +154,7 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     model.eval()
     cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
                       tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse,
-                      float_target=float_target)
+                      float_target=float_target and method != "rtn")
     _warn_fp32(model, pack)
     try:
         cal.run()
