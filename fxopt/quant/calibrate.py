@@ -118,7 +118,7 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
             maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
             layers also correct the error of earlier ones. Measured on CPU (``benchmarks/results/quant_quality.md``):
             about 1.2-1.5x the plain calibration time, peak memory 0 to +1.4 GiB on 135M/270M models; it closed
-            80-89% of RTN's perplexity gap with GPTQ and 72-84% with AWQ there, against 46-80% / 54-76% plain.
+            80-89% of RTN's perplexity gap with GPTQ and 72-84% with AWQ there, against 49-80% / 54-76% plain.
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
