@@ -92,7 +92,7 @@ class QuantizeReport:
 
 def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "gptq", bits: int = 4,
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
-             damp: float = 0.01, *, mse: bool = False, float_target: bool = True, block_size: int = 128,
+             damp: float = 0.01, *, mse: bool = False, float_target: Optional[bool] = None, block_size: int = 128,
              exclude: Iterable[str] = (), include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5,
              clip: bool = True, offload: bool = False, pack: bool = True, progress: bool = True,
              report: Optional[QuantizeReport] = None) -> nn.Module:
@@ -111,8 +111,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
-        float_target: GPTQ / AWQ (default on; ignored by RTN; ``False`` gives the papers' plain algorithms): aim each
-            linear at the float model's output ``W x`` rather than at ``W x̃``
+        float_target: GPTQ / AWQ (``None``, the default: on for GPTQ and AWQ, off for RTN; ``False`` gives the
+            papers' plain algorithms): aim each linear at the float model's output ``W x`` rather than at ``W x̃``
             (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
             compute, one more copy of each parameter the calibration changes) and quantizes the weight that best
             maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
@@ -156,7 +156,7 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     model.eval()
     cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
                       tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse,
-                      float_target=float_target and method != "rtn")
+                      float_target=method in ("gptq", "awq") if float_target is None else float_target)
     _warn_fp32(model, pack)
     try:
         cal.run()
