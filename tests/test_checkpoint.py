@@ -383,7 +383,27 @@ def _edit_tensors(d, tensors, drop=(), add=None):
     write_files(d, t)
 
 
+def _damage(d, how):
+    (f,) = d.glob("*.safetensors")
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100] if how == "truncate" else b"\x13garbage, not a safetensors file" * 4)
+
+
+def _bad_value(t, key, value):
+    v = t[key].clone()
+    v.view(-1)[3] = value
+    return v
+
+
 BAD = {
+    "truncated file": (lambda d, t: _damage(d, "truncate"), r"model.*\.safetensors.*(truncated or corrupt)"),
+    "garbage file": (lambda d, t: _damage(d, "garbage"), r"model.*\.safetensors: not a readable"),
+    "nan scale": (lambda d, t: _edit_tensors(d, t, add={"up.scales": _bad_value(t, "up.scales", float("nan"))}),
+                  r"up.scales holds 1 NaN/inf"),
+    "inf scale": (lambda d, t: _edit_tensors(d, t, add={"down.scales": _bad_value(t, "down.scales", float("inf"))}),
+                  r"down.scales holds 1 NaN/inf"),
+    "float stored as int32": (lambda d, t: _edit_tensors(d, t, add={"head.weight": t["head.weight"].int()}),
+                              r"head.weight: dtype torch.int32 in the file, but the model's tensor is torch.float32"),
     "missing quantized key": (lambda d, t: _edit_tensors(d, t, drop=["up.qzeros"]), "missing key 'up.qzeros'"),
     "missing bias": (lambda d, t: _edit_tensors(d, t, drop=["up.bias"]), "missing key 'up.bias'"),
     "missing float key": (lambda d, t: _edit_tensors(d, t, drop=["head.weight"]), "missing key 'head.weight'"),

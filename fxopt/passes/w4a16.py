@@ -324,6 +324,11 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
                                 f"{', bias' if use.bias is not None else ''}")
         if not dq.users:
             graph.erase_node(dq)
+    fp32 = [sk for sk in result.skipped if sk.reason.startswith("activations are torch.float32")]
+    if fp32 and not result.rewrites:
+        log.warning("w4a16: fused none of %d quantized linear(s): activations are float32 and the int4 kernels take "
+                    "float16/bfloat16. Cast the model before compiling, e.g. model.to(torch.float16) (or "
+                    "torch.bfloat16); in float32 the weights are dequantized on every call.", len(fp32))
     return result
 
 

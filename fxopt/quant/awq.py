@@ -6,8 +6,8 @@ unchanged, but the salient channels now use more of the int4 grid. ``s = mean|x|
 ``sqrt(max s · min s)``), with α picked from a grid of ``n_grid`` values in [0, 1) by the error it leaves on the
 shared-input linears' outputs. α = 0 is plain round-to-nearest, so the chosen scale never does worse on the
 calibration objective. The division of ``x`` is folded into whatever produces it (a norm's weight, or the output
-rows of a preceding linear; :mod:`fxopt.quant.calibrate` finds which from the graph), and only where nothing can
-absorb it does an explicit ``x / s`` stay in front of the quantized linear (:class:`InputScale`).
+rows of a preceding linear; :mod:`fxopt.quant.calibrate` finds which from the graph); where nothing can absorb it,
+that linear gets no scale (α = 0, clip search only), so a quantized model is always plain int4 linears.
 
 The scale grid has a second family, ``mean|x|^α / mean|ŵ|^(1-α)`` (ŵ: |w| relative to its group's max, as the
 reference implementation's default), searched with the same objective, so adding it can only lower that objective.
@@ -139,18 +139,6 @@ def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: boo
         best_err = torch.where(better[..., 0], err, best_err)
         best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
     return torch.maximum(torch.minimum(Wg, best_hi), best_lo).reshape(N, K)
-
-
-class InputScale(nn.Module):
-    """``linear(x * inv_scale)``: the explicit AWQ scale where no producer of ``x`` can absorb it."""
-
-    def __init__(self, linear: nn.Module, inv_scale: torch.Tensor):
-        super().__init__()
-        self.linear = linear
-        self.register_buffer("inv_scale", inv_scale)
-
-    def forward(self, x):
-        return self.linear(x * self.inv_scale.to(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------------

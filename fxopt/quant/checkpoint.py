@@ -279,12 +279,17 @@ def _read_headers(files: list[str]) -> dict:
 
     out = {}
     for fn in files:
-        with safe_open(fn, framework="pt") as f:
-            for k in f.keys():
-                if k in out:
-                    raise ValueError(f"tensor {k!r} appears in both {out[k][0]} and {fn}")
-                s = f.get_slice(k)
-                out[k] = (fn, tuple(s.get_shape()), _ST_DTYPES.get(s.get_dtype(), s.get_dtype()))
+        try:
+            with safe_open(fn, framework="pt") as f:
+                for k in f.keys():
+                    if k in out:
+                        raise ValueError(f"tensor {k!r} appears in both {out[k][0]} and {fn}")
+                    s = f.get_slice(k)
+                    out[k] = (fn, tuple(s.get_shape()), _ST_DTYPES.get(s.get_dtype(), s.get_dtype()))
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise ValueError(f"{fn}: not a readable .safetensors file (truncated or corrupt?): {e}") from None
     return out
 
 
@@ -296,9 +301,12 @@ def _read_tensors(headers: dict, names) -> dict:
         by_file.setdefault(headers[n][0], []).append(n)
     out = {}
     for fn, ns in by_file.items():
-        with safe_open(fn, framework="pt", device="cpu") as f:
-            for n in ns:
-                out[n] = f.get_tensor(n)
+        try:
+            with safe_open(fn, framework="pt", device="cpu") as f:
+                for n in ns:
+                    out[n] = f.get_tensor(n)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise ValueError(f"{fn}: cannot read its tensors (truncated or corrupt?): {e}") from None
     return out
 
 
@@ -410,6 +418,10 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
             _, shape, dt = headers[k]
             if tuple(float_keys[k].shape) != shape:
                 problems.append(f"{k}: shape {list(shape)} disagrees with the model's {list(float_keys[k].shape)}")
+            elif float_keys[k].is_floating_point() != (dt in _FLOAT_DTYPES or (isinstance(dt, torch.dtype)
+                                                                                  and dt.is_floating_point)):
+                problems.append(f"{k}: dtype {dt} in the file, but the model's tensor is {float_keys[k].dtype} "
+                                "(a float/integer mismatch is not cast)")
         elif strict:
             problems.append(f"unexpected key {k!r} (not in the model)")
     if strict:
@@ -433,6 +445,11 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
                                         v2=spec.fmt == "gptq_v2", dtype=layer_dtype)
         except ValueError as e:
             raise ValueError(f"cannot load {path}: layer {p}: {e}") from None
+        for s_ in ("scales", "bias"):
+            v = get(s_)
+            if v is not None and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"cannot load {path}: {names[s_]} holds {int((~torch.isfinite(v)).sum())} NaN/inf "
+                                 f"value(s) (in {headers[names[s_]][0]})")
         packed = PackedW4(packed.qweight.to(dev), packed.scales.to(dev), packed.zeros.to(dev), packed.group_size,
                           None if packed.perm is None else packed.perm.to(dev))
         new_modules[p] = QuantLinear.from_packed(packed, get("bias"))
