@@ -45,9 +45,13 @@ class W4A16Config:
 
     Args:
         enabled: fuse ``dequantize_w4 -> linear`` into ``torch.ops.fxopt.w4a16_linear``.
+        group_siblings: make the products of linears that read one input and whose packed weights sit side by side
+            in one storage (q/k/v, gate/up after :func:`fxopt.quantize` or ``load_quantized``) one kernel call over
+            their joint columns (fewer launches, one read of the input). Off with tensor parallelism.
     """
 
     enabled: bool = True
+    group_siblings: bool = True
 
 
 @dataclass

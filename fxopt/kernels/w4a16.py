@@ -1788,7 +1788,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """y = x @ ((q - zeros) * scales).T (+ bias); x [..., K] 2-D or 3-D fp16/bf16; y [..., N] contiguous."""
     _check_inputs(x, qweight, scales, zeros, group_size, bias)
     if x.device.type == "cuda":
-        return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
+        # a sibling's column slice (share_sibling_storage) that the pass did not group: the kernels take rows whole
+        return w4a16_matmul(x, qweight.contiguous(), scales, zeros, group_size, bias)
     return w4a16_reference(x, qweight, scales, zeros, group_size, bias)
 
 
@@ -1817,6 +1818,105 @@ def _backward(ctx, grad_y):
 
 
 w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def column_span(parts) -> Optional[torch.Tensor]:
+    """The contiguous tensor whose blocks along the last dim are ``parts``, in order, when they are adjacent slices of
+    one storage (as :func:`fxopt.quant.linear.share_sibling_storage` lays siblings out); else None.
+
+    Parts are all 2-D ``[R, N_i]`` or all 1-D ``[N_i]``. Reads only sizes, strides, offsets and storage identity, so it
+    works on the pass's fake tensors (the proof) and on the op's real ones (the check on every call)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first if first.is_contiguous() else None
+    lead = tuple(first.shape[:-1])
+    if first.dim() not in (1, 2) or any(p.dim() != first.dim() or tuple(p.shape[:-1]) != lead or p.dtype != first.dtype
+                                        or p.device != first.device for p in parts):
+        return None
+    total = sum(int(p.shape[-1]) for p in parts)
+    storage = StorageWeakRef(first.untyped_storage())
+    offset = first.storage_offset()
+    for p in parts:
+        if StorageWeakRef(p.untyped_storage()) != storage or p.storage_offset() != offset:
+            return None
+        if p.shape[-1] > 1 and p.stride(-1) != 1:
+            return None
+        if p.dim() == 2 and p.shape[0] > 1 and p.stride(0) != total:
+            return None
+        offset += int(p.shape[-1])
+    if first.dim() == 1:
+        return first.as_strided((total,), (1,), first.storage_offset())
+    return first.as_strided((lead[0], total), (total, 1), first.storage_offset())
+
+
+def _check_cat_inputs(x, qweights, scales, zeros, group_size, biases):
+    n = len(qweights)
+    if n == 0 or len(scales) != n or len(zeros) != n or (biases and len(biases) != n):
+        raise ValueError(f"w4a16_linear_cat: {n} qweight(s), {len(scales)} scales, {len(zeros)} zeros and "
+                         f"{len(biases)} bias(es): one of each per linear")
+    for i in range(n):
+        _check_inputs(x, qweights[i], scales[i], zeros[i], group_size, biases[i] if biases else None)
+    return sum(q.shape[1] for q in qweights)
+
+
+@torch.library.custom_op("fxopt::w4a16_linear_cat", mutates_args=())
+def w4a16_linear_cat(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                     zeros: list[torch.Tensor], group_size: int, biases: list[torch.Tensor]) -> torch.Tensor:
+    """``cat([w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size, biases[i]) for i], -1)``, contiguous
+    (``biases``: one per linear, or empty for none).
+
+    One kernel call over ``[K // 8, sum N]`` when each list is adjacent slices of one storage (checked on every call,
+    :func:`column_span`), else one call per linear: never a different result, only slower."""
+    _check_cat_inputs(x, qweights, scales, zeros, group_size, biases)
+    spans = [column_span(t) for t in (qweights, scales, zeros)]
+    bias = column_span(biases) if biases else None
+    if all(s is not None for s in spans) and (not biases or bias is not None):
+        if x.device.type == "cuda":
+            return w4a16_matmul(x, *spans, group_size, bias)
+        return w4a16_reference(x, *spans, group_size, bias)
+    log.debug("w4a16_linear_cat: packed tensors are not adjacent slices of one storage; one call per linear")
+    parts = [torch.ops.fxopt.w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size,
+                                          biases[i] if biases else None) for i in range(len(qweights))]
+    return torch.cat(parts, dim=-1)
+
+
+@w4a16_linear_cat.register_fake
+def _(x, qweights, scales, zeros, group_size, biases):
+    N = _check_cat_inputs(x, qweights, scales, zeros, group_size, biases)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+def _setup_context_cat(ctx, inputs, output):
+    x, qweights, scales, zeros, group_size, biases = inputs
+    ctx.save_for_backward(*qweights, *scales, *zeros)
+    ctx.n, ctx.group_size, ctx.has_bias = len(qweights), group_size, bool(biases)
+
+
+def _backward_cat(ctx, grad_y):
+    saved, n = ctx.saved_tensors, ctx.n
+    grad_x, grad_biases = None, [None] * n
+    if ctx.needs_input_grad[0]:
+        col = 0
+        for i in range(n):
+            w = torch.ops.fxopt.dequantize_w4(saved[i], saved[n + i], saved[2 * n + i], ctx.group_size)  # [N_i, K]
+            g = torch.matmul(grad_y[..., col:col + w.shape[0]], w.to(grad_y.dtype))
+            grad_x = g if grad_x is None else grad_x + g
+            col += w.shape[0]
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        g = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+        grad_biases, col = [], 0
+        for i in range(n):
+            grad_biases.append(g[col:col + saved[i].shape[1]])
+            col += saved[i].shape[1]
+    none = [None] * n  # list inputs take a list of gradients
+    return grad_x, none, none, none, None, grad_biases if ctx.has_bias else []
+
+
+w4a16_linear_cat.register_autograd(_backward_cat, setup_context=_setup_context_cat)
 
 
 if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)

@@ -172,7 +172,8 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
         return (f"input layout size {tuple(xv.shape)} stride {tuple(xv.stride())} is not rows of unit stride along "
                 f"K; the kernel would copy x on every call")
     for name, t in (("qweight", qv), ("scales", sv), ("zeros", zv)):
-        if not t.is_contiguous():
+        # a column slice (a sibling laid out by share_sibling_storage) is grouped below, or copied by the op
+        if not t.is_contiguous() and t.stride(-1) != 1:
             return f"{name} is not contiguous (stride {tuple(t.stride())}); the kernel would copy it on every call"
     if sv.requires_grad or zv.requires_grad:
         return "scales/zeros require grad; w4a16_linear gives them no gradient"
@@ -324,6 +325,11 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
                                 f"{', bias' if use.bias is not None else ''}")
         if not dq.users:
             graph.erase_node(dq)
+    if cfg.group_siblings:
+        if ctx.config.tensor_parallel.enabled:
+            log.debug("w4a16: siblings not grouped: tensor_parallel shards each linear on its own")
+        else:
+            _group_siblings(graph, result)
     fp32 = [sk for sk in result.skipped if sk.reason.startswith("activations are torch.float32")]
     if fp32 and not result.rewrites:
         log.warning("w4a16: fused none of %d quantized linear(s): activations are float32 and the int4 kernels take "
@@ -340,3 +346,116 @@ def _module_path(node: fx.Node) -> str:
     path = last[0] if isinstance(last, tuple) else str(last)
     return re.sub(r"^L\['[^']*'\](\[\d+\])*\.?", "", path)  # Dynamo's source prefix, e.g. L['self'].
 
+
+
+def _is_fused(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.fxopt.w4a16_linear.default
+
+
+def _fused_parts(node: fx.Node):
+    """(x, qweight, scales, zeros, group_size, bias) of a ``w4a16_linear`` node."""
+    x, q, s, z, g = (match.get_arg(node, i, n) for i, n in enumerate(("x", "qweight", "scales", "zeros",
+                                                                       "group_size")))
+    return x, q, s, z, g, match.get_arg(node, 5, "bias")
+
+
+def _group_siblings(graph: fx.Graph, result: PassResult) -> None:
+    """Make ``w4a16_linear`` calls that read one input and adjacent column slices of one packed storage (the
+    siblings :func:`fxopt.quant.linear.share_sibling_storage` lays out, e.g. q/k/v) one ``w4a16_linear_cat`` call.
+
+    Proven from the graph: the same ``x`` node and group size; bias on all or none; qweight, scales, zeros (and the
+    biases) each :func:`column_span` on their ``meta["val"]`` (same storage, adjacent offsets, one row stride); every
+    input defined before the first call; no in-place write to x or the packed storage between the first and the last
+    call. The op checks the adjacency again on every call and falls back to one call per linear. Each original
+    output becomes a contiguous slice of the joint output (same values, same layout, for any later user)."""
+    from ..kernels.w4a16 import column_span
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_input: dict = {}
+    for node in graph.nodes:
+        if _is_fused(node):
+            x, _, _, _, g, bias = _fused_parts(node)
+            by_input.setdefault((x, g, bias is None), []).append(node)
+    for (x, g, no_bias), nodes in by_input.items():
+        if len(nodes) < 2:
+            continue
+        # members in storage order: one run per storage, sorted by the qweight's offset
+        runs: dict = {}
+        for n in nodes:
+            qv = match.tensor_val(_fused_parts(n)[1])
+            if qv is None:
+                continue
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            runs.setdefault(StorageWeakRef(qv.untyped_storage()), []).append(n)
+        if len(runs) == len(nodes):
+            result.skip(nodes[0], f"{', '.join(n.name for n in nodes)} read one input, but their packed tensors sit "
+                        f"in separate storages: separate calls (fxopt.quant.linear.share_sibling_storage lays "
+                        f"siblings out side by side)")
+        for members in runs.values():
+            members.sort(key=lambda n: match.tensor_val(_fused_parts(n)[1]).storage_offset())
+            if len(members) < 2:
+                continue
+            reason = _group_reason(members, order, column_span, no_bias)
+            if reason is not None:
+                result.skip(members[0], f"siblings {', '.join(m.name for m in members)} stay separate calls: "
+                            + reason)
+                continue
+            _rewrite_group(graph, members, x, g, no_bias, result)
+
+
+def _group_reason(members: list, order: dict, column_span, no_bias: bool) -> Optional[str]:
+    parts = [_fused_parts(m) for m in members]
+    for i, name in ((1, "qweight"), (2, "scales"), (3, "zeros")) + (() if no_bias else ((5, "bias"),)):
+        vals = [match.tensor_val(p[i]) for p in parts]
+        if any(v is None for v in vals) or column_span(vals) is None:
+            return f"their {name} tensors are not adjacent slices of one storage"
+    first, last = min(members, key=order.get), max(members, key=order.get)
+    for p in parts:
+        for a in (p[0], p[1], p[2], p[3], p[5]):
+            if isinstance(a, fx.Node) and order[a] > order[first]:
+                return f"{a.name} is defined after {first.name}"
+    inputs = [parts[0][0]] + [a for p in parts for a in (p[1], p[2], p[3]) + (() if no_bias else (p[5],))]
+    return _mutated_between(first, last, inputs)
+
+
+def _rewrite_group(graph: fx.Graph, members: list, x, g, no_bias: bool, result: PassResult) -> None:
+    parts = [_fused_parts(m) for m in members]
+    first = min(members, key=lambda m: list(graph.nodes).index(m))
+    args = (x, [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts], g,
+            [] if no_bias else [p[5] for p in parts])
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    xv = match.tensor_val(x)
+    mode = xv.fake_mode if isinstance(xv, FakeTensor) else None
+    vals = [match.tensor_val(p[1]).shape[1] for p in parts]
+    with graph.inserting_before(first):
+        joint = graph.call_function(torch.ops.fxopt.w4a16_linear_cat.default, args)
+    joint.meta.update({k: first.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack")
+                       if k in first.meta})
+    col, replaced = 0, []
+    for m, n_cols in zip(members, vals):
+        with graph.inserting_before(first):  # ``first`` is erased only after the loop
+            piece = graph.call_function(torch.narrow, (joint, -1, col, n_cols))
+            out = graph.call_method("contiguous", (piece,))
+        for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if k in m.meta:
+                piece.meta[k] = out.meta[k] = m.meta[k]
+        out.meta["val"] = m.meta.get("val")
+        col += n_cols
+        m.replace_all_uses_with(out)
+        replaced.append(m)
+    for m in replaced:
+        graph.erase_node(m)
+    if mode is not None:
+        def fake(a):
+            return [match.tensor_val(t) for t in a] if isinstance(a, list) else match.val(a) \
+                if isinstance(a, fx.Node) else a
+
+        with mode:
+            joint.meta["val"] = torch.ops.fxopt.w4a16_linear_cat(*[fake(a) for a in args])
+            for piece in joint.users:
+                piece.meta["val"] = torch.narrow(joint.meta["val"], -1, piece.args[2], piece.args[3])
+    result.rewrites += 1
+    result.notes.append(f"w4a16: {joint.name}: {len(members)} sibling linears in one call "
+                        f"(N = {' + '.join(map(str, vals))}): {', '.join(_module_path(m) or m.name for m in members)}")

@@ -164,6 +164,10 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
             report.method = method
             report.seconds = time.perf_counter() - t0
         cal.install(QuantLinear)
+        if QuantLinear is not None:
+            from .linear import share_sibling_storage
+
+            share_sibling_storage(model)
     except BaseException:
         cal.restore()
         raise

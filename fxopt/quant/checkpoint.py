@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from .format import PACK, PackedW4, pack_int4, unpack_int4
-from .linear import QuantLinear, _set_submodule
+from .linear import QuantLinear, _set_submodule, share_sibling_storage
 
 log = logging.getLogger(__name__)
 
@@ -458,6 +458,7 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
     # Apply: nothing below can fail on the checkpoint's content.
     for p, m in new_modules.items():
         _set_submodule(model, p, m)
+    share_sibling_storage(model)
     with torch.no_grad():
         for k, v in float_data.items():
             float_keys[k].copy_(v)

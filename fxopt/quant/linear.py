@@ -218,3 +218,53 @@ def replace_linears(model: nn.Module,
         _set_submodule(model, n, new[n])
     log.debug("replace_linears: replaced %d linear(s)", len(new))
     return list(new)
+
+
+# Linears that read the same input in the models fxopt is measured on (attention's q/k/v, the gated MLP's gate/up).
+SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"),
+                 ("w1", "w3"))
+
+
+def _side_by_side(parts: list) -> list:
+    """One new tensor holding ``parts`` side by side along their last dim; return its slices (views), in order."""
+    base = torch.cat(parts, dim=-1)
+    out, col = [], 0
+    for p in parts:
+        out.append(base.narrow(-1, col, p.shape[-1]))
+        col += p.shape[-1]
+    return out
+
+
+def share_sibling_storage(model: nn.Module, names=SIBLING_NAMES) -> list[tuple[str, ...]]:
+    """Lay out the packed tensors of sibling :class:`QuantLinear` s side by side in one storage; return the groups.
+
+    Siblings are children of one module named as in one entry of ``names`` (all of the entry present), with the same
+    K, group size, dtype, device and bias presence and no act-order permutation. Each keeps its own buffers, now
+    column slices of one ``[K // 8, sum N]`` qweight (and likewise scales, zeros, bias), so the numbers, the
+    state dict and checkpoints do not change. What it buys: the w4a16 pass proves from the graph that the siblings'
+    products read one input and the adjacent slices of one storage, and makes them one kernel call
+    (``torch.ops.fxopt.w4a16_linear_cat``). Moving a module to another device or dtype afterwards copies each
+    buffer on its own and ends the sharing (the pass then keeps separate calls). Costs one copy of each group's
+    packed tensors while it runs."""
+    groups = []
+    for parent_name, parent in model.named_modules():
+        children = dict(parent.named_children())
+        for entry in names:
+            mods = [children.get(n) for n in entry]
+            if not all(isinstance(m, QuantLinear) for m in mods):
+                continue
+            first = mods[0]
+            same = all(m.in_features == first.in_features and m.group_size == first.group_size
+                       and m.scales.dtype == first.scales.dtype and m.qweight.device == first.qweight.device
+                       and (m.bias is None) == (first.bias is None) and m.perm is None for m in mods)
+            if not same:
+                log.debug("share_sibling_storage: %s.%s differ (K, group, dtype, device, bias or act order)",
+                          parent_name, entry)
+                continue
+            with torch.no_grad():
+                for buf in ("qweight", "scales", "zeros") + (("bias",) if first.bias is not None else ()):
+                    for m, v in zip(mods, _side_by_side([getattr(m, buf) for m in mods])):
+                        m.register_buffer(buf, v)
+            groups.append(tuple(f"{parent_name}.{n}" if parent_name else n for n in entry))
+    log.debug("share_sibling_storage: %d group(s)", len(groups))
+    return groups
