@@ -683,3 +683,56 @@ def test_aten_bmm_and_views_fuse():
         return torch.ops.aten.matmul.default(p, v)
 
     same_as_eager(fn, *_qkv(seed=18), rewrites=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a 0-d tensor scale known only at run time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["full_sqrt", "tensor_pow", "learned"])
+def test_zero_dim_tensor_scale_from_a_dynamic_size_fuses(form):
+    def fn(q, k, v, t):
+        s = q @ k.transpose(-1, -2)
+        if form == "full_sqrt":
+            s = s / torch.full((), math.sqrt(q.size(-2)), dtype=q.dtype)
+        elif form == "tensor_pow":
+            s = s * torch.tensor(q.size(-2)) ** -0.5
+        else:
+            s = s * t.exp()
+        return s.softmax(-1) @ v
+
+    run = _Run(fn)
+    t = torch.tensor(-1.5, requires_grad=True)
+    for Sq in (8, 11):
+        q, k, v = _qkv(Sq=Sq, Sk=Sq, seed=Sq)
+        for x in (q, k, v):
+            torch._dynamo.mark_dynamic(x, 2)
+        grads = []
+        for f in (fn, run):
+            args = [x.clone().requires_grad_() for x in (q, k, v)] + [t]
+            t.grad = None
+            out = f(*args)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            grads.append([out.detach()] + [a.grad.clone() for a in args if a.grad is not None])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert run.rewrites == len(run.backend.results) >= 1, run.reasons
+
+
+def test_zero_dim_tensor_scale_written_after_its_use_is_left():
+    def fn(q, k, v):
+        t = torch.full((), 4.0)
+        s = q @ k.transpose(-1, -2) / t
+        t.mul_(2)  # eager divided by 4; the op, reading t later, would divide by 8
+        return s.softmax(-1) @ v
+
+    run = same_as_eager(fn, *_qkv(seed=19), rewrites=0)
+    assert any("in-place write" in r for r in run.reasons), run.reasons
+
+
+def test_tensor_factor_that_is_not_a_scalar_is_left():
+    def fn(q, k, v, f):  # Inductor's tensor-factor case: a [B, 1, 1] factor, one per batch
+        return (q @ k.transpose(-1, -2) * f).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(seed=20), torch.rand(2, 1, 1, 1) + 0.5, rewrites=0)

@@ -11,8 +11,19 @@ Matching (on Dynamo's torch-level graph, through :mod:`fxopt.passes.match`):
       p   = softmax(s [.float()], -1 [, dtype]) [.to(dtype)] [dropout(p, training)]
       out = matmul(p, v) | bmm | einsum
 
-  Casts in the score chain may only go to float32 or to q's dtype (the kernel computes scores in fp32).
+  Casts in the score chain may only go to float32 or to q's dtype (the kernel computes scores in fp32); a softmax
+  ``dtype`` is a cast of its input. A scale may be a number, a SymInt / SymFloat or any 0-d real tensor (known only
+  at run time: it moves onto q, where it scales every score alike).
   3-D bmm graphs [B*H, S, D] run as one batch of B*H heads; einsum operands are permuted into [B, H, S, D].
+  Views that only split or merge the batch dims ([A*C, Sq, Sk] <-> [A, C, Sq, Sk], ``expand`` to the same shape) may
+  sit anywhere on the scores and probabilities (Inductor's MBart form): the op then runs on [A, C, S, D] (3-D q/k/v
+  unflattened, a 3-D output flattened back); a view moving query or key positions, or a mask over the merged A*C
+  dim applied to 3-D scores, leaves the region.
+* ATen spellings written in the model (``torch.ops.aten.mul.Scalar``, ``div.Tensor``, ``bmm``, ``view``,
+  ``_softmax``, ``_safe_softmax``..., see ``_ATEN_NAMES``) read as the torch-level op. The pass only ever sees
+  Dynamo's torch-level graph: the matmul decompositions (expand / clone / ``_unsafe_view`` around ``bmm``) are made
+  by AOTAutograd after it, so ATen ops reach it only where user code calls them. ``_safe_softmax`` gives 0 on a row
+  of -inf (the op's own value, no NaN policy).
 * repeat_kv (``x[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, Hkv*rep, S, D)`` or ``repeat_interleave`` on dim
   1) on *both* k and v is dropped: the kernel does GQA natively (query head h reads kv head h // rep).
 
@@ -777,10 +788,15 @@ def _scalar_value(x: Any, cache: dict) -> Optional[float]:
 
 
 def _sym_scalar(x: Any) -> Optional[fx.Node]:
-    """``x`` when it is a graph node holding a (possibly symbolic) Python number: a scale, not a tensor."""
+    """``x`` when it is a graph node holding one number known only at run time: a (symbolic) Python number, or a
+    0-d real tensor (``torch.full((), math.sqrt(S))``, ``torch.tensor(q.size(-1)) ** -0.5``, a learned temperature).
+    Either multiplies every score alike, so it moves onto q exactly; a 0-d tensor does not change the dtype of the
+    tensor it multiplies (type promotion), in eager nor on q."""
     if isinstance(x, fx.Node):
         v = x.meta.get("val", x.meta.get("example_value"))
         if isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return x
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.dtype.is_complex:
             return x
     return None
 
@@ -1372,6 +1388,7 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
     muts = cache.get("__mutations__")
     if muts is not None:
         reads = [m.q, k_src or m.k, v_src or m.v] + [lit.node for lit in trial.keeps] + list(trial.additive)
+        reads += [node for node, _ in m.scale_syms if tensor_val(node) is not None]
         if low is not None and low.kpm is not None:
             reads.append(low.kpm)
         lo = min(muts.pos.get(n, 1 << 60) for n in m.matched) if m.matched else muts.pos.get(m.out, 0)
