@@ -562,3 +562,177 @@ def test_attention_inside_activation_checkpoint(backend):
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     assert sum(r.rewrites for res in be.results for r in res if r.name == "attention") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# views of the batch dims in the score chain ([B*H, Sq, Sk] <-> [B, H, Sq, Sk])
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bmm_viewed(split, mask_at="4d"):
+    """bmm on [B*H, S, D]; the scores viewed with ``split`` (the 4-D shape) around a mask add."""
+    def fn(q, k, v, m):
+        Bsz, Hn, Sq, d = q.shape
+        q3, k3, v3 = q.reshape(Bsz * Hn, Sq, d), k.reshape(Bsz * Hn, -1, d), v.reshape(Bsz * Hn, -1, d)
+        s = torch.bmm(q3, k3.transpose(1, 2)) * 0.25
+        if mask_at == "4d":
+            s = (s.view(*split(Bsz, Hn), Sq, -1) + m).view(Bsz * Hn, Sq, -1)
+        else:
+            s = s + m
+        return torch.bmm(s.softmax(-1), v3).view(Bsz, Hn, Sq, d)
+
+    return fn
+
+
+def test_views_of_the_scores_fuse_with_the_mask_in_the_viewed_layout():
+    q, k, v = _qkv(B=2, H=3, seed=11)
+    m = torch.randn(2, 1, S, S)
+    same_as_eager(_bmm_viewed(lambda b, h: (b, h)), q, k, v, m, rewrites=1)
+
+
+def test_views_of_the_scores_split_other_than_b_h_are_exact():
+    """[B*H] viewed as [H, B]: the mask [H, 1, S, S] indexes n // B, which the op's [H, B] layout reproduces."""
+    q, k, v = _qkv(B=2, H=3, seed=12)
+    m = torch.randn(3, 1, S, S)
+    same_as_eager(_bmm_viewed(lambda b, h: (h, b)), q, k, v, m, rewrites=1)
+
+
+def test_view_of_the_scores_moving_query_rows_into_keys_is_left():
+    def fn(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25  # [B, H, S, S]
+        p = s.reshape(s.shape[0], s.shape[1], S // 2, 2 * S).softmax(-1).reshape(s.shape)  # rows of 2 queries
+        return p @ v
+
+    run = same_as_eager(fn, *_qkv(seed=13), rewrites=0)
+    assert any("moves the query or key dims" in r for r in run.reasons), run.reasons
+
+
+def test_mask_over_the_merged_dim_of_a_viewed_chain_is_left():
+    def fn(q, k, v, m):  # m [B*H, S, S] added to the 3-D scores, then viewed as [B, H, S, S]
+        Bsz, Hn, Sq, d = q.shape
+        q3, k3, v3 = q.reshape(Bsz * Hn, Sq, d), k.reshape(Bsz * Hn, Sq, d), v.reshape(Bsz * Hn, Sq, d)
+        s = (torch.bmm(q3, k3.transpose(1, 2)) * 0.25 + m).view(Bsz, Hn, Sq, Sq)
+        return torch.bmm(s.view(Bsz * Hn, Sq, Sq).softmax(-1), v3)
+
+    q, k, v = _qkv(B=2, H=3, seed=14)
+    run = same_as_eager(fn, q, k, v, torch.randn(6, S, S), rewrites=0)
+    assert any("merged batch*heads" in r for r in run.reasons), run.reasons
+
+
+def test_views_of_the_scores_in_training_and_dynamic_batch():
+    fn = _bmm_viewed(lambda b, h: (b, h))
+    q, k, v = _qkv(B=2, H=3, seed=15)
+    m = torch.randn(2, 1, 1, S)
+    run = _Run(fn)
+    outs = []
+    for f in (fn, run):
+        for Bsz in (2, 3):
+            args = [torch.cat([t] * 2)[:Bsz].clone().requires_grad_() for t in (q, k, v)]
+            out = f(*args, torch.cat([m] * 2)[:Bsz])
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outs.append([out.detach()] + [a.grad for a in args])
+    for a, b in zip(outs[:2], outs[2:]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-4)
+    assert run.rewrites == len(run.backend.results) >= 1, run.reasons
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ATen ops written in the model (torch.ops.aten.*): mul.Scalar, _safe_softmax, bmm
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_aten_safe_softmax_fully_masked_rows_give_zero():
+    """_safe_softmax gives 0 (not NaN) on a row of -inf, and a zero gradient there."""
+    def fn(q, k, v, pad):
+        keep = pad[:, None, None, :]
+        s = torch.ops.aten.mul.Scalar(q, 0.5) @ torch.ops.aten.mul.Scalar(k.transpose(-1, -2), 0.5)
+        s = s.masked_fill(~keep, float("-inf"))
+        return torch.ops.aten._safe_softmax(s, -1) @ v
+
+    pad = torch.ones(2, S, dtype=torch.bool)
+    pad[1] = False  # batch 1: every key masked
+    q, k, v = _qkv(seed=16)
+    grads, run = [], _Run(fn)
+    for f in (fn, run):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args, pad)
+        out.sum().backward()
+        grads.append([out.detach()] + [a.grad for a in args])
+    assert grads[0][0][1].abs().max() == 0 and not grads[0][0].isnan().any()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, equal_nan=True)
+    assert run.rewrites == 1, run.reasons
+
+
+def test_aten_div_with_rounding_is_not_a_scale():
+    def fn(q, k, v):
+        s = torch.ops.aten.div(q @ k.transpose(-1, -2), 4.0, rounding_mode="floor")
+        return torch.ops.aten._safe_softmax(s, -1) @ v
+
+    same_as_eager(fn, *_qkv(seed=17), rewrites=0)
+
+
+def test_aten_bmm_and_views_fuse():
+    def fn(q, k, v):
+        n, d = q.shape[0] * q.shape[1], q.shape[-1]
+        q3 = torch.ops.aten.view.default(q, [n, S, d])
+        kt3 = torch.ops.aten.reshape.default(torch.ops.aten.transpose.int(k, -1, -2), [n, d, S])
+        s = torch.ops.aten.view.default(torch.ops.aten.bmm.default(q3, kt3), [q.shape[0], q.shape[1], S, S])
+        p = torch.ops.aten._softmax.default(torch.ops.aten.div.Tensor(s, 4.0), -1, False)
+        return torch.ops.aten.matmul.default(p, v)
+
+    same_as_eager(fn, *_qkv(seed=18), rewrites=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a 0-d tensor scale known only at run time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["full_sqrt", "tensor_pow", "learned"])
+def test_zero_dim_tensor_scale_from_a_dynamic_size_fuses(form):
+    def fn(q, k, v, t):
+        s = q @ k.transpose(-1, -2)
+        if form == "full_sqrt":
+            s = s / torch.full((), math.sqrt(q.size(-2)), dtype=q.dtype)
+        elif form == "tensor_pow":
+            s = s * torch.tensor(q.size(-2)) ** -0.5
+        else:
+            s = s * t.exp()
+        return s.softmax(-1) @ v
+
+    run = _Run(fn)
+    t = torch.tensor(-1.5, requires_grad=True)
+    for Sq in (8, 11):
+        q, k, v = _qkv(Sq=Sq, Sk=Sq, seed=Sq)
+        for x in (q, k, v):
+            torch._dynamo.mark_dynamic(x, 2)
+        grads = []
+        for f in (fn, run):
+            args = [x.clone().requires_grad_() for x in (q, k, v)] + [t]
+            t.grad = None
+            out = f(*args)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            grads.append([out.detach()] + [a.grad.clone() for a in args if a.grad is not None])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert run.rewrites == len(run.backend.results) >= 1, run.reasons
+
+
+def test_zero_dim_tensor_scale_written_after_its_use_is_left():
+    def fn(q, k, v):
+        t = torch.full((), 4.0)
+        s = q @ k.transpose(-1, -2) / t
+        t.mul_(2)  # eager divided by 4; the op, reading t later, would divide by 8
+        return s.softmax(-1) @ v
+
+    run = same_as_eager(fn, *_qkv(seed=19), rewrites=0)
+    assert any("in-place write" in r for r in run.reasons), run.reasons
+
+
+def test_tensor_factor_that_is_not_a_scalar_is_left():
+    def fn(q, k, v, f):  # Inductor's tensor-factor case: a [B, 1, 1] factor, one per batch
+        return (q @ k.transpose(-1, -2) * f).softmax(-1) @ v
+
+    same_as_eager(fn, *_qkv(seed=20), torch.rand(2, 1, 1, 1) + 0.5, rewrites=0)

@@ -11,8 +11,19 @@ Matching (on Dynamo's torch-level graph, through :mod:`fxopt.passes.match`):
       p   = softmax(s [.float()], -1 [, dtype]) [.to(dtype)] [dropout(p, training)]
       out = matmul(p, v) | bmm | einsum
 
-  Casts in the score chain may only go to float32 or to q's dtype (the kernel computes scores in fp32).
+  Casts in the score chain may only go to float32 or to q's dtype (the kernel computes scores in fp32); a softmax
+  ``dtype`` is a cast of its input. A scale may be a number, a SymInt / SymFloat or any 0-d real tensor (known only
+  at run time: it moves onto q, where it scales every score alike).
   3-D bmm graphs [B*H, S, D] run as one batch of B*H heads; einsum operands are permuted into [B, H, S, D].
+  Views that only split or merge the batch dims ([A*C, Sq, Sk] <-> [A, C, Sq, Sk], ``expand`` to the same shape) may
+  sit anywhere on the scores and probabilities (Inductor's MBart form): the op then runs on [A, C, S, D] (3-D q/k/v
+  unflattened, a 3-D output flattened back); a view moving query or key positions, or a mask over the merged A*C
+  dim applied to 3-D scores, leaves the region.
+* ATen spellings written in the model (``torch.ops.aten.mul.Scalar``, ``div.Tensor``, ``bmm``, ``view``,
+  ``_softmax``, ``_safe_softmax``..., see ``_ATEN_NAMES``) read as the torch-level op. The pass only ever sees
+  Dynamo's torch-level graph: the matmul decompositions (expand / clone / ``_unsafe_view`` around ``bmm``) are made
+  by AOTAutograd after it, so ATen ops reach it only where user code calls them. ``_safe_softmax`` gives 0 on a row
+  of -inf (the op's own value, no NaN policy).
 * repeat_kv (``x[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, Hkv*rep, S, D)`` or ``repeat_interleave`` on dim
   1) on *both* k and v is dropped: the kernel does GQA natively (query head h reads kv head h // rep).
 
@@ -63,9 +74,44 @@ import torch.fx as fx
 
 from ..config import AttentionConfig
 from .manager import PassContext, PassResult, register_pass
-from .match import get_arg, op_name, tensor_val
+from .match import get_arg, tensor_val
+from .match import op_name as _torch_op_name
 
 log = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+# ATen ops in a Dynamo graph (user code calling ``torch.ops.aten.*``, as Inductor's own patterns are written) read as
+# the torch-level op of the same name: each one takes its operands in the same positions and keywords. Overloads that
+# mean something else (``view.dtype``: a bitcast; ``div.*_mode``: rounding; ``_softmax`` with half_to_float, read by
+# :func:`op_name` itself) are left out.
+_ATEN_NAMES = {
+    _aten.mul.Tensor: "mul", _aten.mul.Scalar: "mul", _aten.mul: "mul",
+    _aten.div.Tensor: "div", _aten.div.Scalar: "div", _aten.div: "div",  # rounding_mode is a keyword, checked
+    _aten.add.Tensor: "add", _aten.add: "add",
+    _aten.bmm.default: "bmm", _aten.bmm: "bmm", _aten.matmul.default: "matmul", _aten.matmul: "matmul",
+    _aten.softmax.int: "softmax", _aten._safe_softmax.default: "softmax", _aten._safe_softmax: "softmax",
+    _aten.transpose.int: "transpose", _aten.permute.default: "permute", _aten.permute: "permute",
+    _aten.t.default: "t", _aten.view.default: "view", _aten.reshape.default: "reshape", _aten.reshape: "reshape",
+    _aten._unsafe_view.default: "reshape", _aten.clone.default: "clone", _aten.clone: "clone",
+    _aten.expand.default: "expand", _aten.unsqueeze.default: "unsqueeze", _aten.tanh.default: "tanh",
+    _aten.tanh: "tanh", _aten.masked_fill.Scalar: "masked_fill", _aten.masked_fill.Tensor: "masked_fill",
+    _aten.where.self: "where", _aten.dropout.default: "dropout", _aten.dropout: "dropout",
+}
+_SAFE_SOFTMAX = (_aten._safe_softmax.default, _aten._safe_softmax)
+
+
+def op_name(node: Any) -> Optional[str]:
+    """:func:`fxopt.passes.match.op_name`, with the ATen ops of :data:`_ATEN_NAMES` read as their torch-level op."""
+    if isinstance(node, fx.Node) and node.op == "call_function":
+        try:
+            name = _ATEN_NAMES.get(node.target)
+        except TypeError:  # an unhashable target
+            name = None
+        if name is not None:
+            return name
+        if node.target is _aten._softmax.default and len(node.args) == 3 and node.args[2] is False:
+            return "softmax"  # half_to_float=False: softmax in the input's dtype
+    return _torch_op_name(node)
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -653,7 +699,43 @@ class _Match:
     k_is_kt: bool = False  # k node is kᵀ [.., D, Sk]: insert a transpose
     scale_syms: list = field(default_factory=list)  # (node, divides): symbolic (SymInt / SymFloat) scale factors
     casts: list = field(default_factory=list)  # dtypes of every cast matched on the scores / probabilities
+    safe_softmax: bool = False  # aten._safe_softmax: a row of -inf gives 0, not NaN
+    heads: Optional[int] = None  # C when the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk]: 3-D q/k/v/out unflattened
     add_dtypes: list = field(default_factory=list)  # dtype of the scores each additive mask is added into
+
+
+class _Layout:
+    """Views of the scores / probabilities that only split or merge the batch dims: [A*C, Sq, Sk] <-> [A, C, Sq, Sk]
+    (row-major, as ``view`` / ``reshape`` always are: index n of the merged dim is (n // C, n % C)), and ``expand`` to
+    the same shape. Every element keeps its (query, key) position, so the softmax over keys and every elementwise
+    op commute with them; each split must agree on C."""
+
+    def __init__(self):
+        self.heads: Optional[int] = None
+
+    def step(self, node: fx.Node, src: Optional[torch.Tensor], dst: Optional[torch.Tensor]) -> str:
+        if src is None or dst is None:
+            return "no meta val on a view of the scores"
+        if op_name(node) == "expand":
+            return "" if tuple(src.shape) == tuple(dst.shape) else "expand of the scores to another shape"
+        if node.target is _aten.view.default or node.op == "call_method" and node.target == "view":
+            if any(isinstance(a, torch.dtype) for a in node.args[1:]):
+                return "view of the scores as another dtype"
+        if tuple(src.shape) == tuple(dst.shape):
+            return ""
+        if src.dim() + dst.dim() != 7 or tuple(src.shape[-2:]) != tuple(dst.shape[-2:]):
+            return f"view of the scores {tuple(src.shape)} -> {tuple(dst.shape)} moves the query or key dims"
+        four = src if src.dim() == 4 else dst
+        three = dst if four is src else src
+        heads = four.shape[1]
+        if not isinstance(heads, int):
+            return "view of the scores with a dynamic head count"
+        if four.shape[0] * heads != three.shape[0]:
+            return "view of the scores changes the batch size"
+        if self.heads is not None and self.heads != heads:
+            return f"views of the scores split the batch dim as {self.heads} and {heads} heads"
+        self.heads = heads
+        return ""
 
 
 def _strip_scalar(node: fx.Node, matched: list, cache: dict, syms: list) -> tuple[fx.Node, float]:
@@ -706,10 +788,15 @@ def _scalar_value(x: Any, cache: dict) -> Optional[float]:
 
 
 def _sym_scalar(x: Any) -> Optional[fx.Node]:
-    """``x`` when it is a graph node holding a (possibly symbolic) Python number: a scale, not a tensor."""
+    """``x`` when it is a graph node holding one number known only at run time: a (symbolic) Python number, or a
+    0-d real tensor (``torch.full((), math.sqrt(S))``, ``torch.tensor(q.size(-1)) ** -0.5``, a learned temperature).
+    Either multiplies every score alike, so it moves onto q exactly; a 0-d tensor does not change the dtype of the
+    tensor it multiplies (type promotion), in eager nor on q."""
     if isinstance(x, fx.Node):
         v = x.meta.get("val", x.meta.get("example_value"))
         if isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return x
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.dtype.is_complex:
             return x
     return None
 
@@ -879,13 +966,24 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         return None, f"softmax dtype {sdt} unsupported"
     matched = [sm]
     casts: list = []
-    # downstream: casts, dropout, then P @ V
+    x_in = sm.args[0] if sm.args else sm.kwargs.get("input")
+    if tensor_val(x_in) is not None and tensor_val(x_in).dtype != sv.dtype:
+        casts.append(sv.dtype)  # softmax(x, dtype=t) casts x to t first
+    layout = _Layout()
+    # downstream: casts, dropout, views of the batch dims, then P @ V
     dropout_p = 0.0
     cur = sm
     while True:
         if len(cur.users) != 1:
             return None, "attention probabilities are used elsewhere"
         (u,) = cur.users
+        if op_name(u) in ("view", "reshape", "expand"):
+            why = layout.step(u, tensor_val(cur), tensor_val(u))
+            if why:
+                return None, why
+            matched.append(u)
+            cur = u
+            continue
         if op_name(u) == "clone" or (u.op == "call_function" and u.target is torch.clone):
             if u.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
                 return None, "clone of the probabilities with a memory format"
@@ -915,7 +1013,8 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
             continue
         break
     pv = u
-    m = _Match(q=None, k=None, v=None, out=pv, dropout_p=dropout_p, casts=casts)
+    m = _Match(q=None, k=None, v=None, out=pv, dropout_p=dropout_p, casts=casts,
+               safe_softmax=sm.target in _SAFE_SOFTMAX)
     pname = op_name(pv)
     if pname in ("matmul", "bmm"):
         if pv.args[0] is not cur or len(pv.args) < 2:
@@ -929,8 +1028,9 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
     else:
         return None, f"probabilities feed {pname or pv.target}, not a matmul"
     # upstream: casts, masks, softcap, scale
-    x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    scores_shape = tuple(sv.shape)
+    x = x_in
+    scores_shape = tuple(sv.shape)  # the shape of the chain node being read (changes at a view of the batch dims)
+    mask_ranks: list = []  # (mask node, rank of the scores it is applied to)
     scale = 1.0
     phase = 0  # 0: masks/casts; 1: softcap/scale/casts
     masks = m.masks
@@ -942,6 +1042,14 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         if xv is None or tuple(xv.shape) != scores_shape:
             return None, "score chain changes shape"
         name = _node_name(x)
+        if name in ("view", "reshape", "expand") and isinstance(x.args[0], fx.Node):
+            why = layout.step(x, tensor_val(x.args[0]), xv)
+            if why:
+                return None, why
+            matched.append(x)
+            x = x.args[0]
+            scores_shape = tuple(tensor_val(x).shape)
+            continue
         dt = _cast_dtype(x)
         if dt is not None:
             casts.append(dt)
@@ -965,6 +1073,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 if mv is None or not (mv.dtype.is_floating_point or mv.dtype == torch.bool):
                     return None, f"additive mask of dtype {None if mv is None else mv.dtype}"
                 masks.additive.append(mask)
+                mask_ranks.append((mask, xv.dim()))
                 m.add_dtypes.append(xv.dtype)
                 if seen_replacement:
                     masks.additive_first = False
@@ -981,6 +1090,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                 return None, f"masked_fill value {fill} is neither -inf nor <= finfo({xv.dtype}).min: it does not mask"
             masks.keeps.append(_Keep(mnode, negate=True))
             masks.fills.append(fill)
+            mask_ranks.append((mnode, xv.dim()))
             seen_replacement = True
             matched.append(x)
             x = x.args[0]
@@ -1004,6 +1114,7 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
                               "does not mask")
             if not isinstance(cond, fx.Node) or tensor_val(cond) is None or tensor_val(cond).dtype != torch.bool:
                 return None, "where condition is not a bool tensor"
+            mask_ranks.append((cond, xv.dim()))
             seen_replacement = True
             matched.append(x)
             x = chain
@@ -1105,6 +1216,16 @@ def _match_softmax(sm: fx.Node, cache: dict) -> tuple[Optional[_Match], str]:
         return None, "matmul of rank other than 3 or 4"
     if op_name(qk) == "matmul" and qv.dim() == 3:
         m.three_d = True
+    if layout.heads is not None:
+        # the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk] (or back): the op runs on [A, C, S, D]. A mask applied to
+        # the 3-D scores broadcasts the same way in 4-D only when it does not index the merged dim.
+        for mask, rank in mask_ranks:
+            mv = tensor_val(mask)
+            if rank == 3 and (mv is None or (mv.dim() == 3 and mv.shape[0] != 1)):
+                return None, "a mask indexes the merged batch*heads dim of a score chain viewed as 4-D"
+        if m.q_perm is not None or m.k_perm is not None or m.v_perm is not None:
+            return None, "einsum operands in a score chain viewed as 4-D"
+        m.three_d, m.heads = False, layout.heads
     return m, ""
 
 
@@ -1139,6 +1260,10 @@ def _chain_like(n: fx.Node) -> bool:
         name = _node_name(n)
         if name in ("matmul", "bmm", "einsum"):
             return True
+        if name in ("view", "reshape", "expand"):
+            n = n.args[0]
+            seen += 1
+            continue
         if name in ("mul", "div", "add", "masked_fill", "where", "tanh") or _cast_dtype(n) is not None:
             if name == "where":
                 cand = [a for a in n.args[1:] if isinstance(a, fx.Node) and _chain_like(a)]
@@ -1176,6 +1301,8 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
             s[-1], s[-2] = s[-2], s[-1]
         if three:
             s = [1] + s
+        if m.heads is not None and len(s) == 3:
+            s = [s[0] // m.heads, m.heads] + s[1:]
         return s
 
     qs = shape_after(qv, m.q_perm, three=m.three_d)
@@ -1185,7 +1312,7 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
         return _fail(result, m.out, f"q/k/v ranks {len(qs)}/{len(ks)}/{len(vs)} (need 4)")
     # GQA: drop repeat_kv on both k and v
     k_src = v_src = None
-    if not m.three_d and m.k_perm is None and m.v_perm is None and not m.k_is_kt:
+    if not m.three_d and m.heads is None and m.k_perm is None and m.v_perm is None and not m.k_is_kt:
         kr = _repeat_kv_source(m.k)
         vr = _repeat_kv_source(m.v)
         if kr is not None and vr is not None and kr[1] == vr[1] and \
@@ -1261,6 +1388,7 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
     muts = cache.get("__mutations__")
     if muts is not None:
         reads = [m.q, k_src or m.k, v_src or m.v] + [lit.node for lit in trial.keeps] + list(trial.additive)
+        reads += [node for node, _ in m.scale_syms if tensor_val(node) is not None]
         if low is not None and low.kpm is not None:
             reads.append(low.kpm)
         lo = min(muts.pos.get(n, 1 << 60) for n in m.matched) if m.matched else muts.pos.get(m.out, 0)
@@ -1287,6 +1415,9 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
             q = b.call(torch.unsqueeze, (q, 0))
             k = b.call(torch.unsqueeze, (k, 0))
             v = b.call(torch.unsqueeze, (v, 0))
+        if m.heads is not None:  # [A*C, S, D] -> [A, C, S, D], the layout the chain's views give the scores
+            q, k, v = (x if tensor_val(x).dim() == 4 else b.call(torch.unflatten, (x, 0, (-1, m.heads)))
+                       for x in (q, k, v))
         kwargs: dict = {}
         if m.scale_syms:
             # a symbolic factor goes onto q, the op's scale stays a number: a custom op's float argument would
@@ -1352,6 +1483,8 @@ def _emit(gm: fx.GraphModule, m: _Match, cfg: AttentionConfig, op, cache: dict,
             out = _call_with_dead_rows(b, q, k, v, kwargs, dead, Hq, training)
         if m.three_d:
             out = b.call(torch.squeeze, (out, 0))
+        if m.heads is not None and ov.dim() == 3:
+            out = b.call(torch.flatten, (out, 0, 1))
         if m.out_perm is not None:
             out = b.call(torch.permute, (out, m.out_perm))
         if tuple(tensor_val(out).shape) != tuple(ov.shape) or tensor_val(out).dtype != ov.dtype:
@@ -1386,6 +1519,8 @@ def _dead_row_policy(m: _Match, masks: _Masks, add_keep: list, possible: bool, t
     if not possible or m.out is None or _is_sdpa(m.out):
         return None
     fills = set(masks.fills)
+    if m.safe_softmax and (not masks.keeps or fills == {-math.inf}):
+        return None  # _safe_softmax gives a row of -inf 0, with a zero gradient: the op's own value
     if not masks.keeps or fills == {-math.inf}:
         replaced = len(masks.keeps) - len(add_keep)  # masked_fill / where literals: no gradient where they fill
         if not training:
