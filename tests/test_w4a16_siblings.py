@@ -189,3 +189,14 @@ def test_quantize_lays_out_hf_siblings():
     assert ptr[layer + "mlp.gate_proj"] == ptr[layer + "mlp.up_proj"] != ptr[layer + "mlp.down_proj"]
     rep = fxopt.explain(model, ids)
     assert sum("sibling linears in one call" in n for n in rep.notes) == 2, rep.notes
+
+
+def test_pass_groups_only_small_row_counts():
+    from fxopt.passes import w4a16
+
+    model = Block()
+    share_sibling_storage(model)
+    x = torch.randn(w4a16.GROUP_MAX_ROWS + 1, 64).half()
+    _, graphs = capture(model, x)
+    (gm, _), = graphs
+    assert count(gm, CAT) == 0 and count(gm, W4A16) == 4
