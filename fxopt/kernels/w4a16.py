@@ -1413,19 +1413,36 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
+# Answers of ``_integer_zeros`` by storage place, for views made afresh on every call (the sibling spans of
+# ``w4a16_linear_cat``): (weak ref to the storage, version, answer).
+_INTEGER_ZEROS: dict = {}
+
+
 def _integer_zeros(zeros: torch.Tensor) -> bool:
-    """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are). Checked once per tensor and in-place version
-    (the answer is kept on the tensor); under CUDA-graph capture an unchecked tensor counts as not integer."""
+    """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are). Checked once per storage place and in-place
+    version (a device sync; the answer is kept on the tensor and by storage, so a new view of the same numbers is not
+    checked again); under CUDA-graph capture an unchecked tensor counts as not integer."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     seen = getattr(zeros, "_fxopt_integer_zeros", None)
     if seen is not None and seen[0] == zeros._version:
         return seen[1]
+    storage = StorageWeakRef(zeros.untyped_storage())
+    place = (zeros.untyped_storage().data_ptr(), zeros.storage_offset(), tuple(zeros.shape), tuple(zeros.stride()))
+    known = _INTEGER_ZEROS.get(place)
+    if known is not None and not known[0].expired() and known[0] == storage and known[1] == zeros._version:
+        return known[2]
     if zeros.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     ok = bool(torch.equal(zeros, zeros.round()))
     try:
         zeros._fxopt_integer_zeros = (zeros._version, ok)
-    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: checked every call
+    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
         pass
+    if len(_INTEGER_ZEROS) > 4096:
+        for k in [k for k, v in _INTEGER_ZEROS.items() if v[0].expired()]:
+            del _INTEGER_ZEROS[k]
+    _INTEGER_ZEROS[place] = (storage, zeros._version, ok)
     return ok
 
 
@@ -1788,8 +1805,13 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """y = x @ ((q - zeros) * scales).T (+ bias); x [..., K] 2-D or 3-D fp16/bf16; y [..., N] contiguous."""
     _check_inputs(x, qweight, scales, zeros, group_size, bias)
     if x.device.type == "cuda":
-        # a sibling's column slice (share_sibling_storage) that the pass did not group: the kernels take rows whole
-        return w4a16_matmul(x, qweight.contiguous(), scales, zeros, group_size, bias)
+        if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+            # a sibling's column slice (share_sibling_storage) that the pass did not group: the kernels take rows
+            # whole. The copy of the zeros inherits the slice's integer check (kept on the slice: no sync per call).
+            intz = _integer_zeros(zeros)
+            qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+            zeros._fxopt_integer_zeros = (zeros._version, intz)
+        return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     return w4a16_reference(x, qweight, scales, zeros, group_size, bias)
 
 
