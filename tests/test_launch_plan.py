@@ -262,7 +262,7 @@ def test_entry_switch_and_argument_state(monkeypatch):
 
 
 def test_w4a16_plans_default_and_switch():
-    """On by default (GPU tests passed on the H200); FXOPT_W4A16_LAUNCH_PLANS=0 turns them off."""
+    """On by default (GPU tests passed on the H200); FXOPT_LAUNCH_PLANS=0 turns them off."""
     import subprocess
     import sys
 
@@ -270,8 +270,8 @@ def test_w4a16_plans_default_and_switch():
 
     assert K4.w4a16_matmul.plan_state is K4._plan_state
     code = "from fxopt.kernels import w4a16 as K; print(K._LAUNCH_PLANS)"
-    for env, want in (({}, "True"), ({"FXOPT_W4A16_LAUNCH_PLANS": "0"}, "False")):
-        e = {k: v for k, v in os.environ.items() if k != "FXOPT_W4A16_LAUNCH_PLANS"}
+    for env, want in (({}, "True"), ({"FXOPT_LAUNCH_PLANS": "0"}, "False")):
+        e = {k: v for k, v in os.environ.items() if k != "FXOPT_LAUNCH_PLANS"}
         out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True,
                              check=True).stdout.split()[-1]
         assert out == want, (env, out)

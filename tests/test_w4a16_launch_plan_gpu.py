@@ -1,4 +1,4 @@
-"""W4A16 with launch plans (``w4a16._LAUNCH_PLANS``, on by default; FXOPT_W4A16_LAUNCH_PLANS=0 turns them off): a replayed call gives what
+"""W4A16 with launch plans (``w4a16._LAUNCH_PLANS``, on by default; FXOPT_LAUNCH_PLANS=0 turns them off): a replayed call gives what
 the ordinary path gives on fresh activations, for every listed config of a few shapes (the methods the tuner can
 pick: swap / swapx / swapd, fused, gemv2, gemv1, mma, gluon; dequant + cuBLAS keeps the ordinary path), and the
 plan follows the zero points' integrality (a fact about their values, not their metadata)."""

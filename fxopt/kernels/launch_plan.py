@@ -39,9 +39,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxopt import env
+
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("FXOPT_LAUNCH_PLANS", "1") != "0"
+ENABLED = env.launch_plans()
 MAX_PLANS = 512  # keys per process; past it the table is cleared (e.g. a dropout seed in every key)
 
 _ALLOW_CPU = False  # tests: key CPU tensors too (the plan logic with fake kernels)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fxopt import env
 from fxopt.kernels import cdiv, has_pdl, next_pow2, outside_graph_pools
 from fxopt.kernels.launch_plan import plan_cached
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
@@ -1173,10 +1174,7 @@ def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A
 
 def _tune_cache_path() -> Optional[str]:
     """The tuner's file (``FXOPT_W4A16_TUNE_CACHE``; default ``~/.cache/fxopt/w4a16_tuned.json``; "0" or "": none)."""
-    path = os.environ.get("FXOPT_W4A16_TUNE_CACHE")
-    if path is None:
-        path = os.path.join(os.path.expanduser("~"), ".cache", "fxopt", "w4a16_tuned.json")
-    return None if path in ("", "0") else path
+    return env.w4a16_tune_cache()
 
 
 def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
@@ -1289,7 +1287,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         return cfg
     cands = candidate_configs(M, N, K, group_size, _num_sms(x2d.device), integer_zeros=intz, dtype=x2d.dtype,
                               device=x2d.device)
-    if len(cands) == 1 or os.environ.get("FXOPT_W4A16_NO_TUNE") == "1":
+    if len(cands) == 1 or env.w4a16_no_tune():
         return cands[0]
     path = _tune_cache_path()
     dkey = _tune_disk_key(torch.cuda.get_device_name(x2d.device), key, cands)
@@ -1712,8 +1710,8 @@ def _launch(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> 
 
 # Launch plans (fxopt/kernels/launch_plan.py) for the eager path: on, when
 # tests/test_w4a16_launch_plan_gpu.py passed on the H200 (whole one-GPU suite 433 / 433,
-# an H200 run). FXOPT_W4A16_LAUNCH_PLANS=0 turns them off for this entry point.
-_LAUNCH_PLANS = os.environ.get("FXOPT_W4A16_LAUNCH_PLANS", "1") != "0"
+# an H200 run). FXOPT_LAUNCH_PLANS=0 turns them off.
+_LAUNCH_PLANS = env.launch_plans()
 
 
 def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from .. import env
 from ..config import Config
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: Config,
     ensure_meta_val(gm, example_inputs)
     ctx = PassContext(config, list(example_inputs), dict(extras or {}))
     graph_id = next(_graph_counter)
-    dump_dir = os.environ.get("FXOPT_DUMP_DIR")
+    dump_dir = env.dump_dir()
     for i, p in enumerate(registered_passes()):
         pcfg = getattr(config, p.config_attr)
         if not getattr(pcfg, "enabled", True):
