@@ -30,7 +30,8 @@ from common import parse_args, write_results  # noqa: E402
 from tensor_parallel import build, dtensor_model  # noqa: E402
 
 import fxopt  # noqa: E402
-from fxopt.parallel.distribute import distribute, predicted_bubble  # noqa: E402
+from fxopt.parallel.distribute import distribute  # noqa: E402
+from fxopt.parallel.schedules import choose_schedule  # noqa: E402
 
 
 def _args(p):
@@ -88,12 +89,21 @@ def plan_rows(args) -> list:
             "mesh dp x pp x tp": spec, "ranks": world, "microbatches": p.microbatches,
             "tp collectives / layer": (f"{(tpp.all_reduces + tpp.all_gathers) / args.layers:.2f}" if tpp else "-"),
             "rank 0 sends tp MB": round(b["tp"] / 2**20, 2), "pp MB": round(b["pp"] / 2**20, 2),
-            "bubble GPipe/1F1B": round(predicted_bubble("1F1B", pp, p.microbatches), 3),
-            "bubble Interleaved (2/rank)": round(predicted_bubble("Interleaved1F1B", pp, p.microbatches, 2), 3),
+            **_bubbles(pp, p.microbatches, training=True),
             "stage balance": round(p.pipeline_plan.balance, 3) if p.pipeline_plan else "-",
             "stages": " | ".join(stages), "plan s": round(plan_s, 1),
         })
     return rows
+
+
+def _bubbles(pp: int, microbatches: int, training: bool) -> dict:
+    """Predicted bubble of each schedule (fxopt.parallel.schedules) and the one ``schedule="auto"`` picks."""
+    if pp <= 1:
+        return {"auto picks (training)": "-"}
+    best, table = choose_schedule(pp, microbatches, training)
+    out = {f"training bubble {k}": (round(v, 3) if isinstance(v, float) else "-") for k, v in table.items()}
+    out["auto picks (training)"] = best
+    return out
 
 
 def _sync():

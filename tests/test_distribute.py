@@ -288,3 +288,59 @@ def test_plan_2x4x8_on_fake_process_group():
         assert "dp=2 x pp=4 x tp=8 = 64 ranks" in text and "2.00 per layer" in text
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (4, 16)])
+def test_replayed_interleaved_bubble_matches_its_formula(pp, m):
+    from fxopt.parallel.schedules import predicted_bubble
+
+    for training in (True, False):
+        assert predicted_bubble("Interleaved1F1B", pp, m, 2, training) == pytest.approx((pp - 1) / (2 * m + pp - 1))
+    assert predicted_bubble("GPipe", pp, m) == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_zero_bubble_schedules_predicted_below_interleaved_in_training_only():
+    from fxopt.parallel.schedules import predicted_bubble
+
+    inter = predicted_bubble("Interleaved1F1B", 4, 8, 2)
+    for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        assert predicted_bubble(name, 4, 8, 2, training=True) < inter, name
+    # forward only, the split backward buys nothing
+    assert predicted_bubble("InterleavedZeroBubble", 4, 8, 2, training=False) == pytest.approx(inter)
+
+
+def test_replay_refuses_an_order_that_waits_forever():
+    from fxopt.parallel.schedules import replay
+
+    with pytest.raises(ValueError, match="never runs"):  # stage 1's forward before stage 0's on the other rank
+        replay({0: [("F", 0, 0), ("B", 0, 0)], 1: [("B", 1, 0), ("F", 1, 0)]}, 2, 1)
+
+
+def test_choose_schedule_by_mode_and_sizes():
+    from fxopt.parallel.schedules import choose_schedule
+
+    best, table = choose_schedule(4, 8, training=True)
+    assert best in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV") and table[best] == min(
+        v for v in table.values() if isinstance(v, float))
+    best, table = choose_schedule(4, 8, training=False)
+    assert best == "Interleaved1F1B" and table["DualPipeV"] == "training only"
+    best, table = choose_schedule(4, 8, training=True, layers=4)  # two stages per rank do not fit 4 layers
+    assert best == "1F1B" and "8 stages > 4 layers" in table["Interleaved1F1B"]
+
+
+def test_schedule_auto_plan_on_fake_process_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fxopt.parallel.distribute import distribute
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = _llama(layers=8, heads=4, kv=2, ffn=128)
+        x, _ = _ids(b=8)
+        r = distribute(model.eval(), (x,), mesh=_mesh((1, 4, 1), ("dp", "pp", "tp")), microbatches=8,
+                       schedule="auto", config=_cfg(), training=False, plan_only=True)
+        assert r.plan.schedule == "Interleaved1F1B" and len(r.plan.pipeline_plan.stages) == 8
+        assert r.plan.bubble == pytest.approx(3 / 19)
+        assert "schedule auto: predicted bubble of each: 1F1B 0.273" in str(r.plan)
+    finally:
+        dist.destroy_process_group()

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from ..config import Config
 from .pipeline import MULTI_STAGE, SCHEDULES
+from .schedules import choose_schedule, predicted_bubble
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, 
     if dp * pp * tp != world:
         errs.append(f"the mesh dp={dp} x pp={pp} x tp={tp} has {dp * pp * tp} ranks but the world has {world}")
     if schedule not in SCHEDULES:
-        errs.append(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        errs.append(f"unknown schedule {schedule!r}; choose one of {SCHEDULES} or 'auto'")
     if data_parallel not in DATA_PARALLEL:
         errs.append(f"unknown data_parallel {data_parallel!r}; choose one of {DATA_PARALLEL}")
     dims = _model_dims(model)
@@ -159,17 +160,6 @@ def agree(group, signature, errors: list, what: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1), v = stages per rank (1 for GPipe and 1F1B).
-
-    For the zero-bubble schedules this is Interleaved1F1B's bubble, an upper bound: their split backward fills part
-    of it, by an amount that depends on the weight-gradient share of the backward (not modelled yet)."""
-    if pp <= 1:
-        return 0.0
-    v = stages_per_rank if schedule in MULTI_STAGE else 1
-    return (pp - 1) / (v * microbatches + pp - 1)
-
-
 def _collective_bytes(gm) -> dict:
     """Bytes of the tensors each functional collective of ``gm`` returns, summed per collective kind."""
     out: dict = {}
@@ -213,6 +203,7 @@ class DistributePlan:
     dp_bytes: int = 0
     bubble: float = 0.0
     data_parallel: str = "ddp"
+    schedule_bubbles: dict = field(default_factory=dict)
 
     def bytes_per_step(self) -> dict:
         """Bytes this rank sends per step on each mesh dimension (ring all-reduce: 2 (n-1)/n of the tensor)."""
@@ -231,6 +222,9 @@ class DistributePlan:
         mode = f"training ({self.data_parallel} on dp)" if self.training else "inference"
         out = [f"distribute plan: {mesh} = {self.mesh['dp'] * self.mesh['pp'] * self.mesh['tp']} ranks, {mode}; "
                f"this rank: {coords}; {self.microbatches} micro-batch(es), schedule {self.schedule}"]
+        if self.schedule_bubbles:
+            out.append("  schedule auto: predicted bubble of each: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} ({v})" for k, v in self.schedule_bubbles.items()))
         if self.pipeline_plan is not None:
             out.append(f"  predicted bubble {self.bubble:.3f}")
             out += ["  " + x for x in self.pipeline_plan.lines()]
@@ -339,6 +333,19 @@ def _mesh_sizes(mesh) -> dict:
     return {d: (mesh.size(names.index(d)) if d in names else 1) for d in _DIMS}
 
 
+def _auto_schedule(model, sizes: dict, microbatches, training: bool, stages, errs: list) -> tuple:
+    """``schedule="auto"``: the schedule with the least predicted bubble (:func:`choose_schedule`) and the table."""
+    pp = sizes["pp"]
+    if not isinstance(pp, int) or not isinstance(microbatches, int) or pp <= 1 or microbatches < 1:
+        return "1F1B", {}  # no pipeline (or sizes that validate() reports)
+    v = 2 if stages is None else max(1, stages // pp)
+    try:
+        return choose_schedule(pp, microbatches, training, _model_dims(model).get("layers"), v)
+    except ValueError as e:
+        errs.append(f"schedule='auto': {e}")
+        return "1F1B", {}
+
+
 def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, mesh=None,
                dp: Optional[int] = None, pp: Optional[int] = None, tp: Optional[int] = None, microbatches: int = 1,
                schedule: str = "1F1B", stages: Optional[int] = None, training: Optional[bool] = None,
@@ -355,7 +362,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         dp / pp / tp: the sizes when no mesh is given (default 1 each; their product must be the world size).
         microbatches: micro-batches per dp replica and step (pp > 1); must divide the replica's batch.
         schedule: pipeline schedule, one of :data:`fxopt.parallel.pipeline.SCHEDULES` (GPipe, 1F1B,
-            Interleaved1F1B and torch's zero-bubble InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
+            Interleaved1F1B and torch's zero-bubble InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), or ``"auto"``:
+            the one with the least predicted bubble for these sizes and mode (:mod:`fxopt.parallel.schedules`;
+            ``result.plan`` lists each one's prediction).
         stages: pipeline stages (default pp; the multi-stage schedules: 2 pp).
         training: build for training (default: grad enabled and a parameter requires grad).
         data_parallel: training with dp > 1 and pp = 1: ``"ddp"`` (DistributedDataParallel on the dp group) or
@@ -391,6 +400,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
             sizes = {d: 1 for d in _DIMS}
     else:
         sizes = {"dp": dp or 1, "pp": pp or 1, "tp": tp or 1}
+    bubbles: dict = {}
+    if schedule == "auto":
+        schedule, bubbles = _auto_schedule(model, sizes, microbatches, training, stages, errs)
     errs += validate(model, args, kwargs, world=world, dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"],
                      microbatches=microbatches, schedule=schedule, data_parallel=data_parallel, stages=stages)
     if not training and sizes["pp"] > 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
@@ -434,7 +446,7 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         stage_model = tp_module
     plan = DistributePlan(mesh=dict(sizes), coords=coords, microbatches=m, schedule=schedule, training=training,
                           tp_plan=tp_module.plan if tp_module is not None else None, layers=dims.get("layers"),
-                          data_parallel=data_parallel)
+                          data_parallel=data_parallel, schedule_bubbles=bubbles)
     if tp_module is not None:
         plan.tp_bytes = _collective_bytes(tp_module.graph_module)
     runner = None
@@ -454,7 +466,7 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
             pplan = runner.plan
         plan.pipeline_plan = pplan
         plan.pp_bytes = [b.bytes for b in pplan.boundaries]
-        plan.bubble = predicted_bubble(schedule, pp_n, m, n_stages // pp_n)
+        plan.bubble = predicted_bubble(schedule, pp_n, m, n_stages // pp_n, training)
     if training and dp_n > 1:
         if runner is not None:
             local = list(runner.parameters())
