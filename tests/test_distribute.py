@@ -344,3 +344,24 @@ def test_schedule_auto_plan_on_fake_process_group():
         assert "schedule auto: predicted bubble of each: 1F1B 0.273" in str(r.plan)
     finally:
         dist.destroy_process_group()
+
+
+def _rank_fails_mid_step(rank, world):
+    import time
+
+    from fxopt.parallel.distribute import DistributeError, distribute
+
+    x, y = _ids()
+    r = distribute(_llama(2), (x,), tp=2, config=_cfg(), training=True, loss_fn=_lm_loss)
+    if rank == 1:  # the forward's collectives run on both ranks; rank 1's loss then fails, rank 0 waits in backward
+        with pytest.raises(ValueError, match="batch_size"):
+            r.step(x, target=y[:, :3])
+        return
+    t0 = time.monotonic()
+    with pytest.raises(DistributeError, match=r"step on rank 0 stopped: rank 1 failed with (RuntimeError|ValueError)"):
+        r.step(x, target=y)
+    assert time.monotonic() - t0 < 60 + 15  # within the process group's timeout
+
+
+def test_two_ranks_a_failing_rank_is_named_on_the_others():
+    _run(_rank_fails_mid_step, 2)

@@ -287,21 +287,31 @@ class Distributed:
 
     def forward(self, *args, **kwargs):
         """Inference on the global batch: this replica's slice of the output on ranks with ``is_last``, else None."""
+        return _naming_failures("forward", self._forward, args, kwargs)
+
+    __call__ = forward
+
+    def _forward(self, *args, **kwargs):
         args, kwargs = self._local(args, kwargs)
         with torch.no_grad():
             if self.runner is not None:
                 return self.runner.forward(*args, **kwargs)
             return self.module(*args, **kwargs)
 
-    __call__ = forward
-
     def step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs):
         """Forward and backward of ``loss_fn(output, target)`` on this replica's slice of the global batch; the
         gradients (of the mean loss over the global batch, when ``loss_fn`` takes the mean) land in
-        :meth:`parameters`. Returns this replica's loss on ranks with ``is_last``, else None."""
+        :meth:`parameters`. Returns this replica's loss on ranks with ``is_last``, else None.
+
+        A rank that fails (any exception) records its rank and error in the process group's store before it raises;
+        a rank whose collective then fails or times out (the process group's timeout) raises
+        :class:`DistributeError` naming the failing rank and its error."""
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
             raise DistributeError("step() needs a loss_fn (here or in fxopt.distribute(..., loss_fn=...))")
+        return _naming_failures("step", self._step, args, dict(kwargs, target=target, loss_fn=loss_fn))
+
+    def _step(self, *args, target, loss_fn, **kwargs):
         args, kwargs = self._local(args, kwargs)
         target = self.local_batch(target)
         if self.runner is not None:
@@ -324,6 +334,63 @@ class Distributed:
     def _after_backward(self):
         if self._tp_module is not None:
             self._tp_module.reduce_replicated_grads()
+
+
+_FAILED_KEY = "fxopt/distribute/failed"
+
+
+def _naming_failures(what: str, fn, args, kwargs):
+    """Run ``fn(*args, **kwargs)``; on an error, say which rank failed first (see :meth:`Distributed.step`)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        store, me = _store(), dist.get_rank()
+        # a failed collective is most likely a peer's failure: give its report a moment to arrive
+        first = _read_failure(store, wait_s=5.0 if _is_collective_error(e) else 0.0)
+        if first is not None and first[0] != me and not isinstance(e, DistributeError):
+            rank, message = first
+            raise DistributeError(f"fxopt.distribute {what} on rank {me} stopped: rank {rank} failed with "
+                                  f"{message}") from e
+        if store is not None:
+            try:  # the first report stays: compare_set writes only where no rank wrote yet
+                store.compare_set(_FAILED_KEY, "", f"{me}\n{type(e).__name__}: {e}"[:2000])
+            except Exception:  # the store may be gone with the job; the error itself still surfaces
+                pass
+        raise
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return any(k in text for k in ("timeout", "timed out", "connection", "gloo", "nccl", "peer", "closed",
+                                   "distbackenderror", "aborted"))
+
+
+def _store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # no default store (e.g. the fake process group)
+        return None
+
+
+def _read_failure(store, wait_s: float):
+    """(rank, message) of the first rank that recorded a failure, or None."""
+    import time
+
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if store.check([_FAILED_KEY]):
+                rank, _, message = store.get(_FAILED_KEY).decode().partition("\n")
+                return int(rank), message
+        except Exception:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def _mesh_sizes(mesh) -> dict:
