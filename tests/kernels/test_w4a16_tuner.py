@@ -138,10 +138,16 @@ def test_config_options_reach_the_routes():
     assert cfg.kernels.w4a16_dequant_matmul == "off" and cfg.kernels.w4a16_mma is False
     with pytest.raises(ValueError, match="valid choices"):
         fxopt.Config.from_options({"kernels.w4a16_dequant_matmul": "1"})
-    with K4.routes():
+    before = routing.active()
+    try:
         routing.use_config(cfg.kernels)
         assert routing.active() == routing.Routes(dequant_matmul="off", mma=False)
-    assert routing.active() == routing.Routes()
+        with K4.routes(mma=True) as r:  # a block holds its routes, also across a compile's configuration
+            routing.use_config(fxopt.Config().kernels)
+            assert routing.active() == r == routing.Routes(dequant_matmul="off")
+        assert routing.active() == routing.Routes()
+    finally:
+        routing._CONFIGURED[0] = before
 
 
 def test_interpreter_and_retired_config_fields():

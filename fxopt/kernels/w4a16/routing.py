@@ -4,7 +4,8 @@ The op runs long after the compile that inserted it (and eager code calls it wit
 are one process-wide value, :class:`Routes`, read by the tuner when it lists a shape's candidates:
 
 * the W4A16 pass sets it from the compiling ``Config.kernels`` (``use_config``): the last compile wins;
-* ``with routes(gluon=False): ...`` sets it for a block (tests, benchmarks, eager code) and restores it after.
+* ``with routes(gluon=False): ...`` holds other routes for a block (tests, benchmarks, eager code), compiles inside
+  it included, and restores the configured ones after.
 
 The active value is part of the tuner's cache keys and of the launch-plan state, so a change of routes never reuses
 a pick or a recorded launch made under other routes.
@@ -40,25 +41,26 @@ class Routes:
             raise ValueError(f"w4a16 routes: dequant_matmul must be 'auto', 'on' or 'off', got {self.dequant_matmul!r}")
 
 
-_ACTIVE = [Routes()]
+_CONFIGURED = [Routes()]  # from the last compile's config
+_BLOCKS: list = []  # the routes of the enclosing ``routes()`` blocks, innermost last
 
 
 def active() -> Routes:
-    return _ACTIVE[0]
+    return _BLOCKS[-1] if _BLOCKS else _CONFIGURED[0]
 
 
 def use_config(kernels) -> None:
-    """Make the W4A16 fields of a ``fxopt.config.KernelConfig`` the active routes."""
-    _ACTIVE[0] = Routes(dequant_matmul=kernels.w4a16_dequant_matmul, gluon=kernels.w4a16_gluon,
-                        mma=kernels.w4a16_mma, gemv1=kernels.w4a16_gemv1)
+    """Make the W4A16 fields of a ``fxopt.config.KernelConfig`` the configured routes."""
+    _CONFIGURED[0] = Routes(dequant_matmul=kernels.w4a16_dequant_matmul, gluon=kernels.w4a16_gluon,
+                            mma=kernels.w4a16_mma, gemv1=kernels.w4a16_gemv1)
 
 
 @contextlib.contextmanager
 def routes(**changes) -> Iterator[Routes]:
     """The active routes with ``changes`` (fields of :class:`Routes`) for the block, then the previous ones."""
-    before = _ACTIVE[0]
-    _ACTIVE[0] = replace(before, **changes)
+    r = replace(active(), **changes)
+    _BLOCKS.append(r)
     try:
-        yield _ACTIVE[0]
+        yield r
     finally:
-        _ACTIVE[0] = before
+        _BLOCKS.pop()
