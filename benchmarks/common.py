@@ -79,9 +79,9 @@ def streamed_us(fn, items, calls: int = 48, reps: int = 20) -> float:
     run. One CUDA graph holds ``calls`` calls; its replays are timed with events. Nothing else runs between calls, in
     particular no L2 flush whose dirty lines the timed call would have to write back. The W4A16 tuner times its
     small-M candidates the same way (the same function)."""
-    from fxopt.kernels.w4a16 import _bench_streamed_us
+    from fxopt.kernels.w4a16 import bench_streamed_us
 
-    return _bench_streamed_us(fn, items, reps, calls)
+    return bench_streamed_us(fn, items, reps, calls)
 
 
 def bench_ms_fixed(fn, warmup: int = 10, iters: int = 100) -> float:

@@ -26,6 +26,7 @@ Every row of the table is measured in the same run, on models built from configs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -306,6 +307,14 @@ def ideal_tok_s(model, prompt, new_tokens, bw) -> float:
 
 
 def run_row(family, row, args, device, refs, bw):
+    from fxopt.kernels.w4a16 import routes
+
+    # "_dqmm": prefill through dequantize + cuBLAS from M = 33 (fxopt.Config.kernels.w4a16_dequant_matmul "on")
+    with routes(dequant_matmul="on") if row.endswith("_dqmm") else contextlib.nullcontext():
+        return _run_row(family, row, args, device, refs, bw)
+
+
+def _run_row(family, row, args, device, refs, bw):
     tiny = args.tiny
     res = {"model": f"{family} x{args.layers}", "row": row}
     backend = backend_for(row)
@@ -321,8 +330,6 @@ def run_row(family, row, args, device, refs, bw):
         res["note"] = torchao_quantize(model)
     res["weights_gib"] = model_bytes(model) / 2**30
     quant = row.startswith("fxopt_w4a16")
-    if row.endswith("_dqmm"):  # prefill through dequantize + cuBLAS at large M (the documented opt-in)
-        os.environ["FXOPT_W4A16_DEQUANT_MATMUL"] = "1"
     if quant or row == "torchao_int4":  # reference: the same quantized model run eagerly
         refs = dict(refs)
         for key in [k for k in refs if k[0] in ("prefill", "tokens")]:
@@ -388,7 +395,6 @@ def run_row(family, row, args, device, refs, bw):
     if isinstance(res.get("graph_step_tok_s"), float) and isinstance(res.get("decode_b1_tok_s"), float):
         # what generate() adds per token around the step: its Python, Dynamo's guards, the CUDA-graph tree
         res["host_ms_per_token"] = 1e3 / res["decode_b1_tok_s"] - 1e3 / res["graph_step_tok_s"]
-    os.environ.pop("FXOPT_W4A16_DEQUANT_MATMUL", None)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -435,7 +441,7 @@ def main():
     p.add_argument("--append", default=None, help="a results JSON whose rows come first (one table from two runs)")
     p.add_argument("--export-w4a16-picks", default=None, metavar="PATH",
                    help="after the run, merge the W4A16 tuner's picks of this run into PATH "
-                        "(fxopt/kernels/w4a16_picks.json: the package's shipped table)")
+                        "(fxopt/kernels/w4a16/picks_h200.json: the package's shipped table)")
     args = p.parse_args()
     import fxopt  # noqa: F401  registers backend="fxopt" when run from a checkout
 

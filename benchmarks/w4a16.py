@@ -7,8 +7,9 @@ Every timed call is a CUDA-graph replay (host overhead of the Python op path exc
 torch.compile with CUDA graphs that is what a model sees): 48 calls back to back per graph, rotating the copies
 (``streamed_us``). The ``flushed_*`` columns repeat the earlier single-call method for comparison. Each row: times in us, speedups of fxopt over both, achieved GB/s of fxopt for M <= 64 (packed weight + scales +
 zeros + x + y bytes / time), and the config the tuner chose. Run from the repo root:
-``python benchmarks/w4a16.py [--quick] [--out DIR] [--ms 1,2,4] [--gemv1]`` (``--gemv1``: also the best "gemv1"
-candidate per row with M <= 4, in gemv1_* columns).
+``python benchmarks/w4a16.py [--quick] [--out DIR] [--ms 1,2,4] [--gemv1] [--mma] [--dequant-matmul auto|on|off]``
+(``--gemv1`` / ``--mma``: also the best "gemv1" / "mma" candidate per row with M <= 4 / 16, in gemv1_* / mma_*
+columns; ``--dequant-matmul``: the route of "dequantize, then cuBLAS", ``fxopt.Config.kernels.w4a16_dequant_matmul``).
 """
 from __future__ import annotations
 
@@ -79,9 +80,8 @@ class Rot:
 
 def time_method(x, ours, calls: int, t_bf: float, method: str = "gemv1") -> dict:
     """Best streamed time of one method's candidates ("gemv1": ``K4.candidate_configs`` lists them for M <= 4 on
-    CUDA; "mma": for M <= 16 with ``FXOPT_W4A16_MMA=1``), each first compared with the op's own output on the same
-    weights (a wrong config is reported, not timed). Columns ``<method>_us`` / ``_x_vs_bf16`` / ``_config`` /
-    ``_rel_err``."""
+    CUDA; "mma": for M <= 16), each first compared with the op's own output on the same weights (a wrong config is
+    reported, not timed). Columns ``<method>_us`` / ``_x_vs_bf16`` / ``_config`` / ``_rel_err``."""
     M, K = x.shape
     q, s, z = ours[0]
     N = q.shape[1]
@@ -115,14 +115,17 @@ def main():
                        "writes w4a16_subset.* instead of the main table")
         p.add_argument("--gemv1", action="store_true", help="for M <= 4 also time every \"gemv1\" candidate (checked "
                        "against the op's output first) and add gemv1_* columns; writes *_gemv1.*")
-        p.add_argument("--mma", action="store_true", help="list the opt-in \"mma\" candidates (FXOPT_W4A16_MMA=1, "
-                       "fxopt/kernels/w4a16_mma.py) and for M <= 16 time each (mma_* columns); writes *_mma.*")
+        p.add_argument("--mma", action="store_true", help="for M <= 16 also time every \"mma\" candidate "
+                       "(fxopt/kernels/w4a16/mma.py) and add mma_* columns")
+        p.add_argument("--dequant-matmul", default="auto", choices=("auto", "on", "off"),
+                       help="the tuner's route of dequantize + cuBLAS (default auto: above M = 256)")
 
     args = parse_args(__doc__.splitlines()[0], extra=extra)
-    if args.gemv1:  # the opt-in "gemv1" candidates (fxopt.kernels.w4a16._GEMV1_DEFAULT) are listed only with this
-        os.environ["FXOPT_W4A16_GEMV1"] = "1"
-    if args.mma:  # read by candidate_configs at call time
-        os.environ["FXOPT_W4A16_MMA"] = "1"
+    with K4.routes(dequant_matmul=args.dequant_matmul):
+        run(args)
+
+
+def run(args):
     if args.verbose:
         import logging
 
@@ -175,9 +178,8 @@ def main():
                         "do_bench iteration after do_bench zero-fills 256 MB to flush L2; the write-back of those "
                         "dirty lines (~12 us on the H200) lands in the timed call. x_vs_*: speedup of fxopt. "
                         "GB/s: packed weight + scales + zeros + activations moved per fxopt call / time. "
-                        "config: the tuner's pick (dequant_matmul = Triton dequant to bf16 then cuBLAS, listed only with "
-                        f"FXOPT_W4A16_DEQUANT_MATMUL=1; this run: "
-                        f"{os.environ.get('FXOPT_W4A16_DEQUANT_MATMUL', '0 (default)')}).")
+                        "config: the tuner's pick (dequant_matmul = Triton dequant to bf16 then cuBLAS; route "
+                        f"--dequant-matmul {args.dequant_matmul}).")
 
 
 if __name__ == "__main__":

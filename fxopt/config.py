@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -52,6 +52,25 @@ class W4A16Config:
 
     enabled: bool = True
     group_siblings: bool = True
+
+
+@dataclass
+class KernelConfig:
+    """Kernel choices of the ``torch.ops.fxopt.*`` ops (the defaults are the measured routes).
+
+    Args:
+        w4a16_dequant_matmul: W4A16 "dequantize to a 16-bit weight, then cuBLAS" (a temporary copy of one linear's
+            weight per call): ``"auto"`` lets the tuner consider it above M = 256 (prefill, where it won every
+            shape measured), ``"on"`` from M = 33, ``"off"`` never (fused kernels only).
+        w4a16_gluon: let the W4A16 tuner consider the Gluon kernel (sm_90, bf16).
+        w4a16_mma: let the W4A16 tuner consider the mma.sync kernel (M <= 16).
+        w4a16_gemv1: let the W4A16 tuner consider the CUDA-core kernel for M <= 4.
+    """
+
+    w4a16_dequant_matmul: Literal["auto", "on", "off"] = "auto"
+    w4a16_gluon: bool = True
+    w4a16_mma: bool = True
+    w4a16_gemv1: bool = True
 
 
 @dataclass
@@ -116,6 +135,7 @@ class Config:
         w4a16: :class:`W4A16Config`.
         tensor_parallel: :class:`TensorParallelConfig`.
         pipeline: :class:`PipelineConfig`.
+        kernels: :class:`KernelConfig`.
         inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
             ``{"max_autotune": True}``.
         cudagraphs: replay the compiled graphs from CUDA graphs (Inductor's CUDA-graph trees), what
@@ -130,6 +150,7 @@ class Config:
     w4a16: W4A16Config = field(default_factory=W4A16Config)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     inductor_options: dict = field(default_factory=dict)
     cudagraphs: bool = False
 
@@ -240,6 +261,11 @@ def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
 
 def _check_type(key: str, value: Any, t: Any) -> Any:
     origin = typing.get_origin(t) or t
+    if origin is Literal:
+        if value not in typing.get_args(t):
+            raise ConfigError(f"fxopt option {key!r} is {value!r}; valid choices: "
+                              f"{', '.join(map(repr, typing.get_args(t)))}")
+        return value
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),

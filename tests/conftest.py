@@ -19,7 +19,7 @@ import tempfile
 _CACHE_ROOT = tempfile.mkdtemp(prefix="fxopt-test-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
-# the W4A16 tuner's picks persist to a file (fxopt.kernels.w4a16._tune_cache_path): one per test run, never ~/.cache
+# the W4A16 tuner's picks persist to a file (FXOPT_W4A16_TUNE_CACHE, fxopt.env): one per test run, never ~/.cache
 os.environ["FXOPT_W4A16_TUNE_CACHE"] = os.path.join(_CACHE_ROOT, "w4a16_tuned.json")
 
 import torch  # noqa: E402  (torch does not import Triton eagerly)

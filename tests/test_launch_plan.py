@@ -266,10 +266,10 @@ def test_w4a16_plans_default_and_switch():
     import subprocess
     import sys
 
-    from fxopt.kernels import w4a16 as K4
+    from fxopt.kernels.w4a16 import ops
 
-    assert K4.w4a16_matmul.plan_state is K4._plan_state
-    code = "from fxopt.kernels import w4a16 as K; print(K._LAUNCH_PLANS)"
+    assert ops.w4a16_matmul.plan_state is ops._plan_state
+    code = "from fxopt.kernels.w4a16 import ops as K; print(K._LAUNCH_PLANS)"
     for env, want in (({}, "True"), ({"FXOPT_LAUNCH_PLANS": "0"}, "False")):
         e = {k: v for k, v in os.environ.items() if k != "FXOPT_LAUNCH_PLANS"}
         out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True,

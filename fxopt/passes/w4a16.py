@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from ..config import W4A16Config
 from ..kernels import w4a16 as _w4a16_ops  # noqa: F401  registers torch.ops.fxopt.w4a16_linear / dequantize_w4
+from ..kernels.w4a16 import routing
 from ..quant.format import PACK
 from . import match
 from .manager import PassContext, PassResult, register_pass
@@ -335,6 +336,8 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
         log.warning("w4a16: fused none of %d quantized linear(s): activations are float32 and the int4 kernels take "
                     "float16/bfloat16. Cast the model before compiling, e.g. model.to(torch.float16) (or "
                     "torch.bfloat16); in float32 the weights are dequantized on every call.", len(fp32))
+    if result.rewrites:  # the ops this graph calls run with the compiling config's kernel choices
+        routing.use_config(ctx.config.kernels)
     return result
 
 

@@ -16,7 +16,7 @@ A linear ``y = x @ W.T`` with ``W`` of shape [N, K] (out_features, in_features) 
 
 Why this order. In registers the unpack is cheapest when one 32-bit op yields two weights: ``(word >> 4j) &
 0x000F000F | magic`` gives the 16-bit float pair (OFFSET + q_j, OFFSET + q_{j+4}) in one shift and one LOP3, so a
-word becomes 4 pair registers in 7 instructions (``fxopt/kernels/w4a16.py``, ``w4a16_gluon.py``). Every kernel
+word becomes 4 pair registers in 7 instructions (``fxopt/kernels/w4a16/``). Every kernel
 uses this pairing; what differs is where the pair lands. The tensor-core kernels whose unpacked weights are the
 register operand of wgmma / mma need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-wide K slice, which
 in this order are spread over several words; they keep one word per thread by relabeling K and permuting x to
@@ -27,7 +27,7 @@ would remove that prep but give every other kernel (GEMV, mma.sync, the dequanti
 checkpoints a repack; the read rate itself does not depend on the layout (``docs/kernels.md``).
 
 Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
-``fxopt/kernels/w4a16.py``.
+``fxopt/kernels/w4a16/``.
 """
 from __future__ import annotations
 

@@ -1,24 +1,27 @@
 """W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+.
 
-The tuner lists it as method "mma" for M buckets <= 16 (``w4a16._mma_configs``; ``FXOPT_W4A16_MMA=0`` unlists it).
-Why: the CUDA-core kernel "gemv1" is issue-bound at M = 1 (about three instructions per weight); here the tensor
-cores take the multiply. Product ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8
-columns the (zero-padded) activation rows. Both axes are relabeled so that lane t reads exactly the 8 nibbles of one
-packed word per 32-K chunk and each A register is a pair of unpacked weights; the codes enter as OFFSET + q and
-scale / zero are applied once per K tile, with the sums of x from a second mma. Split-K by relaxed fp32 atomics.
+The tuner lists it as method "mma" for M buckets <= 16 (``Routes.mma`` unlists it). Why: the CUDA-core kernel
+"gemv1" is issue-bound at M = 1 (about three instructions per weight); here the tensor cores take the multiply.
+Product ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8 columns the
+(zero-padded) activation rows. Both axes are relabeled so that lane t reads exactly the 8 nibbles of one packed word
+per 32-K chunk and each A register is a pair of unpacked weights; the codes enter as OFFSET + q and scale / zero are
+applied once per K tile, with the sums of x from a second mma. Split-K by relaxed fp32 atomics into the zeroed
+workspace, sized to one wave (``choose_split``); ``prefetch`` 1 / 2 keeps the next one / two K tiles' loads in
+registers (the loop unrolled by two / three, no register copies).
 Lane maps, register budgets and measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from fxopt.kernels import cdiv
+from fxopt.kernels import cdiv, device_capability, has_pdl
+from fxopt.kernels.w4a16.common import (MAGIC, NUM_SMS_DEFAULT, W4A16Config, balanced_split, check_inputs, counters,
+                                        num_sms, one_wave_split, zeroed_workspace)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +34,7 @@ try:  # Gluon ships with Triton >= 3.5; importing this module must work without 
 except Exception:  # pragma: no cover - old Triton
     HAS_GLUON = False
 
-__all__ = ["MmaConfig", "w4a16_mma", "candidate_configs", "offline_report", "HAS_GLUON"]
-
-_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-_NUM_SMS_DEFAULT = 132
+__all__ = ["MmaConfig", "w4a16_mma", "mma_configs", "HAS_GLUON"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -118,34 +118,6 @@ if HAS_GLUON:
         return words, s, z
 
     @gluon.jit
-    def _l2_prefetch(t, t_last, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk, stride_sg, GROUP_SIZE: gl.constexpr,
-                     BK: gl.constexpr, R: gl.constexpr, W: gl.constexpr):
-        """``prefetch.global.L2`` of K tile min(t, t_last): every 128-byte line of the warp's packed words (BK/8 rows
-        x 64 R bytes) and of its scale and zero rows, one line per lane (at R = 2, BK = 128: 16 + 2 lines, one
-        instruction per warp and tile). Fire and forget: no register, no scoreboard, so the bytes in flight are not
-        bounded by the register buffers (note). Rows / columns past K / N are clamped (in bounds)."""
-        KPT: gl.constexpr = BK // 8
-        LPW: gl.constexpr = (R + 1) // 2  # 128-byte lines per warp and packed row (64 R bytes)
-        NQ: gl.constexpr = KPT * LPW
-        NL: gl.constexpr = NQ + 2  # + the scale and the zero line
-        pf: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-        idx = gl.arange(0, 32 * W, layout=pf)
-        lane = idx % 32
-        col0 = pid_n * (16 * R * W) + (idx // 32) * (16 * R)
-        t = gl.minimum(t, t_last)
-        g = (t * BK) // GROUP_SIZE
-        for ch in gl.static_range((NL + 31) // 32):
-            j = (lane + 32 * ch) % NL
-            row = gl.minimum(t * KPT + j // LPW, KP - 1)
-            col = gl.minimum(col0 + (j % LPW) * 32, N - 1)
-            qa = (qw_ptr + row * stride_qk + col).to(gl.int64)
-            sa = (s_ptr + g * stride_sg + gl.minimum(col0, N - 1)).to(gl.int64)
-            za = (z_ptr + g * stride_sg + gl.minimum(col0, N - 1)).to(gl.int64)
-            addr = gl.where(j < NQ, qa, gl.where(j == NQ, sa, za))
-            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-
-    @gluon.jit
     def _x_loads(t, x_ptrs, kp_x, KP, BK: gl.constexpr, MASK_K: gl.constexpr):
         """K tile t's activations [BM, BK/8, 8] (K past the end reads as 0). Rows >= M were pointed at row M - 1
         by the caller: an mma column depends only on its own B column, and those output columns are not stored,
@@ -183,7 +155,7 @@ if HAS_GLUON:
         stride_xm, stride_qk, stride_sg, stride_ym,
         GROUP_SIZE: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, W: gl.constexpr,
         HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr, MASK_M: gl.constexpr, MASK_N: gl.constexpr,
-        MASK_K: gl.constexpr, USE_GDC: gl.constexpr, PREFETCH: gl.constexpr, L2_AHEAD: gl.constexpr,
+        MASK_K: gl.constexpr, USE_GDC: gl.constexpr, PREFETCH: gl.constexpr,
         w_layout: gl.constexpr, x_layout: gl.constexpr, sz_layout: gl.constexpr,
     ):
         """y[M <= BM, N] = x @ dequant(W)^T (+ bias): program (pid_n, pid_k) = columns [pid_n BN, + BN) x K tiles
@@ -225,18 +197,10 @@ if HAS_GLUON:
         if USE_GDC:  # only the weights (never written by the previous kernel) are read before this wait
             _gdc_wait()
         ax = _x_loads(t_first, x_ptrs, kp_x, KP, BK, MASK_K)
-        if L2_AHEAD > 0:  # tiles t_start + PREFETCH + 1 .. t_start + L2_AHEAD - 1 (the loop prefetches the rest)
-            for u in gl.static_range(PREFETCH + 1, L2_AHEAD):
-                _l2_prefetch(t_start + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk, stride_sg,
-                             GROUP_SIZE, BK, R, W)
         if PREFETCH == 1:
             # two register buffers, the loop unrolled by two so that they swap roles without register copies:
             # tile t + 1's loads are issued before tile t is computed, tile t + 2's before tile t + 1
             for t in range(t_start, t_end, 2):
-                if L2_AHEAD > 0:  # into L2, L2_AHEAD tiles ahead of the computed one (this iteration's two)
-                    for u in gl.static_range(2):
-                        _l2_prefetch(t + L2_AHEAD + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk,
-                                     stride_sg, GROUP_SIZE, BK, R, W)
                 t1 = gl.minimum(t + 1, t_end - 1)
                 bq, b_s, b_z = _w_loads(t1, q_ptrs, s_ptrs, z_ptrs, kp_w, n_w, n_sz, N, KP, stride_qk, stride_sg,
                                         GROUP_SIZE, BK, MASK_N, MASK_K)
@@ -258,10 +222,6 @@ if HAS_GLUON:
                                     GROUP_SIZE, BK, MASK_N, MASK_K)
             bx = _x_loads(t1, x_ptrs, kp_x, KP, BK, MASK_K)
             for t in range(t_start, t_end, 3):
-                if L2_AHEAD > 0:
-                    for u in gl.static_range(3):
-                        _l2_prefetch(t + L2_AHEAD + u, t_end - 1, qw_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_qk,
-                                     stride_sg, GROUP_SIZE, BK, R, W)
                 t2 = gl.minimum(t + 2, t_end - 1)
                 cq, c_s, c_z = _w_loads(t2, q_ptrs, s_ptrs, z_ptrs, kp_w, n_w, n_sz, N, KP, stride_qk, stride_sg,
                                         GROUP_SIZE, BK, MASK_N, MASK_K)
@@ -338,37 +298,6 @@ def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
     return dict(w_layout=w_layout, x_layout=x_layout, sz_layout=sz_layout)
 
 
-def fragment_owner(operand: str, row: int, col: int) -> tuple[int, int]:
-    """(lane, register index within the thread's fragment) of element (row, col) of one mma.m16n8k16 operand with
-    16-bit inputs and fp32 accumulators, per the PTX ISA fragment tables: ``operand`` "a" (16 x 16, 4 x .b32 = 8
-    halves), "b" (16 x 8, 2 x .b32 = 4 halves) or "c" (16 x 8 fp32, 4 registers). Register index counts halves for
-    a / b (2 per 32-bit register)."""
-    if operand == "a":
-        g, h, hk, e = row % 8, row // 8, col // 8, col % 2
-        t = (col % 8) // 2
-        return 4 * g + t, 2 * (2 * hk + h) + e
-    if operand == "b":
-        hk, e, t = row // 8, row % 2, (row % 8) // 2
-        return 4 * col + t, 2 * hk + e
-    if operand == "c":
-        return 4 * (row % 8) + col // 2, 2 * (row // 8) + col % 2
-    raise ValueError(f"w4a16_mma: operand must be 'a', 'b' or 'c', got {operand!r}")
-
-
-def tile_k_of(p: int) -> int:
-    """K offset (within a K tile) that tile column / B row ``p`` holds: p = 32 c + 16 kb + 8 hk + 2 t + e ->
-    k = 8 (4 c + t) + 2 kb + hk + 4 e."""
-    c, kb, hk, t, e = p // 32, (p // 16) % 2, (p // 8) % 2, (p // 2) % 4, p % 2
-    return 8 * (4 * c + t) + 2 * kb + hk + 4 * e
-
-
-def tile_n_of(r: int, R: int, W: int) -> int:
-    """Weight column (within a column tile) of accumulator / A row ``r`` = 16 W rep + 16 warp + 8 h + g:
-    n = 2R (8 warp + g) + 2 rep + h."""
-    rep, warp, h, g = r // (16 * W), (r // 16) % W, (r // 8) % 2, r % 8
-    return 2 * R * (8 * warp + g) + 2 * rep + h
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------------------
@@ -377,8 +306,7 @@ class MmaConfig:
     """``warps`` per CTA; ``cols_per_warp`` = 16 R weight columns per warp (16, 32 or 64: R mma row tiles);
     ``split_k`` = K splits (0: one wave over the GPU, ``choose_split``); ``prefetch`` = K tiles of loads kept in
     flight ahead of the one computed (1 or 2); ``block_k`` = K tile (32, 64 or 128; capped at the group size);
-    ``pdl`` = programmatic dependent launch (sm_90); ``l2_ahead`` = 0 or the K-tile distance (> prefetch, <= 16) at
-    which the weights, scales and zeros are prefetched into L2 (``prefetch.global.L2``)."""
+    ``pdl`` = programmatic dependent launch (sm_90)."""
 
     warps: int = 4
     cols_per_warp: int = 32
@@ -386,10 +314,6 @@ class MmaConfig:
     prefetch: int = 1
     block_k: int = 128
     pdl: bool = False
-    l2_ahead: int = 0
-    # opt-in: a register cap for more resident CTAs (0 = ptxas's choice). Measured slower on the H200
-    # (benchmarks/results/w4a16_mma_regcap_ab.md: 96 registers, M = 1 / 8: 1.18-1.53x the time)
-    maxnreg: int = 0
 
     @property
     def block_n(self) -> int:
@@ -397,12 +321,10 @@ class MmaConfig:
 
     def label(self) -> str:
         return (f"mma bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.warps}"
-                + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else "")
-                + (f" l2a{self.l2_ahead}" if self.l2_ahead else "") + (f" r{self.maxnreg}" if self.maxnreg else ""))
+                + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
 
 
-# Resident CTAs per SM of each listed tile, from the offline sm_90 register counts (``offline_report``, bf16 and
-# fp16, K tile 128, PDL or not). BM = 8 (M = 1..8): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3;
+# Resident CTAs per SM of each listed tile, from offline sm_90 register counts (bf16 and fp16, K tile 128, PDL or not). BM = 8 (M = 1..8): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3;
 # 128 x 256 -> 2; 132 (rounded to 136) x 128 -> 3. BM = 16 (M = 9..16, R = 4): 255 registers -> 8 warps per SM, i.e.
 # 2 CTAs of 4 warps, 4 of 2, 8 of 1. (cols_per_warp, warps, prefetch) -> CTAs; sizes the split-K grid.
 _RESIDENT = {(32, 4, 1): 4, (64, 4, 1): 3, (32, 8, 1): 2, (32, 4, 2): 3}
@@ -414,28 +336,15 @@ _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, Fa
 # them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
 # per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# the same tiles with an L2 prefetch ``l2_ahead`` K tiles ahead (cols_per_warp, warps, prefetch, pdl,
-# l2_ahead). Same registers (128 / 255, no stack), +27 / +49 loop instructions (0.1 per weight). Correct on the H200
-# (4 GPU tests) but slower than the tile without it on every row timed: M = 1 15.5 / 12.8 / 13.0 / 43.0 us
-# against 14.1 / 12.3 / 11.3 / 41.7 (K x N = 8192², 4096 x 11008, 11008 x 4096, 8192 x 28672), M = 4 14.7 against
-# 12.0 and M = 16 35.2 / 37.0 against 34.6 / 34.2 (pdl / not) at 11008 x 4096
-# (an H200 run). The exposed-latency model is not what limits
-# these tiles; listed only with FXOPT_W4A16_MMA_L2=1.
-# the one-wave
-# split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224 column tiles x split 2
-# fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at M = 1 and 41.5 against
-# 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
+# The one-wave split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224
+# column tiles x split 2 fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at
+# M = 1 and 41.5 against 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
 # twice the split, and the tuner times both.
 _FILL_FOR_SECOND_SPLIT = 0.9
-_TILES_L2 = ((32, 4, 1, True, 4), (32, 4, 1, True, 8), (32, 4, 1, False, 4))
-_TILES16_L2 = ((64, 2, 1, False, 4), (64, 2, 1, True, 4))
 
 
-def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int, maxnreg: int = 0) -> int:
-    """Resident CTAs per SM of a tile (the tables above; 4 / 2 for one not listed at BM 8 / 16); with a register
-    cap (``MmaConfig.maxnreg``) what the cap allows: 64K registers and 64 warps per SM."""
-    if maxnreg:
-        return max(1, min(65536 // (maxnreg * 32 * warps), 64 // warps))
+def _resident(bm: int, cols_per_warp: int, warps: int, prefetch: int) -> int:
+    """Resident CTAs per SM of a tile (the tables above; 4 / 2 for one not listed at BM 8 / 16)."""
     table = _RESIDENT16 if bm == 16 else _RESIDENT
     return table.get((cols_per_warp, warps, prefetch), 2 if bm == 16 else 4)
 
@@ -450,44 +359,27 @@ def _geometry(M: int, K: int, group_size: int, cfg: MmaConfig) -> tuple[int, int
         raise ValueError(f"w4a16_mma: cols_per_warp must be 16, 32 or 64 (16 R), got {cfg.cols_per_warp}")
     if cfg.prefetch not in (1, 2):
         raise ValueError(f"w4a16_mma: prefetch must be 1 or 2 K tiles, got {cfg.prefetch}")
-    if cfg.l2_ahead and not cfg.prefetch < cfg.l2_ahead <= 16:
-        raise ValueError(f"w4a16_mma: l2_ahead must be 0 or in (prefetch, 16], got {cfg.l2_ahead}")
     if cfg.block_k not in (32, 64, 128):
         raise ValueError(f"w4a16_mma: block_k must be 32, 64 or 128, got {cfg.block_k}")
     if cfg.split_k < 0:
         raise ValueError(f"w4a16_mma: split_k must be >= 0 (0 = automatic), got {cfg.split_k}")
-    if cfg.maxnreg and not (cfg.maxnreg % 8 == 0 and 24 <= cfg.maxnreg <= 256):
-        raise ValueError(f"w4a16_mma: maxnreg must be 0 or a multiple of 8 in [24, 256], got {cfg.maxnreg}")
     bk = cfg.block_k if group_size == K else min(cfg.block_k, group_size)
     if bk % 32:
         raise ValueError(f"w4a16_mma: group size {group_size} gives a K tile of {bk}, not a multiple of 32")
     return (8 if M <= 8 else 16), bk, cfg.cols_per_warp // 16, cfg.warps
 
 
-def choose_split(n_tiles: int, k_tiles: int, resident_ctas: int, num_sms: int = _NUM_SMS_DEFAULT) -> int:
-    """K split for ``n_tiles`` column tiles: the one whose critical path (waves x (tiles per CTA + 1.5)) is shortest,
-    with ``resident_ctas`` x ``num_sms`` CTA slots (gemv1's rule, ``w4a16._gemv1_split_for``)."""
-    from fxopt.kernels.w4a16 import _gemv1_split_for
-
-    return _gemv1_split_for(n_tiles, k_tiles, max(1, resident_ctas) * num_sms)
-
-
-def _split(K: int, bk: int, split_k: int) -> tuple[int, int]:
-    """(splits, K tiles per split), balanced."""
-    k_tiles = cdiv(K, bk)
-    split = max(1, min(split_k, k_tiles))
-    tps = cdiv(k_tiles, split)
-    return cdiv(k_tiles, tps), tps
+def choose_split(n_tiles: int, k_tiles: int, resident_ctas: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
+    """K split for ``n_tiles`` column tiles: one wave of ``resident_ctas`` x ``num_sms`` CTA slots (as gemv1)."""
+    return one_wave_split(n_tiles, k_tiles, max(1, resident_ctas) * num_sms)
 
 
 def _check(x, qweight, scales, zeros, group_size, bias, cfg: MmaConfig):
     """Shape / dtype / config checks (ValueError naming the problem); returns (M, K, N, group, BM, BK, R, W)."""
-    from fxopt.kernels.w4a16 import _check_inputs
-
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"w4a16_mma: x must be 2-D [M, K] (reshape 3-D inputs), got shape "
                          f"{tuple(getattr(x, 'shape', ()))}")
-    K, N, group = _check_inputs(x, qweight, scales, zeros, group_size, bias)
+    K, N, group = check_inputs(x, qweight, scales, zeros, group_size, bias)
     M = x.shape[0]
     bm, bk, R, W = _geometry(M, K, group, cfg)
     if cfg.block_n > N and N >= 16 * W:
@@ -498,9 +390,8 @@ def _check(x, qweight, scales, zeros, group_size, bias, cfg: MmaConfig):
 def _meta(M, K, N, group, bm, bk, R, W, cfg: MmaConfig, has_bias: bool, split: int, pdl: bool) -> dict:
     meta = dict(GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=has_bias, USE_SPLIT=split > 1,
                 MASK_M=M != bm, MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl,
-                PREFETCH=cfg.prefetch, L2_AHEAD=cfg.l2_ahead, **_layouts(bm, bk, R, W))
-    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}),
-                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                PREFETCH=cfg.prefetch, **_layouts(bm, bk, R, W))
+    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}))
     return dict(meta=meta, opts=opts)
 
 
@@ -514,9 +405,6 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError("w4a16_mma: needs triton.experimental.gluon (Triton >= 3.5)")
     if x.device.type != "cuda":
         raise ValueError(f"w4a16_mma: needs a CUDA device, got {x.device}")
-    from fxopt.kernels import device_capability, has_pdl
-    from fxopt.kernels.w4a16 import _counters, _gemv1_workspace, _num_sms
-
     if device_capability(x.device) < (8, 0):
         raise ValueError(f"w4a16_mma: mma.sync bf16/fp16 needs compute capability >= 8.0, got "
                          f"{device_capability(x.device)}")
@@ -526,17 +414,16 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk),
-                                          _resident(bm, cfg.cols_per_warp, W, cfg.prefetch, cfg.maxnreg),
-                                          _num_sms(x.device))
-    split, tps = _split(K, bk, split_k)
+    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch),
+                                          num_sms(x.device))
+    split, tps = balanced_split(cdiv(K, bk), split_k)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if split > 1:
-        ws, cnt = _gemv1_workspace(x.device, M * N), _counters(x.device, n_tiles)
+        ws, cnt = zeroed_workspace(x.device, M * N), counters(x.device, n_tiles)
     else:
         ws, cnt = y, y  # unused
     pdl = cfg.pdl and has_pdl(x.device)
-    magic, offset = _MAGIC[x.dtype]
+    magic, offset = MAGIC[x.dtype]
     m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias is not None, split, pdl)
     _w4a16_mma_kernel[(n_tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
@@ -546,32 +433,23 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Tuner candidates (fxopt.kernels.w4a16._mma_configs) and their W4A16Config form
+# Tuner candidates and their W4A16Config form
 # --------------------------------------------------------------------------------------------------------------
-def to_mma_config(cfg) -> MmaConfig:
+def to_mma_config(cfg: W4A16Config) -> MmaConfig:
     """W4A16Config(method="mma") -> MmaConfig: num_warps = warps, block_n = warps x cols_per_warp."""
     return MmaConfig(warps=cfg.num_warps, cols_per_warp=cfg.block_n // cfg.num_warps, split_k=cfg.split_k,
-                     prefetch=cfg.prefetch, block_k=cfg.block_k, pdl=cfg.pdl, l2_ahead=cfg.l2_ahead)
+                     prefetch=cfg.prefetch, block_k=cfg.block_k, pdl=cfg.pdl)
 
 
-def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _NUM_SMS_DEFAULT,
-                      l2: Optional[bool] = None) -> list:
-    """The "mma" candidates (as ``W4A16Config``) for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for
-    M = 9..16 (only the tiles that divide N, and only when the K tile divides K), then, when ``l2`` (default: the
-    environment's FXOPT_W4A16_MMA_L2=1), their L2-prefetch variants (``_TILES_L2`` / ``_TILES16_L2``;
-    slower on the H200), each with the one-wave split."""
-    if l2 is None:
-        l2 = os.environ.get("FXOPT_W4A16_MMA_L2", "0") == "1"
-    from fxopt.kernels.w4a16 import W4A16Config
-
+def mma_configs(M: int, N: int, K: int, group_size: int, num_sms: int = NUM_SMS_DEFAULT) -> list[W4A16Config]:
+    """The "mma" candidates for M <= 16: the ``_TILES`` list for M <= 8, ``_TILES16`` for M = 9..16 (only the tiles
+    that divide N, and only when the K tile divides K), each with the one-wave split."""
     if not 1 <= M <= 16:
         return []
     group = K if group_size == -1 else group_size
     out = []
-    tiles = [t + (0,) for t in (_TILES if M <= 8 else _TILES16)] + list((_TILES_L2 if M <= 8 else _TILES16_L2)
-                                                                         if l2 else ())
-    for cpw, warps, prefetch, pdl, l2_ahead in tiles:
-        cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2_ahead)
+    for cpw, warps, prefetch, pdl in (_TILES if M <= 8 else _TILES16):
+        cfg = MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl)
         try:
             bm, bk, R, W = _geometry(M, K, group, cfg)
         except ValueError:
@@ -581,183 +459,16 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = _N
         n_tiles, resident = cdiv(N, cfg.block_n), _resident(bm, cpw, warps, prefetch)
         split = choose_split(n_tiles, cdiv(K, bk), resident, num_sms)
         splits = [split]
-        if pdl and bm == 8 and not l2_ahead and n_tiles * split < _FILL_FOR_SECOND_SPLIT * resident * num_sms:
-            second = _split(K, bk, 2 * split)[0]
+        if pdl and bm == 8 and n_tiles * split < _FILL_FOR_SECOND_SPLIT * resident * num_sms:
+            second = balanced_split(cdiv(K, bk), 2 * split)[0]
             if second != split:
                 splits.append(second)
         for sk in splits:
             out.append(W4A16Config(block_m=bm, block_n=cfg.block_n, block_k=bk, split_k=sk, num_warps=warps,
-                                   num_stages=1, method="mma", pdl=pdl, prefetch=prefetch, l2_ahead=l2_ahead))
+                                   num_stages=1, method="mma", pdl=pdl, prefetch=prefetch))
     return out
 
 
-def launch_config(x2d, qweight, scales, zeros, group_size, bias, cfg) -> torch.Tensor:
-    """Run a W4A16Config(method="mma") (``w4a16._launch``)."""
+def launch_mma(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
+    """Run a W4A16Config(method="mma")."""
     return w4a16_mma(x2d, qweight, scales, zeros, group_size, bias, to_mma_config(cfg))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Offline sm_90 build and SASS summary (no GPU)
-# --------------------------------------------------------------------------------------------------------------
-def compile_offline(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype = torch.bfloat16,
-                    group_size: int = 128, bias: bool = False, arch: int = 90):
-    """``triton.compile`` of one launch for ``sm_<arch>`` without a GPU, specialized as the JIT would (pointers
-    16-byte aligned, ints divisible by 16 hinted, an int equal to 1 a constant)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    group = K if group_size == -1 else group_size
-    bm, bk, R, W = _geometry(M, K, group, cfg)
-    n_tiles = cdiv(N, cfg.block_n)
-    split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk),
-                                          _resident(bm, cfg.cols_per_warp, W, cfg.prefetch, cfg.maxnreg))
-    split, tps = _split(K, bk, split_k)
-    m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias, split, cfg.pdl)
-    dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    magic, _ = _MAGIC[dtype]
-    ptrs = dict(x_ptr=f"*{dt}", qw_ptr="*i32", s_ptr=f"*{dt}", z_ptr=f"*{dt}", bias_ptr=f"*{dt}", y_ptr=f"*{dt}",
-                ws_ptr="*fp32", cnt_ptr="*i32")
-    ints = dict(M=M, N=N, KP=K // 8, SPLIT_K=split, TILES_PER_SPLIT=tps, MAGIC2=magic * 0x10001, stride_xm=K,
-                stride_qk=N, stride_sg=N, stride_ym=N)
-    sig, consts, attrs = {}, {}, {}
-    for i, prm in enumerate(_w4a16_mma_kernel.params):
-        n = prm.name
-        if n in ptrs:
-            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
-        elif n == "OFFSET":
-            sig[n] = "fp32"
-        elif n in ints:
-            if ints[n] == 1:
-                sig[n], consts[n] = "constexpr", 1
-            else:
-                sig[n] = "i32"
-                if ints[n] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n], consts[n] = "constexpr", m["meta"][n]
-    src = GluonASTSource(_w4a16_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=m["opts"]), dict(split=split, tps=tps,
-                                                                                           bk=bk, R=R, W=W)
-
-
-_ALU = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "SGXT", "PLOP3", "IABS", "FLO", "POPC", "VIADD"}
-
-
-def load_census(sass: str) -> dict:
-    """Bytes in flight of the K loop from the SASS with its control bits (sm_90 encoding: bits 105-125 of each
-    128-bit instruction = stall, yield, write / read scoreboard, wait mask, reuse). The loop body is run twice in
-    order (the second pass is the steady state): every LDG adds its bytes to its write scoreboard; an instruction
-    whose wait mask names a scoreboard retires all loads counted on it. Per wait that retires loads: the bytes it
-    forces (per thread), the bytes then in flight (issued, not retired) and the lead = instructions since the forced
-    loads were issued (min over them). ``CCTL.E.PF2`` = ``prefetch.global.L2`` (no scoreboard) are counted apart."""
-    import re
-
-    rows = []
-    lines = sass.splitlines()
-    for i, line in enumerate(lines[:-1]):
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* (0x[0-9a-f]{16}) \*/", line)
-        hi = re.search(r"^\s*/\* (0x[0-9a-f]{16}) \*/", lines[i + 1])
-        if m and hi:
-            h = int(hi.group(1), 16) >> 41
-            rows.append((int(m.group(1), 16), m.group(2).rstrip(" ;"), (h >> 5) & 7, (h >> 11) & 0x3F))
-    index = {a: k for k, (a, *_r) in enumerate(rows)}
-    loops = []
-    for k, (a, op, _, _) in enumerate(rows):
-        b = re.search(r"BRA (0x[0-9a-f]+)", op)
-        if b and int(b.group(1), 16) < a and int(b.group(1), 16) in index:
-            t = index[int(b.group(1), 16)]
-            if any("HMMA" in r[1] for r in rows[t:k + 1]):
-                loops.append((t, k))
-    loops = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] < lp[1] for o in loops if o != lp)]
-    if not loops:
-        return {}
-    t0, t1 = loops[0]
-    body = rows[t0:t1 + 1]
-    n = len(body)
-    pending, waits = {}, []
-    ldg = [int(re.search(r"LDG\.E(?:\.(\d+))?", op).group(1) or 32) // 8 for _, op, _, _ in body
-           if re.match(r"(@!?U?P\w+\s+)?LDG\.E", op)]
-    for rnd in range(2):
-        for k, (_, op, wb, wait) in enumerate(body):
-            if wait:
-                forced = [x for sb in range(6) if wait >> sb & 1 for x in pending.get(sb, [])]
-                if rnd == 1 and forced:
-                    waits.append(dict(at=k, forced=sum(b for _, b in forced),
-                                      in_flight=sum(b for v in pending.values() for _, b in v),
-                                      lead=min((k - j) % n for j, _ in forced)))
-                for sb in range(6):
-                    if wait >> sb & 1:
-                        pending[sb] = []
-            m = re.match(r"(@!?U?P\w+\s+)?LDG\.E(?:\.(\d+))?", op)
-            if m and wb != 7:
-                pending.setdefault(wb, []).append((k, int(m.group(2) or 32) // 8))
-    return dict(loop_instr=n, ldg=len(ldg), ldg_bytes=sum(ldg), l2_prefetch=sum("CCTL.E.PF2" in r[1] for r in body),
-                waits=waits, min_lead=min((w["lead"] for w in waits), default=None),
-                max_in_flight=max((w["in_flight"] for w in waits), default=0))
-
-
-def offline_report(M: int, K: int, N: int, cfg: MmaConfig, dtype: torch.dtype = torch.bfloat16,
-                   group_size: int = 128, bias: bool = False, keep_sass: bool = False) -> dict:
-    """Compile for sm_90 on the CPU (``compile_offline``) and summarize: registers, stack / local bytes (spills),
-    shared memory, and the K loop (the innermost backward branch containing HMMA): instructions per iteration (two
-    K tiles with prefetch 1, three with prefetch 2; a tile = BK x 16 R weights per thread) and per weight, its
-    opcode counts (HMMA, LDG, LDS / STS / BAR / SHFL: 0 expected), and the ALU-pipe share. gemv1's figure for
-    comparison: 3.08 instructions per weight at M = 1."""
-    import collections
-
-    from fxopt.kernels.w4a16 import sass_loops
-
-    compiled, geo = compile_offline(M, K, N, cfg, dtype, group_size, bias)
-    sass, res, ins, loops = sass_loops(compiled, loop_needs="HMMA")
-    census = load_census(sass)
-
-    def opcode(op):
-        return (op.split(None, 1)[1] if op.startswith("@") else op).split()[0].split(".")[0]
-
-    # one loop iteration = prefetch + 1 K tiles (the loop is unrolled by two / three)
-    tiles_per_iter = cfg.prefetch + 1
-    w_per_iter = tiles_per_iter * geo["bk"] * 16 * geo["R"] / 32
-    out = dict(reg=res["reg"], stack=res["stack"], shared=res["shared"], local=res["local"],
-               split=geo["split"], block_k=geo["bk"], total_instr=len(ins),
-               total_ops=dict(collections.Counter(opcode(op) for op in ins).most_common()), loops=[],
-               census=census,
-               **({"sass": sass} if keep_sass else {}))
-    for t, e in loops:
-        ops = collections.Counter(opcode(op) for op in ins[t:e + 1])
-        n = e - t + 1
-        out["loops"].append(dict(instr=n, tiles=tiles_per_iter, per_weight=round(n / w_per_iter, 3),
-                                 alu_per_weight=round(sum(v for k, v in ops.items() if k in _ALU) / w_per_iter, 3),
-                                 smem=sum(v for k, v in ops.items() if k in ("LDS", "STS", "BAR", "LDSM", "SHFL")),
-                                 ops=dict(ops.most_common())))
-    return out
-
-
-if __name__ == "__main__":  # pragma: no cover - offline tooling (no GPU needed)
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description="offline sm_90 SASS report of the mma candidates (no GPU)")
-    ap.add_argument("--shapes", default="8192x8192", help="KxN list")
-    ap.add_argument("--ms", default="1")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    dt_ = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    rows = []
-    for shape in args.shapes.split(","):
-        K_, N_ = (int(v) for v in shape.split("x"))
-        for M_ in (int(v) for v in args.ms.split(",")):
-            for c in candidate_configs(M_, N_, K_, args.group):
-                mc = to_mma_config(c)
-                r = offline_report(M_, K_, N_, mc, dt_, args.group)
-                lp = r["loops"][0] if r["loops"] else {}
-                rows.append(dict(K=K_, N=N_, M=M_, config=mc.label(), **{k: v for k, v in r.items() if k != "sass"}))
-                print(f"{K_}x{N_} M={M_} {c.label()}: {r['reg']} registers, stack {r['stack']}, local {r['local']}, "
-                      f"shared {r['shared']}, loop {lp.get('instr')} instructions = {lp.get('per_weight')} / weight "
-                      f"(ALU pipe {lp.get('alu_per_weight')}, smem/shfl ops {lp.get('smem')}) {lp.get('ops')}",
-                      flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)

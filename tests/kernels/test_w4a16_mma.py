@@ -1,19 +1,18 @@
-"""The opt-in mma.sync W4A16 kernel (fxopt/kernels/w4a16_mma.py, method "mma").
+"""The mma.sync W4A16 kernel (fxopt/kernels/w4a16/mma.py, method "mma").
 
 CPU: host checks and config rules; the lane mapping against the PTX m16n8k16 fragment tables through Triton's own
 linear layouts (``to_linear_layout`` runs on the CPU); a float64 emulation of the kernel's tile arithmetic in the
-documented K / n order; the tuner hook; one offline sm_90 build (skipped without Triton's bundled ptxas).
-GPU (``@pytest.mark.gpu``, sm_80+): against the float64 dequantized reference.
+documented K / n order; the tuner hook. GPU (``@pytest.mark.gpu``, sm_80+): against the float64 dequantized
+reference.
 """
 import numpy as np
 import pytest
 import torch
 
-from fxopt.kernels import w4a16 as K4
-from fxopt.kernels import w4a16_mma as KM
-from fxopt.testing import offline_build_json
+from fxopt.kernels import cdiv
+from fxopt.kernels.w4a16 import common, mma as KM, routing, tuner
 
-from test_w4a16_kernels import assert_close_to_ref, make_packed, reference
+from w4a16_helpers import assert_close_to_ref, make_packed, reference
 
 needs_gluon = pytest.mark.skipif(not KM.HAS_GLUON, reason="Triton Gluon not importable")
 
@@ -36,9 +35,7 @@ def test_rejects_bad_inputs_and_configs():
         KM.w4a16_mma(x, qweight, scales, zeros, 128, bias=torch.randn(63).half())
     for bad, what in ((KM.MmaConfig(warps=3), "warps"), (KM.MmaConfig(cols_per_warp=48), "cols_per_warp"),
                       (KM.MmaConfig(prefetch=3), "prefetch"), (KM.MmaConfig(block_k=256), "block_k"),
-                      (KM.MmaConfig(split_k=-1), "split_k"), (KM.MmaConfig(l2_ahead=1), "l2_ahead"),
-                      (KM.MmaConfig(l2_ahead=17), "l2_ahead"), (KM.MmaConfig(maxnreg=100), "maxnreg"),
-                      (KM.MmaConfig(maxnreg=16), "maxnreg")):
+                      (KM.MmaConfig(split_k=-1), "split_k")):
         with pytest.raises(ValueError, match=what):
             KM.w4a16_mma(x, qweight, scales, zeros, 128, config=bad)
     with pytest.raises(ValueError, match="CUDA device|gluon"):  # valid arguments, but CPU tensors
@@ -59,77 +56,68 @@ def test_geometry_follows_group_and_m():
 def test_split_is_one_wave_and_balanced():
     """gemv1's rule: the split minimizing waves x (K tiles per CTA + 1.5), balanced (equal K tiles per split)."""
     def cost(n_tiles, k_tiles, slots, s):
-        tps = KM.cdiv(k_tiles, s)
-        return KM.cdiv(n_tiles * KM.cdiv(k_tiles, tps), slots) * (tps + 1.5)
+        tps = cdiv(k_tiles, s)
+        return cdiv(n_tiles * cdiv(k_tiles, tps), slots) * (tps + 1.5)
 
     # 8192^2, BN 128: 64 column tiles x 64 K tiles on 4 x 132 slots: split 8 = 512 CTAs, one wave of 8 tiles each
     assert KM.choose_split(64, 64, 4, 132) == 8
     for n_tiles, k_tiles, res in ((1, 1, 4), (86, 32, 4), (32, 86, 3), (224, 64, 3), (7, 3, 1)):
         s = KM.choose_split(n_tiles, k_tiles, res, 132)
-        assert 1 <= s <= k_tiles and KM.cdiv(k_tiles, KM.cdiv(k_tiles, s)) == s
+        assert 1 <= s <= k_tiles and cdiv(k_tiles, cdiv(k_tiles, s)) == s
         assert cost(n_tiles, k_tiles, res * 132, s) == min(cost(n_tiles, k_tiles, res * 132, t)
                                                             for t in range(1, k_tiles + 1))
-    assert KM._split(4200, 128, 5) == (5, 7)  # 33 tiles, 7 per split
-    assert KM._split(4096, 128, 0) == (1, 32)
+    assert common.balanced_split(cdiv(4200, 128), 5) == (5, 7)  # 33 tiles, 7 per split
+    assert common.balanced_split(cdiv(4096, 128), 0) == (1, 32)
 
 
 def test_candidate_configs():
     for M in (1, 2, 4, 8, 9, 12, 16):
         tiles, bm = (KM._TILES, 8) if M <= 8 else (KM._TILES16, 16)
-        l2 = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
-        cs = KM.candidate_configs(M, 8192, 8192, 128, l2=True)
-        assert len(cs) == len(tiles) + len(l2) and all(c.method == "mma" for c in cs)
-        # the L2-prefetch tiles were slower on the H200: listed only when asked for
-        assert KM.candidate_configs(M, 8192, 8192, 128) == cs[:len(tiles)]
-        # the standard tiles first, unchanged (no L2 prefetch), then their L2-prefetch variants
-        for c, (cpw, warps, prefetch, pdl, l2_ahead) in zip(cs, [t + (0,) for t in tiles] + list(l2)):
+        cs = KM.mma_configs(M, 8192, 8192, 128)
+        assert len(cs) == len(tiles) and all(c.method == "mma" for c in cs)
+        for c, (cpw, warps, prefetch, pdl) in zip(cs, tiles):
             mc = KM.to_mma_config(c)
-            assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl, mc.l2_ahead) == (cpw, warps, prefetch, pdl,
-                                                                                      l2_ahead)
-            assert c.prefetch == prefetch and c.l2_ahead == l2_ahead and c.label() == mc.label()
+            assert (mc.cols_per_warp, mc.warps, mc.prefetch, mc.pdl) == (cpw, warps, prefetch, pdl)
+            assert c.prefetch == prefetch and c.label() == mc.label()
             assert mc.block_n == c.block_n and c.block_m == bm and c.block_k == 128
             assert KM._geometry(M, 8192, 128, mc)[0] == bm
             # one wave: column tiles x splits fit the resident CTA slots of this BM's register count
-            assert KM.cdiv(8192, c.block_n) * c.split_k <= KM._resident(bm, cpw, warps, prefetch) * 132
-            assert c.label() == mc.label() and c.label().startswith(f"mma bn{c.block_n} bk128 sk{c.split_k}")
+            assert cdiv(8192, c.block_n) * c.split_k <= KM._resident(bm, cpw, warps, prefetch) * 132
+            assert c.label().startswith(f"mma bn{c.block_n} bk128 sk{c.split_k}")
     # M = 9..16: R = 4 only (64 columns per warp), with BM 16's residency (255 registers: 8 warps per SM)
-    assert {KM.to_mma_config(c).cols_per_warp for c in KM.candidate_configs(16, 8192, 8192, 128)} == {64}
+    assert {KM.to_mma_config(c).cols_per_warp for c in KM.mma_configs(16, 8192, 8192, 128)} == {64}
     assert KM._resident(16, 64, 4, 1) == 2 and KM._resident(8, 64, 4, 1) == 3
-    assert KM.candidate_configs(17, 8192, 8192, 128) == [] and KM.candidate_configs(0, 8192, 8192, 128) == []
-    assert {c.block_k for c in KM.candidate_configs(1, 4096, 4096, 32)} == {32}
-    assert {c.block_k for c in KM.candidate_configs(16, 4096, 4096, 64)} == {64}
-    assert {c.block_k for c in KM.candidate_configs(1, 200, 4096, -1)} == {128}
+    assert KM.mma_configs(17, 8192, 8192, 128) == [] and KM.mma_configs(0, 8192, 8192, 128) == []
+    assert {c.block_k for c in KM.mma_configs(1, 4096, 4096, 32)} == {32}
+    assert {c.block_k for c in KM.mma_configs(16, 4096, 4096, 64)} == {64}
+    assert {c.block_k for c in KM.mma_configs(1, 200, 4096, -1)} == {128}
     # M = 9..16: tiles needing masked loads spill at R = 4 and are not listed (M <= 8 lists them all)
-    assert [c.block_n for c in KM.candidate_configs(16, 4096 + 128, 4096, 128, l2=True)] == [128, 64, 128, 128, 128]
-    assert KM.candidate_configs(16, 2200, 4096, 128) == [] and KM.candidate_configs(16, 4096, 4200, -1) == []
+    assert [c.block_n for c in KM.mma_configs(16, 4096 + 128, 4096, 128)] == [128, 64, 128]
+    assert KM.mma_configs(16, 2200, 4096, 128) == [] and KM.mma_configs(16, 4096, 4200, -1) == []
     # ... plus, on this small grid (18 column tiles x 17 of 528 slots), the PDL tile with twice the split (capped at
     # the 33 K tiles)
-    cs8 = KM.candidate_configs(8, 2200, 4200, -1, l2=True)
-    assert len(cs8) == len(KM._TILES) + len(KM._TILES_L2) + 1
-    assert [c.split_k for c in cs8 if c.pdl and not c.l2_ahead] == [17, 33]
+    cs8 = KM.mma_configs(8, 2200, 4200, -1)
+    assert len(cs8) == len(KM._TILES) + 1
+    assert [c.split_k for c in cs8 if c.pdl] == [17, 33]
 
 
-def test_tuner_hook_switch(monkeypatch):
-    """Listed by default (FXOPT_W4A16_MMA=0 takes it off), for M buckets <= 16 on CUDA devices (sm_80+), after every
+def test_tuner_hook_switch():
+    """Listed by default (``Routes.mma`` off takes it off), for M buckets <= 16 on CUDA devices (sm_80+), after every
     other candidate; with the switch off the candidate list is the one without it."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setenv("FXOPT_W4A16_GLUON", "0")  # keep the Gluon wgmma candidates (own rules) out of this test
-    monkeypatch.setenv("FXOPT_W4A16_MMA", "0")
-    base = {M: K4.candidate_configs(M, 8192, 8192, 128, device="cuda") for M in (1, 4, 8, 9, 16, 17, 32)}
-    assert not any(c.method == "mma" for cs in base.values() for c in cs)
-    monkeypatch.delenv("FXOPT_W4A16_MMA", raising=False)  # the default lists it
-    for M, before in base.items():
-        after = K4.candidate_configs(M, 8192, 8192, 128, device="cuda")
+    def cands(M, r, capability=(9, 0)):
+        return tuner.candidate_configs(M, 8192, 8192, 128, dtype=torch.bfloat16, capability=capability, routes=r)
+
+    off, on = routing.Routes(gluon=False, mma=False), routing.Routes(gluon=False)
+    for M in (1, 4, 8, 9, 16, 17, 32):
+        before, after = cands(M, off), cands(M, on)
         mma = [c for c in after if c.method == "mma"]
+        assert not any(c.method == "mma" for c in before)
         assert after[:len(before)] == before and after[len(before):] == mma
         assert bool(mma) == (M <= 16 and KM.HAS_GLUON), M
         if mma:
-            assert mma == KM.candidate_configs(M, 8192, 8192, 128, K4._NUM_SMS_DEFAULT), M
-    for dev in (None, "cpu"):
-        assert not any(c.method == "mma" for c in K4.candidate_configs(1, 8192, 8192, 128, device=dev))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert not any(c.method == "mma" for c in K4.candidate_configs(1, 8192, 8192, 128, device="cuda"))
+            assert mma == KM.mma_configs(M, 8192, 8192, 128, 132), M
+    assert not any(c.method == "mma" for c in tuner.candidate_configs(1, 8192, 8192, 128, device="cpu"))
+    assert not any(c.method == "mma" for c in cands(1, on, capability=(7, 5)))
 
 
 def test_tuner_checks_mma_against_default(interpret_device, monkeypatch):
@@ -138,19 +126,47 @@ def test_tuner_checks_mma_against_default(interpret_device, monkeypatch):
     K, N = 256, 128
     qweight, scales, zeros, G = make_packed(K, N, 128, torch.float16, interpret_device, seed=3)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(4)).half().to(interpret_device)
-    default = K4._interpreter_config(2, K, 128)
-    cfg = KM.candidate_configs(2, N, K, 128)[0]
+    default = tuner.interpreter_config(2, K, 128)
+    cfg = KM.mma_configs(2, N, K, 128)[0]
 
     def fake(scale):
         return lambda x2d, q, s, z, g, b, c: (reference(x2d, q, s, z, G, b) * scale).to(x2d.dtype).to(x2d.device)
 
-    monkeypatch.setattr(KM, "launch_config", fake(1.0))
-    assert K4._agrees_with_default(x, qweight, scales, zeros, 128, None, cfg, default)
-    monkeypatch.setattr(KM, "launch_config", fake(1.1))
-    assert not K4._agrees_with_default(x, qweight, scales, zeros, 128, None, cfg, default)
+    monkeypatch.setattr(KM, "launch_mma", fake(1.0))
+    assert tuner._agrees_with_default(x, qweight, scales, zeros, 128, None, cfg, default)
+    monkeypatch.setattr(KM, "launch_mma", fake(1.1))
+    assert not tuner._agrees_with_default(x, qweight, scales, zeros, 128, None, cfg, default)
 
 
 # ------------------------------------------------------------------------------------------------ lane mapping
+# The PTX ISA fragment tables of mma.m16n8k16 (16-bit inputs, fp32 accumulators) and the kernel's relabeling.
+def fragment_owner(operand: str, row: int, col: int) -> tuple[int, int]:
+    """(lane, register index within the thread's fragment) of element (row, col) of operand "a" (16 x 16, 8
+    halves), "b" (16 x 8, 4 halves) or "c" (16 x 8 fp32, 4 registers)."""
+    if operand == "a":
+        g, h, hk, e = row % 8, row // 8, col // 8, col % 2
+        t = (col % 8) // 2
+        return 4 * g + t, 2 * (2 * hk + h) + e
+    if operand == "b":
+        hk, e, t = row // 8, row % 2, (row % 8) // 2
+        return 4 * col + t, 2 * hk + e
+    if operand == "c":
+        return 4 * (row % 8) + col // 2, 2 * (row // 8) + col % 2
+    raise ValueError(f"operand must be 'a', 'b' or 'c', got {operand!r}")
+
+
+def tile_k_of(p: int) -> int:
+    """K offset that tile column / B row p = 32 c + 16 kb + 8 hk + 2 t + e holds: 8 (4 c + t) + 2 kb + hk + 4 e."""
+    c, kb, hk, t, e = p // 32, (p // 16) % 2, (p // 8) % 2, (p // 2) % 4, p % 2
+    return 8 * (4 * c + t) + 2 * kb + hk + 4 * e
+
+
+def tile_n_of(r: int, R: int, W: int) -> int:
+    """Weight column of accumulator / A row r = 16 W rep + 16 warp + 8 h + g: 2R (8 warp + g) + 2 rep + h."""
+    rep, warp, h, g = r // (16 * W), (r // 16) % W, (r // 8) % 2, r % 8
+    return 2 * R * (8 * warp + g) + 2 * rep + h
+
+
 def _coords(ll, reg, lane, warp):
     """Element coordinates of (register, lane, warp) in a DistributedLinearLayout: XOR of the bases of set bits."""
     out = [0] * len(ll.shape)
@@ -198,16 +214,16 @@ def test_lane_mapping_matches_ptx_fragments(BM, BK, R, W):
         return (r // 16) % W
 
     for (r, p), who in a.items():
-        assert who == {(KM.fragment_owner("a", r % 16, p % 16)[0], warp_of(r))}, (r, p)
+        assert who == {(fragment_owner("a", r % 16, p % 16)[0], warp_of(r))}, (r, p)
     for (p, m), who in b.items():
-        assert who == {(KM.fragment_owner("b", p % 16, m % 8)[0], w) for w in range(W)}, (p, m)
+        assert who == {(fragment_owner("b", p % 16, m % 8)[0], w) for w in range(W)}, (p, m)
     for (r, m), who in c.items():
-        assert who == {(KM.fragment_owner("c", r % 16, m % 8)[0], warp_of(r))}, (r, m)
+        assert who == {(fragment_owner("c", r % 16, m % 8)[0], warp_of(r))}, (r, m)
 
     lay = KM._layouts(BM, BK, R, W)
-    p_of = {KM.tile_k_of(p): p for p in range(BK)}
+    p_of = {tile_k_of(p): p for p in range(BK)}
     assert sorted(p_of) == list(range(BK))  # a permutation of the tile's K
-    r_of = {KM.tile_n_of(r, R, W): r for r in range(BN)}
+    r_of = {tile_n_of(r, R, W): r for r in range(BN)}
     assert sorted(r_of) == list(range(BN))
     words = _owners(lay["w_layout"])
     assert set(words) == {(kp, n) for kp in range(BK // 8) for n in range(BN)}
@@ -238,8 +254,8 @@ def test_relabel_chains_match_documented_order(C, R, W):
     perm = tuple(KM._A_PERM.value)
     a_k = k_src.reshape(C, 4, W, 8, R, 2, 2, 2, 2).transpose(perm).reshape(BN, BK)
     a_n = n_src.reshape(C, 4, W, 8, R, 2, 2, 2, 2).transpose(perm).reshape(BN, BK)
-    assert (a_k == np.array([KM.tile_k_of(p) for p in range(BK)])[None, :]).all()
-    assert (a_n == np.array([KM.tile_n_of(r, R, W) for r in range(BN)])[:, None]).all()
+    assert (a_k == np.array([tile_k_of(p) for p in range(BK)])[None, :]).all()
+    assert (a_n == np.array([tile_n_of(r, R, W) for r in range(BN)])[:, None]).all()
     m, kpx, jj = np.meshgrid(np.arange(8), np.arange(4 * C), np.arange(8), indexing="ij")
     bperm = tuple(KM._B_PERM.value)
     b_k = (8 * kpx + jj).reshape(8, C, 4, 2, 2, 2).transpose(bperm).reshape(BK, 8)
@@ -249,10 +265,10 @@ def test_relabel_chains_match_documented_order(C, R, W):
 
 def test_fragment_owner_is_a_bijection():
     for op, rows, cols, regs in (("a", 16, 16, 8), ("b", 16, 8, 4), ("c", 16, 8, 4)):
-        seen = {KM.fragment_owner(op, r, k) for r in range(rows) for k in range(cols)}
+        seen = {fragment_owner(op, r, k) for r in range(rows) for k in range(cols)}
         assert seen == {(lane, i) for lane in range(32) for i in range(regs)}
     with pytest.raises(ValueError, match="operand"):
-        KM.fragment_owner("d", 0, 0)
+        fragment_owner("d", 0, 0)
 
 
 @pytest.mark.parametrize("dtype,group", [(torch.bfloat16, 128), (torch.float16, 32), (torch.float16, -1)])
@@ -267,10 +283,10 @@ def test_tile_arithmetic_emulation(dtype, group):
     qweight, scales, zeros, G = make_packed(K, N, group, dtype, seed=11)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(12)).to(dtype)
     codes = np.stack([(qweight.numpy() >> (4 * j)) & 0xF for j in range(8)], axis=1).reshape(K, N)  # [K, N]
-    off = KM._MAGIC[dtype][1]
+    off = common.MAGIC[dtype][1]
     s, z, xd = scales.double().numpy(), zeros.double().numpy(), x.double().numpy()
-    perm_k = np.array([KM.tile_k_of(p) for p in range(BK)])
-    perm_n = np.array([KM.tile_n_of(r, R, W) for r in range(BN)])
+    perm_k = np.array([tile_k_of(p) for p in range(BK)])
+    perm_n = np.array([tile_n_of(r, R, W) for r in range(BN)])
     acc = np.zeros((BN, 8))
     gsz = K if group == -1 else group
     for t in range(K // BK):
@@ -284,116 +300,6 @@ def test_tile_arithmetic_emulation(dtype, group):
     y = np.zeros((M, N))
     y[:, perm_n] = acc[:, :M].T
     assert_close_to_ref(torch.from_numpy(y).to(dtype), reference(x, qweight, scales, zeros, G), dtype)
-
-
-# ------------------------------------------------------------------------------------------------ offline build
-def _assert_register_only_loop(r, max_reg, max_per_weight):
-    assert r["local"] == 0 and r["stack"] == 0 and r["reg"] <= max_reg, r
-    assert len(r["loops"]) == 1
-    lp = r["loops"][0]
-    assert lp["ops"].get("HMMA", 0) > 0 and lp["smem"] == 0
-    assert not any(lp["ops"].get(op, 0) for op in ("LDS", "STS", "BAR", "SHFL", "LDSM", "LDL", "STL"))
-    assert lp["per_weight"] < max_per_weight, lp
-
-
-@pytest.mark.slow
-def test_offline_sm90_build():
-    """The first M = 1 candidate compiles for sm_90 on the CPU without spills; its K loop has HMMA and no
-    shared-memory traffic, barrier or shuffle (both operands come from registers), and runs well under gemv1's 3.08
-    instructions per weight."""
-    code = ("import json, torch\n"
-            "from fxopt.kernels import w4a16_mma as KM\n"
-            "c = KM.to_mma_config(KM.candidate_configs(1, 8192, 8192, 128)[0])\n"
-            "r = KM.offline_report(1, 8192, 8192, c)\n"
-            "print(json.dumps(r))\n")
-    _assert_register_only_loop(offline_build_json(code), 128, 2.0)
-
-
-@pytest.mark.slow
-def test_offline_sm90_register_cap():
-    """``MmaConfig(maxnreg=96)`` (opt-in): the build stays within 96 registers (5 resident CTAs of 4
-    warps instead of 4), the label names the cap, and the loop keeps its register operands (no shared memory); the
-    spilled loop invariants are reloaded from local memory (LDL, no STL in the loop)."""
-    code = ("import json, torch\n"
-            "from fxopt.kernels import w4a16_mma as KM\n"
-            "c = KM.MmaConfig(warps=4, cols_per_warp=32, pdl=True, split_k=8, maxnreg=96)\n"
-            "r = KM.offline_report(1, 8192, 8192, c)\n"
-            "r['label'] = c.label()\n"
-            "print(json.dumps(r))\n")
-    r = offline_build_json(code)
-    assert r["reg"] <= 96 and r["label"].endswith(" r96"), (r["reg"], r["label"])
-    lp = r["loops"][0]
-    assert lp["ops"].get("HMMA", 0) > 0 and lp["smem"] == 0 and not lp["ops"].get("STL", 0), lp["ops"]
-    assert 65536 // (96 * 32 * 4) == 5
-
-
-@pytest.mark.slow
-def test_offline_sm90_build_m16():
-    """M = 16 (two n8 tiles, BM = 16), the first listed candidate (R = 4: 64 columns per warp, ``_TILES16``): no
-    stack / local (no spill), register operands only, under 2.0 SASS instructions per weight (1.90 offline with
-    Triton 3.6; the R = 2 tile of M <= 8 costs 2.34 here and spills 24 bytes), and exactly the register count that
-    ``_RESIDENT16`` assumes (255: 8 warps per SM)."""
-    code = ("import json, torch\n"
-            "from fxopt.kernels import w4a16_mma as KM\n"
-            "c = KM.to_mma_config(KM.candidate_configs(16, 8192, 8192, 128)[0])\n"
-            "r = KM.offline_report(16, 8192, 8192, c)\n"
-            "r['cpw'], r['warps'] = c.cols_per_warp, c.warps\n"
-            "print(json.dumps(r))\n")
-    r = offline_build_json(code)
-    _assert_register_only_loop(r, 255, 2.0)
-    lp = r["loops"][0]
-    # both n-tiles reuse one unpack: the A conversion (3 SHF + 4 LOP3 per packed word) is not doubled
-    words_per_iter = 2 * (128 // 8) * r["cpw"] // 32  # per thread: 2 K tiles x (BK / 8 rows x 16 R columns) / 32
-    assert lp["ops"]["LOP3"] <= 4 * words_per_iter * 1.05, lp["ops"]
-    # residency assumed by the split rule: registers rounded up to 8 per thread, 64K per SM, 64 warps at most
-    regs = -(-r["reg"] // 8) * 8
-    assert KM._resident(16, r["cpw"], r["warps"], 1) == min(65536 // (regs * 32 * r["warps"]), 64 // r["warps"])
-
-
-@pytest.mark.slow
-def test_offline_sm90_l2_prefetch_census():
-    """The M = 1 pick without L2 prefetch (bn128 w4 pdl, 128 registers) keeps tile t + 1's loads within 19-36
-    instructions of their first use (the compiler sinks them into the ``if t + 1 < t_end`` fold), so one DRAM latency
-    per two K tiles is exposed; its L2-prefetch variants (``_TILES_L2``) build with the same 128 registers (4 CTAs per
-    SM), no stack, the same 20 LDG = 288 bytes per thread per loop iteration (2 tiles x (4 x 16 B words + 4 x 16 B x
-    + 2 x 8 B scale / zero)), plus one ``prefetch.global.L2`` (CCTL.E.PF2) per K tile, and under 1.9 instructions per
-    weight (1.785 offline against 1.68)."""
-    code = ("import json, torch\n"
-            "from fxopt.kernels import w4a16_mma as KM\n"
-            "cs = [KM.to_mma_config(c) for c in KM.candidate_configs(1, 8192, 8192, 128, l2=True)]\n"
-            "base = [c for c in cs if c.pdl and c.l2_ahead == 0 and c.cols_per_warp == 32 and c.warps == 4][0]\n"
-            "out = dict(base=KM.offline_report(1, 8192, 8192, base))\n"
-            "for c in cs:\n"
-            "    if c.l2_ahead:\n"
-            "        out[c.label()] = KM.offline_report(1, 8192, 8192, c)\n"
-            "print(json.dumps(out))\n")
-    out = offline_build_json(code)
-    base = out.pop("base")
-    assert len(out) == len(KM._TILES_L2)
-    cb = base["census"]
-    assert cb["l2_prefetch"] == 0 and cb["ldg"] == 20 and cb["ldg_bytes"] == 2 * (4 * 16 + 4 * 16 + 2 * 8)
-    assert cb["min_lead"] < 60  # the exposed latency that motivates the L2 prefetch (19 offline)
-    for label, r in out.items():
-        _assert_register_only_loop(r, 128, 1.9)
-        c = r["census"]
-        assert c["l2_prefetch"] == 2, (label, c)  # one per K tile, two tiles per iteration
-        assert (c["ldg"], c["ldg_bytes"]) == (cb["ldg"], cb["ldg_bytes"]), (label, c)
-        assert r["loops"][0]["instr"] - base["loops"][0]["instr"] <= 32, label
-        assert sum(w["forced"] for w in c["waits"]) == c["ldg_bytes"]  # every load retired once per iteration
-
-
-@pytest.mark.slow
-def test_offline_sm90_l2_prefetch_m16():
-    """The M = 9..16 L2-prefetch tile (bn128 w2, R = 4) keeps 255 registers (8 warps per SM, ``_RESIDENT16``) and no
-    stack, with one CCTL.E.PF2 per K tile (16 word rows x 2 lines + 2 = 34 lines: two per warp and tile)."""
-    code = ("import json, torch\n"
-            "from fxopt.kernels import w4a16_mma as KM\n"
-            "c = [KM.to_mma_config(c) for c in KM.candidate_configs(16, 8192, 8192, 128, l2=True) if c.l2_ahead][0]\n"
-            "r = KM.offline_report(16, 8192, 8192, c)\n"
-            "print(json.dumps(r))\n")
-    r = offline_build_json(code)
-    _assert_register_only_loop(r, 255, 2.05)
-    assert r["census"]["l2_prefetch"] == 4, r["census"]
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -410,8 +316,8 @@ def _assert_configs_match(x, packed, group_size, bias, cfgs, repeats):
                 assert y.dtype == x.dtype and y.shape == (M, N)
                 assert_close_to_ref(y, ref, x.dtype)
     torch.cuda.synchronize()
-    assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
-    assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+    assert float(common._ZEROED_WS[x.device].abs().sum()) == 0.0
+    assert int(common._COUNTERS[x.device].abs().sum()) == 0
 
 
 def _gpu_mma_or_skip():
@@ -440,7 +346,7 @@ def test_gpu_mma_matches_reference(dtype, group_size):
         gen = torch.Generator().manual_seed(M)
         x = torch.randn(M, K, generator=gen).to(dtype).cuda()
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
-        cfgs = [KM.to_mma_config(c) for c in KM.candidate_configs(M, N, K, gs)]
+        cfgs = [KM.to_mma_config(c) for c in KM.mma_configs(M, N, K, gs)]
         cfgs.append(KM.MmaConfig(split_k=1))
         if M > 8:
             cfgs.append(KM.MmaConfig(cols_per_warp=64, warps=2, split_k=1))
@@ -460,18 +366,18 @@ def test_gpu_mma_m16_listed_candidates(dtype):
         gen = torch.Generator().manual_seed(50 + M)
         x = torch.randn(M, K, generator=gen).to(dtype).cuda()
         bias = torch.randn(N, generator=gen).to(dtype).cuda()
-        cands = KM.candidate_configs(M, N, K, 128, l2=True)
-        assert len(cands) == len(KM._TILES16) + len(KM._TILES16_L2) and all(c.split_k > 1 for c in cands)
+        cands = KM.mma_configs(M, N, K, 128)
+        assert len(cands) == len(KM._TILES16) and all(c.split_k > 1 for c in cands)
         for c in cands:
             for b in (None, bias):
                 ref = reference(x, qweight, scales, zeros, G, b)
                 for _ in range(3):
-                    y = KM.launch_config(x, qweight, scales, zeros, 128, b, c)
+                    y = KM.launch_mma(x, qweight, scales, zeros, 128, b, c)
                     assert y.shape == (M, N)
                     assert_close_to_ref(y, ref, dtype)
         torch.cuda.synchronize()
-        assert float(K4._GEMV1_WS[x.device].abs().sum()) == 0.0
-        assert int(K4._COUNTERS[x.device].abs().sum()) == 0
+        assert float(common._ZEROED_WS[x.device].abs().sum()) == 0.0
+        assert int(common._COUNTERS[x.device].abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -487,41 +393,17 @@ def test_gpu_mma_small_groups_and_strided_x(group_size):
 
 
 @pytest.mark.gpu
-def test_gpu_mma_through_the_tuner(monkeypatch):
-    """With FXOPT_W4A16_MMA=1 the op's tuner lists, checks and may pick "mma" (M = 1 and M = 16); the op stays
-    correct."""
+def test_gpu_mma_through_the_tuner():
+    """The op's tuner lists, checks and may pick "mma" (M = 1 and M = 16); the op stays correct."""
     _gpu_mma_or_skip()
-    monkeypatch.setenv("FXOPT_W4A16_MMA", "1")
     K, N = 4096, 4096
     qweight, scales, zeros, G = make_packed(K, N, 128, torch.bfloat16, "cuda", seed=41)
     for M in (1, 16):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16).cuda()
-        cands = K4.candidate_configs(M, N, K, 128, device=x.device, dtype=x.dtype)
+        cands = tuner.candidate_configs(M, N, K, 128, device=x.device, dtype=x.dtype)
         assert any(c.method == "mma" for c in cands)
-        y = K4.w4a16_matmul(x, qweight, scales, zeros, 128)
+        y = torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, 128)
         assert_close_to_ref(y, reference(x, qweight, scales, zeros, G), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group_size", [128, -1])
-def test_gpu_mma_l2_prefetch_matches_reference(dtype, group_size):
-    """The L2-prefetch tiles (``_TILES_L2`` at M = 1, 4; ``_TILES16_L2`` at M = 16) against the float64
-    reference, on ragged shapes (N = 2200: partial column tiles; per channel K = 4200: a partial K tile) and on a K of
-    two tiles (the prefetch distance runs past the split: clamped addresses), with the automatic split, split 1 and
-    an odd split (tiles per split not a multiple of the unroll), bias off / on; workspace and counters back at zero."""
-    _gpu_mma_or_skip()
-    N = 2200
-    for K in ((4096 if group_size == 128 else 4200), 256):
-        qweight, scales, zeros, G = make_packed(K, N, group_size, dtype, "cuda", seed=61)
-        for M in (1, 4, 16):
-            gen = torch.Generator().manual_seed(60 + M)
-            x = torch.randn(M, K, generator=gen).to(dtype).cuda()
-            bias = torch.randn(N, generator=gen).to(dtype).cuda()
-            tiles = KM._TILES_L2 if M <= 8 else KM._TILES16_L2
-            cfgs = [KM.MmaConfig(warps=warps, cols_per_warp=cpw, prefetch=prefetch, pdl=pdl, l2_ahead=l2, split_k=sk)
-                    for cpw, warps, prefetch, pdl, l2 in tiles for sk in (0, 1, 3)]
-            _assert_configs_match(x, (qweight, scales, zeros, G), group_size, bias, cfgs, repeats=2)
 
 
 def test_candidates_list_twice_the_split_when_one_wave_leaves_slots_idle():
@@ -529,7 +411,7 @@ def test_candidates_list_twice_the_split_when_one_wave_leaves_slots_idle():
     one-wave split, only where that wave fills less than 90% of the CTA slots (8192 x 28672: 224 tiles x 2 of 528),
     not where it fills them (8192²: 64 x 8 of 528), and never at BM = 16."""
     def pdl_splits(M, K, N):
-        return [c.split_k for c in KM.candidate_configs(M, N, K, 128) if c.pdl]
+        return [c.split_k for c in KM.mma_configs(M, N, K, 128) if c.pdl]
 
     one, two = pdl_splits(1, 8192, 28672)
     assert two == 2 * one
@@ -537,5 +419,5 @@ def test_candidates_list_twice_the_split_when_one_wave_leaves_slots_idle():
     assert n_tiles * one < KM._FILL_FOR_SECOND_SPLIT * slots <= n_tiles * two, (n_tiles, one, slots)
     assert len(pdl_splits(1, 8192, 8192)) == 1 and len(pdl_splits(8, 4096, 11008)) == 1
     assert len(pdl_splits(16, 8192, 28672)) == 1
-    cands = KM.candidate_configs(1, 28672, 8192, 128)
+    cands = KM.mma_configs(1, 28672, 8192, 128)
     assert len({(c.block_n, c.num_warps, c.prefetch, c.pdl, c.split_k) for c in cands}) == len(cands)

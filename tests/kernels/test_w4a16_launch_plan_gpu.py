@@ -1,17 +1,19 @@
-"""W4A16 with launch plans (``w4a16._LAUNCH_PLANS``, on by default; FXOPT_LAUNCH_PLANS=0 turns them off): a replayed call gives what
-the ordinary path gives on fresh activations, for every listed config of a few shapes (the methods the tuner can
-pick: swap / swapx / swapd, fused, gemv2, gemv1, mma, gluon; dequant + cuBLAS keeps the ordinary path), and the
-plan follows the zero points' integrality (a fact about their values, not their metadata)."""
+"""W4A16 with launch plans (``ops._LAUNCH_PLANS``, on by default; FXOPT_LAUNCH_PLANS=0 turns them off): a replayed call
+gives what the ordinary path gives on fresh activations, for every listed config of a few shapes (the methods the tuner
+can pick: swapx / swapd, gemv1, mma, gluon; dequant + cuBLAS keeps the ordinary path), and the plan follows the zero
+points' integrality (a fact about their values, not their metadata) and the active routes."""
 import pytest
 import torch
 
 from fxopt.kernels import launch_plan as LP
 from fxopt.kernels import w4a16 as K4
-from test_w4a16_kernels import make_packed
+from fxopt.kernels.w4a16 import common, ops
+
+from w4a16_helpers import make_packed
 
 pytestmark = pytest.mark.gpu
 
-REPLAYABLE = ("swap", "swapx", "swapd", "fused", "gemv", "gemv2", "gemv1", "mma", "gluon")
+REPLAYABLE = ("swapx", "swapd", "gemv1", "mma", "gluon")
 
 
 def _weights(K, N, G, integer_zeros=True, seed=0):
@@ -27,7 +29,7 @@ def _close(a, b):
 
 @pytest.fixture
 def plans_on(monkeypatch):
-    monkeypatch.setattr(K4, "_LAUNCH_PLANS", True)
+    monkeypatch.setattr(ops, "_LAUNCH_PLANS", True)
     LP.clear_plans()
     yield
     LP.clear_plans()
@@ -38,7 +40,7 @@ def plans_on(monkeypatch):
 def test_replay_matches_ordinary_for_every_listed_config(plans_on, M, K, N):
     qw, sc, zr = _weights(K, N, 128)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    cands = K4.candidate_configs(M, N, K, 128, K4._num_sms(torch.device("cuda")), integer_zeros=True,
+    cands = K4.candidate_configs(M, N, K, 128, common.num_sms(torch.device("cuda")), integer_zeros=True,
                                  dtype=torch.bfloat16, device=torch.device("cuda"))
     for cfg in cands:
         for seed in (0, 1):  # ordinary, then recorded
@@ -72,7 +74,10 @@ def test_tuned_path_3d_input_and_zero_points_in_the_key(plans_on):
             assert y.shape == (2, M, N)
     # same metadata, different integrality: two keys, never one plan for both
     x = torch.randn(2, 16, K, device="cuda", dtype=torch.bfloat16)
-    assert K4._plan_state(x, qw, sc, zr) != K4._plan_state(x, qw, sc, zf)
+    state = ops._plan_state(x, qw, sc, zr)
+    assert state != ops._plan_state(x, qw, sc, zf)
+    with K4.routes(gluon=False):  # other routes: another key
+        assert ops._plan_state(x, qw, sc, zr) != state
 
 
 def test_op_under_cuda_graph_capture_with_plans(plans_on):

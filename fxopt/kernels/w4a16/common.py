@@ -1,0 +1,232 @@
+"""What every W4A16 build shares: the launch config, input checks, the integer-zeros fact, buffers kept across
+calls, and the grid arithmetic (M buckets, K tiles, split-K sizing).
+
+Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i + j];
+``scales`` / ``zeros`` [K/G, N]; ``W = (q - zero) * scale``. Every build unpacks two weights per 32-bit operation:
+``(p >> 4j) & 0x000F000F | MAGIC2`` holds the 16-bit float bits of OFFSET + q_j and OFFSET + q_{j+4}
+(``MAGIC``: 0x4300 -> 128 + q in bf16, 0x6400 -> 1024 + q in fp16; exact).
+
+Split-K builds keep their tile counters (and gemv1 / mma an fp32 workspace kept at zero) across calls: each
+call's last program per tile resets what it used, so no memset runs per call. They are per device and shared by
+the calls on it, which the stream serializes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from fxopt.kernels import cdiv, next_pow2, outside_graph_pools
+from fxopt.quant.format import PACK
+
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+NUM_SMS_DEFAULT = 132
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``, Triton's own variable)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """One launch configuration of ``fxopt::w4a16_linear``.
+
+    Args:
+        method: "swapx" / "swapd" (Triton tiles, ``triton_tiles.py``; "swapd" dequantizes before the dot, integer
+            zeros only), "gemv1" (M <= 4, ``gemv1.py``), "mma" (M <= 16, ``mma.py``), "gluon" (sm_90,
+            ``gluon.py``) or "dequant_matmul" (16-bit W, then cuBLAS, ``dequant.py``).
+        block_m, block_n, block_k: tile (gemv1: block_n columns, block_k the K tile; mma: block_n = warps x
+            columns per warp).
+        split_k: K splits (gluon: 0 = its own choice, about one CTA per SM).
+        num_warps, num_stages: launch options (gluon: num_stages = ring slots).
+        pdl: programmatic dependent launch (swapx / swapd: the main kernel starts while x is prepared).
+        kc: gluon, K columns per dequantized wgmma chunk.
+        regs: gluon, "async" = the register split that keeps wgmma asynchronous.
+        deq: gluon, "xsum" = the small-M consumer (scale and zero once per K tile).
+        prefetch: mma, K tiles of loads kept in flight ahead of the computed one (1 or 2).
+        ws: gluon, "regmajor" = the register-major split-K workspace.
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    method: str = "swapx"
+    pdl: bool = False
+    kc: int = 0
+    regs: str = ""
+    deq: str = ""
+    prefetch: int = 1
+    ws: str = ""
+
+    def label(self) -> str:
+        """Short printable name (the "config" column of benchmarks/w4a16.py; the tuner's digests hash it)."""
+        if self.method == "dequant_matmul":
+            return self.method
+        if self.method in ("mma", "gemv1"):
+            return (f"{self.method} bn{self.block_n} bk{self.block_k} sk{self.split_k} w{self.num_warps}"
+                    + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
+        if self.method == "gluon":
+            return (f"gluon bm{self.block_m} bn{self.block_n} s{self.num_stages} kc{self.kc}"
+                    + (f" {self.regs}" if self.regs else "") + (f" deq={self.deq}" if self.deq else "")
+                    + (f" sk{self.split_k}" if self.split_k else "") + (f" ws={self.ws}" if self.ws else "")
+                    + (" pdl" if self.pdl else ""))
+        return (f"{self.method} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{self.split_k} "
+                f"code w{self.num_warps} s{self.num_stages}")
+
+
+# Fields that configs in tuner files may still carry, with the only value today's builds have.
+_RETIRED_FIELDS = {"code_dot": True, "group_m": 8, "l2_ahead": 0}
+_FIELDS = {f.name for f in fields(W4A16Config)}
+
+
+def config_from_dict(d: dict):
+    """A W4A16Config from its stored dict, or None when it names a field or value no build has."""
+    kept = {k: v for k, v in d.items() if k in _FIELDS}
+    for k, v in d.items():
+        if k not in _FIELDS and _RETIRED_FIELDS.get(k, object()) != v:
+            return None
+    return W4A16Config(**kept)
+
+
+def num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def m_bucket(M: int) -> int:
+    """The tuner caches one pick per power-of-two bucket of M (capped at 4096)."""
+    return min(next_pow2(max(M, 1)), 4096)
+
+
+def fit_block_k(block_k: int, K: int, group_size: int) -> int:
+    """Largest power-of-two block_k' <= block_k dividing the group size (hence K)."""
+    bk = block_k
+    while bk > 8 and (group_size % bk or K % bk):
+        bk //= 2
+    return bk
+
+
+def balanced_split(k_tiles: int, split_k: int) -> tuple[int, int]:
+    """(splits, K tiles per split): at most ``split_k`` splits, every one with the same number of K tiles."""
+    split = max(1, min(split_k, k_tiles))
+    per = cdiv(k_tiles, split)
+    return cdiv(k_tiles, per), per
+
+
+def split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
+    """K split that brings a grid of ``n_tiles_mn`` output tiles near ``target_ctas`` programs."""
+    split = min(max(1, round(target_ctas / max(n_tiles_mn, 1))), k_tiles)
+    return balanced_split(k_tiles, split)[0]
+
+
+def one_wave_split(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1.5) -> int:
+    """K split of a grid of ``n_tiles`` x split CTAs with ``slots`` resident at once over the GPU: the split whose
+    critical path, waves x (K tiles per CTA + ``cta_cost``), is shortest (ties: the smaller split). ``cta_cost`` is a
+    CTA's fixed cost in K tiles (first loads, reduction, counter). E.g. 112 column tiles, 64 K tiles, 528 slots:
+    split 4 (one wave of 16 tiles), not 5 (a second wave) nor 32 (seven waves of 2 tiles)."""
+    best_cost, best = None, 1
+    for s in range(1, k_tiles + 1):
+        s_eff, tps = balanced_split(k_tiles, s)
+        cost = cdiv(n_tiles * s_eff, slots) * (tps + cta_cost)
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, s_eff
+    return best
+
+
+def check_inputs(x, qweight, scales, zeros, group_size, bias):
+    """(K, N, group size with -1 resolved); ValueError naming the first problem."""
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"w4a16: qweight must be int32 [K // 8, N], got "
+                         f"{getattr(qweight, 'dtype', type(qweight))} {tuple(getattr(qweight, 'shape', ()))}")
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"w4a16: x must be float16 or bfloat16, got {x.dtype}")
+    if scales.dtype != x.dtype or zeros.dtype != x.dtype:
+        raise ValueError(f"w4a16: x dtype {x.dtype} must equal scales/zeros dtype ({scales.dtype}, {zeros.dtype})")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"w4a16: x must be 2-D or 3-D, got shape {tuple(x.shape)}")
+    if x.shape[-1] != K:
+        raise ValueError(f"w4a16: x has {x.shape[-1]} input features but qweight packs K = {K}")
+    if group_size == -1:
+        group_size = K
+    if group_size not in (32, 64, 128, K) or K % group_size:
+        raise ValueError(f"w4a16: group size {group_size} not supported for K = {K} (32, 64, 128 or K)")
+    G = K // group_size
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (G, N):
+            raise ValueError(f"w4a16: {name} must be [{G}, {N}] (K={K}, group {group_size}), got {tuple(t.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+        raise ValueError(f"w4a16: bias must be [{N}], got {tuple(bias.shape)}")
+    devs = {t.device for t in (x, qweight, scales, zeros) + ((bias,) if bias is not None else ())}
+    if len(devs) != 1:
+        raise ValueError(f"w4a16: all tensors must be on one device, got {sorted(map(str, devs))}")
+    return K, N, group_size
+
+
+_COUNTERS: dict = {}
+_ZEROED_WS: dict = {}
+
+
+def counters(device, n: int) -> torch.Tensor:
+    """int32 tile counters, all zero between calls."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        _COUNTERS[device] = buf
+    return buf
+
+
+def zeroed_workspace(device, n: int) -> torch.Tensor:
+    """The fp32 split-K workspace of gemv1 and mma (relaxed atomic adds), all zeros between calls: every call's last
+    CTA per column tile zeroes what it read."""
+    buf = _ZEROED_WS.get(device)
+    if buf is None or buf.numel() < n:
+        # 4 MB at least: a buffer that grows would leave captured CUDA graphs pointing at a freed one
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device))
+        _ZEROED_WS[device] = buf
+    return buf
+
+
+# Answers of ``integer_zeros`` by storage place, for views made afresh on every call (the sibling spans of
+# ``w4a16_linear_cat``): (weak ref to the storage, version, answer).
+_INTEGER_ZEROS: dict = {}
+
+
+def integer_zeros(zeros: torch.Tensor) -> bool:
+    """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are): "swapd" and "gluon" are exact only then.
+    Checked once per storage place and in-place version (a device sync; the answer is kept on the tensor and by
+    storage, so a new view of the same numbers is not checked again); under CUDA-graph capture an unchecked tensor
+    counts as not integer."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen = getattr(zeros, "_fxopt_integer_zeros", None)
+    if seen is not None and seen[0] == zeros._version:
+        return seen[1]
+    storage = StorageWeakRef(zeros.untyped_storage())
+    place = (zeros.untyped_storage().data_ptr(), zeros.storage_offset(), tuple(zeros.shape), tuple(zeros.stride()))
+    known = _INTEGER_ZEROS.get(place)
+    if known is not None and not known[0].expired() and known[0] == storage and known[1] == zeros._version:
+        return known[2]
+    if zeros.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = bool(torch.equal(zeros, zeros.round()))
+    mark_integer_zeros(zeros, ok)
+    if len(_INTEGER_ZEROS) > 4096:
+        for k in [k for k, v in _INTEGER_ZEROS.items() if v[0].expired()]:
+            del _INTEGER_ZEROS[k]
+    _INTEGER_ZEROS[place] = (storage, zeros._version, ok)
+    return ok
+
+
+def mark_integer_zeros(zeros: torch.Tensor, ok: bool) -> None:
+    """Keep the integer-zeros answer on the tensor (a copy of checked zeros inherits the check, no sync)."""
+    try:
+        zeros._fxopt_integer_zeros = (zeros._version, ok)
+    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes
+        pass

@@ -1,0 +1,235 @@
+"""The W4A16 ops and their entry point.
+
+* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias=None) -> y [..., N]`` (contiguous,
+  ``x.dtype``): CUDA runs the tuner's pick (``tuner.choose_config``); CPU the reference (dequantize + matmul in
+  float32, cast). Autograd with respect to ``x`` and ``bias``: ``grad_x = grad_y @ W``; the packed tensors get none.
+* ``torch.ops.fxopt.w4a16_linear_cat(x, qweights, scales, zeros, group_size, biases)``: the concatenation of several
+  linears' outputs; one kernel call over their joint columns when the packed tensors are adjacent slices of one
+  storage (``column_span``, checked on every call), else one call per linear.
+* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype``.
+
+``w4a16_matmul`` is the Python entry point under the ops; it replays recorded launches (``launch_plan``) keyed on the
+arguments' metadata plus what the routing reads beyond them (``_plan_state``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from fxopt import env
+from fxopt.kernels.launch_plan import plan_cached
+from fxopt.kernels.w4a16 import routing, tuner
+from fxopt.kernels.w4a16.common import (MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
+                                        mark_integer_zeros)
+from fxopt.kernels.w4a16.dequant import dequantize_w4_triton
+from fxopt.quant.format import PACK, dequantize as _dequantize_reference
+
+log = logging.getLogger(__name__)
+
+
+# Launch plans for the eager path (tests/kernels/test_w4a16_launch_plan_gpu.py); FXOPT_LAUNCH_PLANS=0 turns them off.
+_LAUNCH_PLANS = env.launch_plans()
+
+
+def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
+    """What the launch path routes on beyond the arguments' metadata: whether the zero points are integers (a fact
+    about their values, kept on the tensor: "swapd" is chosen only then), the tuner's table (a new entry may change
+    the config of a shape), the active routes and the untuned switch."""
+    return (integer_zeros(zeros) if zeros.is_cuda else None, len(tuner._TUNED), routing.active(), env.w4a16_no_tune())
+
+
+@plan_cached(state=_plan_state, enabled=lambda: _LAUNCH_PLANS)
+def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
+                 config: Optional[W4A16Config] = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias); x [..., K] (2-D or 3-D). Works on CPU tensors under ``TRITON_INTERPRET=1``
+    (the Triton tiles, tiny shapes). ``config`` forces a launch config (else the tuner's pick)."""
+    K, N, group_size = check_inputs(x, qweight, scales, zeros, group_size, bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, K)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    if x2d.shape[0] == 0:
+        return x.new_empty(*lead, N)
+    if config is None:
+        config = tuner.choose_config(x2d, qweight, scales, zeros, group_size, bias)
+    elif config.method in ("swapx", "swapd"):
+        config = replace(config, block_k=fit_block_k(config.block_k, K, group_size))
+    y = tuner.launch(x2d, qweight, scales, zeros, group_size, bias, config)
+    return y.reshape(*lead, N)
+
+
+def w4a16_reference(x, qweight, scales, zeros, group_size: int, bias=None) -> torch.Tensor:
+    """Reference: dequantize and matmul in float32, add bias, cast to x.dtype (the op's CPU path)."""
+    K = qweight.shape[0] * PACK
+    w = _dequantize_reference(qweight, scales, zeros, K if group_size == -1 else group_size, dtype=torch.float32)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fxopt::dequantize_w4", mutates_args=())
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [N, K] = (q - zeros) * scales in scales.dtype, contiguous."""
+    from fxopt.quant.format import check_packed
+
+    K = qweight.shape[0] * PACK
+    gs = K if group_size == -1 else group_size
+    check_packed(qweight, scales, zeros, gs)
+    if qweight.device.type == "cuda" and scales.dtype in MAGIC:
+        return dequantize_w4_triton(qweight, scales.contiguous(), zeros.contiguous(), gs)
+    return _dequantize_reference(qweight, scales, zeros, gs).contiguous()
+
+
+@dequantize_w4.register_fake
+def _(qweight, scales, zeros, group_size):
+    return scales.new_empty((qweight.shape[1], qweight.shape[0] * PACK))
+
+
+@torch.library.custom_op("fxopt::w4a16_linear", mutates_args=())
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ ((q - zeros) * scales).T (+ bias); x [..., K] 2-D or 3-D fp16/bf16; y [..., N] contiguous."""
+    check_inputs(x, qweight, scales, zeros, group_size, bias)
+    if x.device.type == "cuda":
+        if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+            # a sibling's column slice (share_sibling_storage) that the pass did not group: the kernels take rows
+            # whole. The copy of the zeros inherits the slice's integer check (kept on the slice: no sync per call).
+            intz = integer_zeros(zeros)
+            qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+            mark_integer_zeros(zeros, intz)
+        return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
+    return w4a16_reference(x, qweight, scales, zeros, group_size, bias)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size, bias=None):
+    check_inputs(x, qweight, scales, zeros, group_size, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, scales, zeros, group_size, bias = inputs
+    ctx.save_for_backward(qweight, scales, zeros)
+    ctx.group_size = group_size
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad_y):
+    qweight, scales, zeros = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N, K]
+        grad_x = torch.matmul(grad_y, w.to(grad_y.dtype))
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return grad_x, None, None, None, None, grad_bias
+
+
+w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def column_span(parts) -> Optional[torch.Tensor]:
+    """The contiguous tensor whose blocks along the last dim are ``parts``, in order, when they are adjacent slices of
+    one storage (as :func:`fxopt.quant.linear.share_sibling_storage` lays siblings out); else None.
+
+    Parts are all 2-D ``[R, N_i]`` or all 1-D ``[N_i]``. Reads only sizes, strides, offsets and storage identity, so it
+    works on the pass's fake tensors (the proof) and on the op's real ones (the check on every call)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first if first.is_contiguous() else None
+    lead = tuple(first.shape[:-1])
+    if first.dim() not in (1, 2) or any(p.dim() != first.dim() or tuple(p.shape[:-1]) != lead or p.dtype != first.dtype
+                                        or p.device != first.device for p in parts):
+        return None
+    total = sum(int(p.shape[-1]) for p in parts)
+    storage = StorageWeakRef(first.untyped_storage())
+    offset = first.storage_offset()
+    for p in parts:
+        if StorageWeakRef(p.untyped_storage()) != storage or p.storage_offset() != offset:
+            return None
+        if p.shape[-1] > 1 and p.stride(-1) != 1:
+            return None
+        if p.dim() == 2 and p.shape[0] > 1 and p.stride(0) != total:
+            return None
+        offset += int(p.shape[-1])
+    if first.dim() == 1:
+        return first.as_strided((total,), (1,), first.storage_offset())
+    return first.as_strided((lead[0], total), (total, 1), first.storage_offset())
+
+
+def _check_cat_inputs(x, qweights, scales, zeros, group_size, biases):
+    n = len(qweights)
+    if n == 0 or len(scales) != n or len(zeros) != n or (biases and len(biases) != n):
+        raise ValueError(f"w4a16_linear_cat: {n} qweight(s), {len(scales)} scales, {len(zeros)} zeros and "
+                         f"{len(biases)} bias(es): one of each per linear")
+    for i in range(n):
+        check_inputs(x, qweights[i], scales[i], zeros[i], group_size, biases[i] if biases else None)
+    return sum(q.shape[1] for q in qweights)
+
+
+@torch.library.custom_op("fxopt::w4a16_linear_cat", mutates_args=())
+def w4a16_linear_cat(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                     zeros: list[torch.Tensor], group_size: int, biases: list[torch.Tensor]) -> torch.Tensor:
+    """``cat([w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size, biases[i]) for i], -1)``, contiguous
+    (``biases``: one per linear, or empty for none).
+
+    One kernel call over ``[K // 8, sum N]`` when each list is adjacent slices of one storage (checked on every call,
+    :func:`column_span`), else one call per linear: never a different result, only slower."""
+    _check_cat_inputs(x, qweights, scales, zeros, group_size, biases)
+    spans = [column_span(t) for t in (qweights, scales, zeros)]
+    bias = column_span(biases) if biases else None
+    if all(s is not None for s in spans) and (not biases or bias is not None):
+        if x.device.type == "cuda":
+            return w4a16_matmul(x, *spans, group_size, bias)
+        return w4a16_reference(x, *spans, group_size, bias)
+    log.debug("w4a16_linear_cat: packed tensors are not adjacent slices of one storage; one call per linear")
+    parts = [torch.ops.fxopt.w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size,
+                                          biases[i] if biases else None) for i in range(len(qweights))]
+    return torch.cat(parts, dim=-1)
+
+
+@w4a16_linear_cat.register_fake
+def _(x, qweights, scales, zeros, group_size, biases):
+    N = _check_cat_inputs(x, qweights, scales, zeros, group_size, biases)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+def _setup_context_cat(ctx, inputs, output):
+    x, qweights, scales, zeros, group_size, biases = inputs
+    ctx.save_for_backward(*qweights, *scales, *zeros)
+    ctx.n, ctx.group_size, ctx.has_bias = len(qweights), group_size, bool(biases)
+
+
+def _backward_cat(ctx, grad_y):
+    saved, n = ctx.saved_tensors, ctx.n
+    grad_x, grad_biases = None, [None] * n
+    if ctx.needs_input_grad[0]:
+        col = 0
+        for i in range(n):
+            w = torch.ops.fxopt.dequantize_w4(saved[i], saved[n + i], saved[2 * n + i], ctx.group_size)  # [N_i, K]
+            g = torch.matmul(grad_y[..., col:col + w.shape[0]], w.to(grad_y.dtype))
+            grad_x = g if grad_x is None else grad_x + g
+            col += w.shape[0]
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        g = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+        grad_biases, col = [], 0
+        for i in range(n):
+            grad_biases.append(g[col:col + saved[i].shape[1]])
+            col += saved[i].shape[1]
+    none = [None] * n  # list inputs take a list of gradients
+    return grad_x, none, none, none, None, grad_biases if ctx.has_bias else []
+
+
+w4a16_linear_cat.register_autograd(_backward_cat, setup_context=_setup_context_cat)

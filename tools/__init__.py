@@ -1,0 +1,1 @@
+"""Offline developer tools (not part of the installed ``fxopt`` package)."""
