@@ -6,7 +6,8 @@ Plans only (fake process group, nothing communicates; also on a CPU machine)::
     python benchmarks/distributed.py --plan --layers 4 --meshes 1x2x2,2x2x2,2x4x8 --out $OUT
 
   Per mesh (dp x pp x tp): layers per stage, tp collectives per layer, bytes each rank sends per step on tp / pp / dp,
-  the predicted bubble for GPipe / 1F1B / Interleaved1F1B at ``--microbatches``.
+  the predicted training bubble of each schedule at ``--microbatches`` (fxopt.parallel.schedules) and the one
+  ``schedule="auto"`` picks.
 
 One GPU (``--one-gpu``): prefill tokens/s and a training step's time of the full model, ``backend="fxopt"``.
 
@@ -89,18 +90,18 @@ def plan_rows(args) -> list:
             "mesh dp x pp x tp": spec, "ranks": world, "microbatches": p.microbatches,
             "tp collectives / layer": (f"{(tpp.all_reduces + tpp.all_gathers) / args.layers:.2f}" if tpp else "-"),
             "rank 0 sends tp MB": round(b["tp"] / 2**20, 2), "pp MB": round(b["pp"] / 2**20, 2),
-            **_bubbles(pp, p.microbatches, training=True),
+            **_bubbles(pp, p.microbatches, training=True, layers=args.layers),
             "stage balance": round(p.pipeline_plan.balance, 3) if p.pipeline_plan else "-",
             "stages": " | ".join(stages), "plan s": round(plan_s, 1),
         })
     return rows
 
 
-def _bubbles(pp: int, microbatches: int, training: bool) -> dict:
+def _bubbles(pp: int, microbatches: int, training: bool, layers: int) -> dict:
     """Predicted bubble of each schedule (fxopt.parallel.schedules) and the one ``schedule="auto"`` picks."""
     if pp <= 1:
         return {"auto picks (training)": "-"}
-    best, table = choose_schedule(pp, microbatches, training)
+    best, table = choose_schedule(pp, microbatches, training, layers)
     out = {f"training bubble {k}": (round(v, 3) if isinstance(v, float) else "-") for k, v in table.items()}
     out["auto picks (training)"] = best
     return out

@@ -200,3 +200,31 @@ def test_pass_groups_only_small_row_counts():
     _, graphs = capture(model, x)
     (gm, _), = graphs
     assert count(gm, CAT) == 0 and count(gm, W4A16) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_ungrouped_sibling_slices_match_copies_and_are_read_in_place(bias, monkeypatch):
+    """Above GROUP_MAX_ROWS each sibling is its own call on a column slice: once the tuner picked "dequant_matmul"
+    for the shape, the op reads the slice where it lies (no copy of the packed tensors per call), with the values of
+    the contiguous copy; any other pick gets a contiguous copy."""
+    from fxopt.kernels.w4a16 import tuner
+    from fxopt.kernels.w4a16.common import W4A16Config
+
+    model = Block(bias=bias, dtype=torch.bfloat16).cuda()
+    k = model.k_proj
+    qw, s, z, b = (k.qweight.clone(), k.scales.clone(), k.zeros.clone(), None if k.bias is None else k.bias.clone())
+    share_sibling_storage(model)
+    assert not k.qweight.is_contiguous()
+    x = torch.randn(1024, 64, device="cuda", dtype=torch.bfloat16)
+    expect = torch.ops.fxopt.w4a16_linear(x, qw, s, z, 32, b)
+    real = torch.ops.fxopt.w4a16_linear(x, k.qweight, k.scales, k.zeros, 32, k.bias)  # tunes the shape
+    assert tuner.tuned_config(x, 16, k.zeros, 32, bias) is not None
+    torch.testing.assert_close(real, expect, rtol=0, atol=0)
+    for pick in (W4A16Config(method="dequant_matmul"), None):
+        monkeypatch.setattr(tuner, "tuned_config", lambda *a, pick=pick: pick)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = torch.ops.fxopt.w4a16_linear(x, k.qweight, k.scales, k.zeros, 32, k.bias)
+        copies = [e.name for e in prof.events() if e.name in ("aten::clone", "aten::contiguous", "aten::copy_")]
+        assert bool(copies) == (pick is None), copies
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)

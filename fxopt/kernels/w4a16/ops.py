@@ -23,7 +23,7 @@ from fxopt import env
 from fxopt.kernels.launch_plan import plan_cached
 from fxopt.kernels.w4a16 import routing, tuner
 from fxopt.kernels.w4a16.common import (MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
-                                        mark_integer_zeros)
+                                        interpreting, mark_integer_zeros)
 from fxopt.kernels.w4a16.dequant import dequantize_w4_triton
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
@@ -51,7 +51,8 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, bias=None,
     x2d = x.reshape(-1, K)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    scales, zeros = scales.contiguous(), zeros.contiguous()
+    if config is None or config.method != "dequant_matmul":  # the dequant kernel reads any strides
+        scales, zeros = scales.contiguous(), zeros.contiguous()
     if x2d.shape[0] == 0:
         return x.new_empty(*lead, N)
     if config is None:
@@ -100,13 +101,30 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     check_inputs(x, qweight, scales, zeros, group_size, bias)
     if x.device.type == "cuda":
         if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-            # a sibling's column slice (share_sibling_storage) that the pass did not group: the kernels take rows
-            # whole. The copy of the zeros inherits the slice's integer check (kept on the slice: no sync per call).
+            # a sibling's column slice (share_sibling_storage) that the pass did not group (a prefill): the
+            # dequantize + cuBLAS route reads the slice in place once the tuner picked it for this shape
+            cfg = _slice_route(x, qweight, scales, zeros, group_size, bias)
+            if cfg is not None:
+                return w4a16_matmul(x, qweight, scales, zeros, group_size, bias, config=cfg)
+            # the fused kernels take rows whole: a contiguous copy, whose zeros inherit the slice's integer check
+            # (kept on the slice: no sync per call)
             intz = integer_zeros(zeros)
             qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
             mark_integer_zeros(zeros, intz)
         return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     return w4a16_reference(x, qweight, scales, zeros, group_size, bias)
+
+
+def _slice_route(x, qweight, scales, zeros, group_size, bias) -> Optional[W4A16Config]:
+    """The tuner's pick for this shape when it is "dequant_matmul" and the slices' strides suit its kernel."""
+    if qweight.stride(1) != 1 or scales.stride() != zeros.stride() or scales.stride(1) != 1:
+        return None
+    K = qweight.shape[0] * PACK
+    x2d = x.reshape(-1, K)
+    if x2d.stride(1) != 1 or x2d.shape[0] == 0 or interpreting():
+        return None
+    cfg = tuner.tuned_config(x2d, qweight.shape[1], zeros, K if group_size == -1 else group_size, bias is not None)
+    return cfg if cfg is not None and cfg.method == "dequant_matmul" else None
 
 
 @w4a16_linear.register_fake

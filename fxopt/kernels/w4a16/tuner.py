@@ -376,6 +376,14 @@ def _pick_fastest(cands: list, time_us) -> tuple:
     return c, t
 
 
+def tuned_config(x2d, N: int, zeros, group_size: int, has_bias: bool) -> Optional[W4A16Config]:
+    """The pick :func:`choose_config` already made for this shape under the active routes, or None (times nothing)."""
+    M, K = x2d.shape
+    key = (x2d.device.index, x2d.dtype, m_bucket(M), K, N, group_size, has_bias, integer_zeros(zeros),
+           routing.active())
+    return _TUNED.get(key)
+
+
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
     """Tuned config for this shape under the active routes (timed once per key on CUDA, then cached in the process
     and in the tuner's file, so a new process on the same GPU model and software reuses it); the default candidate
