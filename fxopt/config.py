@@ -54,6 +54,38 @@ class W4A16Config:
     group_siblings: bool = True
 
 
+ATTENTION_TMA_CHOICES = ("auto", "on", "off")
+
+
+@dataclass
+class KernelConfig:
+    """Kernel route choices. They apply at run time, process-wide: the backend that compiled last sets them, and
+    ``fxopt.kernels.use_kernels(...)`` overrides them in a block (``fxopt/kernels/_common.py``).
+
+    Args:
+        attention_gluon: on sm_90, the attention forward runs the Gluon (FA3-style) builds where the routing
+            table (``fxopt/kernels/attention/routing.py``) picks them; ``False``: the Triton kernel everywhere.
+        attention_gluon_backward: the same for the attention backward.
+        attention_tma: TMA tensor descriptors in the Triton attention forward: ``"auto"`` (head dim 256 only,
+            where they measured faster), ``"on"`` (wherever the strides allow), ``"off"``.
+        fp8_gluon: on sm_90, ``fxopt::fp8_attention`` runs the Gluon FP8 forward where it takes the inputs;
+            ``False``: the Triton FP8 kernel.
+    """
+
+    # attention and fp8 attention (fxopt/kernels/attention, fxopt/kernels/fp8)
+    attention_gluon: bool = True
+    attention_gluon_backward: bool = True
+    attention_tma: str = "auto"
+    fp8_gluon: bool = True
+
+    def validate(self) -> "KernelConfig":
+        """Check the choice-valued fields; raise :class:`ConfigError` naming the option. Returns ``self``."""
+        if self.attention_tma not in ATTENTION_TMA_CHOICES:
+            raise ConfigError(f"fxopt option 'kernels.attention_tma' is {self.attention_tma!r}; valid choices: "
+                              f"{', '.join(ATTENTION_TMA_CHOICES)}")
+        return self
+
+
 @dataclass
 class TensorParallelConfig:
     """Tensor-parallel pass settings (used by :func:`fxopt.parallelize`).
@@ -116,6 +148,7 @@ class Config:
         w4a16: :class:`W4A16Config`.
         tensor_parallel: :class:`TensorParallelConfig`.
         pipeline: :class:`PipelineConfig`.
+        kernels: :class:`KernelConfig` (kernel route choices).
         inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
             ``{"max_autotune": True}``.
         cudagraphs: replay the compiled graphs from CUDA graphs (Inductor's CUDA-graph trees), what
@@ -130,6 +163,7 @@ class Config:
     w4a16: W4A16Config = field(default_factory=W4A16Config)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     inductor_options: dict = field(default_factory=dict)
     cudagraphs: bool = False
 
@@ -170,6 +204,7 @@ class Config:
         if bad:
             raise ConfigError(f"fxopt option 'pipeline.split_points' takes qualified module names (non-empty str), "
                               f"got {bad!r}")
+        self.kernels.validate()
         _check_inductor_options(self.inductor_options)
         return self
 
