@@ -219,10 +219,12 @@ def _first_line(e: Exception) -> str:
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
-                           config=None, use_tma=None, out=None):
+                           decode_combine=None, config=None, use_tma=None, out=None):
     """Launch the forward. Returns out (and the natural-log lse [B, Hq, Sq] fp32 when return_lse).
 
     decode: None = choose automatically, True/False = force the split-KV path on/off.
+    decode_combine: split-KV partials merged by the split kernel (True), by the combine kernel (False), or by
+    ``decode.fused_combine_rule`` (None).
     config: dict(BLOCK_M, BLOCK_N, num_warps, num_stages) runs the Triton kernel with it, untuned (benchmarks);
     ``config`` or ``use_tma`` given: the Triton kernel, never a Gluon build.
     """
@@ -250,7 +252,8 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if decode:
         if dropout_p > 0:
             raise ValueError("flash_attention: the split-KV decode path does not support dropout")
-        launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags)
+        launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
+                     fused=decode_combine)
         return (o, lse) if return_lse else o
     build = None if config is not None or use_tma is not None else gluon_forward_build(
         q, k, v, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale)
