@@ -295,14 +295,14 @@ def test_w4a16_plans_default_and_switch():
 
 def test_no_plan_state_adds_no_key(monkeypatch):
     """Dropout draws a new seed per call: such calls keep the ordinary path without filling the table."""
-    from fxopt.kernels import attention as A
+    from fxopt.kernels.attention import launch
 
     monkeypatch.setattr(LP, "_ALLOW_CPU", True)
     q = torch.randn(1, 1, 4, 8)
-    assert A._fwd_plan_state(q, q, q, None, 0.1, False, None, -1, 0.0, None, 123) is LP.NO_PLAN
-    assert A._fwd_plan_state(q, q, q, dropout_p=0.0) == A._plan_state()
-    assert A._bwd_plan_state(q, q, q, q, q, q, None, 0.2) is LP.NO_PLAN
-    assert A._bwd_plan_state(q, q, q, q, q, q, dropout_p=0.0) == A._plan_state()
+    assert launch._fwd_plan_state(q, q, q, None, 0.1, False, None, -1, 0.0, None, 123) is LP.NO_PLAN
+    assert launch._fwd_plan_state(q, q, q, dropout_p=0.0) == launch._plan_state(0.0)
+    assert launch._bwd_plan_state(q, q, q, q, q, q, None, 0.2) is LP.NO_PLAN
+    assert launch._bwd_plan_state(q, q, q, q, q, q, dropout_p=0.0) == launch._plan_state(0.0)
     ran = []
 
     @LP.plan_cached(state=lambda x, seed: LP.NO_PLAN if seed else ())
