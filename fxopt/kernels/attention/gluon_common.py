@@ -51,6 +51,16 @@ def as_tma_box(buf, desc):
     return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
+@gluon.jit
+def unmasked_blocks(row_first, diag_off, SEQ_K, n_blocks, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    # Leading key blocks that need no mask for any row of the warpgroup whose first row is row_first: fully inside
+    # Sk and (causal) left of the diagonal for that row. The rest (diagonal blocks, ragged last block) are masked.
+    n_full = SEQ_K // BLOCK_N
+    if CAUSAL:
+        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
+    return gl.minimum(n_full, n_blocks)
+
+
 _TORCH_TO_GL: dict = {}
 
 

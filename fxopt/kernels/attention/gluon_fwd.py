@@ -43,6 +43,7 @@ from .gluon_common import (
     mbarrier,
     tma,
     tma_stride_reason,
+    unmasked_blocks,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -187,12 +188,7 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
     row_first = m0 + WG * ROWS
     rows = row_first + gl.arange(0, ROWS, layout=row_layout)
     diag_off = SEQ_K - SEQ_Q
-    # Leading key blocks that need no mask for any row of this warpgroup: fully inside Sk and (causal) left of
-    # the diagonal for the first row. The rest (diagonal blocks, ragged last block) take the masked loop.
-    n_full = SEQ_K // BLOCK_N
-    if CAUSAL:
-        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
-    n_full = gl.minimum(n_full, n_blocks)
+    n_full = unmasked_blocks(row_first, diag_off, SEQ_K, n_blocks, BLOCK_N, CAUSAL)
 
     q_buf = q_smem.index(WG)
     mbarrier.wait(q_bars.index(WG), 0)
@@ -469,10 +465,7 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
         n_blocks = _fa_tile_blocks(m0, SEQ_Q, SEQ_K, NUM_WG * ROWS, BLOCK_N, CAUSAL)
         row_first = m0 + WG * ROWS
         rows = row_first + gl.arange(0, ROWS, layout=row_layout)
-        n_full = SEQ_K // BLOCK_N
-        if CAUSAL:
-            n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
-        n_full = gl.minimum(n_full, n_blocks)
+        n_full = unmasked_blocks(row_first, diag_off, SEQ_K, n_blocks, BLOCK_N, CAUSAL)
 
         qb = t % 2
         q_buf = q_smem.index(NUM_WG * qb + WG)

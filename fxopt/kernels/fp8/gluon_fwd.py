@@ -36,6 +36,7 @@ from fxopt.kernels.attention.gluon_common import (
     mbarrier,
     tma,
     tma_stride_reason,
+    unmasked_blocks,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -163,10 +164,7 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
     row_first = m0 + WG * ROWS
     rows = row_first + gl.arange(0, ROWS, layout=row_layout)
     diag_off = SEQ_K - SEQ_Q
-    n_full = SEQ_K // BLOCK_N
-    if CAUSAL:
-        n_full = gl.minimum(n_full, gl.maximum(row_first + diag_off + 1, 0) // BLOCK_N)
-    n_full = gl.minimum(n_full, n_blocks)
+    n_full = unmasked_blocks(row_first, diag_off, SEQ_K, n_blocks, BLOCK_N, CAUSAL)
 
     # 128 query rows per CTA = one quantization block of Q: one scale for both warpgroups
     qk_scale = gl.load(qs_ptr + bh * NQB + m0 // QB) * sm_scale_log2
