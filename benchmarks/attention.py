@@ -19,8 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fxopt.kernels import attention as A  # noqa: E402
-from fxopt.kernels import attention_gluon as G  # noqa: E402
 from fxopt.kernels import launch_plan as LP  # noqa: E402
+from fxopt.kernels import use_kernels  # noqa: E402
+from fxopt.kernels.attention import gluon_fwd as G  # noqa: E402
+from fxopt.kernels.attention import launch, routing  # noqa: E402
 
 
 def _rand(*shape, grad=False):
@@ -113,25 +115,11 @@ def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
-def _triton_only(fn):
-    """fn with the Gluon forward routing switched off."""
+def _with_kernels(fn, **choices):
+    """fn run with other kernel choices (``fxopt.kernels.use_kernels``), e.g. the Gluon forward off."""
     def run():
-        saved, A._GLUON_HEAD_DIMS = A._GLUON_HEAD_DIMS, ()
-        try:
+        with use_kernels(**choices):
             return fn()
-        finally:
-            A._GLUON_HEAD_DIMS = saved
-    return run
-
-
-def _triton_bwd_only(fn):
-    """fn with the Gluon backward routing switched off (the forward routing unchanged)."""
-    def run():
-        saved, A._GLUON_BWD_HEAD_DIMS = A._GLUON_BWD_HEAD_DIMS, ()
-        try:
-            return fn()
-        finally:
-            A._GLUON_BWD_HEAD_DIMS = saved
     return run
 
 
@@ -146,11 +134,13 @@ def attention_rows(d, S, causal, bwd=True):
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     row = {"d": d, "S": S, "B": B, "H": H, "causal": causal}
     # the two forwards fxopt has, each on its own: the Triton-language kernel and the Gluon (FA3-style) one;
-    # "fxopt" is whichever flash_attention_triton routes to (the Gluon one at the head dims in _GLUON_HEAD_DIMS)
-    gv = A._gluon_fwd_variant(d, causal, S)  # the build the op routes to at this head dim and length
+    # "fxopt" is whichever flash_attention_triton routes to (routing.ROUTES)
+    gb = launch.gluon_forward_build(qd, kd, vd, is_causal=causal)  # the Gluon build the op runs, or None
+    gv = gb.split(" ", 1)[1] if gb else ("persistent" if d in (64, 128) else "default")
     fwd = {
         "fxopt": lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
-        "triton": _triton_only(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal)),
+        "triton": _with_kernels(lambda: A.flash_attention_triton(qd, kd, vd, is_causal=causal),
+                                attention_gluon=False),
         "gluon": (lambda: G.gluon_attention_fwd(qd, kd, vd, causal=causal, variant=gv))
         if G.gluon_supported(qd, kd, vd, causal) is None else None,
         "fa2": lambda: fa2(qd, kd, vd),
@@ -167,8 +157,8 @@ def attention_rows(d, S, causal, bwd=True):
         row["fwdg_vs_cudnn"] = _ratio(row["fwdg_fxopt_tflops"], row["fwdg_cudnn_tflops"])
     if bwd:
         fb = {"fxopt": _fwd_bwd(ours, q, k, v, do)}
-        if d in A._GLUON_BWD_HEAD_DIMS:  # the same with the Triton backward kernels
-            fb["fxopt_tritonbwd"] = _triton_bwd_only(_fwd_bwd(ours, q, k, v, do))
+        if routing.select("backward", (9, 0), d, causal, S, S) != routing.TRITON:  # the same, Triton backward
+            fb["fxopt_tritonbwd"] = _with_kernels(_fwd_bwd(ours, q, k, v, do), attention_gluon_backward=False)
         fb.update(fa2=_fwd_bwd(fa2, q, k, v, do), cudnn=_fwd_bwd(cud, q, k, v, do))
         tb = _time_set(fb)
         for name, ms in tb.items():
@@ -197,19 +187,19 @@ def attention_rows(d, S, causal, bwd=True):
 
 def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     """One decode row. ``hkv``: key/value heads (GQA when < H); ``combine``: "fused" / "kernel" sets the split-KV
-    combine mode for the fxopt calls (default: the library's)."""
+    combine for the fxopt calls (default: the library's rule)."""
     hkv = hkv or H
-    if combine is not None:
-        A._FUSED_COMBINE = None if combine == "auto" else combine == "fused"
+    fused = {"fused": True, "kernel": False}.get(combine)
+    ours = lambda a, b, c: A.flash_attention_triton(a, b, c, decode_combine=fused)  # noqa: E731
     q = _rand(B, H, 1, d)
     k, v = _rand(B, hkv, S, d), _rand(B, hkv, S, d)
     nbytes = 2 * B * hkv * S * d * 2
     row = {"decode_S": S, "B": B, "H": H, "d": d}
     if hkv != H or combine is not None:
-        row.update(Hkv=hkv, combine=combine or A._COMBINE_MODE)
+        row.update(Hkv=hkv, combine=combine or "auto")
     gqa = hkv != H
     sdpa = lambda backend: _sdpa_gqa(backend, q, k, v) if gqa else _sdpa(backend, q, k, v, False)  # noqa: E731
-    t = _time_set({"fxopt": lambda: A.flash_attention_triton(q, k, v),
+    t = _time_set({"fxopt": lambda: ours(q, k, v),
                    "fa2": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
                    "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)})
     for name, ms in t.items():
@@ -217,7 +207,7 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     row["vs_cudnn"] = _ratio(row["fxopt_TBps"], row["cudnn_TBps"])
     row["vs_fa2"] = _ratio(row["fxopt_TBps"], row["fa2_TBps"])
     # the same calls replayed from CUDA graphs (host launch overhead removed for both)
-    tg = _time_set({"fxopt": lambda: A.flash_attention_triton(q, k, v),
+    tg = _time_set({"fxopt": lambda: ours(q, k, v),
                     "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)}, graph=True)
     for name, ms in tg.items():
         row[f"graph_{name}_TBps"] = round(nbytes / ms / 1e9, 2) if ms else None
@@ -228,7 +218,7 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     try:
         sets = [(q, k, v), (q, _rand(B, hkv, S, d), _rand(B, hkv, S, d))]
         calls = 24 if S <= 8192 else 8
-        ts = {"fxopt": streamed_us(lambda it: A.flash_attention_triton(*it), sets, calls=calls),
+        ts = {"fxopt": streamed_us(lambda it: ours(*it), sets, calls=calls),
               "cudnn": streamed_us(lambda it: (_sdpa_gqa(SDPBackend.CUDNN_ATTENTION, *it) if gqa else
                                                _sdpa(SDPBackend.CUDNN_ATTENTION, *it, False)), sets, calls=calls)}
         for name, us in ts.items():
@@ -238,7 +228,7 @@ def decode_rows(S, B=8, H=32, d=128, hkv=None, combine=None):
     except Exception as e:  # keep the row (and the table) when the streamed timing cannot run
         print(f"streamed decode timing failed: {type(e).__name__}: {e}", flush=True)
     ref = sdpa(SDPBackend.FLASH_ATTENTION) if not gqa else sdpa(SDPBackend.MATH)
-    row["max_err_vs_fa2"] = round((A.flash_attention_triton(q, k, v) - ref).abs().max().item(), 4)
+    row["max_err_vs_fa2"] = round((ours(q, k, v) - ref).abs().max().item(), 4)
     print(row, flush=True)
     return row
 
@@ -271,7 +261,7 @@ def main():
         if i % 6 == 5:  # partial results survive a time-out
             write_results(name, rows, title="FlashAttention (partial: the run stopped here)", out_dir=args.out)
     notes = ("fxopt forward timed through `flash_attention_triton` (the kernel launch; on sm_90 at d = 128 it runs "
-             "the Gluon FA3-style kernel, fxopt/kernels/attention_gluon.py); fwd_triton = the Triton-language "
+             "the Gluon FA3-style kernel, fxopt/kernels/attention/gluon_fwd.py); fwd_triton = the Triton-language "
              "kernel alone, fwd_gluon = the Gluon kernel alone (where it takes the inputs); fwd+bwd through "
              "`torch.ops.fxopt.flash_attention` + `torch.autograd.grad`; fwd_kernel / bwd_kernel = the kernels "
              "fxopt ran (`attention.kernel_routes`, read after the row's timing: a Gluon build that failed shows as "
@@ -284,13 +274,14 @@ def main():
              "`common.round_order`; triton.testing.do_bench medians, warmup "
              f"{BENCH['warmup']} ms, rep {max(10, BENCH['rep'] // max(1, ROUNDS))} ms per round), the median over "
              f"rounds reported. Wall time {time.time() - t0:.0f} s. "
+             f"Routing table {routing.ROUTES_DIGEST}. "
              "FXOPT_ environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                                 if k.startswith("FXOPT_")) or "none") + ".")
     # the Triton tuners' picks (key -> config): at short S the Triton backward's fwd+bwd differed by up to 43%
     # between two runs of one shape, so the tables say which configs they timed
     picks = []
     for tname in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned"):
-        for key, cfg in getattr(getattr(A, tname), "cache", {}).items():
+        for key, cfg in getattr(getattr(launch, tname), "cache", {}).items():
             picks.append(f"{tname}[{', '.join(str(x) for x in key[:10])}] = {cfg}")
     if picks:
         notes += " Triton tuner picks: " + "; ".join(picks) + "."

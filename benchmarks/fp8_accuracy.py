@@ -27,7 +27,8 @@ import torch
 
 from common import parse_args, write_results  # noqa: I001  (adds the repo root to sys.path)
 
-from fxopt.kernels import fp8_attention as F
+from fxopt.kernels import fp8 as F
+from fxopt.kernels.fp8.reference import _int8_blocks
 
 
 def make_inputs(kind, shape, gen, device):
@@ -47,9 +48,9 @@ def int8_qk_fp8_pv_reference(q, k, v, is_causal=False, qblock=128, block_n=128):
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     M = F.hadamard_matrix(D, 0, torch.float64).to(q.device)
-    qi, qs = F._int8_blocks(q.double() @ M, qblock)
-    ki, ks = F._int8_blocks(k.double() @ M, qblock)
-    v8, vs = F.quantize_reference(v.float(), "block", qblock, F._fp8_dtype())
+    qi, qs = _int8_blocks(q.double() @ M, qblock)
+    ki, ks = _int8_blocks(k.double() @ M, qblock)
+    v8, vs = F.quantize_reference(v.float(), "block", qblock, torch.float8_e4m3fn)
     s = (qi @ ki.transpose(-1, -2)) * (qs / math.sqrt(D)) * ks[..., 0][:, :, None, :]
     if is_causal:
         s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1 + Sk - Sq), float("-inf"))
@@ -63,7 +64,7 @@ def int8_qk_fp8_pv_reference(q, k, v, is_causal=False, qblock=128, block_n=128):
         p = torch.exp(sb - m_use)
         alpha = torch.exp(m - m_use)
         l = l * alpha + p.sum(-1, keepdim=True)
-        pq = (p * 256).float().to(F._fp8_dtype()).double() / 256
+        pq = (p * 256).float().to(torch.float8_e4m3fn).double() / 256
         acc = acc * alpha + pq @ (v8[:, :, n0:n0 + block_n].double() * vs[:, :, n0:n0 + block_n].double())
         m = m_new
     return (acc / torch.where(l == 0, torch.ones_like(l), l)).to(q.dtype)
@@ -105,8 +106,8 @@ def main():
     notes = ("RMSE of the attention output vs float64 attention on the same bf16 inputs. B=1, H=%d. FA3 reports, for "
              "the outlier inputs, 2.4e-2 (per-tensor FP8) and 9.1e-3 (block + incoherent processing); target for "
              "block + Hadamard: <= 5e-3. fp8 columns without 'kernel' are the CPU emulation "
-             "(fxopt.kernels.fp8_attention.fp8_attention_reference, real e4m3 casts); the int8 column is "
-             "the exact emulation of the INT8 mode (fxopt.kernels.fp8_attention.int8_attention_reference)."
+             "(fxopt.kernels.fp8.fp8_attention_reference, real e4m3 casts); the int8 column is "
+             "the exact emulation of the INT8 mode (fxopt.kernels.fp8.int8_attention_reference)."
              % args.heads)
     write_results("fp8_accuracy", rows,
                   title="FP8 attention accuracy (RMSE vs float64)", notes=notes, out_dir=args.out)

@@ -6,18 +6,17 @@ TFLOP/s = 4 * B * H * S^2 * d / time (halved for causal). Columns:
 * ``fp8_kernel``: the Triton attention kernel alone on pre-quantized inputs (Q, K block-quantized after the Hadamard
   transform, V transposed) - what FA3 reports for its FP8 kernel.
 * ``gluon_fp8_kernel``: the Gluon (warp-specialized, FA3-style) fp8 kernel on the same inputs; where it takes the
-  shape (sm_90, d 64 / 128) the op runs it (``fp8_attention._gluon_fp8``), so ``op_kernel`` = the better-suited
-  of the two that the op actually uses and ``quant_ms`` = op - op_kernel.
+  shape (sm_90, d 64 / 128) the op runs it (``fxopt.kernels.fp8.ops.fp8_build``), so ``op_kernel`` = the one of
+  the two that the op actually uses and ``quant_ms`` = op - op_kernel.
 * ``fp8_op``: ``torch.ops.fxopt.fp8_attention`` end to end (Hadamard + quantization of Q, K, V + attention).
 * ``cudnn_bf16`` / ``fa2_bf16``: ``F.scaled_dot_product_attention`` forced to cuDNN / flash via ``sdpa_kernel``.
 * ``check``: relative L2 error of the fp8 op vs the emulating reference at that shape's first 512 queries (S = 1k
   rows only), so every autotuned choice is also checked.
 
 * ``quant_*`` (non-causal rows): Q, K, V quantization alone, us and TB/s counting 16-bit reads + e4m3 writes.
-  ``quant_fused``: ``quantize_qkv``, one launch of the persistent ``_quant_qkv_kernel`` (opt-in,
-  ``FXOPT_FP8_QUANT_FUSED=1``, until this column confirms it); ``quant_new3``: three ``quantize_blocks`` calls, each
-  one persistent launch; ``quant_tc`` / ``quant_butterfly``: the per-tensor ``_quant_kernel`` (the default,
-  ``FXOPT_FP8_QUANT_FUSED=0``), tensor-core / butterfly transform. The op's Gluon route calls ``quantize_qkv``.
+  ``quant_fused``: ``quantize_qkv``, one launch of the persistent ``_quant_qkv_kernel`` (what the op runs);
+  ``quant_tc`` / ``quant_butterfly``: three per-tensor ``_quant_kernel`` launches (its fallback), tensor-core /
+  butterfly transform.
 
 Writes ``results/fp8_attention.{md,json}`` (after every row, so a time-out keeps the rows done).
 
@@ -25,7 +24,6 @@ Writes ``results/fp8_attention.{md,json}`` (after every row, so a time-out keeps
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -33,8 +31,10 @@ import torch.nn.functional as Fn
 
 from common import bench_ms, parse_args, write_results  # noqa: I001
 
-from fxopt.kernels import fp8_attention as F
-from fxopt.kernels import fp8_attention_gluon as G
+from fxopt.kernels import fp8 as F
+from fxopt.kernels.fp8 import gluon_fwd as G
+from fxopt.kernels.fp8.ops import fp8_build
+from fxopt.kernels.fp8.triton_fwd import SUM_CHUNK
 
 
 def tflops(b, h, s, d, causal, ms):
@@ -55,43 +55,26 @@ def sdpa_ms(q, k, v, causal, backend):
         return float("nan")
 
 
-def _quant_env(fused: str, had_dot: str = "1", cfg: str = ""):
-    """Set the quantization switches for one timing (read per call by fp8_attention)."""
-    os.environ["FXOPT_FP8_QUANT_FUSED"] = fused
-    os.environ["FXOPT_FP8_HAD_DOT"] = had_dot
-    if cfg:
-        os.environ["FXOPT_FP8_QUANT_CFG"] = cfg
-    else:
-        os.environ.pop("FXOPT_FP8_QUANT_CFG", None)
-
-
-def _quant_env_clear():
-    for name in ("FXOPT_FP8_QUANT_FUSED", "FXOPT_FP8_HAD_DOT", "FXOPT_FP8_QUANT_CFG"):
-        os.environ.pop(name, None)
-
-
 def quant_columns(q, k, v) -> dict:
-    """Q, K, V quantization alone: the fused launch, three new per-tensor launches, the old tensor-core and
-    butterfly kernels (us, TB/s counting 16-bit reads + e4m3 writes)."""
+    """Q, K, V quantization alone: the fused launch, and three per-tensor launches with the tensor-core and the
+    butterfly transform (us, TB/s counting 16-bit reads + e4m3 writes)."""
     nbytes = (q.numel() + k.numel() + v.numel()) * (q.element_size() + 1)
 
-    def three():
-        F.quantize_blocks(q, hadamard=True, seed=0)
-        F.quantize_blocks(k, hadamard=True, seed=0)
-        F.quantize_blocks(v, hadamard=False, transpose=True)
-
-    def fused():
-        F.quantize_qkv(q, k, v, hadamard=True, seed=0)
+    def per_tensor(tensor_core):
+        def run():
+            kw = dict(fused=False, tensor_core=tensor_core)
+            F.quantize_blocks(q, hadamard=True, seed=0, **kw)
+            F.quantize_blocks(k, hadamard=True, seed=0, **kw)
+            F.quantize_blocks(v, hadamard=False, transpose=True, **kw)
+        return run
 
     out = {}
-    for tag, fn, env in (("quant_fused", fused, ("1", "1")), ("quant_new3", three, ("1", "1")),
-                         ("quant_tc", three, ("0", "1")), ("quant_butterfly", three, ("0", "0"))):
-        _quant_env(*env)
+    for tag, fn in (("quant_fused", lambda: F.quantize_qkv(q, k, v, hadamard=True, seed=0)),
+                    ("quant_tc", per_tensor(True)), ("quant_butterfly", per_tensor(False))):
         fn()
         t = bench_ms(fn)
         out[f"{tag}_us"] = t * 1e3
         out[f"{tag}_TBps"] = nbytes / (t * 1e-3) / 1e12
-    _quant_env_clear()
     return out
 
 
@@ -106,8 +89,8 @@ def main():
              "convention), fp8_op includes the Hadamard transform and block quantization of Q, K, V and runs "
              "op_kernel; quant_ms = op time - op_kernel time. int8_kernel: the INT8 mode of the same kernel "
              "(Q, K, V transformed, P at 255 levels; fxopt::int8_attention), quantization excluded. quant_*: Q, K, V "
-             "quantization alone (fused = one launch, new3 = three new launches, tc / butterfly = the old "
-             "per-tensor kernels). Anchors measured in the same process.")
+             "quantization alone (fused = one launch, tc / butterfly = three per-tensor launches). Anchors measured "
+             "in the same process.")
     for d in dims:
         for s in seqs:
             b, h = 16384 // s, 2048 // d
@@ -127,8 +110,7 @@ def main():
                 def op():
                     return torch.ops.fxopt.fp8_attention(q, k, v, causal, None, True, 0)
 
-                gluon_ok = (os.environ.get("FXOPT_FP8_GLUON", "1") != "0"
-                            and G.fp8_gluon_supported(q, k, v, causal) is None)
+                gluon_ok = fp8_build(q, k, v, causal, None, out) == "gluon"
 
                 def gluon_kernel():
                     return G.fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=q.shape, seq_k=s,
@@ -137,7 +119,7 @@ def main():
                 iq, iqs = F.quantize_blocks(q, hadamard=True, seed=0, qdtype=torch.int8)
                 ik, iks = F.quantize_blocks(k, hadamard=True, seed=0, qdtype=torch.int8)
                 ivt, ivs, ivsum = F.quantize_blocks(v, hadamard=True, seed=0, transpose=True, qdtype=torch.int8,
-                                                    sum_chunk=F.SUM_CHUNK)
+                                                    sum_chunk=SUM_CHUNK)
                 signs = F.hadamard_signs(d, 0, q.device)
 
                 def int8_kernel():

@@ -54,11 +54,23 @@ class W4A16Config:
     group_siblings: bool = True
 
 
+ATTENTION_TMA_CHOICES = ("auto", "on", "off")
+
+
 @dataclass
 class KernelConfig:
-    """Kernel choices of the ``torch.ops.fxopt.*`` ops (the defaults are the measured routes).
+    """Kernel route choices of the ``torch.ops.fxopt.*`` ops (the defaults are the measured routes). They apply at
+    run time, process-wide: the backend that compiled last sets them; ``fxopt.kernels.use_kernels(...)`` (attention,
+    fp8) and ``fxopt.kernels.w4a16.routes(...)`` (W4A16) override them in a block.
 
     Args:
+        attention_gluon: on sm_90, the attention forward runs the Gluon (FA3-style) builds where the routing
+            table (``fxopt/kernels/attention/routing.py``) picks them; ``False``: the Triton kernel everywhere.
+        attention_gluon_backward: the same for the attention backward.
+        attention_tma: TMA tensor descriptors in the Triton attention forward: ``"auto"`` (head dim 256 only,
+            where they measured faster), ``"on"`` (wherever the strides allow), ``"off"``.
+        fp8_gluon: on sm_90, ``fxopt::fp8_attention`` runs the Gluon FP8 forward where it takes the inputs;
+            ``False``: the Triton FP8 kernel.
         w4a16_dequant_matmul: W4A16 "dequantize to a 16-bit weight, then cuBLAS" (a temporary copy of one linear's
             weight per call): ``"auto"`` lets the tuner consider it above M = 256 (prefill, where it won every
             shape measured), ``"on"`` from M = 33, ``"off"`` never (fused kernels only).
@@ -67,10 +79,23 @@ class KernelConfig:
         w4a16_gemv1: let the W4A16 tuner consider the CUDA-core kernel for M <= 4.
     """
 
+    # attention and fp8 attention (fxopt/kernels/attention, fxopt/kernels/fp8)
+    attention_gluon: bool = True
+    attention_gluon_backward: bool = True
+    attention_tma: str = "auto"
+    fp8_gluon: bool = True
+    # W4A16 (fxopt/kernels/w4a16)
     w4a16_dequant_matmul: Literal["auto", "on", "off"] = "auto"
     w4a16_gluon: bool = True
     w4a16_mma: bool = True
     w4a16_gemv1: bool = True
+
+    def validate(self) -> "KernelConfig":
+        """Check the choice-valued fields; raise :class:`ConfigError` naming the option. Returns ``self``."""
+        if self.attention_tma not in ATTENTION_TMA_CHOICES:
+            raise ConfigError(f"fxopt option 'kernels.attention_tma' is {self.attention_tma!r}; valid choices: "
+                              f"{', '.join(ATTENTION_TMA_CHOICES)}")
+        return self
 
 
 @dataclass
@@ -135,7 +160,7 @@ class Config:
         w4a16: :class:`W4A16Config`.
         tensor_parallel: :class:`TensorParallelConfig`.
         pipeline: :class:`PipelineConfig`.
-        kernels: :class:`KernelConfig`.
+        kernels: :class:`KernelConfig` (kernel route choices).
         inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
             ``{"max_autotune": True}``.
         cudagraphs: replay the compiled graphs from CUDA graphs (Inductor's CUDA-graph trees), what
@@ -191,6 +216,7 @@ class Config:
         if bad:
             raise ConfigError(f"fxopt option 'pipeline.split_points' takes qualified module names (non-empty str), "
                               f"got {bad!r}")
+        self.kernels.validate()
         _check_inductor_options(self.inductor_options)
         return self
 

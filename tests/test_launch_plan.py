@@ -42,7 +42,7 @@ def _launch(kernel, grid, values):
     LP._TLS.rec.launch(kernel, grid, values)
 
 
-def test_key_separates_what_the_launch_path_can_branch_on(monkeypatch):
+def test_key_separates_what_the_launch_path_can_branch_on():
     x = torch.randn(4, 8)
     key = lambda *a, **kw: LP._call_key(len, a, kw, allow_cpu=True)[0]  # noqa: E731
     base = key(x, 1.5, True)
@@ -53,12 +53,28 @@ def test_key_separates_what_the_launch_path_can_branch_on(monkeypatch):
     assert base != key(torch.randn(33)[1:].view(4, 8), 1.5, True)  # 16-byte alignment of the pointer
     assert base != key(x, 2.0, True) and base != key(x, 1.5, False)
     assert base != key(x, 1.5, True, out=None)                   # keyword names
-    monkeypatch.setenv("FXOPT_ATTN_GLUON", "0")                  # a switch the kernels read
-    assert base != key(x, 1.5, True)
     assert LP._call_key(len, (x,), {})[0] is None                # CPU tensors: no plans outside tests
     assert key(x, [1, 2]) is None                                # unhashable argument
     assert key(x, (x,)) is None                                  # tensor inside a container
     assert key(torch.empty(0, 8)) is None                        # empty tensor
+
+
+def test_attention_plan_state_holds_the_routing_table_and_the_kernel_choices():
+    """The attention entry points key their plans on the routing table's digest and the kernel choices in force, so
+    a plan recorded with the Gluon route on never replays inside ``use_kernels(attention_gluon=False)``; calls with
+    dropout (a fresh seed each call) keep the ordinary path."""
+    from fxopt.kernels import use_kernels
+    from fxopt.kernels.attention import launch, routing
+
+    state = launch._fwd_plan_state()
+    assert routing.ROUTES_DIGEST in state
+    with use_kernels(attention_gluon=False):
+        assert launch._fwd_plan_state() != state
+    with use_kernels(attention_gluon_backward=False):
+        assert launch._bwd_plan_state() != state
+    assert launch._fwd_plan_state() == state
+    assert launch._fwd_plan_state(None, None, None, None, 0.1) is LP.NO_PLAN
+    assert launch._bwd_plan_state(*([None] * 7), 0.1) is LP.NO_PLAN
 
 
 def test_replay_places_pointers_descriptors_and_results():
@@ -279,14 +295,14 @@ def test_w4a16_plans_default_and_switch():
 
 def test_no_plan_state_adds_no_key(monkeypatch):
     """Dropout draws a new seed per call: such calls keep the ordinary path without filling the table."""
-    from fxopt.kernels import attention as A
+    from fxopt.kernels.attention import launch
 
     monkeypatch.setattr(LP, "_ALLOW_CPU", True)
     q = torch.randn(1, 1, 4, 8)
-    assert A._fwd_plan_state(q, q, q, None, 0.1, False, None, -1, 0.0, None, 123) is LP.NO_PLAN
-    assert A._fwd_plan_state(q, q, q, dropout_p=0.0) == A._plan_state()
-    assert A._bwd_plan_state(q, q, q, q, q, q, None, 0.2) is LP.NO_PLAN
-    assert A._bwd_plan_state(q, q, q, q, q, q, dropout_p=0.0) == A._plan_state()
+    assert launch._fwd_plan_state(q, q, q, None, 0.1, False, None, -1, 0.0, None, 123) is LP.NO_PLAN
+    assert launch._fwd_plan_state(q, q, q, dropout_p=0.0) == launch._plan_state(0.0)
+    assert launch._bwd_plan_state(q, q, q, q, q, q, None, 0.2) is LP.NO_PLAN
+    assert launch._bwd_plan_state(q, q, q, q, q, q, dropout_p=0.0) == launch._plan_state(0.0)
     ran = []
 
     @LP.plan_cached(state=lambda x, seed: LP.NO_PLAN if seed else ())

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..config import Config, ConfigError
+from ..kernels._common import set_backend_kernels
 from ..passes import run_passes
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Backend:
             raise FxoptOptionError(str(e)) from None
         if mode not in (None, "default"):
             log.info("torch.compile mode=%r is handed to Inductor", mode)
+        set_backend_kernels(cfg.kernels)  # the kernel routes the compiled graph's fxopt ops take at run time
         gm, results = run_passes(gm, example_inputs, cfg, self.extras)
         self.results.append(results)
         if not self.inductor:

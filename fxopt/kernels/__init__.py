@@ -1,6 +1,7 @@
 """Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op.
 
 Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
+``use_kernels`` / ``kernel_config``: the kernel route choices in force (``_common.py``).
 """
 import functools
 import threading
@@ -69,28 +70,4 @@ def device_capability(device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
-def jit_like_source(kernel, ptrs: dict, ints: dict, floats: tuple, meta: dict):
-    """``triton.compiler.ASTSource`` of ``kernel`` specialized the way the JIT would for these arguments, for
-    offline sm_90 builds: pointers 16-byte aligned, an int equal to 1 a constant, other ints i32 with the
-    divisibility-by-16 hint when they are multiples of 16, ``floats`` fp32, every other parameter a constexpr from
-    ``meta``. Without the hints the build is not the one the GPU runs (a decode build went from 107 to 255
-    registers without them)."""
-    from triton.compiler import ASTSource
-
-    sig, consts, attrs = {}, {}, {}
-    for i, prm in enumerate(kernel.params):
-        n = prm.name
-        if n in ptrs:
-            sig[n], attrs[(i,)] = ptrs[n], [["tt.divisibility", 16]]
-        elif n in floats:
-            sig[n] = "fp32"
-        elif n in ints:
-            if ints[n] == 1:
-                sig[n], consts[(i,)] = "constexpr", 1
-            else:
-                sig[n] = "i32"
-                if ints[n] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n], consts[(i,)] = "constexpr", meta[n]
-    return ASTSource(kernel, sig, consts, attrs)
+from ._common import kernel_config, use_kernels  # noqa: E402,F401  (the kernel choices in force)

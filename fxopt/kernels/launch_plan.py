@@ -8,7 +8,9 @@ was bound by its launch path, not by its kernels.
 
 What. ``@plan_cached`` on an entry point (``flash_attention_triton``, ``flash_attention_triton_bwd``) keys each call
 on everything its Python can branch on: every tensor's shape, strides, dtype, device and 16-byte alignment, every
-other argument's value, the current CUDA device and the ``FXOPT_*`` switches of the environment. For a key:
+other argument's value, the current CUDA device, and the entry point's own routing state (its ``state`` function:
+for attention the routing table's digest and the kernel choices in force, ``fxopt.kernels.use_kernels``). For a
+key:
 
 * the first call runs the ordinary path (it may compile and autotune);
 * the second is recorded: each ``JITFunction.run`` is intercepted (compiled kernel, grid, bound arguments) while a
@@ -21,8 +23,8 @@ other argument's value, the current CUDA device and the ``FXOPT_*`` switches of 
 
 A replay launches the same compiled kernels with the same arguments the ordinary path would, so results are the
 same bit for bit (``tests/test_launch_plan_gpu.py`` checks it across routes). Python state other than the arguments
-and the environment (a module global changed at run time, a monkeypatched function) is not in the key: change such
-state only between ``clear_plans()`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
+and the ``state`` function's (a monkeypatched function) is not in the key: change such state only between
+``clear_plans()`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
 (read at import) turns plans off.
 """
 from __future__ import annotations
@@ -30,10 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import re
 import threading
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,23 +69,6 @@ def _alloc_ops():
     return _ALLOC_OPS
 
 
-@functools.lru_cache(maxsize=None)
-def _env_keys() -> tuple:
-    """The FXOPT_* switches named in the kernels' sources (read once), as os.environ's internal keys."""
-    names = set()
-    for path in Path(__file__).parent.glob("*.py"):
-        names.update(re.findall(r"FXOPT_[A-Z0-9_]+", path.read_text()))
-    enc = getattr(os.environ, "encodekey", None)
-    return tuple(sorted(enc(n) if enc else n for n in names))
-
-
-def _env_fingerprint() -> tuple:
-    data = getattr(os.environ, "_data", None)
-    if data is None:  # not CPython's os.environ: the public (slower) lookups
-        return tuple(os.environ.get(n) for n in _env_keys())
-    return tuple(map(data.get, _env_keys()))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Keys
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,7 +103,6 @@ def _call_key(fn, args, kwargs, allow_cpu=False):
         parts.append(tuple(kwargs))
     if tensors[0].is_cuda:
         parts.append(torch.cuda.current_device())
-    parts.append(_env_fingerprint())
     return tuple(parts), tensors
 
 

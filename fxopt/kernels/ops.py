@@ -5,4 +5,4 @@ on CPU; the Triton kernel runs it on CUDA).
 """
 from . import attention  # noqa: F401  fxopt::flash_attention
 from . import w4a16  # noqa: F401  fxopt::w4a16_linear, fxopt::dequantize_w4
-from . import fp8_attention  # noqa: F401  fxopt::fp8_attention, fxopt::hadamard_transform
+from . import fp8  # noqa: F401  fxopt::fp8_attention, fxopt::int8_attention, fxopt::hadamard_transform

@@ -1643,7 +1643,7 @@ _FP8_ALLOW_CPU_REFERENCE = False
 
 def _fp8_eligible(qv, kv_, vv, kwargs) -> tuple:
     """(ok, reason): the FP8 kernel takes inference attention with only ``is_causal`` and ``scale``."""
-    from ..kernels.fp8_attention import fp8_attention_supported
+    from ..kernels.fp8 import fp8_attention_supported
 
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv_, vv))
     ok, why = fp8_attention_supported(qv, kv_, vv, training, allow_cpu_reference=_FP8_ALLOW_CPU_REFERENCE)

@@ -1,10 +1,11 @@
-"""The eager fast path of ``fxopt::flash_attention`` (``attention._EagerFlashAttention``): the same bodies as the
+"""The eager fast path of ``fxopt::flash_attention`` (``attention.ops._EagerFlashAttention``): the same bodies as the
 custom ops under a plain autograd.Function, taken only by real tensors outside any tracing (the custom
 op's Python autograd layer costs ~0.5 ms of host time per fwd+bwd on the H200 box)."""
 import pytest
 import torch
 
 import fxopt.kernels.attention as A
+from fxopt.kernels.attention.ops import _eager_fast_path_ok
 
 CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D), op kwargs
     "plain": ((1, 2, 2, 24, 24, 16), {}),
@@ -28,21 +29,30 @@ def _args(name, dtype=torch.float32):
     return q, k, v, kw
 
 
-def _run(q, k, v, kw, seed=0):
+def _op(q, k, v, fast=True, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1, softcap=0.0,
+        key_padding_mask=None):
+    """The public op (eager: the fast path), or (``fast=False``) the custom-op path it takes under tracing."""
+    if fast:
+        return torch.ops.fxopt.flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                               key_padding_mask)
+    seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64) if dropout_p > 0 else None  # as the public op
+    return torch.ops.fxopt.flash_attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
+                                               key_padding_mask, seed)[0]
+
+
+def _run(q, k, v, kw, seed=0, fast=True):
     torch.manual_seed(seed)  # the dropout seed is drawn from torch's default generator
-    out = torch.ops.fxopt.flash_attention(q, k, v, **kw)
+    out = _op(q, k, v, fast, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_eager_function_matches_the_custom_ops_bit_for_bit(name, monkeypatch):
+def test_eager_function_matches_the_custom_ops_bit_for_bit(name):
     q, k, v, kw = _args(name)
-    assert A._eager_fast_path_ok(q, k, v, kw.get("attn_mask"))
+    assert _eager_fast_path_ok(q, k, v, kw.get("attn_mask"))
     fast = _run(q, k, v, kw)
-    monkeypatch.setattr(A, "_EAGER_FUNCTION", False)
-    assert not A._eager_fast_path_ok(q, k, v)
-    slow = _run(q, k, v, kw)
+    slow = _run(q, k, v, kw, fast=False)
     for a, b in zip(fast, slow):
         assert a.shape == b.shape and a.stride() == b.stride()
         assert torch.equal(a, b)
@@ -61,14 +71,14 @@ def test_eager_function_not_taken_under_tracing_or_transforms():
     qd = q.detach()
     with FakeTensorMode() as mode:
         fq = mode.from_tensor(qd)
-        assert not A._eager_fast_path_ok(fq)
+        assert not _eager_fast_path_ok(fq)
         assert torch.ops.fxopt.flash_attention(fq, fq, fq).shape == q.shape
     gm = make_fx(lambda a, b, c: torch.ops.fxopt.flash_attention(a, b, c, is_causal=True))(
         q.detach(), k.detach(), v.detach())
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert any("flash_attention_fwd" in t for t in targets), targets
     seen = []
-    torch.vmap(lambda a: seen.append(A._eager_fast_path_ok(a)) or a.sum())(torch.ones(3, 2))
+    torch.vmap(lambda a: seen.append(_eager_fast_path_ok(a)) or a.sum())(torch.ones(3, 2))
     assert seen == [False]
 
 
@@ -104,12 +114,11 @@ def test_eager_function_under_torch_compile_keeps_custom_op():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_double_backward_raises_on_both_paths(fast, monkeypatch):
+def test_double_backward_raises_on_both_paths(fast):
     """The backward is not differentiable: create_graph=True followed by a second grad raises on both paths, never a
     silent zero second derivative."""
-    monkeypatch.setattr(A, "_EAGER_FUNCTION", fast)
     q, k, v, kw = _args("plain")
-    out = torch.ops.fxopt.flash_attention(q, k, v, **kw)
+    out = _op(q, k, v, fast, **kw)
     with pytest.raises(RuntimeError):
         dq, = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
         torch.autograd.grad(dq.sum(), (q,))
@@ -125,16 +134,15 @@ MASK_GRAD_CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D), mask shape, op kwargs
 
 @pytest.mark.parametrize("fast", [True, False], ids=["function", "custom_op"])
 @pytest.mark.parametrize("name", list(MASK_GRAD_CASES))
-def test_learned_additive_mask_gets_its_gradient(name, fast, monkeypatch):
+def test_learned_additive_mask_gets_its_gradient(name, fast):
     """An additive float attn_mask that requires grad (a learned bias) gets dL/dmask, summed over the dims it
     broadcasts along, on both eager paths; with None the bias would silently stop learning."""
-    monkeypatch.setattr(A, "_EAGER_FUNCTION", fast)
     (B, Hq, Hkv, Sq, Sk, D), mshape, kw = MASK_GRAD_CASES[name]
     g = torch.Generator().manual_seed(len(name))
     q, k, v = (torch.randn(B, h, s, D, generator=g).requires_grad_() for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
     bias = (torch.randn(mshape, generator=g) * 0.7).requires_grad_()
     dout = torch.randn(B, Hq, Sq, D, generator=g)
-    out = torch.ops.fxopt.flash_attention(q, k, v, attn_mask=bias, **kw)
+    out = _op(q, k, v, fast, attn_mask=bias, **kw)
     got = torch.autograd.grad(out, (q, k, v, bias), dout)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
     ref = A.attention_reference(*ref_in[:3], attn_mask=ref_in[3], compute_dtype=torch.float64, **kw)
@@ -143,7 +151,7 @@ def test_learned_additive_mask_gets_its_gradient(name, fast, monkeypatch):
         assert a.shape == b.shape
         assert (a.double() - b).abs().max().item() < 1e-4
     # a mask that does not require grad: no mask gradient computed, the others unchanged
-    out2 = torch.ops.fxopt.flash_attention(q, k, v, attn_mask=bias.detach(), **kw)
+    out2 = _op(q, k, v, fast, attn_mask=bias.detach(), **kw)
     for a, b in zip(torch.autograd.grad(out2, (q, k, v), dout), got[:3]):
         assert torch.equal(a, b)
 

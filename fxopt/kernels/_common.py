@@ -1,0 +1,93 @@
+"""Helpers every kernel family shares: the SM count, the interpreter flag, and the active kernel choices.
+
+Kernel choices (:class:`fxopt.config.KernelConfig`, e.g. "Gluon attention on / off") reach the kernels at run time,
+long after a graph was compiled, and custom ops take no config argument. So they live in one place here:
+
+* :func:`set_backend_kernels` is called by :class:`fxopt.Backend` when it compiles a graph: the choices of the
+  backend that compiled last apply process-wide (a backward run by the autograd engine's threads sees them too).
+* :func:`use_kernels` overrides them inside a ``with`` block (tests, benchmarks); an override wins over backends
+  compiled inside the block and is undone on exit.
+* :func:`kernel_config` is what the routing code reads; :func:`kernel_config_key` is its hashable form (launch plans
+  put it in their key, so a plan never replays a route that is switched off).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from fxopt.config import ConfigError, KernelConfig
+
+# Triton's own variable (set by the tests without CUDA): kernels run on the CPU interpreter, GPU-only paths are off.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for CPU tensors: the interpreter's grids stay small)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:  # a device-properties query costs microseconds: once per device
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def is_sm90(device) -> bool:
+    """Hopper (sm_90 exactly): the Gluon builds use its wgmma and TMA."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+_backend_kernels = KernelConfig()
+_override: Optional[KernelConfig] = None
+_key = dataclasses.astuple(_backend_kernels)
+
+
+def kernel_config() -> KernelConfig:
+    """The kernel choices in force (do not modify the returned object)."""
+    return _override if _override is not None else _backend_kernels
+
+
+def kernel_config_key() -> tuple:
+    """:func:`kernel_config` as a tuple of its field values (cached: read on every kernel call)."""
+    return _key
+
+
+def _refresh_key() -> None:
+    global _key
+    _key = dataclasses.astuple(kernel_config())
+
+
+def set_backend_kernels(cfg: KernelConfig) -> None:
+    """The choices of the backend that compiles a graph (``fxopt.Backend``); a :func:`use_kernels` block wins."""
+    global _backend_kernels
+    _backend_kernels = dataclasses.replace(cfg)
+    _refresh_key()
+
+
+@contextlib.contextmanager
+def use_kernels(cfg: Optional[KernelConfig] = None, **changes) -> Iterator[KernelConfig]:
+    """Run a block with other kernel choices: ``with use_kernels(attention_gluon=False): ...`` (fields of
+    :class:`KernelConfig`, applied on top of ``cfg`` or of the choices in force). Nests; restores on exit."""
+    global _override
+    names = {f.name for f in dataclasses.fields(KernelConfig)}
+    bad = sorted(set(changes) - names)
+    if bad:
+        raise ConfigError(f"use_kernels: unknown kernel option(s) {bad}; valid: {sorted(names)}")
+    new = dataclasses.replace(cfg if cfg is not None else kernel_config(), **changes)
+    new.validate()
+    saved = _override
+    _override = new
+    _refresh_key()
+    try:
+        yield new
+    finally:
+        _override = saved
+        _refresh_key()

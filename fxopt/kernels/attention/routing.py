@@ -1,0 +1,84 @@
+"""The one routing table of the attention family: (arch, op, head dim, causal, lengths) -> build.
+
+``ROUTES`` is a frozen tuple of :class:`Route` rows, read top to bottom: the first row that matches a call names its
+build; a call no row matches runs the Triton kernel ("triton"). A row only chooses among builds that can take the
+call: the eligibility checks (16-bit dtypes, no mask / dropout / window / softcap, TMA-compatible strides, the
+:class:`fxopt.config.KernelConfig` switches, builds that failed earlier in the process) run before the table.
+Decode shapes (few query rows, long keys) take the split-KV kernels before any of this (``launch.use_split``).
+
+The measurements behind each row are in ``docs/kernels.md`` ("What runs by default"). ``ROUTES_DIGEST`` (a hash
+of the table) is part of every attention launch plan's key (``launch_plan.plan_cached``), with the kernel choices
+in force (``_common.kernel_config_key``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the routing table.
+
+    Args:
+        op: ``"forward"``, ``"backward"`` or ``"fp8_forward"``.
+        build: the build the row routes to (``"triton"`` keeps the Triton kernel).
+        arch: compute capability (major, minor) the row applies to.
+        head_dims: head dims the row applies to.
+        causal: ``True`` / ``False``: only causal / non-causal calls; ``None``: both.
+        min_q: the row needs at least this many query rows.
+        min_k: the row needs at least this many keys.
+        max_k: the row needs fewer keys than this (``None``: no bound).
+    """
+
+    op: str
+    build: str
+    arch: tuple = (9, 0)
+    head_dims: tuple = ()
+    causal: Optional[bool] = None
+    min_q: int = 0
+    min_k: int = 0
+    max_k: Optional[int] = None
+
+    def matches(self, op: str, arch: tuple, head_dim: int, causal: bool, seq_q: int, seq_k: int) -> bool:
+        return (op == self.op and arch == self.arch and head_dim in self.head_dims
+                and (self.causal is None or self.causal == causal) and seq_q >= self.min_q and seq_k >= self.min_k
+                and (self.max_k is None or seq_k < self.max_k))
+
+
+ROUTES = (
+    # forward, sm_90. d = 64 causal below 1k keys: 4 of 10 key blocks are diagonal and the exp-bound d = 64 consumer
+    # pays about two unmasked blocks for each, so the Triton kernel stays.
+    Route("forward", TRITON, head_dims=(64,), causal=True, max_k=1024),
+    # d = 64 with long queries: three consumer warpgroups (192-row work items) overlap the exp2 work better.
+    Route("forward", "gluon persistent3", head_dims=(64,), causal=False, min_q=2048),
+    Route("forward", "gluon persistent3", head_dims=(64,), causal=True, min_q=8192),
+    Route("forward", "gluon persistent", head_dims=(64, 128)),
+    # d = 256: two Q buffers per warpgroup do not fit next to the K / V ring, so no persistent build.
+    Route("forward", "gluon default", head_dims=(256,)),
+    # backward, sm_90, from the lengths where the Gluon kernel beats the Triton one (GPU time, fwd+bwd).
+    Route("backward", "gluon dq-reducer", head_dims=(128,), min_q=512, min_k=512),
+    Route("backward", "gluon dq-reducer", head_dims=(64,), min_q=1024, min_k=1024),
+    Route("backward", "gluon d256", head_dims=(256,), min_q=512, min_k=512),
+    # fp8 forward, sm_90 (quantization is the same for both builds).
+    Route("fp8_forward", "gluon", head_dims=(64, 128)),
+)
+
+ROUTES_DIGEST = hashlib.sha1(repr(ROUTES).encode()).hexdigest()[:16]
+
+
+def select(op: str, arch: tuple, head_dim: int, causal: bool, seq_q: int, seq_k: int) -> str:
+    """The build ``ROUTES`` names for a call ("triton" when no row matches)."""
+    for r in ROUTES:
+        if r.matches(op, arch, head_dim, bool(causal), seq_q, seq_k):
+            return r.build
+    return TRITON
+
+
+def routes_for(op: str) -> tuple:
+    """The rows of one op, as dicts (for reports and docs)."""
+    return tuple(dataclasses.asdict(r) for r in ROUTES if r.op == op)
