@@ -8,7 +8,7 @@ is process-wide plumbing that has no place in a compile call:
 | ``FXOPT_DUMP_DIR`` | unset | write each graph before and after each pass to this directory as Python files |
 | ``FXOPT_LAUNCH_PLANS`` | ``1`` | ``0``: no cached launch plans (every kernel call takes the full Python launch path) |
 | ``FXOPT_W4A16_TUNE_CACHE`` | ``~/.cache/fxopt/w4a16_tuned.json`` | the W4A16 tuner's file of picks; ``0`` or empty: none |
-| ``FXOPT_W4A16_NO_TUNE`` | unset | ``1``: the W4A16 tuner takes the first candidate of each bucket untimed (fast tests) |
+| ``FXOPT_NO_TUNE`` | unset | ``1``: every tuner takes its first candidate untimed: the W4A16 tuner and the Triton autotune lists of the attention and fp8 kernels (fast tests) |
 
 Logging is Torch's: ``TORCH_LOGS=+fxopt`` (every module logs to ``logging.getLogger(__name__)``).
 Each accessor reads the variable when called, so a test's ``monkeypatch.setenv`` takes effect at once.
@@ -37,6 +37,6 @@ def w4a16_tune_cache() -> Optional[str]:
     return None if path in ("", "0") else path
 
 
-def w4a16_no_tune() -> bool:
-    """``FXOPT_W4A16_NO_TUNE``: take the first candidate of each bucket without timing."""
-    return os.environ.get("FXOPT_W4A16_NO_TUNE") == "1"
+def no_tune() -> bool:
+    """``FXOPT_NO_TUNE``: every tuner takes its first candidate without timing."""
+    return os.environ.get("FXOPT_NO_TUNE") == "1"

@@ -21,6 +21,8 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
 # the W4A16 tuner's picks persist to a file (FXOPT_W4A16_TUNE_CACHE, fxopt.env): one per test run, never ~/.cache
 os.environ["FXOPT_W4A16_TUNE_CACHE"] = os.path.join(_CACHE_ROOT, "w4a16_tuned.json")
+# every tuner takes its first candidate (fast GPU tests); the tuner tests clear it where they time
+os.environ.setdefault("FXOPT_NO_TUNE", "1")
 
 import torch  # noqa: E402  (torch does not import Triton eagerly)
 

@@ -67,7 +67,7 @@ def _dev():
 
 def _setup():
     """In each spawned rank: fast kernel selection (no autotuning sweeps), fixed seeds."""
-    os.environ["FXOPT_W4A16_NO_TUNE"] = "1"
+    os.environ["FXOPT_NO_TUNE"] = "1"
     if ON_GPU:
         torch.cuda.set_device(_dev())
         torch.backends.cuda.matmul.allow_tf32 = False

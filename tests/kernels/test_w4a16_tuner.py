@@ -276,7 +276,7 @@ def test_gpu_tuner_file_reused_by_a_fresh_process_table(monkeypatch, tmp_path):
     """Tune once (writes the file), forget the in-process table, then the same shape is served from the file without
     timing a single candidate, also under CUDA-graph capture."""
     monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", str(tmp_path / "tuned.json"))
-    monkeypatch.delenv("FXOPT_W4A16_NO_TUNE", raising=False)
+    monkeypatch.delenv("FXOPT_NO_TUNE", raising=False)
     qweight, scales, zeros, G = make_packed(1024, 2048, 128, torch.bfloat16, "cuda", seed=5)
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setattr(tuner, "_TUNED", {})
@@ -299,7 +299,7 @@ def test_gpu_tuner_streamed_small_m(monkeypatch, tmp_path):
     """At M <= 16 the tuner times candidates back to back over weight copies; its pick computes the reference result
     and the back-to-back timer gives a positive per-call time; other routes tune their own pick."""
     monkeypatch.setenv("FXOPT_W4A16_TUNE_CACHE", str(tmp_path / "tuned.json"))
-    monkeypatch.delenv("FXOPT_W4A16_NO_TUNE", raising=False)
+    monkeypatch.delenv("FXOPT_NO_TUNE", raising=False)
     monkeypatch.setattr(tuner, "_TUNED", {})
     dtype = torch.bfloat16
     qweight, scales, zeros, G = make_packed(1024, 2048, 128, dtype, "cuda", seed=71)

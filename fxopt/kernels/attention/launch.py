@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import triton
 
+from fxopt import env
 from fxopt.kernels import cdiv, next_pow2
 from fxopt.kernels._common import INTERPRET, is_sm90, kernel_config, kernel_config_key
 from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
@@ -82,7 +83,8 @@ def _pruner(table):
         cls = "f32" if named_args["Q"].dtype == torch.float32 else (64 if bd <= 64 else 128 if bd <= 128 else 256)
         wanted = set(table[cls])
         kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-        return kept or configs[:1]
+        kept = kept or configs[:1]
+        return kept[:1] if env.no_tune() else kept
     return prune
 
 

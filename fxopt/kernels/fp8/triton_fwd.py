@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fxopt import env
 from fxopt.kernels import cdiv
 from fxopt.kernels._common import INTERPRET
 
@@ -211,7 +212,8 @@ def _prune(configs, named_args, **kwargs):
     wanted = FWD_CONFIGS.get(d, FWD_CONFIGS[128])
     kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
     kept.sort(key=lambda c: wanted.index((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)))
-    return kept or configs[:1]
+    kept = kept or configs[:1]
+    return kept[:1] if env.no_tune() else kept
 
 
 def _quick_bench(fn, quantiles=None):

@@ -38,7 +38,7 @@ def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
     """What the launch path routes on beyond the arguments' metadata: whether the zero points are integers (a fact
     about their values, kept on the tensor: "swapd" is chosen only then), the tuner's table (a new entry may change
     the config of a shape), the active routes and the untuned switch."""
-    return (integer_zeros(zeros) if zeros.is_cuda else None, len(tuner._TUNED), routing.active(), env.w4a16_no_tune())
+    return (integer_zeros(zeros) if zeros.is_cuda else None, len(tuner._TUNED), routing.active(), env.no_tune())
 
 
 @plan_cached(state=_plan_state, enabled=lambda: _LAUNCH_PLANS)

@@ -400,7 +400,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
         return cfg
     cands = candidate_configs(M, N, K, group_size, num_sms(x2d.device), integer_zeros=intz, dtype=x2d.dtype,
                               device=x2d.device, routes=routes)
-    if len(cands) == 1 or env.w4a16_no_tune():
+    if len(cands) == 1 or env.no_tune():
         return cands[0]
     path = env.w4a16_tune_cache()
     dkey = _tune_disk_key(torch.cuda.get_device_name(x2d.device), key, cands)
