@@ -415,14 +415,16 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     # (gloo aborts on mismatched sizes); one all_gather of the signatures turns that into the same error everywhere.
     from .distribute import agree
 
-    leaves, _ = tree_flatten((tuple(args), kwargs))
-    n_params = sum(p.numel() for p in model.parameters())
-    agree(group, (_signature(leaves), tuple(kwargs), n_params, bool(training)), [], "fxopt.parallelize")
-
-    flat, _, caches, _, key = _cache_spec_key(tuple(args), kwargs, None)
+    flat, caches = kv_cache.open_caches(tree_flatten((tuple(args), kwargs))[0])
+    errors = []
     if any(c.slots for c in caches):
-        raise kv_cache.CacheError("fxopt.parallelize: the example inputs hold a filled KV cache; pass none or an "
-                                  "empty one (the module returns its own, sharded by heads)")
+        errors.append("the example inputs hold a filled KV cache; pass none or an empty one (the module returns "
+                      "its own, sharded by heads)")
+    n_params = sum(p.numel() for p in model.parameters())
+    caches_sig = tuple((c.leaf, c.slots, c.statics) for c in caches)
+    agree(group, (_signature(flat), caches_sig, tuple(kwargs), n_params, bool(training)), errors,
+          "fxopt.parallelize")
+    key = _key(tuple(args), kwargs, flat, caches, {})
     factory = functools.partial(_tp_context, group_name, rank, tp, training)
     cap = _capture(model, tuple(args), kwargs, cfg, factory, bool(training))
     if cap.plan is None:
