@@ -34,20 +34,13 @@ def _demo(seed=0, layers=2):
     return build_demo_model(seed, cfg).train()
 
 
-def _llama(seed=0):
+def _llama(seed=0, arch="Llama"):
+    """A tiny transformers decoder with GQA (4 query heads, 2 kv heads): ``arch`` "Llama" or "Qwen2"."""
     torch.manual_seed(seed)
-    c = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(c).train()
-
-
-def _qwen2(seed=0):
-    torch.manual_seed(seed)
-    c = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 attn_implementation="sdpa")
-    return transformers.Qwen2ForCausalLM(c).train()
+    c = getattr(transformers, f"{arch}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    return getattr(transformers, f"{arch}ForCausalLM")(c).train()
 
 
 def _bert(seed=0):
@@ -380,6 +373,13 @@ def test_fake_pg_world4_gqa_kv_replicated(fake_pg):
     assert tpm(ids).shape == (2, 8, 64)
     report_notes = [l for r in tpm.pass_results if r.name == "tensor_parallel" for l in r.notes]
     assert any("tp=4" in l for l in report_notes)
+    # a transformers Llama with its default cache: each rank's cache holds the one kv head its query heads read
+    llama = _llama().eval().requires_grad_(False)
+    tpm = parallelize(llama, (), {"input_ids": ids[:1]}, tp=4, config=_cfg())
+    assert "DynamicCache.layers[0].keys  dim 1, sections [2 (x2 replicated)] (2 -> 1)" in str(tpm.plan)
+    cache = _cache_of(tpm(input_ids=ids[:1]))
+    out = tpm(input_ids=ids[:1, :1], **{_cache_kw(llama): cache})
+    assert out.logits.shape == (1, 1, 128) and [tuple(l.keys.shape) for l in cache.layers] == [(1, 1, 9, 16)] * 2
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)
@@ -506,7 +506,7 @@ def _check_decode(rank, ws, model, steps=6):
 def _worker_kv_cache(rank, ws):
     torch.use_deterministic_algorithms(False)
     _check_decode(rank, ws, _llama().eval().requires_grad_(False))
-    _check_decode(rank, ws, _qwen2(1).eval().requires_grad_(False))
+    _check_decode(rank, ws, _llama(1, "Qwen2").eval().requires_grad_(False))
 
 
 @pytest.mark.slow

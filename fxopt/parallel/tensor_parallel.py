@@ -23,6 +23,11 @@ Design
    model (a deep copy whose parameters and buffers are zero-memory stand-ins: one element expanded to the full
    shape) with the same passes, checks that the new plan cuts every tensor exactly as before, and caches that
    graph; no full weight is needed again. (Run a new shape once eagerly before a ``fullgraph`` compile.)
+5. **KV cache** (:mod:`fxopt.parallel.kv_cache`). Graph outputs that land only in a transformers ``Cache`` of the
+   output may stay sharded: each rank's cache holds its kv heads. Passed back, the cache's tensors are recognized
+   as this module's (a weak identity map holds their shards), captured as full-shaped stand-ins, started sharded in
+   the pass and fed as they are; every cache length is a new signature (a skeleton re-capture). ``generate()``
+   runs transformers' generation loop with this module as the forward.
 
 ``training`` (default: grad enabled and some parameter requires grad) selects the autograd-correct form of the
 collectives; ``reduce_replicated_grads()`` sums the partial gradients of GQA kv projections that several ranks
