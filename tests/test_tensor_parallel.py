@@ -449,6 +449,8 @@ def test_fake_pg_refusals(fake_pg):
     tpm = parallelize(lin, (x,), tp=4)
     assert not tpm.plan.shards and "reaches the graph output" in str(tpm.plan)
     torch.testing.assert_close(tpm(x), lin(x))
+    with pytest.raises(TypeError, match="has no generate"):
+        tpm.generate(x)
     # act-order int4 row-parallel linear: the permutation mixes features across ranks -> refused
     torch.manual_seed(0)
     mlp = MLP(d=64, h=256, blocks=1)

@@ -18,14 +18,16 @@ concatenation of its chunks.
 topological sweep propagates states; a linear whose input is sharded along its feature dim becomes row-parallel
 (output replicated after one all-reduce). Ops that work per shard carry the state (elementwise ops with
 broadcasting, view/reshape/flatten with dim-group tracking, expand, transpose/permute, unsqueeze, getitem,
-split/chunk/unbind, cat/stack (cat skips legacy empty ``(0,)`` operands as torch.cat does), softmax and reductions off the sharded dim, batched matmul over a sharded batch dim,
-``F.scaled_dot_product_attention`` and ``fxopt::flash_attention`` over heads with GQA checked rank by rank). Any
-other use of a sharded tensor (a norm over the sharded dim, a residual add with a replicated tensor, the graph
-output, an in-place op, ...) is a *conflict*: the seeds that reach it are dropped, with the reason, and the sweep
-repeats until none is left. Graph outputs that ``TPContext.shardable_outputs`` names (KV-cache tensors of the
-model's cache object) may stay sharded; ``TPContext.sharded_inputs`` (a cache passed back) start sharded, and a
-conflict they reach raises :class:`ShardedInputError` (no seed can undo it). So everything unproven stays replicated; what remains is Megatron's plan: q/k/v
-(column) → rotary/attention → o_proj (row) + all-reduce; gate/up (column) → act·mul → down (row) + all-reduce.
+split/chunk/unbind, cat/stack (cat skips legacy empty ``(0,)`` operands, as torch.cat does), softmax and reductions
+off the sharded dim, batched matmul over a sharded batch dim, ``F.scaled_dot_product_attention`` and
+``fxopt::flash_attention`` over heads with GQA checked rank by rank). Any other use of a sharded tensor (a norm over
+the sharded dim, a residual add with a replicated tensor, the graph output, an in-place op, ...) is a *conflict*:
+the seeds that reach it are dropped, with the reason, and the sweep repeats until none is left. Graph outputs that
+``TPContext.shardable_outputs`` names (the tensors of the model's KV-cache object) may stay sharded;
+``TPContext.sharded_inputs`` (a cache passed back) start sharded, and a conflict one reaches raises
+:class:`ShardedInputError` (no seed can undo it). So everything unproven stays replicated; what remains is
+Megatron's plan: q/k/v (column) → rotary/attention → o_proj (row) + all-reduce; gate/up (column) → act·mul → down
+(row) + all-reduce.
 
 **Rewrite.** Sharded weights/biases become local (their placeholders get local fake values; the plan records how
 to cut every real tensor: :class:`TensorShard`). Literal sizes in view/reshape/expand/split args at the sharded
