@@ -4,7 +4,8 @@
   and an MLP equal the single-device model's; all_reduce count = Megatron's prediction; each rank holds 1/2 of
   every sharded weight. Vocab-parallel embedding/lm_head; int4 QuantLinear shards; ``torch.compile`` of the result.
 * gloo, 2 ranks, KV cache: greedy decoding with the default DynamicCache (a manual loop passing the cache back, and
-  ``generate()`` through the module) gives the single-process tokens and logits; each rank's cache holds its heads.
+  ``generate()`` through the module) gives the single-process tokens and logits; each rank's cache holds its heads
+  (Llama, Qwen2, Mistral with a sliding window).
 * fake process group, world size 2, 4 and 8 (one process): plans, local shapes, GQA kv replication, refusals, the
   KV-cache plan and its errors.
 """
@@ -34,12 +35,12 @@ def _demo(seed=0, layers=2):
     return build_demo_model(seed, cfg).train()
 
 
-def _llama(seed=0, arch="Llama"):
-    """A tiny transformers decoder with GQA (4 query heads, 2 kv heads): ``arch`` "Llama" or "Qwen2"."""
+def _llama(seed=0, arch="Llama", **extra):
+    """A tiny transformers decoder with GQA (4 query heads, 2 kv heads): ``arch`` "Llama", "Qwen2", "Mistral"."""
     torch.manual_seed(seed)
     c = getattr(transformers, f"{arch}Config")(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", **extra)
     return getattr(transformers, f"{arch}ForCausalLM")(c).train()
 
 
@@ -509,6 +510,8 @@ def _worker_kv_cache(rank, ws):
     torch.use_deterministic_algorithms(False)
     _check_decode(rank, ws, _llama().eval().requires_grad_(False))
     _check_decode(rank, ws, _llama(1, "Qwen2").eval().requires_grad_(False))
+    # a sliding window shorter than the text: the cache layers drop their oldest entries (and keep a window tensor)
+    _check_decode(rank, ws, _llama(2, "Mistral", sliding_window=7).eval().requires_grad_(False), steps=4)
 
 
 @pytest.mark.slow

@@ -13,10 +13,11 @@ of its layers, or of itself, that hold tensors) so that they bind to graph input
   capture time (its layers copied, their tensors swapped for the graph's outputs) and records each tensor's
   :class:`~fxopt.passes.tensor_parallel.Shard` (``None``: replicated) in a weak identity map, with the module that
   returned it.
-* **In.** A cache tensor passed back must be one its module returned (:func:`lookup`): a tensor of another module,
-  or one made outside it (a cache of the single-process model, a cropped or reordered one) raises
-  :class:`CacheError`. The capture sees a shallow copy of the cache whose tensors are zero-memory stand-ins of the
-  global shape (:func:`capture_copies`); the pass starts their placeholders sharded; the run feeds the local tensors.
+* **In.** A cache's K/V tensor passed back must be one its module returned (:func:`lookup`): a tensor of another
+  module, or one made outside it (a cache of the single-process model, a cropped or reordered one) raises
+  :class:`CacheError`; other tensors of a layer (a sliding window's size) are taken whole. The capture sees a
+  shallow copy of the cache whose sharded tensors are zero-memory stand-ins of the global shape
+  (:func:`capture_copies`); the pass starts their placeholders sharded; the run feeds the local tensors.
 * **In place.** A cache passed in is the object the model updates (``generate()`` reads the one the output holds):
   after the run its layers are replaced by the rebuilt ones, and top-level attributes the forward set are set again.
 """
@@ -35,6 +36,7 @@ __all__ = ["CacheError", "CacheOutput", "open_caches", "lookup", "capture_copies
 # tensor -> (owner token, Shard | None): every cache tensor a TensorParallelModule returned
 _RETURNED = WeakIdKeyDictionary()
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_DATA = ("keys", "values")  # the attributes transformers' cache layers keep their K/V in
 
 
 class CacheError(ValueError):
@@ -123,6 +125,9 @@ def lookup(flat: list, caches: tuple, token) -> dict:
             t = flat[c.start + j]
             entry = _RETURNED.get(t)
             where = _where(c, slot)
+            if entry is None and slot[1] not in _DATA:
+                specs[c.start + j] = None  # bookkeeping (a sliding window's size): fed whole, as it came
+                continue
             if entry is None:
                 raise CacheError(f"fxopt.parallelize: the cache passed in holds {where} {tuple(t.shape)}, a tensor "
                                  f"this module did not return (a cache of another model, or cropped / reordered "
@@ -135,8 +140,8 @@ def lookup(flat: list, caches: tuple, token) -> dict:
 
 
 def capture_copies(leaves: list, caches: tuple, specs: dict, tp: int) -> list:
-    """The leaves with each cache replaced by a shallow copy whose tensors are zero-memory stand-ins of the global
-    shape (the capture never runs on them; Dynamo may mutate the copy, not the caller's object)."""
+    """The leaves with each cache replaced by a shallow copy whose sharded tensors are zero-memory stand-ins of the
+    global shape (the capture never runs on them; Dynamo may mutate the copy, not the caller's object)."""
     from ..passes.tensor_parallel import Shard
 
     out = list(leaves)
@@ -147,12 +152,13 @@ def capture_copies(leaves: list, caches: tuple, specs: dict, tp: int) -> list:
         for j, slot in enumerate(c.slots):
             t = _get(src, slot)
             sh: Optional[Shard] = specs.get(c.start + j)
+            if sh is None:
+                continue  # a whole tensor: the capture may see it as it is
             shape = list(t.shape)
-            if sh is not None:
-                if shape[sh.dim] != sh.local(tp):
-                    raise CacheError(f"fxopt.parallelize: a cache tensor {tuple(t.shape)} was returned with "
-                                     f"{sh.local(tp)} of {sh.size} entries on dim {sh.dim}, it holds {shape[sh.dim]}")
-                shape[sh.dim] = sh.size
+            if shape[sh.dim] != sh.local(tp):
+                raise CacheError(f"fxopt.parallelize: a cache tensor {tuple(t.shape)} was returned with "
+                                 f"{sh.local(tp)} of {sh.size} entries on dim {sh.dim}, it holds {shape[sh.dim]}")
+            shape[sh.dim] = sh.size
             i, attr = slot
             setattr(dup if i is None else dup.layers[i], attr, stand_in(t, tuple(shape)))
         out[c.leaf] = dup
