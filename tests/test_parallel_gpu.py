@@ -10,6 +10,9 @@ sharded graphs and pipeline stages, and gloo carrying CUDA tensors.
 * TP, W4A16: the demo's linears (not the lm_head) as int4 ``QuantLinear`` (group 32, every local K a multiple of it);
   ``fxopt::w4a16_linear`` runs sharded (column: N cut; row: K cut by whole groups), against a float64 model holding
   the dequantized weights.
+* TP, KV cache: the transformers Llama (fp32, default config) with its DynamicCache: prefill and decode graphs
+  hold ``fxopt::flash_attention`` over the local heads, the cache stays sharded, and ``generate()`` through the
+  module gives the single-device model's greedy tokens.
 * TP, fp32 training: outputs and every gradient (flash-attention backward included) against float64, cut per rank.
 * PP: ``fxopt.pipeline`` 2 stages on ``cuda:0`` for both ranks: outputs, loss and gradients (fp32) against a float64
   single-device model; the transformers Llama with stages compiled by the ``fxopt`` backend; the uneven MLP stack,
@@ -37,7 +40,7 @@ pytest.importorskip("transformers")
 
 from tests.test_pipeline import MLPStack, _lm_loss  # noqa: E402
 from tests.test_pipeline import _llama as _pp_llama  # noqa: E402
-from tests.test_tensor_parallel import _cfg, _count  # noqa: E402
+from tests.test_tensor_parallel import _cfg, _count, _llama  # noqa: E402
 
 DEVICE = os.environ.get("FXOPT_PARALLEL_TEST_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"
@@ -220,12 +223,33 @@ def _worker_tp_training(rank, ws):
     assert checked >= len(tpm.plan.shards) > 0
 
 
+def _worker_tp_kv_cache(rank, ws):
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    _setup()
+    dev = _dev()
+    model = _llama(seed=4).to(dev).eval().requires_grad_(False)
+    ids = _ids(vocab=128, shape=(1, 6), seed=4).to(dev)
+    tpm = parallelize(model, (), {"input_ids": ids}, tp=ws)
+    assert _count(tpm.graph_module, "fxopt.flash_attention") == 2, tpm.graph_module.graph
+    assert tpm.plan.all_reduces == 4 and len(tpm.plan.outputs) == 4, str(tpm.plan)
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    got = tpm.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected), (got, expected)
+    decode = list(tpm._graphs.values())[-1]
+    assert _count(decode.gm, "fxopt.flash_attention") == 2 and len(decode.plan.inputs) == 4, str(decode.plan)
+
+
 def test_tp_two_ranks_one_gpu_flash_attention_and_w4a16():
     _ranks(_worker_tp_inference)
 
 
 def test_tp_two_ranks_one_gpu_training_grads():
     _ranks(_worker_tp_training)
+
+
+def test_tp_two_ranks_one_gpu_kv_cache_generate():
+    _ranks(_worker_tp_kv_cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------

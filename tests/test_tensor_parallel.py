@@ -3,7 +3,11 @@
 * gloo, 2 ranks: outputs and gradients of the demo decoder, a transformers Llama (GQA), GPT-2 (fused c_attn Conv1D)
   and an MLP equal the single-device model's; all_reduce count = Megatron's prediction; each rank holds 1/2 of
   every sharded weight. Vocab-parallel embedding/lm_head; int4 QuantLinear shards; ``torch.compile`` of the result.
-* fake process group, world size 4 and 8 (one process): plans, local shapes, GQA kv replication, refusals.
+* gloo, 2 ranks, KV cache: greedy decoding with the default DynamicCache (a manual loop passing the cache back, and
+  ``generate()`` through the module) gives the single-process tokens and logits; each rank's cache holds its heads
+  (Llama, Qwen2, Mistral with a sliding window).
+* fake process group, world size 2, 4 and 8 (one process): plans, local shapes, GQA kv replication, refusals, the
+  KV-cache plan and its errors.
 """
 import pytest
 import torch
@@ -31,12 +35,13 @@ def _demo(seed=0, layers=2):
     return build_demo_model(seed, cfg).train()
 
 
-def _llama(seed=0):
+def _llama(seed=0, arch="Llama", **extra):
+    """A tiny transformers decoder with GQA (4 query heads, 2 kv heads): ``arch`` "Llama", "Qwen2", "Mistral"."""
     torch.manual_seed(seed)
-    c = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(c).train()
+    c = getattr(transformers, f"{arch}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", **extra)
+    return getattr(transformers, f"{arch}ForCausalLM")(c).train()
 
 
 def _bert(seed=0):
@@ -369,6 +374,13 @@ def test_fake_pg_world4_gqa_kv_replicated(fake_pg):
     assert tpm(ids).shape == (2, 8, 64)
     report_notes = [l for r in tpm.pass_results if r.name == "tensor_parallel" for l in r.notes]
     assert any("tp=4" in l for l in report_notes)
+    # a transformers Llama with its default cache: each rank's cache holds the one kv head its query heads read
+    llama = _llama().eval().requires_grad_(False)
+    tpm = parallelize(llama, (), {"input_ids": ids[:1]}, tp=4, config=_cfg())
+    assert "DynamicCache.layers[0].keys  dim 1, sections [2 (x2 replicated)] (2 -> 1)" in str(tpm.plan)
+    cache = _cache_of(tpm(input_ids=ids[:1]))
+    out = tpm(input_ids=ids[:1, :1], **{_cache_kw(llama): cache})
+    assert out.logits.shape == (1, 1, 128) and [tuple(l.keys.shape) for l in cache.layers] == [(1, 1, 9, 16)] * 2
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)
@@ -438,6 +450,8 @@ def test_fake_pg_refusals(fake_pg):
     tpm = parallelize(lin, (x,), tp=4)
     assert not tpm.plan.shards and "reaches the graph output" in str(tpm.plan)
     torch.testing.assert_close(tpm(x), lin(x))
+    with pytest.raises(TypeError, match="has no generate"):
+        tpm.generate(x)
     # act-order int4 row-parallel linear: the permutation mixes features across ranks -> refused
     torch.manual_seed(0)
     mlp = MLP(d=64, h=256, blocks=1)
@@ -449,6 +463,156 @@ def test_fake_pg_refusals(fake_pg):
     tpm = parallelize(mlp, (x.half().repeat(1, 1, 2),), tp=4, config=_cfg())
     text = str(tpm.plan)
     assert tpm.plan.all_reduces == 0 and "index_select" in text, text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache: sharded by heads, passed back, generate()
+# ----------------------------------------------------------------------------------------------------------------
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def _cache_kw(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _check_decode(rank, ws, model, steps=6):
+    """Greedy decoding: the tp module's logits, tokens and local cache heads against the single-process model's."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    tpm = parallelize(model, (), {"input_ids": ids}, tp=ws, config=_cfg())
+    text = str(tpm.plan)
+    assert tpm.plan.all_reduces == 2 * 2 and "cat of sharded" not in text, text
+    kw = _cache_kw(model)
+    ref, got = model(input_ids=ids), tpm(input_ids=ids)
+    tokens = []
+    for step in range(steps):
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        ref_cache, tp_cache = _cache_of(ref), _cache_of(got)
+        for lr, lt in zip(ref_cache.layers, tp_cache.layers):  # 2 kv heads, tp=2: rank r holds head r
+            torch.testing.assert_close(lt.keys, lr.keys[:, rank:rank + 1])
+            torch.testing.assert_close(lt.values, lr.values[:, rank:rank + 1])
+        nxt = ref.logits[:, -1:].argmax(-1)
+        assert torch.equal(got.logits[:, -1:].argmax(-1), nxt)
+        tokens.append(nxt)
+        if step + 1 < steps:
+            ref, got = model(input_ids=nxt, **{kw: ref_cache}), tpm(input_ids=nxt, **{kw: tp_cache})
+    assert len(tpm._graphs) == steps  # prefill + one re-capture per new cache length
+    expected = model.generate(ids, max_new_tokens=steps, do_sample=False)
+    assert torch.equal(expected[:, ids.shape[1]:], torch.cat(tokens, 1))
+    assert torch.equal(tpm.generate(ids, max_new_tokens=steps, do_sample=False), expected)
+
+
+def _worker_kv_cache(rank, ws):
+    torch.use_deterministic_algorithms(False)
+    _check_decode(rank, ws, _llama().eval().requires_grad_(False))
+    _check_decode(rank, ws, _llama(1, "Qwen2").eval().requires_grad_(False))
+    # a sliding window shorter than the text: the cache layers drop their oldest entries (and keep a window tensor)
+    _check_decode(rank, ws, _llama(2, "Mistral", sliding_window=7).eval().requires_grad_(False), steps=4)
+
+
+@pytest.mark.slow
+def test_gloo_two_ranks_kv_cache():
+    run_on_ranks(_worker_kv_cache, 2)
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_fake_pg_default_cache_shards_attention(fake_pg):
+    """The default DynamicCache: q/k/v/o shard by heads (torch.cat skips the layer's empty start tensor), the cache
+    tensors leave the graph local, and the decode graph takes them back as sharded inputs."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _llama().eval().requires_grad_(False)
+    ids = torch.randint(0, 128, (1, 8))
+    tpm = parallelize(model, (), {"input_ids": ids}, tp=2, config=_cfg())
+    text = str(tpm.plan)
+    assert "cat of sharded and replicated" not in text, text
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"model.layers.0.self_attn.{proj}" in text and f"replicated model.layers.0.self_attn.{proj}" not in text
+    assert len(tpm.plan.outputs) == 4 and "local output DynamicCache.layers[1].keys  dim 1 (2 -> 1)" in text, text
+    assert "replicated lm_head: reaches the graph output" in text  # the logits keep the default rule
+    out = tpm(input_ids=ids)
+    cache = _cache_of(out)
+    assert out.logits.shape == (1, 8, 128)
+    assert [tuple(l.keys.shape) for l in cache.layers] == [(1, 1, 8, 16)] * 2  # 1 of 2 kv heads
+    nxt = out.logits[:, -1:].argmax(-1)
+    out2 = tpm(input_ids=nxt, **{_cache_kw(model): cache})
+    assert _cache_of(out2) is cache and [tuple(l.values.shape) for l in cache.layers] == [(1, 1, 9, 16)] * 2
+    decode = list(tpm._graphs.values())[-1].plan
+    assert len(decode.inputs) == 4 and decode.all_reduces == 4, str(decode)
+    assert {ts.name: ts.shard for ts in decode.shards.values()} == {n: ts.shard for n, ts in tpm._cuts.items()}
+
+
+class _CacheAttention(nn.Module):
+    """One attention block on a transformers DynamicCache; with ``mix_heads`` the decode step reads the cached keys
+    summed over every head (not per shard)."""
+
+    def __init__(self, d=32, heads=4, mix_heads=False):
+        super().__init__()
+        self.heads, self.mix_heads = heads, mix_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x, cache):
+        b, s, d = x.shape
+
+        def heads(t):
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        k, v = cache.update(heads(self.k(x)), heads(self.v(x)), 0)
+        y = torch.nn.functional.scaled_dot_product_attention(heads(self.q(x)), k, v)
+        y = self.o(y.transpose(1, 2).reshape(b, s, d))
+        if self.mix_heads and k.shape[2] > s:
+            y = y * k.sum().sigmoid()
+        return y, cache
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_fake_pg_kv_cache_errors(fake_pg):
+    from fxopt.parallel.distribute import DistributeError
+    from fxopt.parallel.kv_cache import CacheError
+    from fxopt.parallel.tensor_parallel import parallelize
+    from fxopt.passes.tensor_parallel import ShardedInputError
+
+    model = _llama().eval().requires_grad_(False)
+    ids = torch.randint(0, 128, (1, 6))
+    kw = _cache_kw(model)
+    a = parallelize(model, (), {"input_ids": ids}, tp=2, config=_cfg())
+    b = parallelize(model, (), {"input_ids": ids}, tp=2, config=_cfg())
+    nxt = ids[:, :1]
+    with pytest.raises(CacheError, match="returned by another TensorParallelModule"):
+        b(input_ids=nxt, **{kw: _cache_of(a(input_ids=ids))})
+    with pytest.raises(CacheError, match="this module did not return"):  # the single-process model's cache
+        a(input_ids=nxt, **{kw: _cache_of(model(input_ids=ids))})
+    with pytest.raises(DistributeError, match="example inputs hold a filled KV cache"):
+        parallelize(model, (), {"input_ids": nxt, kw: _cache_of(model(input_ids=ids))}, tp=2, config=_cfg())
+    # a decode graph that needs the whole cached keys: a clear error, never a wrong local result
+    torch.manual_seed(0)
+    attn = _CacheAttention(mix_heads=True).eval().requires_grad_(False)
+    x = torch.randn(1, 5, 32)
+    tpm = parallelize(attn, (x, transformers.DynamicCache()), tp=2, config=_cfg())
+    assert len(tpm.plan.outputs) == 2 and tpm.plan.all_reduces == 1, str(tpm.plan)
+    _, cache = tpm(x, transformers.DynamicCache())
+    with pytest.raises(ShardedInputError, match="holds this rank's part"):
+        tpm(x[:, :1], cache)
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_fake_pg_world8_cache_heads_not_divisible(fake_pg):
+    """4 query heads over 8 ranks: attention and its cache stay replicated (with the reason) and decoding runs."""
+    from fxopt.parallel.tensor_parallel import parallelize
+
+    model = _llama().eval().requires_grad_(False)
+    ids = torch.randint(0, 128, (1, 8))
+    tpm = parallelize(model, (), {"input_ids": ids}, tp=8, config=_cfg())
+    text = str(tpm.plan)
+    assert "replicated model.layers.0.self_attn.k_proj" in text and not tpm.plan.outputs, text
+    cache = _cache_of(tpm(input_ids=ids))
+    assert [tuple(l.keys.shape) for l in cache.layers] == [(1, 2, 8, 16)] * 2
+    out = tpm(input_ids=ids[:, :1], **{_cache_kw(model): cache})
+    assert out.logits.shape == (1, 1, 128) and tuple(cache.layers[0].keys.shape) == (1, 2, 9, 16)
 
 
 def test_pass_outside_parallelize_leaves_graph():

@@ -23,6 +23,11 @@ Design
    model (a deep copy whose parameters and buffers are zero-memory stand-ins: one element expanded to the full
    shape) with the same passes, checks that the new plan cuts every tensor exactly as before, and caches that
    graph; no full weight is needed again. (Run a new shape once eagerly before a ``fullgraph`` compile.)
+5. **KV cache** (:mod:`fxopt.parallel.kv_cache`). Graph outputs that land only in a transformers ``Cache`` of the
+   output may stay sharded: each rank's cache holds its kv heads. Passed back, the cache's tensors are recognized
+   as this module's (a weak identity map holds their shards), captured as full-shaped stand-ins, started sharded in
+   the pass and fed as they are; every cache length is a new signature (a skeleton re-capture). ``generate()``
+   runs transformers' generation loop with this module as the forward.
 
 ``training`` (default: grad enabled and some parameter requires grad) selects the autograd-correct form of the
 collectives; ``reduce_replicated_grads()`` sums the partial gradients of GQA kv projections that several ranks
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from typing import Any, Optional
 
@@ -45,6 +51,7 @@ from ..config import Config, TensorParallelConfig
 from ..passes import match
 from ..passes.manager import run_passes
 from ..passes.tensor_parallel import TensorParallelPlan, TPContext
+from . import kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +63,21 @@ class _Captured:
 
     def __init__(self, gm, in_bind, out_bind, out_spec, plan, results):
         self.gm = gm
-        self.in_bind = in_bind  # per placeholder: ("input", leaf index) | ("state", fqn) | ("const", tensor)
-        self.out_bind = out_bind  # per output leaf: ("graph", i) | ("input", leaf index) | ("const", value)
+        self.in_bind = in_bind  # per placeholder: ("input", flat leaf index) | ("state", fqn) | ("const", tensor)
+        # per output leaf: ("graph", i) | ("input", flat leaf index) | ("cache", CacheOutput) | ("const", value)
+        self.out_bind = out_bind
         self.out_spec = out_spec
         self.plan = plan
         self.results = results
 
 
-def _key(args, kwargs, leaves) -> tuple:
-    """Hashable input signature (Dynamo-traceable: no TreeSpec in it)."""
-    return (tuple(type(a).__name__ for a in args), tuple(kwargs), _signature(leaves))
+def _key(args, kwargs, flat, caches=(), specs=None) -> tuple:
+    """Hashable input signature (Dynamo-traceable without caches: no TreeSpec in it). ``flat``: the leaves with
+    caches opened; ``specs``: flat index -> Shard of their tensors."""
+    key = (tuple(type(a).__name__ for a in args), tuple(kwargs), _signature(flat))
+    if caches:
+        key += (tuple((c.leaf, c.slots, c.statics) for c in caches), tuple(sorted(specs.items())))
+    return key
 
 
 def _signature(leaves) -> tuple:
@@ -82,15 +94,26 @@ def _signature(leaves) -> tuple:
     return tuple(sig)
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_factory, training: bool) -> _Captured:
-    """Dynamo-capture ``model(*args, **kwargs)``, run the passes with a TPContext, return the rewritten graph."""
+def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_factory, training: bool,
+             cache_specs: Optional[dict] = None) -> _Captured:
+    """Dynamo-capture ``model(*args, **kwargs)``, run the passes with a TPContext, return the rewritten graph.
+
+    ``cache_specs``: flat leaf index -> Shard | None of the KV-cache tensors among the inputs (the capture sees
+    zero-memory stand-ins of their global shapes; the pass starts the sharded ones sharded)."""
     state = {}
     for name, t in model.named_parameters(remove_duplicate=False):
         state.setdefault(id(t), name)
     for name, t in model.named_buffers(remove_duplicate=False):
         state.setdefault(id(t), name)
+    cache_specs = cache_specs or {}
     leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
-    leaf_ids = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    flat, caches = kv_cache.open_caches(leaves)
+    if caches:
+        leaves = kv_cache.capture_copies(leaves, caches, cache_specs, cfg.tensor_parallel.tp)
+        flat, caches = kv_cache.open_caches(leaves)
+        args, kwargs = tree_unflatten(leaves, in_spec)
+    before = {c.leaf: dict(vars(leaves[c.leaf])) for c in caches}
+    leaf_ids = {id(x): i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
     rec: dict = {}
 
     def recorder(gm: fx.GraphModule, example_inputs):
@@ -119,12 +142,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
             v = match.val(o) if isinstance(o, fx.Node) else o
             dummies.append(torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor)
                            else v)
-        tpc = tpc_factory(params, frozenset(grads))
-        gm, results = run_passes(gm, list(example_inputs), cfg, {"tensor_parallel": tpc})
-        real_recompile = getattr(gm, "real_recompile", None)  # Dynamo hands a lazy GraphModule: make it real
-        if real_recompile is not None:
-            real_recompile()
-        rec.update(gm=gm, bind=bind, tpc=tpc, results=results, dummies=dummies)
+        rec.update(gm=gm, example_inputs=list(example_inputs), phs=[n.name for n in phs], bind=bind,
+                   params=params, grads=frozenset(grads), dummies=dummies)
 
         def stand_in(*_):
             return tuple(rec["dummies"])
@@ -138,7 +157,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
     finally:
         torch._dynamo.reset()  # drop the cache entry (it references the full parameters)
     out_leaves, out_spec = tree_flatten(out)
-    dummy_ids = {id(d): i for i, d in enumerate(rec["dummies"]) if isinstance(d, torch.Tensor)}
+    dummy_ids = {id(d): i for i, d in enumerate(rec.pop("dummies")) if isinstance(d, torch.Tensor)}
+    cache_leaves = {id(leaves[c.leaf]): c.leaf for c in caches}
     out_bind = []
     for x in out_leaves:
         if isinstance(x, torch.Tensor) and id(x) in dummy_ids:
@@ -147,14 +167,50 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
             out_bind.append(("input", leaf_ids[id(x)]))
         elif isinstance(x, torch.Tensor):
             raise RuntimeError("fxopt.parallelize: an output tensor is neither a graph output nor an input")
+        elif kv_cache.is_cache(x):
+            inplace = cache_leaves.get(id(x))
+            out_bind.append(("cache", kv_cache.CacheOutput.capture(x, dummy_ids, leaf_ids, inplace,
+                                                                   before.get(inplace))))
         else:
             out_bind.append(("const", x))
-    plan = rec["tpc"].plan
-    return _Captured(rec["gm"], rec["bind"], out_bind, out_spec, plan, rec["results"]), in_spec, leaves
+    # graph outputs that land only in a cache object may stay sharded (each rank keeps its heads)
+    shardable = {}
+    for kind, what in out_bind:
+        if kind == "cache":
+            shardable.update(what.graph_outputs())
+    for kind, what in out_bind:
+        if kind == "graph":
+            shardable.pop(what, None)
+    names = kv_cache.slot_names(caches)
+    sharded_inputs = {}
+    for name, (kind, what) in zip(rec["phs"], rec["bind"]):
+        sh = cache_specs.get(what) if kind == "input" else None
+        if sh is not None:
+            sharded_inputs[name] = (names[what], sh)
+    tpc = tpc_factory(rec["params"], rec["grads"], sharded_inputs=sharded_inputs, shardable_outputs=shardable)
+    gm, results = run_passes(rec["gm"], rec["example_inputs"], cfg, {"tensor_parallel": tpc})
+    real_recompile = getattr(gm, "real_recompile", None)  # Dynamo hands a lazy GraphModule: make it real
+    if real_recompile is not None:
+        real_recompile()
+    plan = tpc.plan
+    if plan is not None:
+        for kind, what in out_bind:
+            if kind == "cache":
+                what.specs = tuple(plan.outputs[w][1] if k == "graph" and w in plan.outputs else None
+                                   for k, w in what.sources)
+    return _Captured(gm, rec["bind"], out_bind, out_spec, plan, results)
+
+
+def _cache_spec_key(args, kwargs, token):
+    """(flat leaves, leaf pytree, caches, cache specs, signature key) of one call's inputs."""
+    leaves, _ = tree_flatten((args, kwargs))
+    flat, caches = kv_cache.open_caches(leaves)
+    specs = kv_cache.lookup(flat, caches, token) if caches else {}
+    return flat, leaves, caches, specs, _key(args, kwargs, flat, caches, specs)
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    z = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    z = kv_cache.stand_in(t)
     return nn.Parameter(z, requires_grad=False) if isinstance(t, nn.Parameter) else z
 
 
@@ -167,13 +223,14 @@ class TensorParallelModule(nn.Module):
         pass_results: the per-pass results of that capture (rewrites, skips with reasons, notes).
     """
 
-    def __init__(self, model: nn.Module, captured: _Captured, in_spec, leaves, *, rank: int, tp: int,
+    def __init__(self, model: nn.Module, captured: _Captured, key: tuple, *, rank: int, tp: int,
                  group, cfg: Config, training: bool):
         super().__init__()
         self.plan: TensorParallelPlan = captured.plan
         self.graph_module = captured.gm
         self.pass_results = captured.results
         self._rank, self._tp, self._group, self._cfg, self._training = rank, tp, group, cfg, training
+        self._token = object()  # owner of the KV-cache tensors this module returns
         self._cuts = {ts.name: ts for ts in self.plan.shards.values()}
         self._slots: dict = {}  # fqn -> (owner module, attribute)
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -190,8 +247,7 @@ class TensorParallelModule(nn.Module):
         # a zero-memory skeleton for re-capturing at new input shapes
         memo = {id(t): _stand_in(t) for t in list(params.values()) + list(buffers.values())}
         self._skeleton = [copy.deepcopy(model, memo)]  # in a list: not a submodule
-        args_, kwargs_ = tree_unflatten(leaves, in_spec)
-        self._graphs = {_key(args_, kwargs_, leaves): captured}
+        self._graphs = {key: captured}
 
     def _register(self, fqn: str, t, is_param: bool):
         owner = self
@@ -214,23 +270,31 @@ class TensorParallelModule(nn.Module):
         return getattr(owner, attr)
 
     def forward(self, *args, **kwargs):
-        leaves, _ = tree_flatten((args, kwargs))
-        key = _key(args, kwargs, leaves)
+        flat, leaves, caches, specs, key = _cache_spec_key(args, kwargs, self._token)
         cap = self._graphs.get(key)
         if cap is None:
-            cap = self._recapture(args, kwargs, key)
+            cap = self._recapture(args, kwargs, key, specs)
         inputs = []
         for kind, what in cap.in_bind:
-            inputs.append(leaves[what] if kind == "input" else self._get(what) if kind == "state" else what)
+            inputs.append(flat[what] if kind == "input" else self._get(what) if kind == "state" else what)
         outs = cap.gm(*inputs)
-        out_leaves = [outs[w] if k == "graph" else leaves[w] if k == "input" else w for k, w in cap.out_bind]
+        out_leaves = []
+        for kind, what in cap.out_bind:
+            if kind == "graph":
+                out_leaves.append(outs[what])
+            elif kind == "input":
+                out_leaves.append(flat[what])
+            elif kind == "cache":
+                out_leaves.append(what.build(outs, flat, leaves, self._token))
+            else:
+                out_leaves.append(what)
         return tree_unflatten(out_leaves, cap.out_spec)
 
     @torch._dynamo.disable
-    def _recapture(self, args, kwargs, key):
+    def _recapture(self, args, kwargs, key, cache_specs):
         skeleton = self._skeleton[0]
         log.info("fxopt.parallelize: new input signature, re-capturing the skeleton")
-        cap, _, _ = _capture(skeleton, args, kwargs, self._cfg, self._tpc_factory(), self._training)
+        cap = _capture(skeleton, args, kwargs, self._cfg, self._tpc_factory(), self._training, cache_specs)
         new = {ts.name: ts.shard for ts in cap.plan.shards.values()}
         old = {name: ts.shard for name, ts in self._cuts.items()}
         used = {what for kind, what in cap.in_bind if kind == "state"}
@@ -245,7 +309,27 @@ class TensorParallelModule(nn.Module):
 
     def _tpc_factory(self):
         group_name, rank, tp, training = self._group.group_name, self._rank, self._tp, self._training
-        return lambda params, grads: TPContext(group_name, rank, tp, params, training, grads)
+        return functools.partial(_tp_context, group_name, rank, tp, training)
+
+    def generate(self, *args, **kwargs):
+        """``generate()`` of the Hugging Face model this module was made from, each forward run by this module.
+
+        Takes transformers' ``GenerationMixin.generate`` arguments. Call it on every rank with the same inputs: the
+        logits are whole on every rank, so greedy search gives the same tokens everywhere (sampling too, with the
+        same seed on every rank). The KV cache holds each rank's heads; every new cache length is one re-capture.
+        """
+        skeleton = self._skeleton[0]
+        if not callable(getattr(skeleton, "generate", None)):
+            raise TypeError(f"fxopt.parallelize: {type(skeleton).__name__} has no generate() (not a transformers "
+                            f"generative model)")
+        shell = copy.copy(skeleton)  # shares the skeleton's state; only its forward differs
+
+        @functools.wraps(skeleton.forward)  # generate() reads the forward's signature
+        def forward(*a, **kw):
+            return self(*a, **kw)
+
+        object.__setattr__(shell, "forward", forward)
+        return shell.generate(*args, **kwargs)
 
     @torch.no_grad()
     def reduce_replicated_grads(self) -> None:
@@ -263,6 +347,10 @@ class TensorParallelModule(nn.Module):
             full.index_add_(ts.shard.dim, idx, p.grad)
             dist.all_reduce(full, group=self._group)
             p.grad.copy_(full.index_select(ts.shard.dim, idx))
+
+
+def _tp_context(group_name, rank, tp, training, params, grads, **extra) -> TPContext:
+    return TPContext(group_name, rank, tp, params, bool(training), grads, **extra)
 
 
 def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, tp: int,
@@ -332,19 +420,22 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     # (gloo aborts on mismatched sizes); one all_gather of the signatures turns that into the same error everywhere.
     from .distribute import agree
 
-    leaves, _ = tree_flatten((tuple(args), kwargs))
+    flat, caches = kv_cache.open_caches(tree_flatten((tuple(args), kwargs))[0])
+    errors = []
+    if any(c.slots for c in caches):
+        errors.append("the example inputs hold a filled KV cache; pass none or an empty one (the module returns "
+                      "its own, sharded by heads)")
     n_params = sum(p.numel() for p in model.parameters())
-    agree(group, (_signature(leaves), tuple(kwargs), n_params, bool(training)), [], "fxopt.parallelize")
-
-    def factory(params, grads):
-        return TPContext(group_name, rank, tp, params, bool(training), grads)
-
-    cap, in_spec, leaves = _capture(model, tuple(args), kwargs, cfg, factory, bool(training))
+    caches_sig = tuple((c.leaf, c.slots, c.statics) for c in caches)
+    agree(group, (_signature(flat), caches_sig, tuple(kwargs), n_params, bool(training)), errors,
+          "fxopt.parallelize")
+    key = _key(tuple(args), kwargs, flat, caches, {})
+    factory = functools.partial(_tp_context, group_name, rank, tp, training)
+    cap = _capture(model, tuple(args), kwargs, cfg, factory, bool(training))
     if cap.plan is None:
         raise RuntimeError("fxopt.parallelize: the tensor_parallel pass did not run (is it disabled in config?)")
     if not cap.plan.shards:
         log.warning("fxopt.parallelize: nothing could be sharded; every rank runs the full model:\n%s", cap.plan)
-    mod = TensorParallelModule(model, cap, in_spec, leaves, rank=rank, tp=tp, group=group, cfg=cfg,
-                               training=bool(training))
+    mod = TensorParallelModule(model, cap, key, rank=rank, tp=tp, group=group, cfg=cfg, training=bool(training))
     log.info("%s", cap.plan)
     return mod

@@ -18,12 +18,16 @@ concatenation of its chunks.
 topological sweep propagates states; a linear whose input is sharded along its feature dim becomes row-parallel
 (output replicated after one all-reduce). Ops that work per shard carry the state (elementwise ops with
 broadcasting, view/reshape/flatten with dim-group tracking, expand, transpose/permute, unsqueeze, getitem,
-split/chunk/unbind, cat/stack, softmax and reductions off the sharded dim, batched matmul over a sharded batch dim,
-``F.scaled_dot_product_attention`` and ``fxopt::flash_attention`` over heads with GQA checked rank by rank). Any
-other use of a sharded tensor (a norm over the sharded dim, a residual add with a replicated tensor, the graph
-output, an in-place op, ...) is a *conflict*: the seeds that reach it are dropped, with the reason, and the sweep
-repeats until none is left. So everything unproven stays replicated; what remains is Megatron's plan: q/k/v
-(column) → rotary/attention → o_proj (row) + all-reduce; gate/up (column) → act·mul → down (row) + all-reduce.
+split/chunk/unbind, cat/stack (cat skips legacy empty ``(0,)`` operands, as torch.cat does), softmax and reductions
+off the sharded dim, batched matmul over a sharded batch dim, ``F.scaled_dot_product_attention`` and
+``fxopt::flash_attention`` over heads with GQA checked rank by rank). Any other use of a sharded tensor (a norm over
+the sharded dim, a residual add with a replicated tensor, the graph output, an in-place op, ...) is a *conflict*:
+the seeds that reach it are dropped, with the reason, and the sweep repeats until none is left. Graph outputs that
+``TPContext.shardable_outputs`` names (the tensors of the model's KV-cache object) may stay sharded;
+``TPContext.sharded_inputs`` (a cache passed back) start sharded, and a conflict one reaches raises
+:class:`ShardedInputError` (no seed can undo it). So everything unproven stays replicated; what remains is
+Megatron's plan: q/k/v (column) → rotary/attention → o_proj (row) + all-reduce; gate/up (column) → act·mul → down
+(row) + all-reduce.
 
 **Rewrite.** Sharded weights/biases become local (their placeholders get local fake values; the plan records how
 to cut every real tensor: :class:`TensorShard`). Literal sizes in view/reshape/expand/split args at the sharded
@@ -164,6 +168,8 @@ class TensorParallelPlan:
     overlap_chunks: int = 1  # token chunks of the row-parallel all-reduces (1: not chunked)
     replicated: list = field(default_factory=list)  # (name, reason)
     notes: list = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # placeholder name -> (description, Shard): graph inputs held local
+    outputs: dict = field(default_factory=dict)  # graph output index -> (description, Shard): outputs left local
 
     def lines(self) -> list:
         rs = f", {self.reduce_scatters} reduce_scatter(s)" if self.reduce_scatters else ""
@@ -171,6 +177,9 @@ class TensorParallelPlan:
                f"{self.all_reduces} all_reduce(s), {self.all_gathers} all_gather(s){rs} in forward"]
         for kind, name, detail in self.linears:
             out.append(f"  {kind:<10} {name}  {detail}")
+        for what, table in (("input", self.inputs), ("output", self.outputs)):
+            for desc, sh in table.values():
+                out.append(f"  {'local ' + what:<10} {desc}  {sh.describe()} ({sh.size} -> {sh.local(self.tp)})")
         for n in self.notes:
             out.append(f"  note: {n}")
         for name, reason in self.replicated:
@@ -192,6 +201,10 @@ class TPContext:
         params: placeholder name -> parameter/buffer name (FQN) for every placeholder that is model state.
         training: emit the autograd-correct form (f/g with identity/all-reduce backward).
         grad_inputs: placeholder names whose tensors require grad (training form only).
+        sharded_inputs: placeholder name -> (description, :class:`Shard`) for graph inputs that hold this rank's
+            part of a tensor (a KV cache this module returned sharded); the propagation starts from them.
+        shardable_outputs: graph output index -> description for outputs that may stay sharded (each lands only in
+            the model's KV cache object, which keeps this rank's heads); every other output follows the default rule.
         plan: filled by the pass.
     """
 
@@ -201,11 +214,17 @@ class TPContext:
     params: dict
     training: bool = False
     grad_inputs: frozenset = frozenset()
+    sharded_inputs: dict = field(default_factory=dict)
+    shardable_outputs: dict = field(default_factory=dict)
     plan: Optional[TensorParallelPlan] = None
 
 
 class _Conflict(Exception):
     pass
+
+
+class ShardedInputError(ValueError):
+    """A graph input holds this rank's shard (a KV cache) but the graph needs it whole: no replicated fallback."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,6 +325,17 @@ def _shape(node) -> Optional[tuple]:
 
 def _concrete(shape) -> bool:
     return shape is not None and all(isinstance(s, int) for s in shape)
+
+
+def _legacy_empty(node) -> bool:
+    """A tensor of shape (0,), proven from its fake value: ``torch.cat`` leaves such operands out."""
+    v = match.tensor_val(node) if isinstance(node, fx.Node) else None
+    return v is not None and v.dim() == 1 and isinstance(v.shape[0], int) and v.shape[0] == 0
+
+
+def _output_args(node: fx.Node) -> tuple:
+    outs = node.args[0]
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
 def _norm(d, nd):
@@ -509,6 +539,7 @@ class _Propagation:
         self.rows: dict = {}  # linear node -> Shard of its input
         self.columns: dict = {}  # linear node -> Shard of its output
         self.gathers: dict = {}  # output arg node -> Shard
+        self.outputs: dict = {}  # shardable graph output index -> Shard it is left with
 
     def run(self):
         for node in self.o.gm.graph.nodes:
@@ -529,15 +560,15 @@ class _Propagation:
         lin = self.o.linears.get(node)
         if lin is not None:
             return self.visit_linear(lin, ins)
+        if node.op == "placeholder":
+            entry = self.o.tpc.sharded_inputs.get(node.name)
+            if entry is None:
+                return None
+            self.blame[node] = frozenset([node])
+            return entry[1]
         if node.op == "output":
             if ins:
-                if not self.o.cfg.vocab_parallel:
-                    raise _Conflict("reaches the graph output")
-                for a in ins:
-                    sh = self.state[a]
-                    if not isinstance(sh, Shard) or len(sh.sections) != 1 or sh.sections[0][1] != 1:
-                        raise _Conflict("reaches the graph output with a layout one all_gather cannot undo")
-                    self.gathers[a] = sh
+                self.visit_output(node)
             return None
         if not ins:
             return None
@@ -546,6 +577,27 @@ class _Propagation:
         if fn is None:
             raise _Conflict(f"{node.format_node()} is not proven to work per shard")
         return fn(node, ins)
+
+    def visit_output(self, node: fx.Node):
+        """Each output position on its own: a conflict blames only the seeds that reach that position."""
+        shardable = self.o.tpc.shardable_outputs
+        for i, a in enumerate(_output_args(node)):
+            sh = self.state.get(a) if isinstance(a, fx.Node) else None
+            if sh is None:
+                continue
+            try:
+                if not isinstance(sh, Shard):
+                    raise _Conflict("a tuple of shards reaches the graph output")
+                if i in shardable:
+                    self.outputs[i] = sh  # stays local: this rank's heads of a KV cache
+                    continue
+                if not self.o.cfg.vocab_parallel:
+                    raise _Conflict("reaches the graph output")
+                if len(sh.sections) != 1 or sh.sections[0][1] != 1:
+                    raise _Conflict("reaches the graph output with a layout one all_gather cannot undo")
+                self.gathers[a] = sh
+            except _Conflict as e:
+                self.conflicts.append((node, self.blame.get(a, frozenset()), str(e)))
 
     def visit_linear(self, lin: _Linear, ins):
         node = lin.node
@@ -774,7 +826,11 @@ class _Propagation:
         return tuple(sh.moved(sh.dim - 1 if sh.dim > d else sh.dim) for _ in range(shape[d]))
 
     def rule_cat(self, node, ins):
-        tensors = match.get_arg(node, 0, "tensors")
+        # torch.cat skips legacy empty 1-D operands (shape (0,)): transformers' DynamicLayer starts from one
+        tensors = [t for t in match.get_arg(node, 0, "tensors") if not _legacy_empty(t)]
+        return self._joined(node, tensors)
+
+    def _joined(self, node, tensors):
         out = self._out_shape(node)
         d = _norm(match.get_arg(node, 1, "dim", 0), len(out))
         specs = {self.state.get(t) for t in tensors}
@@ -786,7 +842,7 @@ class _Propagation:
         return sh
 
     def rule_stack(self, node, ins):
-        sh = self.rule_cat(node, ins)
+        sh = self._joined(node, match.get_arg(node, 0, "tensors"))
         d = _norm(match.get_arg(node, 1, "dim", 0), len(self._out_shape(node)))
         return sh.moved(sh.dim + 1 if d <= sh.dim else sh.dim)
 
@@ -1008,15 +1064,25 @@ class _TPAnalysis:
             prop = _Propagation(self, seeds).run()
             if not prop.conflicts:
                 break
+            inputs = set(self.tpc.sharded_inputs)
+            # conflicts a sharded input reaches cannot be undone by dropping seeds: judged once no other is left
+            seeded = [c for c in prop.conflicts if not any(b.name in inputs for b in c[1] if b.op == "placeholder")]
             dropped_any = False
-            for node, blame, reason in prop.conflicts:
+            for node, blame, reason in seeded:
                 for s in blame:
                     if s in seeds:
                         del seeds[s]
                         self.dropped.setdefault(s, f"{reason} (at {node.name})")
                         dropped_any = True
-            if not dropped_any:  # a conflict no seed explains (cannot happen: sharded inputs come from seeds)
-                raise RuntimeError(f"tensor_parallel: unexplained conflicts {prop.conflicts[:3]}")
+            if dropped_any:
+                continue
+            for node, blame, reason in prop.conflicts:
+                held = sorted(b.name for b in blame if b.op == "placeholder" and b.name in inputs)
+                if held:
+                    desc = ", ".join(self.tpc.sharded_inputs[h][0] for h in held)
+                    raise ShardedInputError(f"tensor_parallel: {desc} holds this rank's part (sharded), but at "
+                                            f"{node.name} {reason}; the graph would need the whole tensor")
+            raise RuntimeError(f"tensor_parallel: unexplained conflicts {prop.conflicts[:3]}")
         return prop
 
 
@@ -1332,7 +1398,10 @@ class _Rewriter:
                 new += [zero, padded, res]
         for n in new:
             _copy_meta(n, node)
-        out_node.replace_input_with(node, res)
+        # only where the full value is due: a shardable output (a KV cache) keeps the local one
+        shardable = self.tpc.shardable_outputs
+        outs = tuple(res if a is node and i not in shardable else a for i, a in enumerate(_output_args(out_node)))
+        out_node.args = (outs if isinstance(out_node.args[0], (tuple, list)) else outs[0],)
         self.plan.all_gathers += 1
         self.plan.linears.append(("gather", node.name, f"all_gather of {sh.describe()} at the graph output"))
 
@@ -1602,11 +1671,17 @@ def _repropagate(gm: fx.GraphModule, plan: TensorParallelPlan, expected: dict):
         from torch._subclasses.fake_tensor import FakeTensorMode
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
+    local_inputs = {}
+    for name, (_, sh) in plan.inputs.items():
+        shape = list(match.val(next(n for n in phs if n.name == name)).shape)
+        shape[sh.dim] = sh.local(plan.tp)
+        local_inputs[name] = tuple(shape)
     with mode:
         for n, v in zip(phs, vals):
             ts = plan.shards.get(n.name)
-            if ts is not None:
-                t = torch.empty(ts.local_shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+            local = ts.local_shape if ts is not None else local_inputs.get(n.name)
+            if local is not None:
+                t = torch.empty(local, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
                 inputs.append(t)
             elif isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.FakeTensor):
                 inputs.append(mode.from_tensor(v))
@@ -1654,6 +1729,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, cfg: TensorParallelConfig, ctx: Pas
     for n in rw.unchecked:
         expected.pop(n, None)
     plan = rw.plan
+    plan.inputs = dict(tpc.sharded_inputs)
+    plan.outputs = {i: (tpc.shardable_outputs[i], sh) for i, sh in sorted(prop.outputs.items())}
     kind_rank = {"vocab": 0, "column": 1, "row": 1, "gather": 2}
     plan.linears.sort(key=lambda e: kind_rank.get(e[0], 1))
     for n, reason in an.dropped.items():
