@@ -417,3 +417,26 @@ def test_dynamic_shapes_still_fuse():
         x = torch.randn(*shape).half()
         torch.testing.assert_close(compiled(x).float(), model(x).float(), atol=5e-2, rtol=2e-2)
     assert [r.rewrites for results in graphs for r in results if r.name == "w4a16"] == [2]
+
+
+@pytest.mark.parametrize("rows,dequant_matmul,fused", [(1023, "auto", True), (1024, "auto", False),
+                                                        (2048, "auto", False), (2048, "off", True),
+                                                        (2048, "on", True)])
+def test_prefill_rows_left_as_dequantize_and_cublas(rows, dequant_matmul, fused):
+    """From DEQUANT_MATMUL_MIN_ROWS static rows (``auto``) the graph keeps dequantize_w4 -> linear, with the reason;
+    other settings (or fewer rows) fuse. Values equal eager's either way."""
+    from fxopt.passes import w4a16
+
+    assert w4a16.DEQUANT_MATMUL_MIN_ROWS == 1024
+    lin = qlinear(64, 32, 32, torch.float16, bias=True, seed=5)
+    x = torch.randn(rows, 64).half()
+    cfg = Config()
+    cfg.kernels.w4a16_dequant_matmul = dequant_matmul
+    out, graphs = capture(lin, x, config=cfg)
+    (gm, _), = graphs
+    assert count(gm, W4A16) == int(fused) and count(gm, DEQUANT) == int(not fused)
+    if not fused:
+        assert any("left as dequantize_w4 -> linear" in s.reason for s in w4_result(graphs).skipped)
+    # unfused: the same ops as eager; fused: the reference accumulates in float32
+    tol = dict(rtol=2e-3, atol=2e-3) if fused else dict(rtol=0, atol=0)
+    torch.testing.assert_close(out, lin(x), **tol)

@@ -31,7 +31,9 @@ elsewhere). Otherwise each product is checked on ``meta["val"]`` and replaced by
 * ``x``, the packed tensors and the bias are on one device; ``scales`` / ``zeros`` need no gradient (the fused op
   gives none to them).
 
-Everything else stays as it was, with a reason (``result.skip``). The new node gets ``meta["val"]`` by running the op's
+A product with at least ``DEQUANT_MATMUL_MIN_ROWS`` static rows (a prefill) stays as it is when
+``kernels.w4a16_dequant_matmul`` is ``"auto"``: dequantize + cuBLAS is the measured winner there, and Inductor's code
+calls both without the fused op's Python. Everything else stays as it was, with a reason (``result.skip``). The new node gets ``meta["val"]`` by running the op's
 fake implementation under the graph's fake mode, and inherits the replaced node's ``nn_module_stack`` /
 ``stack_trace``, so later passes (tensor parallel) still see which module it belongs to. The dequantize node (and a
 transpose) are erased once unused. One note line per rewrite goes to ``result.notes``.
@@ -291,6 +293,8 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
         for use in uses:
             reason = _check(use, qweight, scales, zeros, group_size) or _mutated_between(
                 dq, use.node, [qweight, scales, zeros])
+            if reason is None:
+                reason = _left_to_cublas(use, ctx.config.kernels.w4a16_dequant_matmul)
             if reason is not None:
                 result.skip(use.node, reason)
                 continue
@@ -360,6 +364,24 @@ def _fused_parts(node: fx.Node):
     x, q, s, z, g = (match.get_arg(node, i, n) for i, n in enumerate(("x", "qweight", "scales", "zeros",
                                                                        "group_size")))
     return x, q, s, z, g, match.get_arg(node, 5, "bias")
+
+
+# From this many static rows (a prefill) the product is compute-bound and "dequantize to a 16-bit W, then cuBLAS"
+# beat every fused kernel measured; the graph already says exactly that (dequantize_w4 -> linear), so the pass leaves
+# it to Inductor, whose generated code calls both with no Python of the fused op around them (on the H200 that Python,
+# about 0.2 ms per call, made a Llama-3-8B prefill host-bound). Between GROUP_MAX_ROWS and this the op's tuner times
+# both routes.
+DEQUANT_MATMUL_MIN_ROWS = 1024
+
+
+def _left_to_cublas(use, dequant_matmul: str) -> Optional[str]:
+    if dequant_matmul != "auto":
+        return None
+    rows = _rows(match.tensor_val(use.x))
+    if rows is None or rows < DEQUANT_MATMUL_MIN_ROWS:
+        return None
+    return (f"{rows} rows: left as dequantize_w4 -> linear (a 16-bit W and cuBLAS beat the fused kernels from "
+            f"{DEQUANT_MATMUL_MIN_ROWS} rows; kernels.w4a16_dequant_matmul='off' fuses it)")
 
 
 # Up to this many rows (a decode step) each product is bound by launch and per-call latency, and one joint call

@@ -85,7 +85,9 @@ def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     gs = K if group_size == -1 else group_size
     check_packed(qweight, scales, zeros, gs)
     if qweight.device.type == "cuda" and scales.dtype in MAGIC:
-        return dequantize_w4_triton(qweight, scales.contiguous(), zeros.contiguous(), gs)
+        if scales.stride() != zeros.stride():  # the kernel reads both with one pair of strides
+            scales, zeros = scales.contiguous(), zeros.contiguous()
+        return dequantize_w4_triton(qweight, scales, zeros, gs)
     return _dequantize_reference(qweight, scales, zeros, gs).contiguous()
 
 
