@@ -9,7 +9,7 @@ the graph into one ``GraphModule`` per stage (:func:`fxopt.parallel.pipeline.bui
 with PyTorch's pipeline schedules. Run through ``torch.compile(..., options={"pipeline": {...}})`` or
 :func:`fxopt.explain`, the pass only reports the plan.
 
-Cost model (:class:`DeviceProfile`, :func:`graph_costs`; derivation and checks in ``docs/notes_pipeline.md``).
+Cost model (:class:`DeviceProfile`, :func:`graph_costs`; checks against measured stages in ``docs/architecture.md``, Parallel).
 A stage's time is the sum of its kernels' times, each ``max(device time, op_overhead_s)``: the per-kernel floor is
 the host's launch interval (a compiled stage launches Inductor's kernels, cuBLAS and fxopt's custom ops from Python
 one by one; when a kernel is shorter than that, the GPU waits). Device time by kind:
@@ -29,7 +29,7 @@ one by one; when a kernel is shorter than that, the GPU waits). Device time by k
 Constants of ``DeviceProfile.h200()`` come from the H200 anchors (``/work/shared/anchors/README.md``: cuBLAS bf16
 716 TFLOP/s, copy 4.23 TB/s), fxopt's attention benchmark (~200 TFLOP/s causal at S = 512) and a 30 us per-kernel
 floor fitted on compiled graphs timed on that machine (a pipeline stage and the tensor-parallel benchmark's prefill and
-decode, all within 5%; see the notes). :meth:`DeviceProfile.measure` calibrates the GEMM peak (4096³), the GEMM
+decode, all within 5%). :meth:`DeviceProfile.measure` calibrates the GEMM peak (4096³), the GEMM
 latency (a 1024³ GEMM replayed from a CUDA graph) and the copy bandwidth on the current device.
 :func:`node_cost` prices one node as its own kernel (no fusion). The split uses the costs only relatively; the
 absolute numbers are the prediction the benchmark checks.
@@ -143,7 +143,7 @@ class DeviceProfile:
         # (benchmarks/results/attention.md). fp32 (no TF32) runs on CUDA cores: 67 TFLOP/s dense, ~50 reached.
         # Fixed times: 4 us per GEMM on the device (prologue, epilogue, partial last wave: an estimate typical of
         # cuBLAS on Hopper, which measure() replaces by a measured 1024³ GEMM), and a 30 us floor per kernel, fitted
-        # to compiled graphs timed on this machine (docs/notes_pipeline.md: Inductor's wrapper, cuBLAS and fxopt's
+        # to compiled graphs timed on this machine (Inductor's wrapper, cuBLAS and fxopt's
         # custom ops launched from Python one after the other, without CUDA graphs).
         return cls("H200", {torch.bfloat16: 716e12, torch.float16: 716e12, torch.float8_e4m3fn: 1327e12,
                             torch.float32: 50e12, torch.float64: 50e12},
