@@ -57,17 +57,16 @@ def _try(fn, graph=False):
 
 # Rounds of the interleaved timing: every candidate of a row is timed once per round, in the order of
 # ``common.round_order`` (a new stride through the candidates each round), and the row reports the median over
-# rounds. timed one kernel twice in one row (fwd_fxopt and fwd_gluon ran the same Gluon build: 693 against
-# 631 TFLOP/s): whatever ran first after a pause was favoured, so a single pass in a fixed order is not fair to the
-# anchors timed last. Sessions 9-12 rotated the order by one each round, which keeps the cyclic order: each candidate
-# not first in its round ran right after the same one (fxopt after cuDNN, fwd_gluon after fwd_triton), and session
-# 12's d = 128 tables had fwd_fxopt 1-7% under fwd_gluon on all six non-causal rows (same kernel, same arguments;
-# equal at d = 64).
+# rounds. A single pass in a fixed order favours whatever runs first after a pause (one Gluon build timed twice in one
+# row, as fwd_fxopt and fwd_gluon: 693 against 631 TFLOP/s), so it is not fair to the anchors timed last. A plain
+# rotation by one each round keeps the cyclic order: each candidate not first in its round runs right after the same
+# one (fxopt after cuDNN, fwd_gluon after fwd_triton), which put fwd_fxopt 1-7% under fwd_gluon on all six d = 128
+# non-causal rows (same kernel, same arguments; equal at d = 64).
 ROUNDS = int(os.environ.get("FXOPT_BENCH_ROUNDS", "3"))
 # fwd+bwd also replayed from CUDA graphs (fbg_* columns). The eager fb_* columns include the host's launch path,
 # and found ours host-bound at short S: 32 x 16 x 512 x 128 fwd+bwd spends 0.67-0.74 ms in kernels but
 # 1.1-1.7 ms of host time per call on the H200 box (Python custom-op autograd layer and Triton / Gluon launchers;
-# cuDNN's whole fwd+bwd path 0.64 ms; benchmarks/attention_host_overhead.py). Under torch.compile with CUDA graphs,
+# cuDNN's whole fwd+bwd path 0.64 ms). Under torch.compile with CUDA graphs,
 # or in a model whose other layers keep the GPU busy while the host runs ahead, what counts is the GPU time, which
 # the graph replay measures for every candidate alike. The forward too (fwdg_*: the op's launch path against
 # cuDNN): do_bench zero-fills L2 before each call, so a launch path longer than that fill (~60 us) idles the GPU

@@ -174,7 +174,7 @@ def run(args):
                   out_dir=args.out,
                   notes="fxopt_us / bf16_us / tinygemm_us: per-call time of calls run back to back in one CUDA graph, "
                         "each on the next of several weight copies (together > 3x L2, so every call reads its "
-                        "weights from HBM), median of 20 replays. flushed_*: the earlier method, one call per "
+                        "weights from HBM), median of 20 replays. flushed_*: a second method, one call per "
                         "do_bench iteration after do_bench zero-fills 256 MB to flush L2; the write-back of those "
                         "dirty lines (~12 us on the H200) lands in the timed call. x_vs_*: speedup of fxopt. "
                         "GB/s: packed weight + scales + zeros + activations moved per fxopt call / time. "
