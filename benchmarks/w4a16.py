@@ -5,7 +5,7 @@ inner_k_tiles=8) and scales_and_zeros [K/G, N, 2]. Every weight set (ours, bf16,
 copies to exceed 3x the 60 MB L2, and do_bench also flushes L2 between runs, so small shapes read from HBM.
 Every timed call is a CUDA-graph replay (host overhead of the Python op path excluded, for all three; inside
 torch.compile with CUDA graphs that is what a model sees): 48 calls back to back per graph, rotating the copies
-(``streamed_us``). The ``flushed_*`` columns repeat the earlier single-call method for comparison. Each row: times in us, speedups of fxopt over both, achieved GB/s of fxopt for M <= 64 (packed weight + scales +
+(``streamed_us``). The ``flushed_*`` columns time one call after an L2 flush instead, for comparison. Each row: times in us, speedups of fxopt over both, achieved GB/s of fxopt for M <= 64 (packed weight + scales +
 zeros + x + y bytes / time), and the config the tuner chose. Run from the repo root:
 ``python benchmarks/w4a16.py [--quick] [--out DIR] [--ms 1,2,4] [--gemv1] [--mma] [--dequant-matmul auto|on|off]``
 (``--gemv1`` / ``--mma``: also the best "gemv1" / "mma" candidate per row with M <= 4 / 16, in gemv1_* / mma_*
@@ -150,7 +150,7 @@ def run(args):
             t_tg = float("nan")
             if M <= args.no_tinygemm_large:
                 t_tg = streamed_us(f_tg, tg, calls)
-            # the previous method (one call after a 256 MB zero-fill of L2, do_bench) for comparison
+            # one call after a 256 MB zero-fill of L2 (do_bench), for comparison
             t_ours_fl = bench_ms(graphed(f_ours, ours), warmup=5, rep=30) * 1e3
             t_bf_fl = bench_ms(graphed(f_bf, bf), warmup=5, rep=30) * 1e3
             row = {"K": K, "N": N, "M": M, "fxopt_us": t_ours, "bf16_us": t_bf, "tinygemm_us": t_tg,

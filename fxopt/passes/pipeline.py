@@ -591,7 +591,7 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
         ok &= idx >= last_pin[j]
         return ok
 
-    # Phase 1: least bottleneck.
+    # Step 1: least bottleneck.
     best = np.full((stages + 1, n + 1), INF)
     best[0, 0] = 0.0
     for k in range(1, stages + 1):
@@ -608,7 +608,7 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
             + (f" with the pinned split points at positions {pins}" if pins else "")
             + " (a boundary is valid where only tensors cross it)")
     limit = t_star * (1 + max(slack, 0.0) + 1e-9) + 1e-30
-    # Phase 2: least bytes among splits with every segment <= limit; ties broken by the lower bottleneck
+    # Step 2: least bytes among splits with every segment <= limit; ties broken by the lower bottleneck
     # (lexicographic (bytes, bottleneck) is exact for this DP: of two prefixes with equal bytes, the one with the
     # lower max is never worse).
     comm = np.full((stages + 1, n + 1), INF)
