@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..match import tensor_val
+from ..match import tensor_val, val
 from ..match import op_name as _torch_op_name
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def sym_scalar(x: Any) -> Optional[fx.Node]:
     Either multiplies every score alike, so it moves onto q exactly; a 0-d tensor does not change the dtype of the
     tensor it multiplies (type promotion), in eager nor on q."""
     if isinstance(x, fx.Node):
-        v = x.meta.get("val", x.meta.get("example_value"))
+        v = val(x)
         if isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
             return x
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.dtype.is_complex:
@@ -132,14 +132,14 @@ class Builder:
         fkwargs = fx.node.map_aggregate(kwargs, to_val)
         with self.mode if self.mode is not None else contextlib.nullcontext():
             if method:
-                val = getattr(fargs[0], target)(*fargs[1:], **fkwargs)
+                value = getattr(fargs[0], target)(*fargs[1:], **fkwargs)
             else:
-                val = target(*fargs, **fkwargs)
+                value = target(*fargs, **fkwargs)
         # the node exists only once its value could be computed: a failed check leaves no half-built node
         with self.graph.inserting_before(self.anchor):
             node = (self.graph.call_method if method else self.graph.call_function)(target, tuple(args), kwargs)
-        node.meta["val"] = val
-        node.meta["example_value"] = val
+        node.meta["val"] = value
+        node.meta["example_value"] = value
         src = self.anchor.meta.get("stack_trace")
         if src:
             node.meta["stack_trace"] = src
@@ -153,9 +153,7 @@ class Builder:
                 self.graph.erase_node(n)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# mutations
-# ----------------------------------------------------------------------------------------------------------------
+# ---- mutations -----------------------------------------------------------------------------------------------------
 
 _INPLACE_FUNCTIONS = {operator.setitem: "setitem", operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                       operator.itruediv: "div", operator.iand: "and", operator.ior: "or", operator.ixor: "xor"}
@@ -268,9 +266,7 @@ def node_name(n: Any) -> Optional[str]:
     return base or op_name(n)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# constant evaluation
-# ----------------------------------------------------------------------------------------------------------------
+# ---- constant evaluation -------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -26,38 +26,23 @@ class Keep:
 
 @dataclass
 class Masks:
-    """Every mask on the score chain.
+    """Every mask on the score chain."""
 
-    Args:
-        keeps: the keep literals (:class:`Keep`), one per replacement (masked_fill / where / SDPA bool mask).
-        fills: the value each replacement writes (-inf for bool semantics).
-        additive: float (or bool) mask nodes added to the scores.
-        additive_first: whether every additive mask is applied before every replacement (closer to QK).
-    """
-
-    keeps: list = field(default_factory=list)
-    fills: list = field(default_factory=list)
-    additive: list = field(default_factory=list)
-    additive_first: bool = True
+    keeps: list = field(default_factory=list)  # Keep literals, one per replacement (masked_fill / where / bool mask)
+    fills: list = field(default_factory=list)  # the value each replacement writes (-inf for bool semantics)
+    additive: list = field(default_factory=list)  # float (or bool) mask nodes added to the scores
+    additive_first: bool = True  # every additive mask is applied before every replacement (closer to QK)
 
 
 @dataclass
 class Lowered:
-    """What the keep literals were proven to be.
+    """What the keep literals were proven to be."""
 
-    Args:
-        is_causal: bottom-right causal.
-        window: sliding window width (-1: none).
-        kpm: placeholder P with key_padding_mask = P[:, :Sk].bool(), or None.
-        kpm_len: P's length L (>= Sk).
-        const_has_empty_row: the constant part masks every key of some row.
-    """
-
-    is_causal: bool = False
+    is_causal: bool = False  # bottom-right
     window: int = -1
-    kpm: Optional[fx.Node] = None
+    kpm: Optional[fx.Node] = None  # placeholder P; key_padding_mask = P[:, :Sk].bool()
     kpm_len: int = 0
-    const_has_empty_row: bool = False
+    const_has_empty_row: bool = False  # the constant part masks every key of some row
 
 
 def masks_out(fill: float, dtype: torch.dtype) -> bool:
@@ -97,9 +82,7 @@ def where_zero_fill(m: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, fl
     return cond, fb
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# proofs: constant and key-padding literals
-# ----------------------------------------------------------------------------------------------------------------
+# ---- proofs: constant and key-padding literals ---------------------------------------------------------------------
 
 _GATHER_METHODS = {"getitem", "unsqueeze", "view", "reshape", "expand", "contiguous", "permute", "transpose",
                    "clone", "to", "bool", "expand_as", "squeeze", "flatten"}
@@ -181,6 +164,11 @@ def _analyze_keep(lit: Keep, facts: GraphFacts) -> Optional[tuple[Optional[torch
     const_parts: list[torch.Tensor] = []
     pads: list = []
 
+    def found(probe) -> bool:
+        if probe is not None:
+            pads.append(probe)
+        return probe is not None
+
     def visit(n: Any, positive: bool) -> bool:
         if not isinstance(n, fx.Node):
             return False
@@ -213,12 +201,7 @@ def _analyze_keep(lit: Keep, facts: GraphFacts) -> Optional[tuple[Optional[torch
         if name in ("to", "contiguous", "expand") and v is not None and v.dtype == torch.bool \
                 and tensor_val(n.args[0]) is not None and tensor_val(n.args[0]).dtype == torch.bool:
             return visit(n.args[0], positive)
-        if positive:
-            probe = _padding_probe(n, facts)
-            if probe is not None:
-                pads.append(probe)
-                return True
-        return False
+        return positive and found(_padding_probe(n, facts))
 
     def visit_bool(n: fx.Node, positive: bool) -> bool:
         # n is any numeric tensor; the literal is bool(n) (== n != 0)
@@ -232,12 +215,7 @@ def _analyze_keep(lit: Keep, facts: GraphFacts) -> Optional[tuple[Optional[torch
             b = c != 0
             const_parts.append(b if positive else ~b)
             return True
-        if positive:
-            probe = _padding_probe_bool(n, facts)
-            if probe is not None:
-                pads.append(probe)
-                return True
-        return False
+        return positive and found(_padding_probe_bool(n, facts))
 
     if not visit(lit.node, not lit.negate):
         return None
@@ -331,9 +309,7 @@ def lower(masks: Masks, facts: GraphFacts, shape4: tuple, bh_layout: bool) -> tu
     return (None, why) if why else (low, "")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fully masked rows
-# ----------------------------------------------------------------------------------------------------------------
+# ---- fully masked rows ---------------------------------------------------------------------------------------------
 
 
 def dead_row_policy(masks: Masks, add_keep: list, possible: bool, training: bool, *, safe_softmax: bool,
@@ -441,9 +417,7 @@ def _mean_rows(b: Builder, q, k, v, out, is_dead, dead: str, Hq: int, scale: Opt
     return b.call(torch.where, (is_dead, mean, out))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the mask tensor the kernel reads
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the mask tensor the kernel reads ------------------------------------------------------------------------------
 
 
 def sum_additive(b: Builder, adds: list) -> Optional[fx.Node]:

@@ -21,49 +21,29 @@ _QK = ("matmul", "bmm", "einsum")
 
 @dataclass
 class Match:
-    """One attention region, as the fused op must compute it.
-
-    Args:
-        q, k, v: the operands (k in the [.., Sk, D] layout unless ``k_is_kt``).
-        out: the node whose uses are replaced.
-        scale: the score scale (None = 1/sqrt(D)).
-        softcap: tanh softcap (0: none).
-        dropout_p: dropout on the probabilities (training only).
-        masks: every mask of the score chain.
-        sdpa_causal: SDPA's (top-left) is_causal.
-        q_perm, k_perm, v_perm: einsum: permute the operand into [B, H, S, D].
-        out_perm: permute the op's output into the graph's layout.
-        three_d: 3-D (bmm) layout [B*H, S, D], run as one batch of B*H heads.
-        matched: the nodes replaced (erased if unused).
-        k_is_kt: the k node is kᵀ [.., D, Sk]: a transpose is inserted.
-        scale_syms: (node, divides): symbolic (SymInt / SymFloat / 0-d tensor) scale factors.
-        casts: dtypes of every cast matched on the scores / probabilities.
-        safe_softmax: aten._safe_softmax: a row of -inf gives 0, not NaN.
-        heads: C when the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk]: 3-D q/k/v/out unflattened.
-        add_dtypes: dtype of the scores each additive mask is added into.
-    """
+    """One attention region, as the fused op must compute it (q, k, v, out are set by the matcher)."""
 
     q: Optional[fx.Node] = None
-    k: Optional[fx.Node] = None
+    k: Optional[fx.Node] = None  # [.., Sk, D] layout (not transposed)
     v: Optional[fx.Node] = None
-    out: Optional[fx.Node] = None
-    scale: Optional[float] = None
+    out: Optional[fx.Node] = None  # node whose uses are replaced
+    scale: Optional[float] = None  # None = 1/sqrt(D)
     softcap: float = 0.0
     dropout_p: float = 0.0
     masks: Masks = field(default_factory=Masks)
-    sdpa_causal: bool = False
-    q_perm: Optional[list] = None
+    sdpa_causal: bool = False  # SDPA's (top-left) is_causal
+    q_perm: Optional[list] = None  # einsum: permute q into [B, H, S, D]
     k_perm: Optional[list] = None
     v_perm: Optional[list] = None
-    out_perm: Optional[list] = None
+    out_perm: Optional[list] = None  # permute the op output into the graph's layout
     three_d: bool = False
-    matched: list = field(default_factory=list)
-    k_is_kt: bool = False
-    scale_syms: list = field(default_factory=list)
-    casts: list = field(default_factory=list)
-    safe_softmax: bool = False
-    heads: Optional[int] = None
-    add_dtypes: list = field(default_factory=list)
+    matched: list = field(default_factory=list)  # nodes replaced (erased if unused)
+    k_is_kt: bool = False  # k node is kᵀ [.., D, Sk]: insert a transpose
+    scale_syms: list = field(default_factory=list)  # (node, divides): symbolic (SymInt / SymFloat) scale factors
+    casts: list = field(default_factory=list)  # dtypes of every cast matched on the scores / probabilities
+    safe_softmax: bool = False  # aten._safe_softmax: a row of -inf gives 0, not NaN
+    heads: Optional[int] = None  # C when the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk]: 3-D q/k/v/out unflattened
+    add_dtypes: list = field(default_factory=list)  # dtype of the scores each additive mask is added into
 
 
 class _Layout:
@@ -100,9 +80,7 @@ class _Layout:
         return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# operand helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ---- operand helpers -----------------------------------------------------------------------------------------------
 
 
 def _strip_scalar(node: fx.Node, matched: list, facts: GraphFacts, syms: list) -> tuple[fx.Node, float]:
@@ -147,7 +125,7 @@ def _is_last2_transpose(n: fx.Node) -> bool:
     if v is None:
         return False
     nd = v.dim()
-    if name == "transpose" or (n.op == "call_method" and n.target == "transpose"):
+    if name == "transpose":
         d0 = get_arg(n, 1, "dim0")
         d1 = get_arg(n, 2, "dim1")
         if not isinstance(d0, int) or not isinstance(d1, int):
@@ -317,9 +295,7 @@ def _chain_operand(n: Any, shape: tuple) -> bool:
     return v is not None and tuple(v.shape) == shape and _chain_like(n)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# softmax, probabilities, P @ V
-# ----------------------------------------------------------------------------------------------------------------
+# ---- softmax, probabilities, P @ V ---------------------------------------------------------------------------------
 
 
 def _check_softmax(sm: fx.Node, sv: torch.Tensor) -> str:
@@ -366,7 +342,7 @@ def _walk_probabilities(sm: fx.Node, m: Match, layout: _Layout) -> tuple[Optiona
         elif cast_dtype(u) is not None:
             m.casts.append(cast_dtype(u))
             why = ""
-        elif name == "dropout" or (u.op == "call_function" and u.target is F.dropout):
+        elif name == "dropout":
             why = _match_dropout(u, m)
         else:
             return cur, ""
@@ -393,30 +369,19 @@ def _match_pv(m: Match, pv: fx.Node, p: fx.Node) -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the score chain, from the softmax input up to Q Kᵀ
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the score chain, from the softmax input up to Q Kᵀ ------------------------------------------------------------
 
 
 @dataclass
 class _Chain:
-    """The walk up the score chain.
+    """The walk up the score chain."""
 
-    Args:
-        x: the chain node being read.
-        shape: its expected shape (changes at a view of the batch dims).
-        scale: the product of the scalar scales passed.
-        masks_done: a scale or softcap was passed (a mask above it is not expressible).
-        replaced: a masked_fill / where was passed (an additive mask above it is applied after a fill).
-        mask_ranks: (mask node, rank of the scores it is applied to).
-    """
-
-    x: Any
-    shape: tuple
-    scale: float = 1.0
-    masks_done: bool = False
-    replaced: bool = False
-    mask_ranks: list = field(default_factory=list)
+    x: Any  # the chain node being read
+    shape: tuple  # its expected shape (changes at a view of the batch dims)
+    scale: float = 1.0  # the product of the scalar scales passed
+    masks_done: bool = False  # a scale or softcap was passed: a mask above it is not expressible
+    replaced: bool = False  # a masked_fill / where was passed: an additive mask above it comes after a fill
+    mask_ranks: list = field(default_factory=list)  # (mask node, rank of the scores it is applied to)
 
 
 def _step_add(x: fx.Node, xv: torch.Tensor, ch: _Chain, m: Match) -> str:
@@ -667,9 +632,7 @@ def match_softmax(sm: fx.Node, facts: GraphFacts) -> tuple[Optional[Match], str]
     return (None, why) if why else (m, "")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# SDPA
-# ----------------------------------------------------------------------------------------------------------------
+# ---- SDPA ----------------------------------------------------------------------------------------------------------
 
 
 def is_sdpa(n: fx.Node) -> bool:

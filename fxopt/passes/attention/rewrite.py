@@ -33,38 +33,24 @@ class _Abort(Exception):
 
 @dataclass
 class _Operands:
-    """q, k, v as the op reads them.
-
-    Args:
-        qs, ks, vs: their shapes in [B, H, S, D] (after permutes, the transpose of kᵀ, the repeat_kv drop).
-        k_src, v_src: the sources of repeat_kv on both k and v (native GQA), or None.
-    """
+    """q, k, v shapes in the op's [B, H, S, D] layout (after permutes, the transpose of kᵀ, the repeat_kv drop)."""
 
     qs: list
     ks: list
     vs: list
-    k_src: Optional[fx.Node] = None
+    k_src: Optional[fx.Node] = None  # the sources of repeat_kv on both k and v (native GQA)
     v_src: Optional[fx.Node] = None
 
 
 @dataclass
 class _Plan:
-    """What the op computes, decided before the first node is created.
+    """What the op computes, decided before the first node is created."""
 
-    Args:
-        trial: the masks, with transformers' ``where(keep, 0, fill)`` additive masks read as keep literals.
-        add_keep: those additive masks read as keep literals: (mask, (cond, fill), dtype of the scores).
-        low: the proven causal / window / key padding, or None (masks passed as tensors).
-        dead: the fully-masked-row policy (:func:`.masks.dead_row_policy`), None when the op's own value is right.
-        dynamic: B, Sq or Sk symbolic.
-        training: a gradient may flow to q, k or v.
-    """
-
-    trial: Masks
-    add_keep: list
-    low: Optional[Lowered]
-    dead: Optional[str]
-    dynamic: bool
+    trial: Masks  # the masks, transformers' where(keep, 0, fill) additive masks read as keep literals
+    add_keep: list  # those additive masks: (mask, (cond, fill), dtype of the scores)
+    low: Optional[Lowered]  # the proven causal / window / key padding, or None (masks passed as tensors)
+    dead: Optional[str]  # the fully-masked-row policy (masks.dead_row_policy); None: the op's own value is right
+    dynamic: bool  # B, Sq or Sk symbolic
     training: bool
 
 
@@ -83,9 +69,7 @@ def _flash_op():
     return None if op is None else op.default
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checks
-# ----------------------------------------------------------------------------------------------------------------
+# ---- checks --------------------------------------------------------------------------------------------------------
 
 
 def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
@@ -247,9 +231,7 @@ def _plan(m: Match, ops: _Operands, cfg: AttentionConfig, facts: GraphFacts,
     return (None, why) if why else (_Plan(trial, add_keep, low, dead, dynamic, training), "")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# building the replacement
-# ----------------------------------------------------------------------------------------------------------------
+# ---- building the replacement --------------------------------------------------------------------------------------
 
 
 def _bhsd_operands(b: Builder, m: Match, ops: _Operands) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -436,14 +418,11 @@ def _emit(gm: fx.GraphModule, m: Match, cfg: AttentionConfig, op, facts: GraphFa
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the pass
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the pass ------------------------------------------------------------------------------------------------------
 
 
-def _erase_dead(g: fx.Graph, candidates: list) -> int:
+def _erase_dead(g: fx.Graph, candidates: list) -> None:
     """Erase unused pure nodes among ``candidates`` and (transitively) their ancestors."""
-    erased = 0
     work = list(candidates)
     seen: set = set()
     while work:
@@ -462,9 +441,7 @@ def _erase_dead(g: fx.Graph, candidates: list) -> int:
         seen.add(n)
         inputs = list(n.all_input_nodes)
         g.erase_node(n)
-        erased += 1
         work.extend(inputs)
-    return erased
 
 
 def _checkpoint_bodies(gm: fx.GraphModule) -> list:
