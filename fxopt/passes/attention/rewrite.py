@@ -47,7 +47,6 @@ class _Plan:
     """What the op computes, decided before the first node is created."""
 
     trial: Masks  # the masks, transformers' where(keep, 0, fill) additive masks read as keep literals
-    add_keep: list  # those additive masks: (mask, (cond, fill), dtype of the scores)
     low: Optional[Lowered]  # the proven causal / window / key padding, or None (masks passed as tensors)
     dead: Optional[str]  # the fully-masked-row policy (masks.dead_row_policy); None: the op's own value is right
     dynamic: bool  # B, Sq or Sk symbolic
@@ -228,7 +227,7 @@ def _plan(m: Match, ops: _Operands, cfg: AttentionConfig, facts: GraphFacts,
     dead, why = _plan_dead_rows(m, trial, add_keep, low, training)
     if not why:
         why = _check_region(m, ops, trial, low, facts)
-    return (None, why) if why else (_Plan(trial, add_keep, low, dead, dynamic, training), "")
+    return (None, why) if why else (_Plan(trial, low, dead, dynamic, training), "")
 
 
 # ---- building the replacement --------------------------------------------------------------------------------------
