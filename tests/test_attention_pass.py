@@ -426,7 +426,7 @@ def test_fp8_routing_for_inference_and_fallback_with_reason(monkeypatch):
     import torch.nn.functional as F
 
     import fxopt
-    import fxopt.passes.attention as attention_pass_module
+    import fxopt.passes.attention.rewrite as attention_rewrite
 
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -438,7 +438,7 @@ def test_fp8_routing_for_inference_and_fallback_with_reason(monkeypatch):
     assert report.rewrites["attention"] == 1
     assert any("fp8 not used" in n and "CUDA" in n for n in report.notes), report.notes
     # With the CPU reference allowed, the FP8 op is used and matches float attention within FP8 error.
-    monkeypatch.setattr(attention_pass_module, "_FP8_ALLOW_CPU_REFERENCE", True)
+    monkeypatch.setattr(attention_rewrite, "FP8_ALLOW_CPU_REFERENCE", True)
     backend = fxopt.Backend(cfg, inductor=False)
     graphs = []
 
