@@ -42,11 +42,11 @@ more time than the replicated lookup, which only costs memory).
 Afterwards the whole graph is fake-propagated again and every node's shape is checked against the plan's
 prediction: a mismatch raises (a wrong shard is never produced silently).
 
-Modules (imports point one way): :mod:`.plan` (``Shard``, ``TensorShard``, ``TensorParallelPlan``, ``TPContext``,
-errors) → :mod:`.ops` (op tables, shapes, size arguments) → :mod:`.linears` (linear sites) → :mod:`.rules` (the sweep
-and its ``rule_*``) → :mod:`.search` (seeds, GQA replication, fixed point) → :mod:`.sequence_parallel` →
-:mod:`.rewrite` (cuts, collectives, overlap chunks, vocab parallel, *f*) → :mod:`.entry` (the pass, its registration,
-the shape check); :mod:`.collectives` holds ``fxopt::tp_copy`` and the functional c10d ops.
+Modules, imports pointing one way in this order: :mod:`.plan` (``Shard``, ``TensorShard``, ``TensorParallelPlan``,
+``TPContext``, errors), :mod:`.collectives` (``fxopt::tp_copy``, the functional c10d ops), :mod:`.ops` (op tables,
+shapes, size arguments), :mod:`.linears` (linear sites), :mod:`.rules` (the sweep and its ``rule_*``),
+:mod:`.search` (seeds, GQA replication, fixed point), :mod:`.sequence_parallel`, :mod:`.rewrite` (cuts, collectives,
+overlap chunks, vocab parallel, *f*), :mod:`.entry` (the pass, its registration, the local-shape check).
 """
 from .collectives import tp_copy
 from .entry import tensor_parallel_pass
