@@ -91,7 +91,7 @@ def test_signature_defaults_are_the_documented_ones():
     doc = inspect.getdoc(quantize)
     # the docstring names what None resolves to and how to get the plain algorithms
     assert "float_target=False" in doc and 'awq_rounding="nearest"' in doc
-    assert "on for GPTQ and AWQ" in doc and 'AWQ: ``"gptq"``' in doc
+    assert "on for GPTQ and AWQ" in doc and '(``None``, the default, is ``"gptq"``)' in doc
 
 
 def test_gptq_default_is_float_target_and_plain_is_reachable():
