@@ -16,8 +16,8 @@ rows'); ``cal_s`` = wall time of ``fxopt.quantize`` (Dynamo capture included) on
 only; ``peak_mb`` = peak resident memory during it above the float model's.
 
 Each run overwrites ``quant_quality.md`` / ``.json`` in ``--out`` with one table. ``--merge`` instead replaces only
-the (model, group) blocks this run measures in the table already there, which must come from the same settings
-(calibration, evaluation, variants); the page then lists the command of every part.
+the (model, group) blocks this run measures in the table already there, which must come from the same calibration
+and evaluation settings (its rows may be another subset of the variants); the page then lists every part's command.
 
 Usage: ``python benchmarks/quant_quality.py [--models-dir /work/models] [--models smollm gemma] [--groups 64 128]
 [--cal-samples 128] [--merge]``
@@ -28,6 +28,7 @@ import copy
 import gc
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -251,30 +252,33 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     settings = {"cal_text": args.cal_text, "cal_samples": args.cal_samples, "eval_text": args.eval_text,
-                "eval_windows": args.eval_windows, "threads": torch.get_num_threads(),
-                "variants": [n for n, _ in selected(args.variants)],
-                "variant_kwargs": {n: kw for n, kw in selected(args.variants)}}
+                "eval_windows": args.eval_windows, "threads": torch.get_num_threads()}
+    variants = dict(selected(args.variants))
     parts: list[dict] = []
-    if args.merge:
+    if args.merge:  # the same measurement settings; a merged block may have other rows (variants)
         with open(os.path.join(args.out, f"{NAME}.json")) as f:
             old = json.load(f)
-        if old.get("settings") != settings:
-            raise SystemExit(f"--merge: the table in {args.out} has other settings ({old.get('settings')}); "
+        old_variants = old["settings"].pop("variant_kwargs", {})
+        old["settings"].pop("variants", None)
+        if old["settings"] != settings:
+            raise SystemExit(f"--merge: the table in {args.out} has other settings ({old['settings']}); "
                              f"this run: {settings}")
         parts = old["parts"]
+        variants = {n: kw for n, kw in VARIANTS if n in variants or n in old_variants}
+    settings["variant_kwargs"] = variants
     labels = {MODELS[k]["label"] for k in args.models}
     mine = lambda r: r["model"] in labels and r["group"] in args.groups  # noqa: E731
     for p in parts:
         p["rows"] = [r for r in p["rows"] if not mine(r)]
         p["blocks"] = [b for b in p["blocks"] if not any(b == f"{m} g{g}" for m in labels for g in args.groups)]
     parts = [p for p in parts if p["rows"]]
-    part = {"command": "python " + " ".join(sys.argv), "blocks": [], "rows": []}
+    part = {"command": "python " + shlex.join(sys.argv), "blocks": [], "rows": []}
     parts.append(part)
     done: list[dict] = []
 
     def emit(rows):
         part["rows"] = rows
-        part["blocks"] = sorted({f"{r['model']} g{r['group']}" for r in rows})
+        part["blocks"] = [f"{m} g{g}" for m, g in sorted({(r["model"], r["group"]) for r in rows})]
         write_table(args.out, parts, settings)
 
     for key in args.models:
