@@ -209,7 +209,8 @@ def write_table(out_dir: str, parts: list[dict], settings: dict) -> None:
     env = env_info()
     with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
         json.dump({"title": TITLE, "env": env, "settings": settings, "parts": parts, "rows": rows}, f, indent=1)
-    cmds = "\n".join(f"- `{p['command']}` ({', '.join(p['blocks'])})" for p in parts)
+    cmds = "\n".join(f"- `{p['command']}` ({', '.join(p['blocks'])}; {p.get('threads', 1)} CPU thread(s))"
+                     for p in parts)
     digits = {"ppl": 3, "gap_closed": 3, "layer_err_vs_rtn": 3, "cal_s": 0, "peak_mb": 0}
     cols = ["model", "group", "method", "ppl", "gap_closed", "cal_s", "peak_mb", "layer_err_vs_rtn", "cal_tokens",
             "eval_tokens", "note", "error"]
@@ -222,7 +223,7 @@ def write_table(out_dir: str, parts: list[dict], settings: dict) -> None:
     md = (f"# {TITLE}\n\n{', '.join(f'{k} {v}' for k, v in env.items())}\n\nCommand"
           + ("" if len(parts) == 1 else "s") + f":\n\n{cmds}\n\n"
           + f"Calibration: {settings['cal_samples']} windows of {settings['cal_text']}; evaluation: "
-          + f"{settings['eval_windows']} windows of {settings['eval_text']}; {settings['threads']} CPU thread(s).\n\n"
+          + f"{settings['eval_windows']} windows of {settings['eval_text']}.\n\n"
           + markdown_table(shown) + "\nRows:\n\n" + variants + "\n\n"
           + __doc__.split("\n\n", 1)[1].split("\n\nEach run")[0] + "\n")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
@@ -252,7 +253,7 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     settings = {"cal_text": args.cal_text, "cal_samples": args.cal_samples, "eval_text": args.eval_text,
-                "eval_windows": args.eval_windows, "threads": torch.get_num_threads()}
+                "eval_windows": args.eval_windows}
     variants = dict(selected(args.variants))
     parts: list[dict] = []
     if args.merge:  # the same measurement settings; a merged block may have other rows (variants)
@@ -260,6 +261,7 @@ def main():
             old = json.load(f)
         old_variants = old["settings"].pop("variant_kwargs", {})
         old["settings"].pop("variants", None)
+        old["settings"].pop("threads", None)  # a part's own (its cal_s depends on it), shown with its command
         if old["settings"] != settings:
             raise SystemExit(f"--merge: the table in {args.out} has other settings ({old['settings']}); "
                              f"this run: {settings}")
@@ -272,7 +274,8 @@ def main():
         p["rows"] = [r for r in p["rows"] if not mine(r)]
         p["blocks"] = [b for b in p["blocks"] if not any(b == f"{m} g{g}" for m in labels for g in args.groups)]
     parts = [p for p in parts if p["rows"]]
-    part = {"command": "python " + shlex.join(sys.argv), "blocks": [], "rows": []}
+    part = {"command": "python " + shlex.join(sys.argv), "threads": torch.get_num_threads(), "blocks": [],
+            "rows": []}
     parts.append(part)
     done: list[dict] = []
 
