@@ -129,10 +129,22 @@ def indivisible_linears(model, group_size: int) -> list[str]:
             if isinstance(m, torch.nn.Linear) and m is not head and m.in_features % group_size]
 
 
+def release_freed_memory() -> None:
+    """Return freed heap memory to the OS (glibc), so that the resident size a measurement starts from is not
+    inflated by what earlier rows freed and the peak above it is comparable between rows."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may then be understated after large rows
+        pass
+
+
 def measure(base, cal: list, ev: list, group_size: int, kw: dict) -> dict:
     """Quantize a copy of ``base`` with ``kw`` and return its perplexity, calibration time and peak memory."""
     model = copy.deepcopy(base)
-    gc.collect()
+    release_freed_memory()
     rtn = kw["method"] == "rtn"
     rep = None if rtn else QuantizeReport()  # RTN with a report would run the calibration sweep for its errors
     with PeakRSS() as mem:
