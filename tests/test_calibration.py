@@ -211,9 +211,11 @@ def test_quantize_model_beats_rtn_and_excludes_head(method):
     cal = [{"input_ids": torch.randint(0, 128, (1, 32)), "use_cache": False} for _ in range(4)]
     rep = QuantizeReport()
     head = model.lm_head.weight.detach().clone()
-    # the plain algorithms (float_target=False): each linear's error on its own quantized-model input is at most
-    # RTN's; the float_target default aims at the float model's output instead, so that per-linear bound is not its
-    quantize(model, cal, method=method, group_size=32, pack=False, report=rep, progress=False, float_target=False)
+    # the plain algorithms (float_target=False; AWQ rounding to nearest): each linear's error on its own
+    # quantized-model input is at most RTN's; the float_target default aims at the float model's output instead, so
+    # that per-linear bound is not its
+    plain = dict(float_target=False, **({"awq_rounding": "nearest"} if method == "awq" else {}))
+    quantize(model, cal, method=method, group_size=32, pack=False, report=rep, progress=False, **plain)
     assert len(rep.rows) == 14  # 2 layers x 7 linears; lm_head left in float
     assert torch.equal(model.lm_head.weight, head)
     assert any(name == "lm_head" for name, _ in rep.skipped)

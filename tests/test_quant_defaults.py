@@ -71,16 +71,55 @@ def test_awq_without_fold_leaves_no_scale_module_and_round_trips(tmp_path):
         torch.testing.assert_close(fresh(x), out, rtol=0, atol=0)
 
 
-def test_defaults_are_float_target():
-    cal = _cal()
-    x = torch.randint(0, 96, (1, 16))
-    outs = {}
-    for name, kw in {"default": {}, "ft": {"float_target": True}, "plain": {"float_target": False}}.items():
-        m = quantize(tiny_demo(), cal, method="gptq", group_size=32, pack=False, progress=False, **kw)
+def _outputs(method, variants):
+    """Logits of tiny_demo quantized with each of ``variants`` (name -> extra quantize arguments)."""
+    cal, x, outs = _cal(), torch.randint(0, 96, (1, 16)), {}
+    for name, kw in variants.items():
+        m = quantize(tiny_demo(), cal, method=method, group_size=32, pack=False, progress=False, **kw)
         with torch.no_grad():
             outs[name] = m(x)
+    return outs
+
+
+def test_signature_defaults_are_the_documented_ones():
+    import inspect
+
+    params = inspect.signature(quantize).parameters
+    expected = {"method": "gptq", "group_size": 128, "sym": False, "act_order": True, "static_groups": False,
+                "damp": 0.01, "mse": False, "float_target": None, "awq_rounding": None, "clip": True}
+    assert {k: params[k].default for k in expected} == expected
+    doc = inspect.getdoc(quantize)
+    # the docstring names what None resolves to and how to get the plain algorithms
+    assert "float_target=False" in doc and 'awq_rounding="nearest"' in doc
+    assert "on for GPTQ and AWQ" in doc and '(``None``, the default, is ``"gptq"``)' in doc
+
+
+def test_gptq_default_is_float_target_and_plain_is_reachable():
+    outs = _outputs("gptq", {"default": {}, "ft": {"float_target": True}, "plain": {"float_target": False}})
     torch.testing.assert_close(outs["default"], outs["ft"], rtol=0, atol=0)
     assert not torch.equal(outs["default"], outs["plain"])
+
+
+def test_awq_default_is_float_target_with_gptq_rounding_and_plain_is_reachable():
+    outs = _outputs("awq", {"default": {}, "explicit": {"float_target": True, "awq_rounding": "gptq"},
+                            "nearest": {"awq_rounding": "nearest"},
+                            "plain": {"float_target": False, "awq_rounding": "nearest"}})
+    torch.testing.assert_close(outs["default"], outs["explicit"], rtol=0, atol=0)
+    for other in ("nearest", "plain"):
+        assert not torch.equal(outs["default"], outs[other]), other
+    assert not torch.equal(outs["nearest"], outs["plain"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(method="awq", awq_rounding="round"), "awq_rounding must be one of"),
+    (dict(method="gptq", awq_rounding="gptq"), "awq_rounding applies to method='awq'"),
+    (dict(method="rtn", awq_rounding="nearest"), "awq_rounding applies to method='awq'"),
+    (dict(method="rtn", float_target=True), "float_target"),
+    (dict(method="gptq", damp=-0.1), "damp must be >= 0"),
+])
+def test_invalid_arguments_say_what_is_wrong(bad, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(tiny_demo(), _cal(), group_size=32, pack=False, progress=False, **bad)
 
 
 def test_float32_model_warns_to_cast(caplog):

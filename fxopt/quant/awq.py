@@ -1,4 +1,5 @@
-"""AWQ (Lin et al., 2023): activation-aware per-input-channel scaling, then a clip search, then round-to-nearest.
+"""AWQ (Lin et al., 2023): activation-aware per-input-channel scaling, then a clip search, then round-to-nearest
+(the paper's last step; :func:`fxopt.quantize` rounds with GPTQ's error feedback on the clipped grids by default).
 
 Weights that meet large activations matter most. For the linears that read one input ``x`` (q/k/v; gate/up),
 AWQ multiplies input channel c of every weight by ``s_c`` and divides ``x[..., c]`` by ``s_c``: the float output is

@@ -35,6 +35,11 @@ regularised towards ``W`` (GPTQ runs on V; AWQ searches its scales and clips on 
 ``||W x - Q x̃||²``, so each layer also corrects the error its inputs inherited (the asymmetric-calibration idea of
 GPTAQ). Its layer-wise error against ``W x̃`` is therefore not comparable with the other variants'.
 
+AWQ's last step (``awq_rounding``): the paper rounds the scaled, clipped weight to nearest. By default the grids the
+clip search picked are kept as static groups and GPTQ's error feedback does the rounding on them (columns in
+act-order, no permutation stored), so a later column compensates the rounding error of an earlier one exactly as in
+GPTQ while the scales, clips and checkpoint layout stay AWQ's.
+
 On any error the model's parameters are restored and a ``ValueError`` says what was wrong.
 """
 from __future__ import annotations
@@ -57,6 +62,7 @@ from .gptq import HessianAccumulator, QuantResult, gptq_quantize, output_error, 
 log = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "rtn")
+AWQ_ROUNDINGS = ("gptq", "nearest")  # AWQ's last step: GPTQ's error feedback on the clipped grids, or the paper's RTN
 
 
 @dataclass
@@ -94,8 +100,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
              group_size: int = 128, sym: bool = False, act_order: bool = True, static_groups: bool = False,
              damp: float = 0.01, *, mse: bool = False, float_target: Optional[bool] = None, block_size: int = 128,
              exclude: Iterable[str] = (), include_head: bool = False, n_grid: int = 20, max_shrink: float = 0.5,
-             clip: bool = True, offload: bool = False, pack: bool = True, progress: bool = True,
-             report: Optional[QuantizeReport] = None) -> nn.Module:
+             clip: bool = True, awq_rounding: Optional[str] = None, offload: bool = False, pack: bool = True,
+             progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
 
     Args:
@@ -116,18 +122,26 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
             (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
             compute, one more copy of each parameter the calibration changes) and quantizes the weight that best
             maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
-            layers also correct the error of earlier ones. Measured on CPU (``benchmarks/results/quant_quality.md``):
-            about 1.2-1.5x the plain calibration time, peak memory 0 to +1.4 GiB on 135M/270M models; it closed
-            80-89% of RTN's perplexity gap with GPTQ and 72-84% with AWQ there, against 49-80% / 54-76% plain.
+            layers also correct the error of earlier ones.
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
         n_grid, max_shrink, clip: AWQ scale grid size, clip search range, and whether to clip at all.
+        awq_rounding: AWQ's last step (``None``, the default, is ``"gptq"``): ``"gptq"`` rounds the scaled, clipped
+            weight with GPTQ's error feedback on the grids the clip search picked (act-order, static groups, so no
+            permutation is stored and the layout stays AWQ's); ``"nearest"`` is the paper's round-to-nearest.
         offload: keep calibration activations on the CPU between nodes (for models on an accelerator).
         pack: replace linears with :class:`fxopt.quant.linear.QuantLinear`; ``False`` keeps ``nn.Linear`` with the
             dequantized weights (simulated quantization, same numbers; for quality studies).
         progress: tqdm bar over linears.
         report: a :class:`QuantizeReport` to fill with per-linear output errors (method vs. RTN) and skips.
+
+    Defaults. ``method="gptq"`` and ``method="awq"`` run the settings that measured best on text held out from
+    calibration: GPTQ with act-order and ``float_target``; AWQ with ``float_target`` and ``awq_rounding="gptq"``.
+    The papers' plain algorithms: ``method="gptq", float_target=False`` and ``method="awq", float_target=False,
+    awq_rounding="nearest"``. Measured on CPU (``benchmarks/results/quant_quality.md``: SmolLM2-135M at group 64,
+    Gemma-3-270M at 64 and 128, 32 calibration windows of 512 tokens of one novel, perplexity on another):
+    COSTS
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -140,6 +154,10 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         raise ValueError(f"quantize needs an nn.Module, got {type(model).__name__}")
     if damp < 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
+    if awq_rounding is not None and method != "awq":
+        raise ValueError(f"awq_rounding applies to method='awq', not {method!r}")
+    if awq_rounding not in (None,) + AWQ_ROUNDINGS:
+        raise ValueError(f"awq_rounding must be one of {AWQ_ROUNDINGS}, got {awq_rounding!r}")
     QuantLinear = None
     if pack:
         try:
@@ -156,6 +174,7 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     model.eval()
     cal = _Calibrator(model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
                       tuple(exclude), include_head, n_grid, max_shrink, clip, offload, progress, report, mse=mse,
+                      awq_rounding=awq_rounding or "gptq",
                       float_target=method in ("gptq", "awq") if float_target is None else float_target)
     _warn_fp32(model, pack)
     try:
@@ -250,11 +269,11 @@ def _is_linear(node) -> bool:
 class _Calibrator:
     def __init__(self, model, samples, method, group_size, sym, act_order, static_groups, damp, block_size,
                  exclude, include_head, n_grid, max_shrink, clip, offload, progress, report, mse=False,
-                 float_target=False):
+                 float_target=False, awq_rounding="nearest"):
         self.model, self.samples, self.method = model, samples, method
         self.group_size, self.sym, self.act_order, self.static_groups = group_size, sym, act_order, static_groups
         self.damp, self.block_size, self.exclude, self.include_head = damp, block_size, exclude, include_head
-        self.mse = mse
+        self.mse, self.awq_rounding = mse, awq_rounding
         if float_target and method not in ("gptq", "awq"):
             raise ValueError(f"float_target applies to method='gptq' or 'awq', not {method!r}")
         self.float_target = float_target
@@ -707,12 +726,9 @@ class _Calibrator:
                 W = _float_target_weight(W, cross * (2.0 / max(acc.n, 1)), H, self.damp)
             res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
                                 self.block_size, sd, mse=self.mse)
-            row = 0
-            for t in members:
-                N = t.module.out_features
-                t.result = QuantResult(_split_packed(res.packed, row, row + N), res.weight[row:row + N])
+            for t, r in zip(members, _split_rows(res, [t.module.out_features for t in members])):
+                t.result = r
                 self.set_weight(t.module, t.result.weight)
-                row += N
         elif self.method == "rtn":
             for t in members:
                 t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
@@ -752,11 +768,22 @@ class _Calibrator:
         for i, v in enumerate(xs):  # the stored input becomes x / s, as the fold makes it
             xs[i] = v / s.to(v.device, v.dtype)
         Hs = Hg / (s[:, None] * s[None, :])
+        clipped = []
         for t, W in zip(members, weights):
             Ws = W * s
             if self.clip and not self._feeds_attention_scores(t.node):
                 Ws = search_clip(Ws, Hs, self.group_size, self.sym, self.n_grid, self.max_shrink, sd)
-            t.result = rtn_quantize(Ws, self.group_size, self.sym, sd)
+            clipped.append(Ws)
+        if self.awq_rounding == "gptq":
+            # the clip search fixed each group's grid; GPTQ's error feedback rounds on those grids (static groups:
+            # no permutation is stored, so the result keeps the AWQ layout)
+            res = gptq_quantize(torch.cat(clipped), 2.0 * Hs, self.group_size, self.sym, True, True, self.damp,
+                                self.block_size, sd)
+            results = _split_rows(res, [t.module.out_features for t in members])
+        else:
+            results = [rtn_quantize(Ws, self.group_size, self.sym, sd) for Ws in clipped]
+        for t, r in zip(members, results):
+            t.result = r
             self.set_weight(t.module, t.result.weight)
             self._awq_scales[t.name] = s.detach().cpu()
 
@@ -833,6 +860,15 @@ def _float_target_weight(W: torch.Tensor, C: torch.Tensor, H: torch.Tensor, damp
     L = torch.linalg.cholesky(H + lam * eye)
     rhs = (Wf @ C + lam * Wf).T  # (H + λI) Vᵀ = (W C + λ W)ᵀ, H symmetric
     return torch.cholesky_solve(rhs, L).T.to(W.dtype)
+
+
+def _split_rows(res: QuantResult, rows: list[int]) -> list[QuantResult]:
+    """A quantized stack of linears' weights (along N) back into one result per linear of ``rows`` outputs."""
+    out, a = [], 0
+    for n in rows:
+        out.append(QuantResult(_split_packed(res.packed, a, a + n), res.weight[a:a + n]))
+        a += n
+    return out
 
 
 def _split_packed(p: PackedW4, a: int, b: int) -> PackedW4:
