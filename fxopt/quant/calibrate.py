@@ -140,8 +140,10 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
     calibration: GPTQ with act-order and ``float_target``; AWQ with ``float_target`` and ``awq_rounding="gptq"``.
     The papers' plain algorithms: ``method="gptq", float_target=False`` and ``method="awq", float_target=False,
     awq_rounding="nearest"``. Measured on CPU (``benchmarks/results/quant_quality.md``: SmolLM2-135M at group 64,
-    Gemma-3-270M at 64 and 128, 32 calibration windows of 512 tokens of one novel, perplexity on another):
-    COSTS
+    Gemma-3-270M at 64 and 128, 32 calibration windows of 512 tokens of one novel, perplexity on another), what the
+    defaults cost on SmolLM2-135M, 2 CPU cores: GPTQ 500 s and 2.2 GB of peak memory above the float model against
+    128 s for the plain algorithm; AWQ 589 s and 1.4 GB against 251 s and 0.8 GB. They close 0.775 (GPTQ) and
+    0.755 (AWQ) of RTN's perplexity gap there, against 0.448 and 0.436 for the plain algorithms.
     """
     t0 = time.perf_counter()
     if method not in METHODS:
