@@ -22,7 +22,7 @@ key:
   TMA descriptor refilled from its new base, each compiled kernel's launcher called directly on the current stream.
 
 A replay launches the same compiled kernels with the same arguments the ordinary path would, so results are the
-same bit for bit (``tests/test_launch_plan_gpu.py`` checks it across routes). Python state other than the arguments
+same bit for bit (``tests/kernels/test_launch_plan_gpu.py`` checks it across routes). Python state other than the arguments
 and the ``state`` function's (a monkeypatched function) is not in the key: change such state only between
 ``clear_plans()`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
 (read at import) turns plans off.

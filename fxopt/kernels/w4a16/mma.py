@@ -41,7 +41,7 @@ __all__ = ["MmaConfig", "w4a16_mma", "mma_configs", "HAS_GLUON"]
 # Kernel
 # --------------------------------------------------------------------------------------------------------------
 if HAS_GLUON:
-    # the relabeling chains of ``_a_operand`` / ``_b_operand`` (also emulated by tests/test_w4a16_mma.py)
+    # the relabeling chains of ``_a_operand`` / ``_b_operand`` (also emulated by tests/kernels/test_w4a16_mma.py)
     _A_PERM = gl.constexpr((4, 2, 5, 3, 0, 7, 6, 1, 8))  # (c t warp g rep h hk kb e) -> (rep warp h g | c kb hk t e)
     _B_PERM = gl.constexpr((1, 4, 5, 2, 3, 0))  # (m c t e kb hk) -> (c kb hk t e | m)
 

@@ -38,9 +38,9 @@ from fxopt.testing import run_on_ranks
 
 pytest.importorskip("transformers")
 
-from tests.test_pipeline import MLPStack, _lm_loss  # noqa: E402
-from tests.test_pipeline import _llama as _pp_llama  # noqa: E402
-from tests.test_tensor_parallel import _cfg, _count, _llama  # noqa: E402
+from tests.parallel.test_pipeline import MLPStack, _lm_loss  # noqa: E402
+from tests.parallel.test_pipeline import _llama as _pp_llama  # noqa: E402
+from tests.parallel.test_tensor_parallel import _cfg, _count, _llama  # noqa: E402
 
 DEVICE = os.environ.get("FXOPT_PARALLEL_TEST_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"
