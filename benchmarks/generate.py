@@ -55,7 +55,8 @@ FAMILIES = {
                        num_key_value_heads=8, vocab_size=32768, sliding_window=None, max_position_embeddings=8192),
 }
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-ROWS = ("eager", "inductor", "fxopt", "fxopt_w4a16_rtn", "fxopt_w4a16_rtn_dqmm", "fxopt_w4a16_gptq", "torchao_int4")
+ROWS = ("eager", "inductor", "fxopt", "fxopt_w4a16_rtn", "fxopt_w4a16_rtn_head", "fxopt_w4a16_rtn_dqmm",
+        "fxopt_w4a16_gptq", "torchao_int4")
 
 
 def make_model(family: str, layers: int, device, tiny: bool):
@@ -120,8 +121,9 @@ def quantize_row(model, row: str, calib):
 
     method = row.split("_")[2]
     t0 = time.perf_counter()
-    # fxopt.quantize's default: the output head stays bf16 (torchao's quantize_ also quantizes it)
-    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, progress=False)
+    # fxopt.quantize's default keeps the output head bf16; "_head" rows quantize it too, as torchao's quantize_ does
+    fxopt.quantize(model, calib if method != "rtn" else calib[:1], method=method, group_size=128, progress=False,
+                   include_head=row.endswith("_head"))
     sync()
     return time.perf_counter() - t0
 

@@ -108,7 +108,7 @@ def _inputs(c, seed):
 
     def t(h, s):
         shape = (B, s, h, D) if c["layout"] == "bshd" else (B, h, s, D)
-        return torch.randn(shape, generator=g).to(torch.get_default_device(), c["dtype"])
+        return torch.randn(shape, generator=g, device="cpu").to(torch.get_default_device(), c["dtype"])
 
     q, k, v = t(H, Sq), t(Hkv, Sk), t(Hkv, Sk)
     pad = torch.ones(B, max(Sk, 1), dtype=torch.bool)
@@ -116,7 +116,7 @@ def _inputs(c, seed):
         pad[1, : min(Sk - 1, 2 + seed % 3)] = False  # left padding: some rows may see no key at all
     if seed % 7 == 0 and Sk:
         pad[0] = False  # every key of one batch row masked
-    m = torch.randn(1, 1, max(Sq, 1), max(Sk, 1), generator=g).to(torch.get_default_device())
+    m = torch.randn(1, 1, max(Sq, 1), max(Sk, 1), generator=g, device="cpu").to(torch.get_default_device())
     if c["mask"] == "tensor_add" and seed % 2:
         m = torch.where(m > 0.9, -math.inf, m)
     return q, k, v, pad, m

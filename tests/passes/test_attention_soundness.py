@@ -28,7 +28,7 @@ def on_device(request):
 
 def _randn(*shape, g):
     """Seeded normal values drawn on the CPU (generators are per device), then moved to the default device."""
-    return torch.randn(*shape, generator=g).to(torch.get_default_device())
+    return torch.randn(*shape, generator=g, device="cpu").to(torch.get_default_device())
 
 
 def _qkv(B=2, H=2, Sq=S, Sk=S, d=D, seed=0, dtype=torch.float32, Hkv=None):
