@@ -1,25 +1,11 @@
 """KV-cache objects (transformers' ``Cache``) in and out of a tensor-parallel graph.
 
-Design
-------
-A Hugging Face decoder called with ``use_cache=True`` returns a cache object (``DynamicCache``: ``layers[i].keys``
-and ``.values``, ``[batch, kv heads, length, head dim]``) and, on the next call, takes it back and grows it in
-place. pytree sees such an object as one opaque leaf; :func:`open_caches` opens it into its *slots* (the attributes
-of its layers, or of itself, that hold tensors) so that they bind to graph inputs and outputs like other tensors.
-
-* **Out.** :func:`fxopt.parallelize` tells the tensor_parallel pass which graph outputs land only inside a cache
-  object (``TPContext.shardable_outputs``): those may stay sharded, so each rank keeps the cache of its own heads
-  and no all-gather runs per step. :class:`CacheOutput` rebuilds the object from the one Dynamo reconstructed at
-  capture time (its layers copied, their tensors swapped for the graph's outputs) and records each tensor's
-  :class:`~fxopt.passes.tensor_parallel.Shard` (``None``: replicated) in a weak identity map, with the module that
-  returned it.
-* **In.** A cache's K/V tensor passed back must be one its module returned (:func:`lookup`): a tensor of another
-  module, or one made outside it (a cache of the single-process model, a cropped or reordered one) raises
-  :class:`CacheError`; other tensors of a layer (a sliding window's size) are taken whole. The capture sees a
-  shallow copy of the cache whose sharded tensors are zero-memory stand-ins of the global shape
-  (:func:`capture_copies`); the pass starts their placeholders sharded; the run feeds the local tensors.
-* **In place.** A cache passed in is the object the model updates (``generate()`` reads the one the output holds):
-  after the run its layers are replaced by the rebuilt ones, and top-level attributes the forward set are set again.
+:func:`open_caches` opens a cache (one opaque pytree leaf) into its *slots*, the attributes of its layers that hold
+tensors, so they bind to graph inputs and outputs like other tensors. Out: graph outputs that land only in a cache
+may stay sharded; :class:`CacheOutput` rebuilds the object from the one Dynamo reconstructed and records each
+tensor's shard with its owner in a weak identity map. In: a K/V tensor passed back must be one its module returned
+(:func:`lookup`, else :class:`CacheError`); the capture sees zero-memory stand-ins of the global shape
+(:func:`capture_copies`). A cache passed in is updated in place, as the model would update it.
 """
 from __future__ import annotations
 

@@ -1,37 +1,10 @@
 """``fxopt.parallelize``: tensor parallelism found in the model's graph.
 
-Design
-------
-``parallelize(model, example_args, example_kwargs, tp=N)`` runs on every rank of an initialized process group
-(torchrun: NCCL on GPUs, gloo on CPU; keep ``NCCL_NVLS_ENABLE=0`` in the environment on NVLink machines):
-
-1. **Capture.** Dynamo traces ``model(*example_args, **example_kwargs)`` (``fullgraph=True``, static shapes) into
-   its torch-level graph with a recording backend: parameters and buffers are placeholders, matched to their names
-   by identity with the example inputs Dynamo hands the backend. The recorder runs fxopt's passes (attention →
-   w4a16 → **tensor_parallel** → pipeline, as configured) and returns a stand-in that produces dummy outputs, so
-   the full model never runs; the structured output Dynamo rebuilds from those dummies tells which graph output
-   goes where in the model's own output (a tensor, tuple, dict or ``ModelOutput``).
-2. **Plan.** The ``tensor_parallel`` pass (:mod:`fxopt.passes.tensor_parallel`) finds Megatron's layout and
-   rewrites the graph for this rank; its :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` says how to
-   cut each tensor.
-3. **Shard.** :class:`TensorParallelModule` holds this rank's cut of every sharded parameter/buffer (new
-   ``nn.Parameter``\\ s, ``requires_grad`` as the original) and shares the replicated ones with the original model,
-   under the original names (``state_dict()`` keys are the model's). ``forward`` takes the model's inputs, checks
-   them against the captured signature and runs the rewritten graph. ``torch.compile(module, backend="fxopt")``
-   then compiles it like any module.
-4. **New input shapes.** The graph is static. A call with another input signature re-captures a *skeleton* of the
-   model (a deep copy whose parameters and buffers are zero-memory stand-ins: one element expanded to the full
-   shape) with the same passes, checks that the new plan cuts every tensor exactly as before, and caches that
-   graph; no full weight is needed again. (Run a new shape once eagerly before a ``fullgraph`` compile.)
-5. **KV cache** (:mod:`fxopt.parallel.kv_cache`). Graph outputs that land only in a transformers ``Cache`` of the
-   output may stay sharded: each rank's cache holds its kv heads. Passed back, the cache's tensors are recognized
-   as this module's (a weak identity map holds their shards), captured as full-shaped stand-ins, started sharded in
-   the pass and fed as they are; every cache length is a new signature (a skeleton re-capture). ``generate()``
-   runs transformers' generation loop with this module as the forward.
-
-``training`` (default: grad enabled and some parameter requires grad) selects the autograd-correct form of the
-collectives; ``reduce_replicated_grads()`` sums the partial gradients of GQA kv projections that several ranks
-hold (only needed when tp exceeds the number of kv heads).
+Dynamo captures the model (one graph, static shapes) with a recording backend that runs fxopt's passes, the
+``tensor_parallel`` pass among them, and never runs the full model. :class:`TensorParallelModule` holds this rank's
+shards under the original names, runs the rewritten graph, re-captures a zero-memory skeleton for new input shapes
+and keeps KV caches sharded by heads (:mod:`fxopt.parallel.kv_cache`). Design: docs/architecture.md, "Tensor
+parallel".
 """
 from __future__ import annotations
 
