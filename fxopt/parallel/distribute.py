@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config
-from .pipeline import MULTI_STAGE, SCHEDULES, _flat_inputs, schedule_errors
+from .pipeline import MULTI_STAGE, SCHEDULES, _chunks, _flat_inputs, schedule_errors
 from .schedules import choose_schedule, predicted_bubble
 
 log = logging.getLogger(__name__)
@@ -213,14 +213,10 @@ class Distributed:
         return [self.local_batch(a) for a in args], {k: self.local_batch(v) for k, v in kwargs.items()}
 
     def parameters(self):
-        if self.runner is not None:
-            return self.runner.parameters()
-        return self.module.parameters()
+        return (self.runner or self.module).parameters()
 
     def named_parameters(self):
-        if self.runner is not None:
-            return self.runner.named_parameters()
-        return self.module.named_parameters()
+        return (self.runner or self.module).named_parameters()
 
     def forward(self, *args, **kwargs):
         """Inference on the global batch: this replica's slice of the output on ranks with ``is_last``, else None."""
@@ -425,14 +421,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
     dp_n, pp_n, tp_n = sizes["dp"], sizes["pp"], sizes["tp"]
 
     # this replica's slice and one micro-batch of it (the tp capture's shapes: the pipeline runs micro-batches)
-    def cut(t, n, i):
-        return t.chunk(n, dim=0)[i] if isinstance(t, torch.Tensor) else t
-
-    l_args = [cut(a, dp_n, coords["dp"]) for a in args]
-    l_kwargs = {k: cut(v, dp_n, coords["dp"]) for k, v in kwargs.items()}
+    l_args, l_kwargs = _chunks(args, kwargs, dp_n, coords["dp"])
     m = microbatches if pp_n > 1 else 1
-    mb_args = [cut(a, m, 0) for a in l_args]
-    mb_kwargs = {k: cut(v, m, 0) for k, v in l_kwargs.items()}
+    mb_args, mb_kwargs = _chunks(l_args, l_kwargs, m)
 
     cfg = copy.deepcopy(config) if config is not None else Config()
     dims = _model_dims(model)

@@ -93,14 +93,13 @@ def open_caches(leaves: list) -> tuple:
     return flat, tuple(caches)
 
 
-def _where(c: OpenCache, slot) -> str:
-    name = c.statics[0]
+def _where(name: str, slot) -> str:
     return f"{name}.layers[{slot[0]}].{slot[1]}" if slot[0] is not None else f"{name}.{slot[1]}"
 
 
 def slot_names(caches: tuple) -> dict:
     """flat index -> a readable name (``DynamicCache.layers[0].keys``) of every cache tensor."""
-    return {c.start + j: _where(c, slot) for c in caches for j, slot in enumerate(c.slots)}
+    return {c.start + j: _where(c.statics[0], slot) for c in caches for j, slot in enumerate(c.slots)}
 
 
 def lookup(flat: list, caches: tuple, token) -> dict:
@@ -110,7 +109,7 @@ def lookup(flat: list, caches: tuple, token) -> dict:
         for j, slot in enumerate(c.slots):
             t = flat[c.start + j]
             entry = _RETURNED.get(t)
-            where = _where(c, slot)
+            where = _where(c.statics[0], slot)
             if entry is None and slot[1] not in _DATA:
                 specs[c.start + j] = None  # bookkeeping (a sliding window's size): fed whole, as it came
                 continue
@@ -153,23 +152,14 @@ def capture_copies(leaves: list, caches: tuple, specs: dict, tp: int) -> list:
 
 @dataclass
 class CacheOutput:
-    """How to rebuild one cache object of the model's output after a run of the graph.
+    """How to rebuild one cache object of the model's output after a run of the graph."""
 
-    Args:
-        template: the object Dynamo reconstructed (its slot tensors cleared): type, layer types, scalar state.
-        slots: the slots of its tensors.
-        sources: per slot, ``("graph", output index)`` or ``("input", flat input index)``.
-        inplace: pytree leaf index of the input cache this object is (updated in place), or None (a fresh object).
-        changed: top-level attributes the forward set on that input cache (besides ``layers``).
-        specs: per slot, the Shard of a graph output left local (None: replicated), set from the plan.
-    """
-
-    template: Any
+    template: Any  # the object Dynamo reconstructed, its slot tensors cleared
     slots: tuple
-    sources: tuple
-    inplace: Optional[int] = None
-    changed: dict = field(default_factory=dict)
-    specs: tuple = ()
+    sources: tuple  # per slot: ("graph", output index) or ("input", flat input index)
+    inplace: Optional[int] = None  # leaf index of the input cache this object is (updated in place), or None
+    changed: dict = field(default_factory=dict)  # top-level attributes the forward set on that input cache
+    specs: tuple = ()  # per slot: the Shard of a graph output left local (None: replicated)
 
     @classmethod
     def capture(cls, obj, dummy_ids: dict, leaf_ids: dict, inplace: Optional[int], before: Optional[dict]):
@@ -195,8 +185,7 @@ class CacheOutput:
     def graph_outputs(self) -> dict:
         """graph output index -> slot description, for the outputs this object holds."""
         name = type(self.template).__name__
-        return {w: f"{name}.layers[{i}].{a}" if i is not None else f"{name}.{a}"
-                for (k, w), (i, a) in zip(self.sources, self.slots) if k == "graph"}
+        return {w: _where(name, slot) for (k, w), slot in zip(self.sources, self.slots) if k == "graph"}
 
     def build(self, outs, flat: list, leaves: list, token):
         tensors = [outs[w] if k == "graph" else flat[w] for k, w in self.sources]

@@ -56,8 +56,11 @@ def _flat_inputs(args: Sequence, kwargs: dict) -> list:
     return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
 
 
-def _chunk0(v: Any, m: int) -> Any:
-    return v.chunk(m, dim=0)[0] if isinstance(v, torch.Tensor) else v
+def _chunks(args: Sequence, kwargs: dict, n: int, i: int = 0) -> tuple:
+    """Chunk ``i`` of ``n`` along dim 0 of every tensor of ``args`` and ``kwargs`` (other values pass through)."""
+    def cut(v):
+        return v.chunk(n, dim=0)[i] if isinstance(v, torch.Tensor) else v
+    return [cut(a) for a in args], {k: cut(v) for k, v in kwargs.items()}
 
 
 def _check_batch(args: Sequence, kwargs: dict, m: int) -> None:
@@ -376,14 +379,8 @@ def _comm_device(device: torch.device, group) -> torch.device:
 
 
 class PipelineRunner:
-    """What :func:`pipeline` returns: this rank's stages and PyTorch schedules over them.
-
-    Attributes:
-        plan: the :class:`fxopt.passes.pipeline.PipelinePlan` (``print(runner.plan)``).
-        stage_modules: stage index → this rank's stage ``GraphModule`` (uncompiled).
-        stage_indices: the stages this rank holds.
-        is_last: whether this rank holds the last stage (where outputs and losses appear).
-    """
+    """What :func:`pipeline` returns: ``plan`` (printable), ``stage_modules`` (stage index → this rank's uncompiled
+    stage), ``stage_indices`` (the stages this rank holds), ``is_last`` (it holds the last stage: outputs, losses)."""
 
     def __init__(self, plan, stage_modules, compiled, stage_indices, n_stages, microbatches, schedule, device, group,
                  loss_fn, shared_groups, input_spec):
@@ -420,12 +417,7 @@ class PipelineRunner:
 
     def parameters(self):
         """This rank's parameters (each once, also when several local stages share one)."""
-        seen = set()
-        for s in self.stage_indices:
-            for p in self.stage_modules[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
         seen = set()
@@ -546,8 +538,7 @@ def plan_pipeline(model: nn.Module, example_args: Sequence, example_kwargs: dict
 
     _check_batch(example_args, example_kwargs, microbatches)
     # 1. Capture one micro-batch.
-    mb_args = [_chunk0(a, microbatches) for a in example_args]
-    mb_kwargs = {k: _chunk0(v, microbatches) for k, v in example_kwargs.items()}
+    mb_args, mb_kwargs = _chunks(example_args, example_kwargs, microbatches)
     gm, example_inputs = capture(model, mb_args, mb_kwargs)
     names = _state_names(model)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -25,6 +25,7 @@ from ..passes import match
 from ..passes.manager import run_passes
 from ..passes.tensor_parallel import TensorParallelPlan, TPContext
 from . import kv_cache
+from .pipeline import _state_names
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
 
     ``cache_specs``: flat leaf index -> Shard | None of the KV-cache tensors among the inputs (the capture sees
     zero-memory stand-ins of their global shapes; the pass starts the sharded ones sharded)."""
-    state = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        state.setdefault(id(t), name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        state.setdefault(id(t), name)
+    state = _state_names(model)
     cache_specs = cache_specs or {}
     leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
     flat, caches = kv_cache.open_caches(leaves)
@@ -188,13 +185,8 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 
 class TensorParallelModule(nn.Module):
-    """This rank's part of a tensor-parallel model (returned by :func:`parallelize`).
-
-    Attributes:
-        plan: the :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` (``print(module.plan)``).
-        graph_module: the rewritten graph for the example inputs.
-        pass_results: the per-pass results of that capture (rewrites, skips with reasons, notes).
-    """
+    """This rank's part of a tensor-parallel model (returned by :func:`parallelize`): ``plan`` (printable),
+    ``graph_module`` (the rewritten graph for the example inputs), ``pass_results`` (that capture's pass results)."""
 
     def __init__(self, model: nn.Module, captured: _Captured, key: tuple, *, rank: int, tp: int,
                  group, cfg: Config, training: bool):
@@ -285,12 +277,8 @@ class TensorParallelModule(nn.Module):
         return functools.partial(_tp_context, group_name, rank, tp, training)
 
     def generate(self, *args, **kwargs):
-        """``generate()`` of the Hugging Face model this module was made from, each forward run by this module.
-
-        Takes transformers' ``GenerationMixin.generate`` arguments. Call it on every rank with the same inputs: the
-        logits are whole on every rank, so greedy search gives the same tokens everywhere (sampling too, with the
-        same seed on every rank). The KV cache holds each rank's heads; every new cache length is one re-capture.
-        """
+        """transformers' ``generate()`` of the model, each forward run by this module. Call it on every rank with the
+        same inputs (and seed): the logits are whole everywhere, so every rank gets the same tokens."""
         skeleton = self._skeleton[0]
         if not callable(getattr(skeleton, "generate", None)):
             raise TypeError(f"fxopt.parallelize: {type(skeleton).__name__} has no generate() (not a transformers "

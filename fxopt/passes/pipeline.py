@@ -684,8 +684,7 @@ def _is_inplace(node: fx.Node) -> bool:
 
 
 def _sendable(node: fx.Node) -> bool:
-    v = match.val(node)
-    return isinstance(v, torch.Tensor)
+    return isinstance(match.val(node), torch.Tensor)
 
 
 def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceProfile,
@@ -746,32 +745,23 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
 
     by_name = {n.name: n for n in nodes}
     stage_of = {by_name[v]: s for v, s in part.stage.items() if v in by_name}
-    # Replicated nodes: every stage that uses them (directly or through other replicated nodes).
     rep_stages: dict = {}
+
+    def use_stages(n):  # the stages that read n, directly or through replicated nodes
+        st = set()
+        for u in n.users:
+            if u.op == "output":
+                st.add(stages - 1)
+            elif u in replicated:
+                st |= rep_stages.get(u, set())
+            elif u in stage_of:
+                st.add(stage_of[u])
+        return st
+
     for n in reversed(nodes):
         if n in replicated:
-            st = set()
-            for u in n.users:
-                if u.op == "output":
-                    st.add(stages - 1)
-                elif u in replicated:
-                    st |= rep_stages.get(u, set())
-                elif u in stage_of:
-                    st.add(stage_of[u])
-            rep_stages[n] = st
-    # Parameters/buffers: the stages whose nodes read them.
-    state_stages: dict = {}
-    for n in nodes:
-        if is_state[n]:
-            st = set()
-            for u in n.users:
-                if u in replicated:
-                    st |= rep_stages.get(u, set())
-                elif u in stage_of:
-                    st.add(stage_of[u])
-                elif u.op == "output":
-                    st.add(stages - 1)
-            state_stages[n] = st
+            rep_stages[n] = use_stages(n)
+    state_stages = {n: use_stages(n) for n in nodes if is_state[n]}
 
     for n in nodes:
         n.meta.pop(STAGE_KEY, None)
@@ -836,8 +826,7 @@ def pipeline_pass(gm: fx.GraphModule, cfg: PipelineConfig, ctx: PassContext) -> 
     profile = ctx.extras.get("pipeline_profile") or DeviceProfile.for_device(_graph_device(gm))
     try:
         plan = build_plan(gm, cfg.stages, state=state_placeholders(gm, ctx), profile=profile,
-                          split_points=cfg.split_points,
-                          slack=float(ctx.extras.get("pipeline_slack", 0.05)),
+                          split_points=cfg.split_points, slack=float(ctx.extras.get("pipeline_slack", 0.05)),
                           trainable=ctx.extras.get("pipeline_trainable"))
     except PipelineError as e:
         result.skip("graph", str(e))
@@ -855,7 +844,6 @@ def _graph_device(gm: fx.GraphModule):
     return None
 
 
-__all__ = ["DeviceProfile", "NodeCost", "node_cost", "graph_costs", "Partition", "partition_order",
-           "evaluate",
+__all__ = ["DeviceProfile", "NodeCost", "node_cost", "graph_costs", "Partition", "partition_order", "evaluate",
            "PipelinePlan", "StagePlan", "BoundaryPlan", "PipelineError", "build_plan", "pipeline_pass", "STAGE_KEY",
-           "PLAN_KEY"]
+           "PLAN_KEY", "SCHEDULES"]
