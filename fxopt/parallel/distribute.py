@@ -459,17 +459,14 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         plan.pp_bytes = [b.bytes for b in pplan.boundaries]
         plan.bubble = predicted_bubble(schedule, pp_n, m, n_stages // pp_n, training)
     if training and dp_n > 1:
-        if runner is not None:
-            local = list(runner.parameters())
-        else:
-            local = list((tp_module or model).parameters())
+        local = (runner or stage_model).parameters()
         plan.dp_bytes = sum(p.numel() * p.element_size() for p in local if p.requires_grad)
     if plan_only:
         return Distributed(plan, mesh, None, None, tp_module, loss_fn, groups["dp"])
 
     module = None
     if runner is None:
-        module = tp_module if tp_module is not None else model
+        module = stage_model
         if training and dp_n > 1:
             if data_parallel == "ddp":
                 from torch.nn.parallel import DistributedDataParallel

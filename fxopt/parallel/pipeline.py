@@ -122,24 +122,8 @@ def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, ten
         s = n.meta.get(STAGE_KEY)
         return set(s) if isinstance(s, list) else ({s} if s is not None else set())
 
-    home = {}  # value node → the one stage that produces it (inputs: stage 0)
-    for n in nodes:
-        if n.op == "placeholder" and n.name not in state:
-            home[n] = 0
-        elif n.op in ("call_function", "call_method", "call_module") and isinstance(n.meta.get(STAGE_KEY), int):
-            home[n] = n.meta[STAGE_KEY]
-    last_use = {}
-    for n in home:
-        last = home[n]
-        for u in n.users:
-            if u.op == "output":
-                last = n_stages - 1
-            elif isinstance(u.meta.get(STAGE_KEY), int):
-                last = max(last, u.meta[STAGE_KEY])
-            elif isinstance(u.meta.get(STAGE_KEY), list):  # a replicated node never reads a flowing value
-                raise PipelineError(f"internal error: replicated node {u.name} reads {n.name}")
-        last_use[n] = last
-    crossing = [[n for n in nodes if n in home and home[n] <= b < last_use[n]] for b in range(n_stages - 1)]
+    index = {n: i for i, n in enumerate(nodes)}
+    crossing = [sorted((by_name[v] for v, _, _ in b.values), key=index.get) for b in plan.boundaries]
 
     mods = {}
     for s in range(n_stages) if only is None else only:
@@ -468,7 +452,7 @@ class PipelineRunner:
         if self._fwd is None:
             self._fwd = self._make(None)
         with torch.no_grad():
-            out = self._fwd.step(*flat) if 0 in self.stage_indices else self._fwd.step()
+            out = self._fwd.step(*(flat if 0 in self.stage_indices else ()))
         if not self.is_last:
             return None
         return tuple(o.to(self.device) for o in out) if isinstance(out, tuple) else out.to(self.device)
@@ -495,10 +479,7 @@ class PipelineRunner:
             p.grad = None
         losses: list = []
         kw = {"target": target.to(self.comm_device), "losses": losses} if self.is_last else {}
-        if 0 in self.stage_indices:
-            self._train.step(*flat, **kw)
-        else:
-            self._train.step(**kw)
+        self._train.step(*(flat if 0 in self.stage_indices else ()), **kw)
         for g in self._graphed:  # gradients summed inside the backward graphs
             if g.captured and g.params:
                 fresh = torch._foreach_mul(g.main_grads, 1.0)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from .pipeline import V_SHAPED
+from .pipeline import V_SHAPED, stage_rank
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,6 @@ class _StandInStage:
         self.stage_index_to_group_rank: dict = {}
 
 
-def _stage_indices(schedule: str, rank: int, ranks: int, v: int) -> list:
-    if schedule in V_SHAPED:  # stage r and 2p - 1 - r on rank r
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + k * ranks for k in range(v)]
-
-
 def torch_order(schedule: str, ranks: int, microbatches: int, v: int) -> dict:
     """``{rank: [(kind, stage, microbatch), ...]}``: the compute actions of torch's ``Schedule<schedule>`` in order.
 
@@ -49,7 +43,7 @@ def torch_order(schedule: str, ranks: int, microbatches: int, v: int) -> dict:
     n = ranks * v
     out = {}
     for rank in range(ranks):
-        stages = [_StandInStage(i, n, rank, ranks) for i in _stage_indices(schedule, rank, ranks, v)]
+        stages = [_StandInStage(i, n, rank, ranks) for i in range(n) if stage_rank(i, ranks, schedule) == rank]
         order = cls(stages, microbatches, loss_fn=lambda *a: None).pipeline_order[rank]
         out[rank] = [a for act in order if act is not None for a in _compute(act)]
     return out

@@ -492,16 +492,11 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     last_pin = np.zeros(n + 1, dtype=np.int64)  # last_pin[j]: largest pinned position < j (0 if none)
     for p in pins:
         last_pin[p + 1:] = p
-    pin_mask = np.zeros(n + 1, dtype=bool)
-    pin_mask[pins] = True
     idx = np.arange(n + 1)
     INF = np.inf
 
     def allowed_starts(j):  # positions i where a segment [i, j) may start
-        ok = valid.copy()
-        ok &= idx < j
-        ok &= idx >= last_pin[j]
-        return ok
+        return valid & (idx < j) & (idx >= last_pin[j])
 
     # Step 1: least bottleneck.
     best = np.full((stages + 1, n + 1), INF)
