@@ -1,29 +1,9 @@
-"""``fxopt.distribute``: data × pipeline × tensor parallelism on one device mesh.
+"""``fxopt.distribute``: data × pipeline × tensor parallelism on one ("dp", "pp", "tp") device mesh.
 
-Design
-------
-``distribute(model, example_args, mesh=init_device_mesh(dev, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp")),
-microbatches=M)`` runs on every rank of the world and composes the parts fxopt and torch.distributed already have:
-
-1. **Validate, then agree.** Every rank checks its own inputs without talking to anyone (mesh size = world, tp
-   divides the heads and the FFN, stages ≤ layers, ``dp * microbatches`` divides the batch, a known schedule and
-   data-parallel mode). Then one ``all_gather_object`` on the world group — the first collective — carries each
-   rank's verdict and input signature; if any rank failed or the signatures differ, *every* rank raises the same
-   :class:`DistributeError` naming the ranks, so no rank is left waiting in a later collective.
-2. **dp.** The example (global) batch is cut along dim 0; rank ``d`` of "dp" keeps slice ``d``. Replicas never
-   communicate in inference; in training their gradients are averaged on the "dp" group only: DDP or FSDP2
-   (``fully_shard`` on the "dp" sub-mesh) when pp = 1, an averaging all-reduce after each pipeline step when pp > 1.
-3. **tp.** :func:`fxopt.parallelize` on the "tp" group, captured at one micro-batch of the local slice: the graph is
-   rewritten with functional collectives on that group only, the module holds this rank's shards.
-4. **pp.** :func:`fxopt.pipeline` on the "pp" group takes the tensor-parallel module as its model: Dynamo inlines
-   the rewritten graph, so the pipeline pass cuts a graph whose shapes are already tp-sharded (its cost model prices
-   each stage as it runs) and whose collectives stay inside their stage; ``torch.distributed.pipelining`` schedules
-   run the stages.
-
-:class:`DistributePlan` (``print(result.plan)``) gathers both plans with the mesh: layers per stage, column/row
-linears, collectives per layer, bytes sent per step on each mesh dimension, and the predicted bubble. ``plan_only``
-stops after planning (no stage is built, no weight moved), which with the fake process group plans meshes larger
-than the machine.
+Composes :func:`fxopt.parallelize` on "tp" and :func:`fxopt.pipeline` on "pp" (which takes the tensor-parallel
+module as its model), with DDP / FSDP2 or an averaging all-reduce on "dp". Every rank validates its inputs alone,
+then one ``all_gather_object`` makes a bad input raise the same :class:`DistributeError` everywhere. Design:
+docs/architecture.md, "Data × pipeline × tensor".
 """
 from __future__ import annotations
 
@@ -37,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config
-from .pipeline import MULTI_STAGE, SCHEDULES
+from .pipeline import MULTI_STAGE, SCHEDULES, _chunks, _flat_inputs, schedule_errors
 from .schedules import choose_schedule, predicted_bubble
 
 log = logging.getLogger(__name__)
@@ -50,11 +30,6 @@ _DIMS = ("dp", "pp", "tp")
 
 class DistributeError(ValueError):
     """Bad input to :func:`distribute`, raised on every rank before any collective but the agreement check."""
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Validation (local: no collective)
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def _hf_config(model: nn.Module):
@@ -84,11 +59,6 @@ def _model_dims(model: nn.Module) -> dict:
     return out
 
 
-def _tensor_leaves(args, kwargs) -> list:
-    return ([a for a in args if isinstance(a, torch.Tensor)]
-            + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
-
-
 def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, world: int, dp: int, pp: int, tp: int,
              microbatches: int, schedule: str, data_parallel: str, stages: Optional[int] = None) -> list:
     """Every problem with these inputs, as sentences (empty: fine). Local: talks to no other rank."""
@@ -113,13 +83,9 @@ def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, 
     n_stages = stages or (2 * pp if schedule in MULTI_STAGE and pp > 1 else pp)
     if pp > 1 and "layers" in dims and n_stages > dims["layers"]:
         errs.append(f"{n_stages} pipeline stages but the model has only {dims['layers']} layers")
-    if pp > 1 and schedule in MULTI_STAGE and n_stages % pp:
-        errs.append(f"{schedule} needs the stages ({n_stages}) to be a multiple of pp={pp}")
-    if pp > 1 and schedule in ("ZBVZeroBubble", "DualPipeV") and n_stages != 2 * pp:
-        errs.append(f"{schedule} runs two stages per pp rank: stages={n_stages} must be {2 * pp}")
-    if pp > 1 and schedule not in MULTI_STAGE and n_stages != pp:
-        errs.append(f"schedule {schedule} runs one stage per pp rank: stages={n_stages} must equal pp={pp}")
-    leaves = _tensor_leaves(example_args, example_kwargs)
+    if pp > 1:
+        errs += schedule_errors(schedule, n_stages, pp, f"pp={pp}")
+    leaves = _flat_inputs(example_args, example_kwargs)
     if not leaves:
         errs.append("the example inputs hold no tensor (the batch is cut along dim 0 of the tensor inputs)")
     for i, t in enumerate(leaves):
@@ -130,14 +96,14 @@ def validate(model: nn.Module, example_args: Sequence, example_kwargs: dict, *, 
 
 
 def _signature(model, args, kwargs, dims: tuple) -> tuple:
-    leaves = _tensor_leaves(args, kwargs)
+    leaves = _flat_inputs(args, kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     return (dims, tuple((tuple(t.shape), str(t.dtype)) for t in leaves), tuple(kwargs), n_params)
 
 
 def agree(group, signature, errors: list, what: str) -> None:
-    """One ``all_gather_object`` on ``group``: raise the same :class:`DistributeError` on every rank if any rank
-    reported errors or the ranks' signatures differ (so that no rank proceeds into collectives others never join)."""
+    """One ``all_gather_object`` on ``group``: the same :class:`DistributeError` on every rank if any rank reported
+    errors or the signatures differ (no rank proceeds into collectives the others never join)."""
     world = dist.get_world_size(group)
     got: list = [None] * world
     dist.all_gather_object(got, (signature, errors), group=group)
@@ -155,11 +121,6 @@ def agree(group, signature, errors: list, what: str) -> None:
                               f"shapes are needed on every rank):\n  " + "\n  ".join(lines))
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Plan
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def _collective_bytes(gm) -> dict:
     """Bytes of the tensors each functional collective of ``gm`` returns, summed per collective kind."""
     out: dict = {}
@@ -175,20 +136,8 @@ def _collective_bytes(gm) -> dict:
 
 @dataclass
 class DistributePlan:
-    """What :func:`distribute` runs on this rank, printable.
-
-    Args:
-        mesh: {"dp": d, "pp": p, "tp": t}.
-        coords: this rank's coordinate on each dimension.
-        microbatches / schedule / training: as given.
-        tp_plan: the tensor-parallel plan (None when tp = 1).
-        pipeline_plan: the pipeline plan (None when pp = 1).
-        layers: the model's layer count (None when unknown).
-        tp_bytes: bytes of the tp collectives' outputs per forward of one micro-batch, per collective kind.
-        pp_bytes: bytes crossing each stage boundary per micro-batch (forward; training sends as much back).
-        dp_bytes: bytes of this rank's gradients averaged over dp per training step (0 in inference).
-        bubble: the predicted idle fraction of a pipeline step.
-    """
+    """What :func:`distribute` runs on this rank, printable. ``tp_bytes``: per collective kind, per micro-batch
+    forward; ``pp_bytes``: per stage boundary and micro-batch forward; ``dp_bytes``: gradients averaged per step."""
 
     mesh: dict
     coords: dict
@@ -244,21 +193,9 @@ class DistributePlan:
         return "\n".join(self.lines())
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Runner
-# --------------------------------------------------------------------------------------------------------------------
-
-
 class Distributed:
-    """What :func:`distribute` returns on each rank.
-
-    Attributes:
-        plan: the :class:`DistributePlan`.
-        module: the model this rank runs when pp = 1 (the tensor-parallel module, wrapped in DDP / FSDP2 for dp
-            training); None with pp > 1.
-        runner: the :class:`~fxopt.parallel.pipeline.PipelineRunner` when pp > 1.
-        is_last: whether this rank produces outputs (the last pipeline stage, or every rank when pp = 1).
-    """
+    """What :func:`distribute` returns on each rank: ``plan``; ``module`` (pp = 1: the model this rank runs, in DDP /
+    FSDP2 for dp training) or ``runner`` (pp > 1: the ``PipelineRunner``); ``is_last``: this rank has outputs."""
 
     def __init__(self, plan, mesh, module, runner, tp_module, loss_fn, dp_group):
         self.plan, self.mesh, self.module, self.runner = plan, mesh, module, runner
@@ -276,14 +213,10 @@ class Distributed:
         return [self.local_batch(a) for a in args], {k: self.local_batch(v) for k, v in kwargs.items()}
 
     def parameters(self):
-        if self.runner is not None:
-            return self.runner.parameters()
-        return self.module.parameters()
+        return (self.runner or self.module).parameters()
 
     def named_parameters(self):
-        if self.runner is not None:
-            return self.runner.named_parameters()
-        return self.module.named_parameters()
+        return (self.runner or self.module).named_parameters()
 
     def forward(self, *args, **kwargs):
         """Inference on the global batch: this replica's slice of the output on ranks with ``is_last``, else None."""
@@ -299,13 +232,9 @@ class Distributed:
             return self.module(*args, **kwargs)
 
     def step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs):
-        """Forward and backward of ``loss_fn(output, target)`` on this replica's slice of the global batch; the
-        gradients (of the mean loss over the global batch, when ``loss_fn`` takes the mean) land in
-        :meth:`parameters`. Returns this replica's loss on ranks with ``is_last``, else None.
-
-        A rank that fails (any exception) records its rank and error in the process group's store before it raises;
-        a rank whose collective then fails or times out (the process group's timeout) raises
-        :class:`DistributeError` naming the failing rank and its error."""
+        """Forward and backward of ``loss_fn(output, target)`` on this replica's slice of the global batch; gradients
+        land in :meth:`parameters`. Returns this replica's loss on ranks with ``is_last``, else None. A rank that fails
+        records the error in the store; a peer whose collective then fails raises :class:`DistributeError` naming it."""
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
             raise DistributeError("step() needs a loss_fn (here or in fxopt.distribute(..., loss_fn=...))")
@@ -492,14 +421,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
     dp_n, pp_n, tp_n = sizes["dp"], sizes["pp"], sizes["tp"]
 
     # this replica's slice and one micro-batch of it (the tp capture's shapes: the pipeline runs micro-batches)
-    def cut(t, n, i):
-        return t.chunk(n, dim=0)[i] if isinstance(t, torch.Tensor) else t
-
-    l_args = [cut(a, dp_n, coords["dp"]) for a in args]
-    l_kwargs = {k: cut(v, dp_n, coords["dp"]) for k, v in kwargs.items()}
+    l_args, l_kwargs = _chunks(args, kwargs, dp_n, coords["dp"])
     m = microbatches if pp_n > 1 else 1
-    mb_args = [cut(a, m, 0) for a in l_args]
-    mb_kwargs = {k: cut(v, m, 0) for k, v in l_kwargs.items()}
+    mb_args, mb_kwargs = _chunks(l_args, l_kwargs, m)
 
     cfg = copy.deepcopy(config) if config is not None else Config()
     dims = _model_dims(model)
@@ -535,17 +459,14 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
         plan.pp_bytes = [b.bytes for b in pplan.boundaries]
         plan.bubble = predicted_bubble(schedule, pp_n, m, n_stages // pp_n, training)
     if training and dp_n > 1:
-        if runner is not None:
-            local = list(runner.parameters())
-        else:
-            local = list((tp_module or model).parameters())
+        local = (runner or stage_model).parameters()
         plan.dp_bytes = sum(p.numel() * p.element_size() for p in local if p.requires_grad)
     if plan_only:
         return Distributed(plan, mesh, None, None, tp_module, loss_fn, groups["dp"])
 
     module = None
     if runner is None:
-        module = tp_module if tp_module is not None else model
+        module = stage_model
         if training and dp_n > 1:
             if data_parallel == "ddp":
                 from torch.nn.parallel import DistributedDataParallel

@@ -1,25 +1,11 @@
 """KV-cache objects (transformers' ``Cache``) in and out of a tensor-parallel graph.
 
-Design
-------
-A Hugging Face decoder called with ``use_cache=True`` returns a cache object (``DynamicCache``: ``layers[i].keys``
-and ``.values``, ``[batch, kv heads, length, head dim]``) and, on the next call, takes it back and grows it in
-place. pytree sees such an object as one opaque leaf; :func:`open_caches` opens it into its *slots* (the attributes
-of its layers, or of itself, that hold tensors) so that they bind to graph inputs and outputs like other tensors.
-
-* **Out.** :func:`fxopt.parallelize` tells the tensor_parallel pass which graph outputs land only inside a cache
-  object (``TPContext.shardable_outputs``): those may stay sharded, so each rank keeps the cache of its own heads
-  and no all-gather runs per step. :class:`CacheOutput` rebuilds the object from the one Dynamo reconstructed at
-  capture time (its layers copied, their tensors swapped for the graph's outputs) and records each tensor's
-  :class:`~fxopt.passes.tensor_parallel.Shard` (``None``: replicated) in a weak identity map, with the module that
-  returned it.
-* **In.** A cache's K/V tensor passed back must be one its module returned (:func:`lookup`): a tensor of another
-  module, or one made outside it (a cache of the single-process model, a cropped or reordered one) raises
-  :class:`CacheError`; other tensors of a layer (a sliding window's size) are taken whole. The capture sees a
-  shallow copy of the cache whose sharded tensors are zero-memory stand-ins of the global shape
-  (:func:`capture_copies`); the pass starts their placeholders sharded; the run feeds the local tensors.
-* **In place.** A cache passed in is the object the model updates (``generate()`` reads the one the output holds):
-  after the run its layers are replaced by the rebuilt ones, and top-level attributes the forward set are set again.
+:func:`open_caches` opens a cache (one opaque pytree leaf) into its *slots*, the attributes of its layers that hold
+tensors, so they bind to graph inputs and outputs like other tensors. Out: graph outputs that land only in a cache
+may stay sharded; :class:`CacheOutput` rebuilds the object from the one Dynamo reconstructed and records each
+tensor's shard with its owner in a weak identity map. In: a K/V tensor passed back must be one its module returned
+(:func:`lookup`, else :class:`CacheError`); the capture sees zero-memory stand-ins of the global shape
+(:func:`capture_copies`). A cache passed in is updated in place, as the model would update it.
 """
 from __future__ import annotations
 
@@ -107,14 +93,13 @@ def open_caches(leaves: list) -> tuple:
     return flat, tuple(caches)
 
 
-def _where(c: OpenCache, slot) -> str:
-    name = c.statics[0]
+def _where(name: str, slot) -> str:
     return f"{name}.layers[{slot[0]}].{slot[1]}" if slot[0] is not None else f"{name}.{slot[1]}"
 
 
 def slot_names(caches: tuple) -> dict:
     """flat index -> a readable name (``DynamicCache.layers[0].keys``) of every cache tensor."""
-    return {c.start + j: _where(c, slot) for c in caches for j, slot in enumerate(c.slots)}
+    return {c.start + j: _where(c.statics[0], slot) for c in caches for j, slot in enumerate(c.slots)}
 
 
 def lookup(flat: list, caches: tuple, token) -> dict:
@@ -124,7 +109,7 @@ def lookup(flat: list, caches: tuple, token) -> dict:
         for j, slot in enumerate(c.slots):
             t = flat[c.start + j]
             entry = _RETURNED.get(t)
-            where = _where(c, slot)
+            where = _where(c.statics[0], slot)
             if entry is None and slot[1] not in _DATA:
                 specs[c.start + j] = None  # bookkeeping (a sliding window's size): fed whole, as it came
                 continue
@@ -167,23 +152,14 @@ def capture_copies(leaves: list, caches: tuple, specs: dict, tp: int) -> list:
 
 @dataclass
 class CacheOutput:
-    """How to rebuild one cache object of the model's output after a run of the graph.
+    """How to rebuild one cache object of the model's output after a run of the graph."""
 
-    Args:
-        template: the object Dynamo reconstructed (its slot tensors cleared): type, layer types, scalar state.
-        slots: the slots of its tensors.
-        sources: per slot, ``("graph", output index)`` or ``("input", flat input index)``.
-        inplace: pytree leaf index of the input cache this object is (updated in place), or None (a fresh object).
-        changed: top-level attributes the forward set on that input cache (besides ``layers``).
-        specs: per slot, the Shard of a graph output left local (None: replicated), set from the plan.
-    """
-
-    template: Any
+    template: Any  # the object Dynamo reconstructed, its slot tensors cleared
     slots: tuple
-    sources: tuple
-    inplace: Optional[int] = None
-    changed: dict = field(default_factory=dict)
-    specs: tuple = ()
+    sources: tuple  # per slot: ("graph", output index) or ("input", flat input index)
+    inplace: Optional[int] = None  # leaf index of the input cache this object is (updated in place), or None
+    changed: dict = field(default_factory=dict)  # top-level attributes the forward set on that input cache
+    specs: tuple = ()  # per slot: the Shard of a graph output left local (None: replicated)
 
     @classmethod
     def capture(cls, obj, dummy_ids: dict, leaf_ids: dict, inplace: Optional[int], before: Optional[dict]):
@@ -209,8 +185,7 @@ class CacheOutput:
     def graph_outputs(self) -> dict:
         """graph output index -> slot description, for the outputs this object holds."""
         name = type(self.template).__name__
-        return {w: f"{name}.layers[{i}].{a}" if i is not None else f"{name}.{a}"
-                for (k, w), (i, a) in zip(self.sources, self.slots) if k == "graph"}
+        return {w: _where(name, slot) for (k, w), slot in zip(self.sources, self.slots) if k == "graph"}
 
     def build(self, outs, flat: list, leaves: list, token):
         tensors = [outs[w] if k == "graph" else flat[w] for k, w in self.sources]

@@ -1,46 +1,20 @@
 """``fxopt.pipeline``: pipeline parallelism with an automatic, cost-balanced split of the captured graph.
 
-Flow (on every rank of an initialized process group, with the same model and example inputs)::
+On every rank of an initialized process group, with the same model and example inputs::
 
     runner = fxopt.pipeline(model, (x,), stages=2, microbatches=4, schedule="1F1B")
     print(runner.plan)                                    # stage costs, balance, bytes per boundary
     out = runner.forward(x)                               # inference: output on the last stage, None elsewhere
     loss = runner.step(x, target=y, loss_fn=F.cross_entropy)   # training: mean micro-batch loss on the last stage
-    opt = torch.optim.AdamW(runner.parameters()); opt.step()
 
-1. Capture: Dynamo (``fullgraph=True``, static shapes) traces ``model`` on one micro-batch (the example inputs cut
-   along dim 0 into ``microbatches`` chunks); a graph break is a :class:`PipelineError` with Dynamo's reason.
-2. Plan: the ``pipeline`` pass (:mod:`fxopt.passes.pipeline`) prices the nodes and chooses the boundaries.
-3. Split (:func:`build_stage_modules`): one ``GraphModule`` per stage. Stage ``s`` takes the values crossing boundary
-   ``s-1`` (stage 0: the model's tensor inputs, args then kwargs) and returns those crossing boundary ``s`` (the last
-   stage: the model's output). Parameters and buffers become ``get_attr`` nodes under their qualified names
-   (``layers.0.attn.q_proj.weight``): each stage owns exactly the ones it uses, as the *same* ``nn.Parameter``
-   objects as ``model``'s, so gradients land in the model's parameters.
-4. Run: each local stage is compiled with ``torch.compile(stage, backend="fxopt")`` (``compile=False`` skips it;
-   a string picks another backend) so that attention / W4A16 rewrites apply inside stages, wrapped in
-   ``torch.distributed.pipelining.PipelineStage`` and driven by PyTorch's ``ScheduleGPipe``, ``Schedule1F1B`` or
-   ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % world_size``; interleaved needs
-   ``stages = v * world_size``). Only public constructor arguments are used (same on torch 2.11 and 2.13).
-   ``cuda_graphs=True`` replays each stage's training forward and backward from CUDA graphs from the second step on
-   (:class:`_GraphedStage`): one graph pair per micro-batch the schedule holds in flight, parameter gradients summed
-   inside the backward graph.
-
-Gradients. Schedules run with ``scale_grads=False``; :meth:`PipelineRunner.step` divides this step's gradients by the
-number of micro-batches itself (a ``mean`` loss then gives the full-batch gradient) and adds them to whatever the
-parameters held before the step, so gradient accumulation over several steps works.
-
-Shared (tied) parameters. A parameter used by stages on different ranks (a tied embedding and lm_head) exists once per
-rank. At setup it is broadcast from the lowest such rank; after each backward its gradient is all-reduced (summed)
-over exactly the ranks that use it, so every copy gets the full gradient and identical optimizer updates keep the
-copies equal. Stages on the same rank share the one Parameter object, whose gradient accumulates naturally.
-
-Limits: static shapes (the batch must be ``microbatches`` times the captured micro-batch); the model returns a tensor
-or a tuple of tensors; values crossing a boundary are tensors; tensor parallelism is not combined with it here.
+Dynamo captures one micro-batch as one graph (:func:`capture`), the ``pipeline`` pass plans the split,
+:func:`build_stage_modules` builds one ``GraphModule`` per stage that owns the model's own Parameters, and each local
+stage, compiled with ``backend="fxopt"``, runs in ``torch.distributed.pipelining``'s schedules. Gradients, tied
+parameters, CUDA graphs and the limits: docs/architecture.md, "Pipeline parallel".
 """
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -49,15 +23,26 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..config import Config, PipelineConfig
-from ..passes.pipeline import PLAN_KEY, STAGE_KEY, DeviceProfile, PipelineError, PipelinePlan
+from ..passes.pipeline import PLAN_KEY, SCHEDULES, STAGE_KEY, DeviceProfile, PipelineError, PipelinePlan
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # several stages per rank: stage s on rank s % world ("loop"), or V-shaped for ZBV and DualPipeV (two stages per rank,
 # rank r holds stages r and 2 world - 1 - r, so the first and last stage share rank 0)
 MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+def schedule_errors(schedule: str, stages: int, ranks: int, what: str) -> list:
+    """Why ``stages`` stages do not fit ``schedule`` on ``ranks`` pipeline ranks (``what`` names that count)."""
+    if schedule in V_SHAPED and stages != 2 * ranks:
+        return [f"{schedule} runs two stages per rank: stages must be {2 * ranks}, got {stages}"]
+    if schedule in MULTI_STAGE and stages % ranks:
+        return [f"{schedule} needs stages to be a multiple of {what}, got {stages}"]
+    if schedule not in MULTI_STAGE and stages != ranks:
+        return [f"schedule {schedule} runs one stage per rank: stages must equal {what}, got {stages} "
+                f"(use Interleaved1F1B for several stages per rank)"]
+    return []
 
 
 def stage_rank(s: int, world: int, schedule: str) -> int:
@@ -67,17 +52,15 @@ def stage_rank(s: int, world: int, schedule: str) -> int:
     return s % world
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Capture
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def _flat_inputs(args: Sequence, kwargs: dict) -> list:
     return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
 
 
-def _chunk0(v: Any, m: int) -> Any:
-    return v.chunk(m, dim=0)[0] if isinstance(v, torch.Tensor) else v
+def _chunks(args: Sequence, kwargs: dict, n: int, i: int = 0) -> tuple:
+    """Chunk ``i`` of ``n`` along dim 0 of every tensor of ``args`` and ``kwargs`` (other values pass through)."""
+    def cut(v):
+        return v.chunk(n, dim=0)[i] if isinstance(v, torch.Tensor) else v
+    return [cut(a) for a in args], {k: cut(v) for k, v in kwargs.items()}
 
 
 def _check_batch(args: Sequence, kwargs: dict, m: int) -> None:
@@ -123,11 +106,6 @@ def _state_names(model: nn.Module) -> dict:
     return names
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Split
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, tensors: dict,
                         input_order: Sequence[str], only: Optional[Sequence[int]] = None) -> dict:
     """One ``GraphModule`` per stage (those in ``only``, default all) from the annotated graph.
@@ -144,24 +122,8 @@ def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, ten
         s = n.meta.get(STAGE_KEY)
         return set(s) if isinstance(s, list) else ({s} if s is not None else set())
 
-    home = {}  # value node → the one stage that produces it (inputs: stage 0)
-    for n in nodes:
-        if n.op == "placeholder" and n.name not in state:
-            home[n] = 0
-        elif n.op in ("call_function", "call_method", "call_module") and isinstance(n.meta.get(STAGE_KEY), int):
-            home[n] = n.meta[STAGE_KEY]
-    last_use = {}
-    for n in home:
-        last = home[n]
-        for u in n.users:
-            if u.op == "output":
-                last = n_stages - 1
-            elif isinstance(u.meta.get(STAGE_KEY), int):
-                last = max(last, u.meta[STAGE_KEY])
-            elif isinstance(u.meta.get(STAGE_KEY), list):  # a replicated node never reads a flowing value
-                raise PipelineError(f"internal error: replicated node {u.name} reads {n.name}")
-        last_use[n] = last
-    crossing = [[n for n in nodes if n in home and home[n] <= b < last_use[n]] for b in range(n_stages - 1)]
+    index = {n: i for i, n in enumerate(nodes)}
+    crossing = [sorted((by_name[v] for v, _, _ in b.values), key=index.get) for b in plan.boundaries]
 
     mods = {}
     for s in range(n_stages) if only is None else only:
@@ -198,11 +160,6 @@ def build_stage_modules(gm: fx.GraphModule, plan: PipelinePlan, state: dict, ten
     return mods
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Runner
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def retarget_devices(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> int:
     """Replace device literals equal to ``src`` in ``gm``'s node arguments by ``dst``; returns how many changed."""
     src, dst = torch.device(src), torch.device(dst)
@@ -230,9 +187,8 @@ def retarget_devices(gm: fx.GraphModule, src: torch.device, dst: torch.device) -
 
 
 class _HostStaged(nn.Module):
-    """Runs a stage on ``device`` with inputs and outputs in host memory: gloo's send/recv take host memory only
-    (its collectives stage CUDA tensors through pinned memory, its p2p does not). The copies are autograd ops, so the
-    gradients sent between stages are on the host too."""
+    """Runs a stage on ``device`` with inputs and outputs in host memory: gloo's send/recv take host memory only. The
+    copies are autograd ops, so the gradients sent between stages are on the host too."""
 
     def __init__(self, stage: nn.Module, device: torch.device):
         super().__init__()
@@ -260,9 +216,8 @@ class _GraphSlot:
 
 
 class _Replay(torch.autograd.Function):
-    """A training forward replayed from a slot's graph; its backward replays the slot's backward graph. The
-    parameters are arguments only so that autograd runs the backward: their gradients are added inside the graph to
-    the stage's ``main_grads`` and reach autograd as ``None``."""
+    """A training forward replayed from a slot's graph, its backward from the slot's backward graph. The parameters
+    are arguments only so that autograd runs the backward (their gradients go to ``main_grads``, autograd gets None)."""
 
     @staticmethod
     def forward(ctx, stage, slot, n_args, *args_and_params):
@@ -298,21 +253,10 @@ class _Replay(torch.autograd.Function):
 
 
 class _GraphedStage(nn.Module):
-    """Runs a (compiled) stage's training micro-batches from CUDA graphs, so a micro-batch costs the host a few
-    replays instead of one launch per kernel (`benchmarks/results/pipeline_parallel.md`: at 1k tokens per
-    micro-batch the eager stages were bound by the host).
-
-    The first training step runs the stage as it is: that compiles it, tunes its kernels and records the shapes,
-    dtypes and ``requires_grad`` of its inputs. Before the second step, :meth:`capture` records ``slots`` pairs of
-    graphs (forward; backward of the stage's outputs against static incoming gradients), each with its own memory
-    pool, so ``slots`` micro-batches can be in flight at once (1F1B: the stages after this one plus one; GPipe:
-    every micro-batch). A micro-batch takes a free slot in its forward and frees it in its backward. Parameter
-    gradients are summed inside the backward graph into ``main_grads`` (one buffer per parameter, zeroed at each
-    step); :class:`PipelineRunner` hands them to ``.grad``. Forward-only calls (no grad) and the schedule's shape
-    inference on the meta device run the stage directly.
-
-    If a capture fails (an op that synchronizes with the host, say), the stage stays eager and ``failure`` says why:
-    slower, never wrong.
+    """Runs a stage's training micro-batches from CUDA graphs (docs/architecture.md, "Pipeline parallel"): the first
+    step runs eagerly and records the input specs, then ``slots`` forward/backward graph pairs are captured, one per
+    micro-batch in flight. Parameter gradients are summed in the backward graph into ``main_grads``. Forward-only
+    calls and the meta-device shape inference run the stage directly; a failed capture leaves it eager (``failure``).
     """
 
     def __init__(self, fn, params: list, slots: int):
@@ -348,8 +292,7 @@ class _GraphedStage(nn.Module):
         return outs if len(outs) > 1 or self._tuple_out else outs[0]
 
     def begin_step(self) -> None:
-        """Called by the runner before each training step: captures once the stage has run a step, zeroes the
-        gradient buffers and frees every slot (a step that raised may have left some busy)."""
+        """Before each training step: capture once a step has run, zero the gradient buffers, free every slot."""
         if not self.captured and self.failure is None and self.spec is not None:
             self.capture()
         for s in self.slots:
@@ -375,8 +318,8 @@ class _GraphedStage(nn.Module):
                 for shape, dt, dev, rg in self.spec]
 
     def _warm_up(self, stream) -> None:
-        """One forward and backward on the capture stream first, so that per-stream lazy state (cuBLAS workspaces)
-        is not created during a capture."""
+        """One forward and backward on the capture stream, so that per-stream lazy state (cuBLAS workspaces) is not
+        created during a capture."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             xs = self._inputs()
@@ -420,14 +363,8 @@ def _comm_device(device: torch.device, group) -> torch.device:
 
 
 class PipelineRunner:
-    """What :func:`pipeline` returns: this rank's stages and PyTorch schedules over them.
-
-    Attributes:
-        plan: the :class:`fxopt.passes.pipeline.PipelinePlan` (``print(runner.plan)``).
-        stage_modules: stage index → this rank's stage ``GraphModule`` (uncompiled).
-        stage_indices: the stages this rank holds.
-        is_last: whether this rank holds the last stage (where outputs and losses appear).
-    """
+    """What :func:`pipeline` returns: ``plan`` (printable), ``stage_modules`` (stage index → this rank's uncompiled
+    stage), ``stage_indices`` (the stages this rank holds), ``is_last`` (it holds the last stage: outputs, losses)."""
 
     def __init__(self, plan, stage_modules, compiled, stage_indices, n_stages, microbatches, schedule, device, group,
                  loss_fn, shared_groups, input_spec):
@@ -464,12 +401,7 @@ class PipelineRunner:
 
     def parameters(self):
         """This rank's parameters (each once, also when several local stages share one)."""
-        seen = set()
-        for s in self.stage_indices:
-            for p in self.stage_modules[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
         seen = set()
@@ -520,7 +452,7 @@ class PipelineRunner:
         if self._fwd is None:
             self._fwd = self._make(None)
         with torch.no_grad():
-            out = self._fwd.step(*flat) if 0 in self.stage_indices else self._fwd.step()
+            out = self._fwd.step(*(flat if 0 in self.stage_indices else ()))
         if not self.is_last:
             return None
         return tuple(o.to(self.device) for o in out) if isinstance(out, tuple) else out.to(self.device)
@@ -547,10 +479,7 @@ class PipelineRunner:
             p.grad = None
         losses: list = []
         kw = {"target": target.to(self.comm_device), "losses": losses} if self.is_last else {}
-        if 0 in self.stage_indices:
-            self._train.step(*flat, **kw)
-        else:
-            self._train.step(**kw)
+        self._train.step(*(flat if 0 in self.stage_indices else ()), **kw)
         for g in self._graphed:  # gradients summed inside the backward graphs
             if g.captured and g.params:
                 fresh = torch._foreach_mul(g.main_grads, 1.0)
@@ -590,8 +519,7 @@ def plan_pipeline(model: nn.Module, example_args: Sequence, example_kwargs: dict
 
     _check_batch(example_args, example_kwargs, microbatches)
     # 1. Capture one micro-batch.
-    mb_args = [_chunk0(a, microbatches) for a in example_args]
-    mb_kwargs = {k: _chunk0(v, microbatches) for k, v in example_kwargs.items()}
+    mb_args, mb_kwargs = _chunks(example_args, example_kwargs, microbatches)
     gm, example_inputs = capture(model, mb_args, mb_kwargs)
     names = _state_names(model)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -677,14 +605,9 @@ def pipeline(model: nn.Module, example_args: Sequence, example_kwargs: Optional[
         stages = 2 * world if schedule in MULTI_STAGE else world
     if stages < 2:
         raise PipelineError(f"stages must be >= 2, got {stages}")
-    if schedule in V_SHAPED and stages != 2 * world:
-        raise PipelineError(f"{schedule} runs two stages per rank: stages must be {2 * world}, got {stages}")
-    if schedule in MULTI_STAGE:
-        if stages % world:
-            raise PipelineError(f"{schedule} needs stages to be a multiple of the world size {world}, got {stages}")
-    elif stages != world:
-        raise PipelineError(f"schedule {schedule} runs one stage per rank: stages must equal the world size {world}, "
-                            f"got {stages} (use Interleaved1F1B for several stages per rank)")
+    errs = schedule_errors(schedule, stages, world, f"the world size {world}")
+    if errs:
+        raise PipelineError(errs[0])
     if cuda_graphs and schedule in MULTI_STAGE:
         raise PipelineError(f"cuda_graphs supports the GPipe and 1F1B schedules, not {schedule}")
     example_kwargs = dict(example_kwargs or {})

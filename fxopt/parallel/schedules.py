@@ -1,21 +1,7 @@
 """The bubble of each pipeline schedule, from the order torch itself would run, and the choice ``schedule="auto"``.
 
-A schedule's idle time depends on more than ``p`` (pipeline ranks), ``m`` (micro-batches) and ``v`` (stages per
-rank): the zero-bubble schedules split each backward into an input-gradient step (I) that the previous stage waits
-for and a weight-gradient step (W) that nobody waits for, and fill idle slots with W. Closed formulas exist only for
-the simple cases, so this module *replays* the schedule: it asks torch's own schedule class for its per-rank action
-order (``pipeline_order``, built from stand-in stages that hold only indices; nothing runs, no process group is
-touched), then plays that order as a list scheduler: each rank runs its actions in order, each as soon as the rank
-is free and its inputs exist (F of stage s after F of stage s-1; I/B of stage s after F of s and I/B of s+1; W after
-I). Costs per micro-batch and stage: F = 1, I = 1, W = 1 (B = I + W = 2), scaled by 1/v for a stage that holds 1/v of
-a rank's layers; communication is free. The bubble is 1 - busy / (ranks x makespan).
-
-GPipe and 1F1B keep one stage per rank and no split backward: their bubble is (p - 1) / (m + p - 1) in training and
-inference alike; the replay gives the same for Interleaved1F1B's (p - 1) / (v m + p - 1), which the tests check.
-Inference runs forward only: the F actions of the training order, replayed alone.
-
-``choose_schedule`` takes the least predicted bubble among the schedules valid for the mode and sizes (ties: the
-earlier in :data:`AUTO_ORDER`, simpler first); the reasons for the others are kept for the plan.
+Torch's own schedule class builds the per-rank action order from stand-in stages (nothing runs), and :func:`replay`
+plays it as a list scheduler with unit costs; the method and its checks: docs/architecture.md, "Pipeline parallel".
 """
 from __future__ import annotations
 
@@ -24,11 +10,11 @@ from typing import Optional
 
 import torch.nn as nn
 
+from .pipeline import V_SHAPED, stage_rank
+
 log = logging.getLogger(__name__)
 
 AUTO_ORDER = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-TRAINING_ONLY = ("ZBVZeroBubble", "DualPipeV")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
 
 
@@ -45,12 +31,6 @@ class _StandInStage:
         self.stage_index_to_group_rank: dict = {}
 
 
-def _stage_indices(schedule: str, rank: int, ranks: int, v: int) -> list:
-    if schedule in V_SHAPED:  # stage r and 2p - 1 - r on rank r
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + k * ranks for k in range(v)]
-
-
 def torch_order(schedule: str, ranks: int, microbatches: int, v: int) -> dict:
     """``{rank: [(kind, stage, microbatch), ...]}``: the compute actions of torch's ``Schedule<schedule>`` in order.
 
@@ -63,7 +43,7 @@ def torch_order(schedule: str, ranks: int, microbatches: int, v: int) -> dict:
     n = ranks * v
     out = {}
     for rank in range(ranks):
-        stages = [_StandInStage(i, n, rank, ranks) for i in _stage_indices(schedule, rank, ranks, v)]
+        stages = [_StandInStage(i, n, rank, ranks) for i in range(n) if stage_rank(i, ranks, schedule) == rank]
         order = cls(stages, microbatches, loss_fn=lambda *a: None).pipeline_order[rank]
         out[rank] = [a for act in order if act is not None for a in _compute(act)]
     return out
@@ -130,7 +110,7 @@ def choose_schedule(pp: int, microbatches: int, training: bool, layers: Optional
     table: dict = {}
     for name in AUTO_ORDER:
         v = 1 if name in ("GPipe", "1F1B") else (2 if name in V_SHAPED else stages_per_rank)
-        if not training and name in TRAINING_ONLY:
+        if not training and name in V_SHAPED:
             table[name] = "training only"
             continue
         if layers is not None and pp * v > layers:

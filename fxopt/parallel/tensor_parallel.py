@@ -1,37 +1,10 @@
 """``fxopt.parallelize``: tensor parallelism found in the model's graph.
 
-Design
-------
-``parallelize(model, example_args, example_kwargs, tp=N)`` runs on every rank of an initialized process group
-(torchrun: NCCL on GPUs, gloo on CPU; keep ``NCCL_NVLS_ENABLE=0`` in the environment on NVLink machines):
-
-1. **Capture.** Dynamo traces ``model(*example_args, **example_kwargs)`` (``fullgraph=True``, static shapes) into
-   its torch-level graph with a recording backend: parameters and buffers are placeholders, matched to their names
-   by identity with the example inputs Dynamo hands the backend. The recorder runs fxopt's passes (attention →
-   w4a16 → **tensor_parallel** → pipeline, as configured) and returns a stand-in that produces dummy outputs, so
-   the full model never runs; the structured output Dynamo rebuilds from those dummies tells which graph output
-   goes where in the model's own output (a tensor, tuple, dict or ``ModelOutput``).
-2. **Plan.** The ``tensor_parallel`` pass (:mod:`fxopt.passes.tensor_parallel`) finds Megatron's layout and
-   rewrites the graph for this rank; its :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` says how to
-   cut each tensor.
-3. **Shard.** :class:`TensorParallelModule` holds this rank's cut of every sharded parameter/buffer (new
-   ``nn.Parameter``\\ s, ``requires_grad`` as the original) and shares the replicated ones with the original model,
-   under the original names (``state_dict()`` keys are the model's). ``forward`` takes the model's inputs, checks
-   them against the captured signature and runs the rewritten graph. ``torch.compile(module, backend="fxopt")``
-   then compiles it like any module.
-4. **New input shapes.** The graph is static. A call with another input signature re-captures a *skeleton* of the
-   model (a deep copy whose parameters and buffers are zero-memory stand-ins: one element expanded to the full
-   shape) with the same passes, checks that the new plan cuts every tensor exactly as before, and caches that
-   graph; no full weight is needed again. (Run a new shape once eagerly before a ``fullgraph`` compile.)
-5. **KV cache** (:mod:`fxopt.parallel.kv_cache`). Graph outputs that land only in a transformers ``Cache`` of the
-   output may stay sharded: each rank's cache holds its kv heads. Passed back, the cache's tensors are recognized
-   as this module's (a weak identity map holds their shards), captured as full-shaped stand-ins, started sharded in
-   the pass and fed as they are; every cache length is a new signature (a skeleton re-capture). ``generate()``
-   runs transformers' generation loop with this module as the forward.
-
-``training`` (default: grad enabled and some parameter requires grad) selects the autograd-correct form of the
-collectives; ``reduce_replicated_grads()`` sums the partial gradients of GQA kv projections that several ranks
-hold (only needed when tp exceeds the number of kv heads).
+Dynamo captures the model (one graph, static shapes) with a recording backend that runs fxopt's passes, the
+``tensor_parallel`` pass among them, and never runs the full model. :class:`TensorParallelModule` holds this rank's
+shards under the original names, runs the rewritten graph, re-captures a zero-memory skeleton for new input shapes
+and keeps KV caches sharded by heads (:mod:`fxopt.parallel.kv_cache`). Design: docs/architecture.md, "Tensor
+parallel".
 """
 from __future__ import annotations
 
@@ -52,6 +25,7 @@ from ..passes import match
 from ..passes.manager import run_passes
 from ..passes.tensor_parallel import TensorParallelPlan, TPContext
 from . import kv_cache
+from .pipeline import _state_names
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +74,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
 
     ``cache_specs``: flat leaf index -> Shard | None of the KV-cache tensors among the inputs (the capture sees
     zero-memory stand-ins of their global shapes; the pass starts the sharded ones sharded)."""
-    state = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        state.setdefault(id(t), name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        state.setdefault(id(t), name)
+    state = _state_names(model)
     cache_specs = cache_specs or {}
     leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
     flat, caches = kv_cache.open_caches(leaves)
@@ -215,13 +185,8 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 
 class TensorParallelModule(nn.Module):
-    """This rank's part of a tensor-parallel model (returned by :func:`parallelize`).
-
-    Attributes:
-        plan: the :class:`~fxopt.passes.tensor_parallel.TensorParallelPlan` (``print(module.plan)``).
-        graph_module: the rewritten graph for the example inputs.
-        pass_results: the per-pass results of that capture (rewrites, skips with reasons, notes).
-    """
+    """This rank's part of a tensor-parallel model (returned by :func:`parallelize`): ``plan`` (printable),
+    ``graph_module`` (the rewritten graph for the example inputs), ``pass_results`` (that capture's pass results)."""
 
     def __init__(self, model: nn.Module, captured: _Captured, key: tuple, *, rank: int, tp: int,
                  group, cfg: Config, training: bool):
@@ -312,12 +277,8 @@ class TensorParallelModule(nn.Module):
         return functools.partial(_tp_context, group_name, rank, tp, training)
 
     def generate(self, *args, **kwargs):
-        """``generate()`` of the Hugging Face model this module was made from, each forward run by this module.
-
-        Takes transformers' ``GenerationMixin.generate`` arguments. Call it on every rank with the same inputs: the
-        logits are whole on every rank, so greedy search gives the same tokens everywhere (sampling too, with the
-        same seed on every rank). The KV cache holds each rank's heads; every new cache length is one re-capture.
-        """
+        """transformers' ``generate()`` of the model, each forward run by this module. Call it on every rank with the
+        same inputs (and seed): the logits are whole everywhere, so every rank gets the same tokens."""
         skeleton = self._skeleton[0]
         if not callable(getattr(skeleton, "generate", None)):
             raise TypeError(f"fxopt.parallelize: {type(skeleton).__name__} has no generate() (not a transformers "

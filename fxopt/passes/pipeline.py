@@ -1,61 +1,20 @@
 """Pipeline pass: a cost model per node and a balanced split of the graph into pipeline stages.
 
-What it does. The pass prices every node from the shapes in ``meta["val"]`` and cuts the graph into
-``PipelineConfig.stages`` stages so that the slowest stage is as fast as possible and, among the splits with that
-bottleneck, the fewest bytes cross stage boundaries. It rewrites nothing in the graph it is given: it writes the stage
-of every node into ``node.meta["fxopt_pipeline_stage"]`` and the :class:`PipelinePlan` into
-``gm.meta["fxopt_pipeline_plan"]`` (and the plan, as text, into ``result.notes``). :func:`fxopt.pipeline` then cuts
-the graph into one ``GraphModule`` per stage (:func:`fxopt.parallel.pipeline.build_stage_modules`) and runs them
-with PyTorch's pipeline schedules. Run through ``torch.compile(..., options={"pipeline": {...}})`` or
-:func:`fxopt.explain`, the pass only reports the plan.
+The pass prices every node from the shapes in ``meta["val"]`` (:class:`DeviceProfile`, :func:`graph_costs`; the
+formulas and their checks against measured stages are in docs/architecture.md, "Pipeline parallel") and cuts the
+graph into ``PipelineConfig.stages`` stages: least bottleneck stage first, then the fewest bytes across boundaries.
+It rewrites nothing: each node's stage goes to ``node.meta[STAGE_KEY]``, the :class:`PipelinePlan` to
+``gm.meta[PLAN_KEY]`` and, as text, to ``result.notes``. :func:`fxopt.pipeline` then cuts the graph into one module
+per stage (:func:`fxopt.parallel.pipeline.build_stage_modules`); through ``torch.compile`` or :func:`fxopt.explain`
+the pass only reports the plan.
 
-Cost model (:class:`DeviceProfile`, :func:`graph_costs`; checks against measured stages in ``docs/architecture.md``, Parallel).
-A stage's time is the sum of its kernels' times, each ``max(device time, op_overhead_s)``: the per-kernel floor is
-the host's launch interval (a compiled stage launches Inductor's kernels, cuBLAS and fxopt's custom ops from Python
-one by one; when a kernel is shorter than that, the GPU waits). Device time by kind:
-
-* matmul (linear, mm, bmm, conv, einsum, w4a16, ...; FLOPs from ``torch.utils.flop_counter`` on meta tensors):
-  ``max(F / peak, B / mem_bw) + matmul_latency_s``. The fixed GEMM latency makes the efficiency depend on the size:
-  a GEMM of ``F`` FLOPs reaches ``F / (F + peak · matmul_latency_s)`` of the peak (H200 bf16: 8192³ 99.5%,
-  2048×1024×1024 60%, 2048×256×1024 27%); small M or N make it memory-bound through ``B``.
-* attention (SDPA, ``fxopt.flash_attention``): ``F' / attention_flops`` with ``F'`` the FLOPs halved when
-  ``is_causal``.
-* memory-bound nodes (elementwise, reductions, casts, cat, embedding): fused as Inductor fuses them. Nodes connected
-  through values (seen through views) that come after the same number of matmul/attention kernels form one kernel
-  that moves the bytes it reads from outside and the values used outside (``B / mem_bw``); its time is split over its
-  nodes. A gather (embedding) reads the rows it writes, not its whole table.
-* views and same-dtype casts cost nothing.
-
-Constants of ``DeviceProfile.h200()`` come from the H200 anchors (``/work/shared/anchors/README.md``: cuBLAS bf16
-716 TFLOP/s, copy 4.23 TB/s), fxopt's attention benchmark (~200 TFLOP/s causal at S = 512) and a 30 us per-kernel
-floor fitted on compiled graphs timed on that machine (a pipeline stage and the tensor-parallel benchmark's prefill and
-decode, all within 5%). :meth:`DeviceProfile.measure` calibrates the GEMM peak (4096³), the GEMM
-latency (a 1024³ GEMM replayed from a CUDA graph) and the copy bandwidth on the current device.
-:func:`node_cost` prices one node as its own kernel (no fusion). The split uses the costs only relatively; the
-absolute numbers are the prediction the benchmark checks.
-
-Partition. The graph becomes a networkx ``DiGraph`` of its values. Parameters and buffers are not values that flow:
-each stage owns the ones it uses. Nodes computed from parameters/buffers alone (rotary tables, constant masks, with no
-random op) are *replicated* into every stage that uses them rather than sent. Inputs live in stage 0 and the output in
-the last stage. A split is valid when no value flows backwards (every edge goes from a stage to the same or a later
-one); a value produced in stage ``a`` and used in stage ``b > a`` crosses ``b - a`` boundaries (it is passed through
-the stages between, as PyTorch's stages talk only to their neighbours). Only tensors can cross.
-
-* :func:`partition_order` — cuts of one topological order (the program order, which keeps modules contiguous) into
-  contiguous segments, by dynamic programming: first the least bottleneck ``T*`` (min over cuts of the max segment
-  cost), then the least total boundary bytes among the splits whose every segment costs at most ``T*``. Exact for
-  chains and for every split of that order; ``O(stages · n²)`` numpy work.
-* :func:`partition_exact` — every valid split of a small DAG (downsets enumerated with ``nx.antichains``), same
-  two objectives; used when the graph has few downsets (small graphs, tests) and as the reference in tests.
-
-Pinned split points (``split_points=["layers.2"]``, module names) force a boundary right before the first node of
-that module; the rest is balanced around them. Parameters used by several stages (a tied embedding / lm_head, or a
-replicated node that reads a parameter) are listed in the plan as *shared*: :func:`fxopt.pipeline` keeps them in sync
-by summing their gradients over the ranks that hold them after every backward.
-
-Errors are reported, not raised, here: when the graph cannot be cut into the requested number of stages (too few
-valid boundaries, or pins that leave a stage empty), the pass records the reason with ``result.skip`` and leaves no
-plan; :func:`fxopt.pipeline` turns that into a :class:`PipelineError`.
+Partition: the graph becomes a networkx DAG of its values. Parameters and buffers do not flow (each stage owns the
+ones it uses); nodes computed from them alone (rotary tables, constant masks, no random op) are replicated into every
+stage that uses them. Inputs live in stage 0, the output in the last stage; a value made in stage ``a`` and used in
+``b > a`` crosses ``b - a`` boundaries, and only tensors cross. :func:`partition_order` cuts the program order (which
+keeps modules contiguous) by dynamic programming; pinned ``split_points`` (module names) force a boundary before the
+module's first node. Parameters used by several stages are *shared* in the plan (their gradients are summed). A graph
+that cannot be cut is a ``result.skip`` reason, which :func:`fxopt.pipeline` raises as :class:`PipelineError`.
 """
 from __future__ import annotations
 
@@ -77,34 +36,21 @@ log = logging.getLogger(__name__)
 
 STAGE_KEY = "fxopt_pipeline_stage"
 PLAN_KEY = "fxopt_pipeline_plan"
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class PipelineError(ValueError):
-    """A model or setting that the pipeline split cannot handle (the message says which and why)."""
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Cost model
-# --------------------------------------------------------------------------------------------------------------------
+    """A model or setting that the pipeline split cannot handle (the message says why)."""
 
 
 @dataclass
 class DeviceProfile:
-    """Throughputs and fixed times the cost model uses (see the module docstring for the formulas).
+    """Throughputs and fixed times of the cost model (formulas in docs/architecture.md, "Pipeline parallel").
 
-    Args:
-        name: label printed in the plan.
-        matmul_flops: dtype → FLOP/s a *large* GEMM reaches (cuBLAS at 8192³ on GPUs; tensor cores).
-        vector_flops: FLOP/s of elementwise and reduction ops (rarely the limit: they are bandwidth-bound).
-        mem_bw: bytes/s that a memory-bound kernel reaches (read + written).
-        op_overhead_s: the least time one kernel takes in a stage, launch included: when kernels are shorter than
-            this, the GPU waits for the host (each kernel of a compiled graph is launched from Python, one by one).
-        link_bw: bytes/s between neighbouring stages (NVLink for GPUs).
-        link_latency_s: fixed time per send.
-        matmul_latency_s: device-side fixed time of one GEMM (prologue, epilogue, the last partial wave of tiles):
-            a GEMM of ``F`` FLOPs reaches ``F / (F + peak · matmul_latency_s)`` of the peak (see
-            :meth:`matmul_efficiency`).
-        attention_flops: dtype → FLOP/s of fused attention, on its FLOPs after the causal halving.
+    ``matmul_flops`` / ``attention_flops``: dtype → FLOP/s of a large GEMM / of fused attention (on the FLOPs after
+    the causal halving); ``mem_bw``: bytes/s of a memory-bound kernel (read + written); ``op_overhead_s``: the least
+    time one kernel takes in a stage (the host's launch interval); ``link_bw`` / ``link_latency_s``: between
+    neighbouring stages; ``matmul_latency_s``: device-side fixed time of one GEMM.
     """
 
     name: str
@@ -126,25 +72,17 @@ class DeviceProfile:
         return self.attention_flops.get(torch.float32, 0.5 * self.matmul_peak(dtype))
 
     def matmul_efficiency(self, flops: float, dtype: torch.dtype = torch.bfloat16) -> float:
-        """Fraction of :meth:`matmul_peak` a GEMM of ``flops`` FLOPs reaches when compute-bound (1 for huge GEMMs,
-        1/2 at ``flops = peak · matmul_latency_s``; 8192³ bf16 on the H200: 0.995, 2048×1024×1024: 0.60)."""
+        """Fraction of the peak a compute-bound GEMM of ``flops`` FLOPs reaches (1/2 at peak · matmul_latency_s)."""
         fixed = self.matmul_peak(dtype) * self.matmul_latency_s
         return flops / (flops + fixed) if flops + fixed > 0 else 1.0
 
     def matmul_seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        """Device time of one GEMM: roofline on the large-GEMM peak plus the fixed GEMM latency."""
         return max(flops / self.matmul_peak(dtype), nbytes / self.mem_bw) + self.matmul_latency_s
 
     @classmethod
     def h200(cls) -> "DeviceProfile":
-        # Anchors measured on our H200 (/work/shared/anchors/README.md, torch 2.11, Triton 3.6): cuBLAS bf16 GEMM
-        # 8192³ 716 TFLOP/s, fp8 1327; device copy 4.23 TB/s (fused elementwise kernels reach ~85% of it); fxopt's
-        # flash attention at S = 512, d = 128: 194 TFLOP/s causal (halved FLOPs), 312 non-causal
-        # (benchmarks/results/attention.md). fp32 (no TF32) runs on CUDA cores: 67 TFLOP/s dense, ~50 reached.
-        # Fixed times: 4 us per GEMM on the device (prologue, epilogue, partial last wave: an estimate typical of
-        # cuBLAS on Hopper, which measure() replaces by a measured 1024³ GEMM), and a 30 us floor per kernel, fitted
-        # to compiled graphs timed on this machine (Inductor's wrapper, cuBLAS and fxopt's
-        # custom ops launched from Python one after the other, without CUDA graphs).
+        # Sources of the constants: docs/architecture.md, "Pipeline parallel" (H200 anchors, fxopt's attention
+        # benchmark, the 30 us per-kernel floor fitted on compiled graphs; 4 us per GEMM until measure() replaces it).
         return cls("H200", {torch.bfloat16: 716e12, torch.float16: 716e12, torch.float8_e4m3fn: 1327e12,
                             torch.float32: 50e12, torch.float64: 50e12},
                    vector_flops=50e12, mem_bw=3.6e12, op_overhead_s=30e-6, link_bw=300e9, link_latency_s=15e-6,
@@ -173,10 +111,8 @@ class DeviceProfile:
 
     @classmethod
     def measure(cls, device: Any = None, dtype: torch.dtype = torch.bfloat16) -> "DeviceProfile":
-        """Calibrate the preset for ``device``, measured: the large-GEMM peak (4096³ on GPU), the fixed GEMM
-        latency (from a 1024³ GEMM: its time minus its FLOPs at that peak) and the copy bandwidth. The attention
-        throughput is scaled by the same factor as the GEMM peak; the per-kernel floor stays the preset's (it is a
-        property of the host and of how the stage is launched, not of one kernel timed in a loop)."""
+        """The preset for ``device`` with the GEMM peak (4096³ on GPU), the GEMM latency (a 1024³ GEMM) and the copy
+        bandwidth measured; attention scales with the peak, the per-kernel floor stays the preset's."""
         import time
 
         prof = cls.for_device(device)
@@ -218,8 +154,8 @@ class DeviceProfile:
 
 
 def _device_seconds(fn, dev: torch.device, timed, reps: int = 50) -> float:
-    """Device time of one ``fn()``: on CUDA, ``reps`` calls replayed from one CUDA graph (no host launch in the
-    figure: a 1024³ GEMM is shorter than its launch from Python); elsewhere (or if capture fails) a timed loop."""
+    """Device time of one ``fn()``: on CUDA replayed from one CUDA graph (a 1024³ GEMM is shorter than its launch);
+    elsewhere, or if capture fails, a timed loop."""
     if dev.type == "cuda":
         try:
             side = torch.cuda.Stream(dev)
@@ -255,8 +191,7 @@ _RANDOM_OPS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like"
 
 @dataclass
 class NodeCost:
-    """``kind``: "free" (views, same-dtype casts), "matmul", "attention" or "memory" (elementwise, reductions,
-    copies: what Inductor fuses); ``kernel_seconds``: the device time of the node as its own kernel."""
+    """``kind``: "free", "matmul", "attention" or "memory" (what Inductor fuses); ``kernel_seconds``: device time."""
 
     flops: float = 0.0
     bytes: float = 0.0
@@ -355,10 +290,7 @@ def _input_bytes(node: fx.Node, src: fx.Node, name: str, out_bytes: float) -> fl
 
 
 def node_cost(node: fx.Node, profile: DeviceProfile) -> NodeCost:
-    """FLOPs, bytes (inputs read + outputs written) and seconds of ``node`` run as its own kernel:
-    matmul ``max(F / peak, B / bw) + matmul_latency``, attention ``F' / attention_peak`` (``F'``: FLOPs halved when
-    causal), the rest ``max(F / vector_flops, B / bw)``; every kernel takes at least ``op_overhead_s``.
-    :func:`graph_costs` prices a whole graph with Inductor's fusion of the memory-bound nodes."""
+    """FLOPs, bytes (read + written) and seconds of ``node`` run as its own kernel (no fusion)."""
     if node.op in ("placeholder", "get_attr", "output"):
         return NodeCost()
     name = _node_name(node)
@@ -389,13 +321,8 @@ def node_cost(node: fx.Node, profile: DeviceProfile) -> NodeCost:
 
 
 def graph_costs(nodes: Sequence[fx.Node], profile: DeviceProfile) -> dict:
-    """:class:`NodeCost` of every compute node of a graph, with the memory-bound nodes fused as Inductor does.
-
-    Matmul and attention nodes are kernels of their own (:func:`node_cost`). Memory-bound nodes are grouped into
-    fused kernels: two of them (seen through views) share a kernel when one reads the other and both come after the
-    same number of matmul/attention kernels on their longest input path (a matmul in between forces two kernels).
-    A fused kernel moves only the bytes it reads from outside the group and the values used outside it; its time,
-    ``max(B / bw, op_overhead_s)``, is split evenly over its nodes, so that stage costs stay sums over nodes."""
+    """:class:`NodeCost` of every compute node, memory-bound nodes fused as Inductor does: connected (through views)
+    and after the same number of matmul/attention kernels; a group's time is split evenly over its nodes."""
     nodes = list(nodes)
     compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
     single = {n: node_cost(n, profile) for n in compute}
@@ -474,11 +401,7 @@ def send_seconds(nbytes: float, profile: DeviceProfile) -> float:
     return 0.0 if nbytes == 0 else profile.link_latency_s + nbytes / profile.link_bw
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Partition on an abstract DAG: nodes carry "cost" (seconds), "bytes" (size of the value) and "sendable"
-# --------------------------------------------------------------------------------------------------------------------
-
-
+# Partition on an abstract DAG: nodes carry "cost" (seconds), "bytes" (size of the value) and "sendable".
 @dataclass
 class Partition:
     """A split: ``stage`` maps node → stage; per-stage cost; bytes crossing each boundary (``stages - 1`` entries)."""
@@ -521,17 +444,6 @@ def evaluate(dag, stage: dict, stages: int) -> Optional[Partition]:
     if not all(used):
         return None
     return Partition(dict(stage), costs, crossing)
-
-
-def _better(a: tuple, b: Optional[tuple], rel: float = 1e-9) -> bool:
-    """Lexicographic (bottleneck, bytes) comparison, with a relative tolerance on the float bottleneck."""
-    if b is None:
-        return True
-    if a[0] < b[0] * (1 - rel) - 1e-30:
-        return True
-    if a[0] > b[0] * (1 + rel) + 1e-30:
-        return False
-    return a[1] < b[1]
 
 
 def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = (), slack: float = 0.0) -> Partition:
@@ -580,16 +492,11 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     last_pin = np.zeros(n + 1, dtype=np.int64)  # last_pin[j]: largest pinned position < j (0 if none)
     for p in pins:
         last_pin[p + 1:] = p
-    pin_mask = np.zeros(n + 1, dtype=bool)
-    pin_mask[pins] = True
     idx = np.arange(n + 1)
     INF = np.inf
 
     def allowed_starts(j):  # positions i where a segment [i, j) may start
-        ok = valid.copy()
-        ok &= idx < j
-        ok &= idx >= last_pin[j]
-        return ok
+        return valid & (idx < j) & (idx >= last_pin[j])
 
     # Step 1: least bottleneck.
     best = np.full((stages + 1, n + 1), INF)
@@ -649,69 +556,6 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     return part
 
 
-def partition_exact(dag, stages: int, max_downsets: int = 4096, slack: float = 0.0) -> Partition:
-    """Optimal split of a small DAG over all valid splits (chains of downsets), same objectives as
-    :func:`partition_order`. Raises :class:`PipelineError` when the DAG has more than ``max_downsets`` downsets or
-    no valid split exists."""
-    import networkx as nx
-
-    free = [v for v, d in dag.nodes(data=True) if d.get("pinned_stage") is None]
-    sub = dag.subgraph(free)
-    bit = {v: 1 << i for i, v in enumerate(free)}
-    anc = {v: 0 for v in free}
-    for v in nx.topological_sort(sub):
-        for p in sub.predecessors(v):
-            anc[v] |= anc[p] | bit[p]
-    downs = set()
-    for a in nx.antichains(sub):
-        m = 0
-        for v in a:
-            m |= bit[v] | anc[v]
-        downs.add(m)
-        if len(downs) > max_downsets:
-            raise PipelineError(f"more than {max_downsets} downsets: use partition_order")
-    downs = sorted(downs, key=lambda m: bin(m).count("1"))
-    cost = {m: sum(dag.nodes[v].get("cost", 0.0) for v in free if m & bit[v]) for m in downs}
-
-    def assignment(chain):
-        st = {}
-        for v in free:
-            st[v] = next(k for k, m in enumerate(chain) if m & bit[v])
-        for v, d in dag.nodes(data=True):
-            if d.get("pinned_stage") is not None:
-                st[v] = d["pinned_stage"] if d["pinned_stage"] >= 0 else stages - 1
-        return st
-
-    full = downs[-1]
-    found: list = []
-
-    def rec(prev, chain):
-        if len(chain) == stages - 1:
-            if full != prev:
-                part = evaluate(dag, assignment(chain + [full]), stages)
-                if part is not None:
-                    found.append(part)
-            return
-        for m in downs:
-            if m != prev and (m & prev) == prev and m != full:
-                rec(m, chain + [m])
-
-    rec(0, [])
-    if not found:
-        raise PipelineError(f"the graph cannot be cut into {stages} stages")
-    t_star = min(p.bottleneck for p in found)
-    limit = t_star * (1 + max(slack, 0.0) + 1e-9) + 1e-30
-    ok = [p for p in found if p.bottleneck <= limit]
-    b_min = min(p.total_bytes for p in ok)
-    ok = [p for p in ok if p.total_bytes <= b_min + 1e-9 * max(b_min, 1.0)]
-    return min(ok, key=lambda p: p.bottleneck)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# From an FX graph to a plan
-# --------------------------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class StagePlan:
     index: int
@@ -752,10 +596,6 @@ class PipelinePlan:
         """Slowest stage over the mean stage (1.0 is perfect balance)."""
         t = self.stage_seconds
         return max(t) / (sum(t) / len(t)) if sum(t) > 0 else 1.0
-
-    def predicted_bubble(self, microbatches: int) -> float:
-        p = len(self.stages)
-        return (p - 1) / (microbatches + p - 1)
 
     def lines(self) -> list:
         out = [f"pipeline plan: {len(self.stages)} stages ({self.method}, cost model {self.profile}); "
@@ -839,24 +679,21 @@ def _is_inplace(node: fx.Node) -> bool:
 
 
 def _sendable(node: fx.Node) -> bool:
-    v = match.val(node)
-    return isinstance(v, torch.Tensor)
+    return isinstance(match.val(node), torch.Tensor)
 
 
 def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceProfile,
-               split_points: Sequence[str] = (), exact_limit: int = 0, slack: float = 0.05,
+               split_points: Sequence[str] = (), slack: float = 0.05,
                trainable: Optional[set] = None) -> PipelinePlan:
     """Price ``gm``'s nodes, split it into ``stages`` stages, annotate ``node.meta[STAGE_KEY]`` and return the plan.
 
     ``state``: placeholder name → qualified name of the parameters/buffers (owned by stages, never sent).
-    ``exact_limit``: use :func:`partition_exact` when the graph has at most this many compute nodes.
     ``trainable``: qualified names of the parameters that get gradients (default: recognised from the graph).
     ``slack``: a stage may be up to ``slack`` slower than the best bottleneck if that sends fewer bytes.
     """
     import networkx as nx
 
     nodes = list(gm.graph.nodes)
-    out_node = next(n for n in nodes if n.op == "output")
     is_state = {n: (n.op == "get_attr" or (n.op == "placeholder" and n.name in state)) for n in nodes}
     # Nodes computed from parameters/buffers alone (and no random / in-place op) are replicated, not sent.
     replicated = set()
@@ -899,46 +736,27 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
         pinned_nodes.append(first)
         pins.append(str(sp))
 
-    use_exact = len(compute) <= exact_limit and not pinned_nodes
-    method = "order-DP"
-    part = None
-    if use_exact:
-        try:
-            part = partition_exact(dag, stages, slack=slack)
-            method = "exact"
-        except PipelineError:
-            part = None
-    if part is None:
-        part = partition_order(dag, order, stages, cut_before=pinned_nodes, slack=slack)
+    part = partition_order(dag, order, stages, cut_before=pinned_nodes, slack=slack)
 
     by_name = {n.name: n for n in nodes}
     stage_of = {by_name[v]: s for v, s in part.stage.items() if v in by_name}
-    # Replicated nodes: every stage that uses them (directly or through other replicated nodes).
     rep_stages: dict = {}
+
+    def use_stages(n):  # the stages that read n, directly or through replicated nodes
+        st = set()
+        for u in n.users:
+            if u.op == "output":
+                st.add(stages - 1)
+            elif u in replicated:
+                st |= rep_stages.get(u, set())
+            elif u in stage_of:
+                st.add(stage_of[u])
+        return st
+
     for n in reversed(nodes):
         if n in replicated:
-            st = set()
-            for u in n.users:
-                if u.op == "output":
-                    st.add(stages - 1)
-                elif u in replicated:
-                    st |= rep_stages.get(u, set())
-                elif u in stage_of:
-                    st.add(stage_of[u])
-            rep_stages[n] = st
-    # Parameters/buffers: the stages whose nodes read them.
-    state_stages: dict = {}
-    for n in nodes:
-        if is_state[n]:
-            st = set()
-            for u in n.users:
-                if u in replicated:
-                    st |= rep_stages.get(u, set())
-                elif u in stage_of:
-                    st.add(stage_of[u])
-                elif u.op == "output":
-                    st.add(stages - 1)
-            state_stages[n] = st
+            rep_stages[n] = use_stages(n)
+    state_stages = {n: use_stages(n) for n in nodes if is_state[n]}
 
     for n in nodes:
         n.meta.pop(STAGE_KEY, None)
@@ -986,7 +804,7 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
         if is_param:
             by_qual.setdefault(qual(n), set()).update(st)
     shared = {q: sorted(st) for q, st in by_qual.items() if len(st) > 1}
-    return PipelinePlan(stage_plans, boundaries, shared, profile.name, pins, method)
+    return PipelinePlan(stage_plans, boundaries, shared, profile.name, pins, "order-DP")
 
 
 @register_pass("pipeline")
@@ -997,15 +815,13 @@ def pipeline_pass(gm: fx.GraphModule, cfg: PipelineConfig, ctx: PassContext) -> 
     if cfg.stages <= 1:
         result.skip("graph", f"stages={cfg.stages}: nothing to split")
         return result
-    known = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-    if cfg.schedule not in known:
-        result.skip("graph", f"unknown schedule {cfg.schedule!r} ({', '.join(known)})")
+    if cfg.schedule not in SCHEDULES:
+        result.skip("graph", f"unknown schedule {cfg.schedule!r} ({', '.join(SCHEDULES)})")
         return result
     profile = ctx.extras.get("pipeline_profile") or DeviceProfile.for_device(_graph_device(gm))
     try:
         plan = build_plan(gm, cfg.stages, state=state_placeholders(gm, ctx), profile=profile,
-                          split_points=cfg.split_points, exact_limit=int(ctx.extras.get("pipeline_exact_limit", 0)),
-                          slack=float(ctx.extras.get("pipeline_slack", 0.05)),
+                          split_points=cfg.split_points, slack=float(ctx.extras.get("pipeline_slack", 0.05)),
                           trainable=ctx.extras.get("pipeline_trainable"))
     except PipelineError as e:
         result.skip("graph", str(e))
@@ -1023,7 +839,6 @@ def _graph_device(gm: fx.GraphModule):
     return None
 
 
-__all__ = ["DeviceProfile", "NodeCost", "node_cost", "graph_costs", "Partition", "partition_order", "partition_exact",
-           "evaluate",
+__all__ = ["DeviceProfile", "NodeCost", "node_cost", "graph_costs", "Partition", "partition_order", "evaluate",
            "PipelinePlan", "StagePlan", "BoundaryPlan", "PipelineError", "build_plan", "pipeline_pass", "STAGE_KEY",
-           "PLAN_KEY"]
+           "PLAN_KEY", "SCHEDULES"]

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from fxopt.parallel.pipeline import PipelineError, build_stage_modules, capture, _state_names
 from fxopt.passes.manager import ensure_meta_val
-from fxopt.passes.pipeline import (DeviceProfile, build_plan, evaluate, graph_costs, node_cost, partition_exact,
-                                   partition_order)
+from fxopt.passes.pipeline import DeviceProfile, build_plan, evaluate, graph_costs, node_cost, partition_order
 from fxopt.testing import run_on_ranks
 
 
@@ -52,6 +51,10 @@ def _brute(g, stages, slack=0.0):
         p = evaluate(g, st, stages)
         if p is not None:
             parts.append(p)
+    return _best(parts, slack)
+
+
+def _best(parts, slack=0.0):
     t = min(p.bottleneck for p in parts)
     ok = [p for p in parts if p.bottleneck <= t * (1 + slack + 1e-9)]
     b = min(p.total_bytes for p in ok)
@@ -90,7 +93,7 @@ def test_random_chains_with_skips_match_brute_force(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_dags_exact_matches_brute_force(seed):
+def test_random_dags_order_split_matches_brute_force(seed):
     rng = random.Random(100 + seed)
     n = 7
     names = [f"v{i}" for i in range(n)]
@@ -101,11 +104,17 @@ def test_random_dags_exact_matches_brute_force(seed):
     sinks = [v for v in names if not any(e[0] == v for e in edges)]
     edges += [(v, "out") for v in sinks]
     g = _dag({v: rng.choice([1, 2, 4, 7]) for v in names}, edges, {v: rng.choice([1, 3, 9]) for v in names})
+    order = list(nx.lexicographical_topological_sort(g.subgraph(names)))
     for stages in (2, 3):
-        exact = partition_exact(g, stages)
-        assert (exact.bottleneck, exact.total_bytes) == pytest.approx(_brute(g, stages))
-        order = partition_order(g, list(nx.lexicographical_topological_sort(g.subgraph(names))), stages)
-        assert order.bottleneck >= exact.bottleneck - 1e-9  # one order's cuts never beat all valid splits
+        part = partition_order(g, order, stages)
+        splits = []  # every cut of the order into contiguous segments
+        for cuts in itertools.combinations(range(1, n), stages - 1):
+            st = {v: sum(i >= c for c in cuts) for i, v in enumerate(order)}
+            p = evaluate(g, {**st, "in": 0, "out": stages - 1}, stages)
+            if p is not None:
+                splits.append(p)
+        assert (part.bottleneck, part.total_bytes) == pytest.approx(_best(splits))
+        assert part.bottleneck >= _brute(g, stages)[0] - 1e-9  # one order's cuts never beat all valid splits
 
 
 def test_unsendable_value_and_pins_and_too_many_stages():

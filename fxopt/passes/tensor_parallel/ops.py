@@ -28,76 +28,39 @@ _EW_METHODS = {
     "__mul__", "__sub__", "__truediv__", "__neg__", "__radd__", "__rmul__", "sin", "cos", "erf", "logical_not",
 }
 _CAST_METHODS = {"to", "type_as", "type"}  # only arg 0 carries data
-_VIEW_NAMES = {"view", "reshape"}
 _ATTENTION = ("sdpa", "flash_attention")
+# what a node does (the rules are ``rule_<kind>``); the explicit entries win over "elementwise"
+_FUNC_KINDS = {
+    **{f: "elementwise" for f in _EW_FUNCS}, F.linear: "linear", torch._C._nn.linear: "linear",
+    F.scaled_dot_product_attention: "sdpa", torch.addmm: "addmm", F.embedding: "embedding", torch.cat: "cat",
+    torch.concat: "cat", torch.stack: "stack", torch.split: "split", torch.Tensor.split: "split",
+    torch.chunk: "chunk", torch.unbind: "unbind", torch.flatten: "flatten", torch.softmax: "softmax",
+    F.softmax: "softmax", torch.log_softmax: "softmax", F.log_softmax: "softmax", torch.sum: "reduce",
+    torch.mean: "reduce", torch.amax: "reduce", torch.amin: "reduce", torch.transpose: "transpose",
+    torch.swapaxes: "transpose", torch.permute: "permute", torch.unsqueeze: "unsqueeze", torch.reshape: "reshape",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul", operator.getitem: "getitem",
+}
+_FXOPT_KINDS = ("flash_attention", "w4a16_linear", "dequantize_w4")
+_METHOD_KINDS = {
+    **{m: "elementwise" for m in _EW_METHODS},
+    "view": "reshape", "reshape": "reshape", "split": "split", "chunk": "chunk", "unbind": "unbind",
+    "flatten": "flatten", "expand": "expand", "transpose": "transpose", "permute": "permute",
+    "unsqueeze": "unsqueeze", "t": "transpose", "softmax": "softmax", "log_softmax": "softmax", "sum": "reduce",
+    "mean": "reduce", "amax": "reduce", "amin": "reduce", "matmul": "matmul", "__matmul__": "matmul",
+    "bmm": "matmul", **{m: "cast" for m in _CAST_METHODS},
+}
 
 
 def _kind(node: fx.Node) -> Optional[str]:
     if node.op == "call_function":
         t = node.target
-        if t is F.scaled_dot_product_attention:
-            return "sdpa"
         s = str(t)
-        if s.startswith("fxopt.flash_attention"):
-            return "flash_attention"
-        if s.startswith("fxopt.w4a16_linear"):
-            return "w4a16_linear"
-        if s.startswith("fxopt.dequantize_w4"):
-            return "dequantize_w4"
-        if t is torch.addmm:
-            return "addmm"
-        if t is F.embedding:
-            return "embedding"
-        if t in (torch.cat, torch.concat):
-            return "cat"
-        if t is torch.stack:
-            return "stack"
-        if t in (torch.split, torch.Tensor.split):
-            return "split"
-        if t in (torch.chunk,):
-            return "chunk"
-        if t in (torch.unbind,):
-            return "unbind"
-        if t in (torch.flatten,):
-            return "flatten"
-        if t in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
-            return "softmax"
-        if t in (torch.sum, torch.mean, torch.amax, torch.amin):
-            return "reduce"
-        if t in (torch.transpose, torch.swapaxes):
-            return "transpose"
-        if t is torch.permute:
-            return "permute"
-        if t is torch.unsqueeze:
-            return "unsqueeze"
-        if t is torch.reshape:
-            return "reshape"
-        if t in (torch.matmul, operator.matmul, torch.bmm):
-            return "matmul"
-        if t is operator.getitem:
-            return "getitem"
-        if t in _EW_FUNCS:
-            return "elementwise"
-        if t in (F.linear, torch._C._nn.linear):
-            return "linear"
-        return None
+        for name in _FXOPT_KINDS:
+            if s.startswith("fxopt." + name):
+                return name
+        return _FUNC_KINDS.get(t)
     if node.op == "call_method":
-        m = node.target
-        if m in _VIEW_NAMES:
-            return "reshape"
-        if m in ("split", "chunk", "unbind", "flatten", "expand", "transpose", "permute", "unsqueeze", "t"):
-            return {"t": "transpose"}.get(m, m)
-        if m in ("softmax", "log_softmax"):
-            return "softmax"
-        if m in ("sum", "mean", "amax", "amin"):
-            return "reduce"
-        if m in ("matmul", "__matmul__", "bmm"):
-            return "matmul"
-        if m in _CAST_METHODS:
-            return "cast"
-        if m in _EW_METHODS:
-            return "elementwise"
-        return None
+        return _METHOD_KINDS.get(node.target)
     return None
 
 

@@ -106,31 +106,17 @@ class TensorParallelPlan:
 
 @dataclass
 class TPContext:
-    """What :func:`fxopt.parallelize` hands the pass through ``ctx.extras["tensor_parallel"]``.
+    """What :func:`fxopt.parallelize` hands the pass through ``ctx.extras["tensor_parallel"]``."""
 
-    Args:
-        group_name: the process group's name (``group.group_name``), used by the functional collectives.
-        rank: this rank within the group.
-        tp: the group's size.
-        params: placeholder name -> parameter/buffer name (FQN) for every placeholder that is model state.
-        training: emit the autograd-correct form (f/g with identity/all-reduce backward).
-        grad_inputs: placeholder names whose tensors require grad (training form only).
-        sharded_inputs: placeholder name -> (description, :class:`Shard`) for graph inputs that hold this rank's
-            part of a tensor (a KV cache this module returned sharded); the propagation starts from them.
-        shardable_outputs: graph output index -> description for outputs that may stay sharded (each lands only in
-            the model's KV cache object, which keeps this rank's heads); every other output follows the default rule.
-        plan: filled by the pass.
-    """
-
-    group_name: str
+    group_name: str  # the process group's name, for the functional collectives
     rank: int
     tp: int
-    params: dict
-    training: bool = False
-    grad_inputs: frozenset = frozenset()
-    sharded_inputs: dict = field(default_factory=dict)
-    shardable_outputs: dict = field(default_factory=dict)
-    plan: Optional[TensorParallelPlan] = None
+    params: dict  # placeholder name -> parameter/buffer name, for every placeholder that is model state
+    training: bool = False  # emit the autograd-correct form
+    grad_inputs: frozenset = frozenset()  # placeholder names whose tensors require grad
+    sharded_inputs: dict = field(default_factory=dict)  # placeholder -> (description, Shard): a KV cache passed back
+    shardable_outputs: dict = field(default_factory=dict)  # output index -> description: may stay sharded
+    plan: Optional[TensorParallelPlan] = None  # filled by the pass
 
 
 class _Conflict(Exception):

@@ -22,17 +22,9 @@ _INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv
 
 
 class _SequenceParallel:
-    """Megatron's sequence parallelism on an inference graph, after the tensor-parallel rewrite.
-
-    Every whole row-parallel all-reduce becomes a reduce-scatter over the tokens: the output, seen as
-    [N tokens, H], is left as this rank's N / tp consecutive token rows. Token-wise ops (elementwise, casts, norms as
-    reductions over the last dim with keepdim, views that keep the last dim) then run on those rows only: a
-    replicated operand with the same tokens is sliced locally (no communication), one that does not vary over the
-    tokens (a norm weight, a bias, a scalar) is used as it is. Any other consumer (the next column-parallel linear,
-    attention, the graph output) gets the full tensor back from one all-gather per value. The bytes moved equal the
-    all-reduce's; the norms and residual adds run on 1 / tp of the tokens, and every all-gather feeding a matmul is
-    the pattern Inductor's micro-pipeline TP can overlap with that matmul. An all-reduce whose token count the group
-    size does not divide stays as it is."""
+    """Megatron's sequence parallelism (docs/architecture.md, "Tensor parallel"): each whole row-parallel all-reduce
+    becomes a reduce-scatter to this rank's N / tp token rows, token-wise ops run on those rows, and every other
+    consumer gets the tokens back from one all-gather. An all-reduce whose token count tp does not divide stays."""
 
     def __init__(self, rw: _Rewriter):
         self.rw, self.g = rw, rw.g
