@@ -1,7 +1,8 @@
 """Test-session setup shared by every fxopt test.
 
 * Each pytest run gets its own Inductor and Triton cache directories (and W4A16
-  tuner file), so a stale cache from another run can never hide a change.
+  tuner file), so a stale cache from another run can never hide a change; the
+  xdist workers of one run share them.
 * Without CUDA, Triton kernels run through the Triton interpreter
   (``TRITON_INTERPRET=1``) on CPU tensors. This must be set before Triton is
   imported anywhere, hence at the very top of this file.
@@ -16,11 +17,18 @@
 import os
 import tempfile
 
-_CACHE_ROOT = tempfile.mkdtemp(prefix="fxopt-test-cache-")
+# pytest-xdist workers of one run share one root (their compiles fill one cache), keyed by the run's id
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:
+    _CACHE_ROOT = os.path.join(tempfile.gettempdir(), f"fxopt-test-cache-{_RUN_ID}")
+    os.makedirs(_CACHE_ROOT, exist_ok=True)
+else:
+    _CACHE_ROOT = tempfile.mkdtemp(prefix="fxopt-test-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
 # the W4A16 tuner's picks persist to a file (FXOPT_W4A16_TUNE_CACHE, fxopt.env): one per test run, never ~/.cache
-os.environ["FXOPT_W4A16_TUNE_CACHE"] = os.path.join(_CACHE_ROOT, "w4a16_tuned.json")
+os.environ["FXOPT_W4A16_TUNE_CACHE"] = os.path.join(
+    _CACHE_ROOT, f"w4a16_tuned_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json")
 # every tuner takes its first candidate (fast GPU tests); the tuner tests clear it where they time
 os.environ.setdefault("FXOPT_NO_TUNE", "1")
 
