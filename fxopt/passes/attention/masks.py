@@ -12,8 +12,8 @@ import torch
 import torch.fx as fx
 
 from ..match import tensor_val
-from .graph import (Builder, GraphFacts, ancestors, cast_dtype, const_eval, is_pure_eval_target, num, op_name,
-                    scalar_value, try_eval)
+from .graph import (Builder, GraphFacts, cast_dtype, const_eval, is_pure_eval_target, num, op_name, scalar_value,
+                    try_eval, unwritten_ancestors)
 
 
 @dataclass
@@ -82,18 +82,14 @@ def where_zero_fill(m: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, fl
     return cond, fb
 
 
-# ---- proofs: constant and key-padding literals ---------------------------------------------------------------------
-
 _GATHER_METHODS = {"getitem", "unsqueeze", "view", "reshape", "expand", "contiguous", "permute", "transpose",
                    "clone", "to", "bool", "expand_as", "squeeze", "flatten"}
 
 
 def _padding_probe(node: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, torch.Tensor]]:
     """If ``node`` is ``bool(P)`` gathered with constant indices from one placeholder P, return (P, index map)."""
-    nodes = ancestors(node)
+    nodes = unwritten_ancestors(node, facts)
     if nodes is None:
-        return None
-    if facts.mutations.touching(nodes) is not None:
         return None
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -309,9 +305,6 @@ def lower(masks: Masks, facts: GraphFacts, shape4: tuple, bh_layout: bool) -> tu
     return (None, why) if why else (low, "")
 
 
-# ---- fully masked rows ---------------------------------------------------------------------------------------------
-
-
 def dead_row_policy(masks: Masks, add_keep: list, possible: bool, training: bool, *, safe_softmax: bool,
                     dropout_p: float, softcap: float) -> tuple[Optional[str], str]:
     """What eager gives on a row whose every key is masked, when such rows may exist, as (policy, reason): None (none
@@ -415,9 +408,6 @@ def _mean_rows(b: Builder, q, k, v, out, is_dead, dead: str, Hq: int, scale: Opt
         mean = b.call(operator.add, (mean, b.call(operator.sub, (x, b.call("detach", (x,), method=True)))))
     mean = b.call("to", (mean, tensor_val(out).dtype), method=True)
     return b.call(torch.where, (is_dead, mean, out))
-
-
-# ---- the mask tensor the kernel reads ------------------------------------------------------------------------------
 
 
 def sum_additive(b: Builder, adds: list) -> Optional[fx.Node]:
