@@ -233,20 +233,14 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
     result = PassResult("w4a16")
     graph = gm.graph
     for dq in [n for n in graph.nodes if _is_dequant(n)]:
-        qweight = match.get_arg(dq, 0, "qweight")
-        scales = match.get_arg(dq, 1, "scales")
-        zeros = match.get_arg(dq, 2, "zeros")
-        group_size = match.get_arg(dq, 3, "group_size")
+        qweight, scales, zeros, group_size = (match.get_arg(dq, i, name) for i, name in
+                                              enumerate(("qweight", "scales", "zeros", "group_size")))
         if not dq.users:
             result.skip(dq, "dequantized weight is unused")
             continue
-        uses, others = [], []
-        for u in list(dq.users):
-            use = _as_linear_use(u, dq)
-            if use is None:
-                others.append(u)
-            else:
-                uses.append(use)
+        read = [(u, _as_linear_use(u, dq)) for u in list(dq.users)]
+        uses = [use for _, use in read if use is not None]
+        others = [u for u, use in read if use is None]
         if others:
             casts = [o for o in others if match.op_name(o) in ("to", "float", "half", "bfloat16", "type_as")]
             if casts and len(casts) == len(others):
@@ -257,10 +251,9 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
                             + ", ".join(_describe(o) for o in others))
             continue
         for use in uses:
-            reason = _check(use, qweight, scales, zeros, group_size) or _mutated_between(
-                dq, use.node, [qweight, scales, zeros])
-            if reason is None:
-                reason = _left_to_cublas(use, ctx.config.kernels.w4a16_dequant_matmul)
+            reason = (_check(use, qweight, scales, zeros, group_size)
+                      or _mutated_between(dq, use.node, [qweight, scales, zeros])
+                      or _left_to_cublas(use, ctx.config.kernels.w4a16_dequant_matmul))
             if reason is not None:
                 result.skip(use.node, reason)
                 continue
@@ -441,7 +434,7 @@ def _rewrite_group(graph: fx.Graph, members: list, x, g, no_bias: bool, result: 
     with graph.inserting_before(first):
         joint = graph.call_function(torch.ops.fxopt.w4a16_linear_cat.default, args)
     _copy_source(first, joint)
-    col, replaced = 0, []
+    col = 0
     for m, n_cols in zip(members, vals):
         with graph.inserting_before(first):  # ``first`` is erased only after the loop
             piece = graph.call_function(torch.narrow, (joint, -1, col, n_cols))
@@ -450,8 +443,7 @@ def _rewrite_group(graph: fx.Graph, members: list, x, g, no_bias: bool, result: 
         out.meta["val"] = m.meta.get("val")
         col += n_cols
         m.replace_all_uses_with(out)
-        replaced.append(m)
-    for m in replaced:
+    for m in members:
         graph.erase_node(m)
     if mode is not None:
         def fake(a):

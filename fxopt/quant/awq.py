@@ -153,14 +153,10 @@ def _through_passthrough(node: fx.Node) -> fx.Node:
 def _param_multiplier(node, params: dict, K: int):
     """``node`` computes ``p`` or ``p + c`` / ``c + p`` (through dtype casts), p a 1-D parameter of size K used only
     there: return (p, c), else None."""
+    p = _channel_param(node, params, K)
+    if p is not None:
+        return p, 0.0
     node = _through_passthrough(node)
-    if not isinstance(node, fx.Node):
-        return None
-    if node in params:
-        p = params[node]
-        if p.dim() == 1 and p.numel() == K and len(node.users) == 1:
-            return p, 0.0
-        return None
     if _name(node) == "add" and len(node.users) == 1 and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         for pn, c in ((a, b), (b, a)):
@@ -171,7 +167,8 @@ def _param_multiplier(node, params: dict, K: int):
     return None
 
 
-def _is_bias_param(node, params: dict, K: int):
+def _channel_param(node, params: dict, K: int):
+    """The 1-D parameter of size K that ``node`` is (through dtype casts), used only there, or None."""
     node = _through_passthrough(node)
     if isinstance(node, fx.Node) and node in params and len(node.users) == 1:
         p = params[node]
@@ -192,12 +189,12 @@ def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
     if name in ("layer_norm", "rms_norm"):
         w = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         b = node.args[3] if len(node.args) > 3 and name == "layer_norm" else node.kwargs.get("bias")
-        wp = _is_bias_param(w, params, K) if isinstance(w, fx.Node) else None
+        wp = _channel_param(w, params, K) if isinstance(w, fx.Node) else None
         if wp is None:
             return None
         biases = []
         if isinstance(b, fx.Node):
-            bp = _is_bias_param(b, params, K)
+            bp = _channel_param(b, params, K)
             if bp is None:
                 return None
             biases.append(bp)
@@ -206,7 +203,7 @@ def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
     if name == "add" and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         for bias_node, rest in ((a, b), (b, a)):
-            bp = _is_bias_param(bias_node, params, K) if isinstance(bias_node, fx.Node) else None
+            bp = _channel_param(bias_node, params, K) if isinstance(bias_node, fx.Node) else None
             if bp is not None and isinstance(rest, fx.Node) and len(rest.users) == 1:
                 biases.append(bp)
                 node = _through_passthrough(rest)

@@ -215,6 +215,17 @@ def _weight_arg(n: fx.Node):
     return n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
 
 
+def _closure(start: Iterable[fx.Node], step) -> set:
+    """``start`` and every node reached from it through ``step(node)`` (its users, or its inputs)."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for m in step(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
 def _linear_owners(model: nn.Module) -> dict:
     """id(weight) -> (name, module) of every ``nn.Linear`` of ``model``."""
     return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -341,24 +352,22 @@ class _Calibrator:
                 continue
             name, mod = owner[id(p)]
             b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            K = mod.weight.shape[1]
             if b is not None and (not isinstance(b, fx.Node) or self.params.get(b) is not mod.bias):
-                skipped.append((name, "bias is not the module's own bias"))
-                continue
-            if weight_uses[id(p)] > 1 or len(w.users) > 1:
-                skipped.append((name, "weight is shared (tied or called several times)"))
-                continue
-            if not self.include_head and not has_linear_after[n]:
-                skipped.append((name, "output head (no linear after it); include_head=True quantizes it"))
-                continue
-            if any(fnmatch.fnmatch(name, pat) for pat in self.exclude):
-                skipped.append((name, "excluded by pattern"))
-                continue
-            N, K = mod.weight.shape
-            if K % 8 or (G != -1 and K % G):
+                why = "bias is not the module's own bias"
+            elif weight_uses[id(p)] > 1 or len(w.users) > 1:
+                why = "weight is shared (tied or called several times)"
+            elif not self.include_head and not has_linear_after[n]:
+                why = "output head (no linear after it); include_head=True quantizes it"
+            elif any(fnmatch.fnmatch(name, pat) for pat in self.exclude):
+                why = "excluded by pattern"
+            elif K % 8 or (G != -1 and K % G):
                 indivisible.append(name)
-                skipped.append((name, f"in_features {K} not divisible by group size {G} (and 8)"))
+                why = f"in_features {K} not divisible by group size {G} (and 8)"
+            else:
+                self.targets[n] = _Target(name, mod, n)
                 continue
-            self.targets[n] = _Target(name, mod, n)
+            skipped.append((name, why))
         for name, why in skipped:
             log.info("fxopt.quantize: skipping %s: %s", name, why)
         if self.report is not None:
@@ -373,16 +382,7 @@ class _Calibrator:
         self.groups: dict[fx.Node, list[_Target]] = {}
         for n, t in self.targets.items():
             self.groups.setdefault(n.args[0], []).append(t)
-        # only ancestors of targets are computed
-        needed = set()
-        stack = list(self.targets)
-        while stack:
-            n = stack.pop()
-            if n in needed:
-                continue
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
-        self.needed = needed
+        self.needed = _closure(self.targets, lambda n: n.all_input_nodes)  # only ancestors of targets are computed
 
     def plan_folds(self):
         self.folds: dict[fx.Node, _Fold] = {}
@@ -390,25 +390,20 @@ class _Calibrator:
         probes = []
         for x, members in self.groups.items():
             K = members[0].module.in_features
-            only_members = set(x.users) <= {t.node for t in members}
-            if not only_members:
+            if not set(x.users) <= {t.node for t in members}:
                 self.folds[x] = _Fold("explicit", reason=f"input {x.name} has users besides the quantized linears")
                 continue
             nf = find_norm_fold(x, self.params, K)
             if nf is not None:
                 self.folds[x] = _Fold("norm", norm=nf, reason=nf.description)
                 continue
-            cands = self._frontier_linears(x)
             found = False
-            for L1 in cands:
+            for L1 in self._frontier_linears(x):
                 p = self.params.get(_weight_arg(L1))
-                if p is None or id(p) not in owner or len(L1.args) < 1:
-                    continue
-                S = self._between(L1, x)
-                if S is None:
-                    continue
-                probes.append((x, L1, S, owner[id(p)]))
-                found = True
+                S = None if p is None or id(p) not in owner or len(L1.args) < 1 else self._between(L1, x)
+                if S is not None:
+                    probes.append((x, L1, S, owner[id(p)]))
+                    found = True
             if not found:
                 self.folds[x] = _Fold("explicit", reason="no norm or preceding linear can absorb the scale")
         if probes:
@@ -440,21 +435,7 @@ class _Calibrator:
 
     def _between(self, L1, x):
         """Nodes strictly after L1 up to x on paths L1 → x, if every value there only flows on to x."""
-        desc, stack = set(), [L1]
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u not in desc:
-                    desc.add(u)
-                    stack.append(u)
-        anc, stack = {x}, [x]
-        while stack:
-            n = stack.pop()
-            for a in n.all_input_nodes:
-                if a not in anc:
-                    anc.add(a)
-                    stack.append(a)
-        S = desc & anc
+        S = (_closure([L1], lambda n: n.users) - {L1}) & _closure([x], lambda n: n.all_input_nodes)
         if x not in S:
             return None
         for n in [L1, *S]:

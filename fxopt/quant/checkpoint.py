@@ -296,7 +296,6 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
                             + (f" (found {type(mod).__name__})" if mod is not None else ""))
             continue
         K, N = mod.in_features, mod.out_features
-        has_bias = mod.bias is not None
         G = K if spec.group_size == -1 else spec.group_size
         if K % PACK or N % PACK:
             problems.append(f"{p}: in/out features ({K}, {N}) must be multiples of 8 for 4-bit packing")
@@ -304,16 +303,10 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
         if K % G:
             problems.append(f"{p}: group size {G} does not divide in_features {K}")
             continue
-        want = _expected_shapes(spec.fmt, K, N, G)
-        names = {s: f"{p}.{s}" for s in required + optional}
-        for s in required:
-            if names[s] not in headers:
-                problems.append(f"missing key {names[s]!r}")
-        if has_bias:
-            names["bias"] = f"{p}.bias"
-            want["bias"] = (N,)
-            if names["bias"] not in headers:
-                problems.append(f"missing key {names['bias']!r}")
+        want = dict(_expected_shapes(spec.fmt, K, N, G), bias=(N,))
+        needed = required + (("bias",) if mod.bias is not None else ())
+        names = {s: f"{p}.{s}" for s in required + optional + needed[len(required):]}
+        problems += [f"missing key {names[s]!r}" for s in needed if names[s] not in headers]
         for s, key in names.items():
             if key not in headers:
                 continue
@@ -328,22 +321,16 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
                 problems.append(f"{key}: dtype {dt}, expected int32")
             elif s in ("scales", "bias") and dt not in _FLOAT_DTYPES:
                 problems.append(f"{key}: dtype {dt}, expected float16/bfloat16/float32")
-        wdt = getattr(mod, "weight", None)
-        wdt = wdt.dtype if isinstance(wdt, torch.Tensor) else None
+        wdt = mod.weight.dtype if isinstance(mod, nn.Linear) else None
         dev = (mod.weight if isinstance(mod, nn.Linear) else mod.qweight).device
         layer_plans[p] = (names, G, dtype or (wdt if wdt in (torch.float16, torch.bfloat16) else None), dev)
 
     # Float tensors: everything in the model's state dict outside the quantized layers.
-    quantized = set(layer_plans)
     state = model.state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}
     for k, t in state.items():
         aliases.setdefault(id(t), []).append(k)
-
-    def owner(key: str) -> str:
-        return key.rpartition(".")[0]
-
-    float_keys = {k: t for k, t in state.items() if owner(k) not in quantized and owner(k) not in prefixes}
+    float_keys = {k: t for k, t in state.items() if k.rpartition(".")[0] not in prefixes}
     for k in headers:
         if k in consumed:
             continue

@@ -94,8 +94,14 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
     scales, zeros = group_params(weight, group_size, sym)
     codes = quantize_codes(weight, scales, zeros, group_size)
     dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-    return PackedW4(pack_int4(codes.T.contiguous()), scales.T.contiguous().to(dtype),
-                    zeros.T.contiguous().to(dtype), group_size)
+    return pack_result(codes, scales, zeros, group_size, dtype)
+
+
+def pack_result(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                scale_dtype: torch.dtype, perm: Optional[torch.Tensor] = None) -> PackedW4:
+    """Codes [N, K] and per-group float params [N, K // G] → :class:`PackedW4` (rows of K in stored order)."""
+    return PackedW4(pack_int4(codes.T.contiguous()), scale.T.contiguous().to(scale_dtype),
+                    zero.T.contiguous().to(scale_dtype), group_size, perm)
 
 
 def group_params(weight: torch.Tensor, group_size: int, sym: bool, maxq: int = 15):
@@ -105,16 +111,16 @@ def group_params(weight: torch.Tensor, group_size: int, sym: bool, maxq: int = 1
     if K % G:
         raise ValueError(f"group size {group_size} does not divide in_features {K}")
     w = weight.float().reshape(N, K // G, G)
-    wmin = w.amin(-1).clamp(max=0)
-    wmax = w.amax(-1).clamp(min=0)
+    return range_params(w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0), sym, maxq)
+
+
+def range_params(lo: torch.Tensor, hi: torch.Tensor, sym: bool, maxq: int = 15):
+    """(scale, zero) of the grids covering [lo, hi] (lo <= 0 <= hi); symmetric grids are centred on code 8."""
     if sym:
-        amax = torch.maximum(wmin.abs(), wmax)
-        scale = (2 * amax / maxq).clamp(min=1e-10)
-        zero = torch.full_like(scale, (maxq + 1) / 2)
-    else:
-        scale = ((wmax - wmin) / maxq).clamp(min=1e-10)
-        zero = torch.round(-wmin / scale)
-    return scale, zero
+        scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-10)
+        return scale, torch.full_like(scale, (maxq + 1) / 2)
+    scale = ((hi - lo) / maxq).clamp(min=1e-10)
+    return scale, torch.round(-lo / scale)
 
 
 def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,

@@ -9,11 +9,10 @@ rounded to the stored dtype before use, so the error feedback sees the weights t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .format import PackedW4, group_params, pack_int4
+from .format import PackedW4, group_params, pack_result, range_params
 
 
 class HessianAccumulator:
@@ -58,13 +57,7 @@ def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: 
     best_scale, best_zero = torch.ones_like(wmin), torch.zeros_like(wmin)
     for i in range(80):
         p = 1 - i / 100
-        lo, hi = wmin * p, wmax * p
-        if sym:
-            scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-10)
-            zero = torch.full_like(scale, (maxq + 1) / 2)
-        else:
-            scale = ((hi - lo) / maxq).clamp(min=1e-10)
-            zero = torch.round(-lo / scale)
+        scale, zero = range_params(wmin * p, wmax * p, sym, maxq)
         scale = scale.clamp(min=tiny).to(scale_dtype).float()
         q = (torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, maxq) - zero[..., None]) \
             * scale[..., None]
@@ -86,13 +79,6 @@ def fake_quantize(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype:
     codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, maxq)
     deq = (codes - zero[..., None]) * scale[..., None]
     return deq.reshape(N, K), codes.reshape(N, K).to(torch.uint8), scale, zero
-
-
-def pack_result(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                scale_dtype: torch.dtype, perm: Optional[torch.Tensor] = None) -> PackedW4:
-    """Codes [N, K] and per-group float params [N, K // G] → :class:`PackedW4` (rows of K in stored order)."""
-    return PackedW4(pack_int4(codes.T.contiguous()), scale.T.contiguous().to(scale_dtype),
-                    zero.T.contiguous().to(scale_dtype), group_size, perm)
 
 
 def rtn_quantize(weight: torch.Tensor, group_size: int = 128, sym: bool = False,

@@ -345,11 +345,8 @@ def dead_row_policy(masks: Masks, add_keep: list, possible: bool, training: bool
 
 
 def call_with_dead_rows(b: Builder, q, k, v, kwargs: dict, dead: str, Hq: int, training: bool) -> fx.Node:
-    """The forward op (out, lse); rows the kernel found without a visible key (lse = +inf) get eager's value.
-
-    "nan": eager's softmax of a row of -inf is NaN, and so is its backward: dq on that row, dk and dv on the whole
-    (kv) head. In training a term that is 0 on every other row and NaN on the dead ones, times q, k and v (each times
-    0), carries exactly that NaN pattern into the gradients."""
+    """The forward op (out, lse); rows the kernel found without a visible key (lse = +inf) get eager's value, and in
+    training eager's NaN gradients (docs/architecture.md, "Fully masked rows")."""
     seed = None
     if kwargs.get("dropout_p"):
         seed = b.call(torch.randint, (0, 2**31 - 1, ()), {"dtype": torch.int64})
@@ -393,10 +390,8 @@ def _mean_rows(b: Builder, q, k, v, out, is_dead, dead: str, Hq: int, scale: Opt
 
     mean = heads(b.call("mean", (v, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
     if dead == "mean_additive":
-        # scores + f with f swamping them: the value is the uniform mean, but the softmax's gradient still reaches
-        # the scores, at p = 1/n: d out / d s_j = (v_j - mean v) / n. With s^ = s - detach(s) (value 0) that is
-        # mean v + (1/n) sum_j (s^_j - mean s^) v_j, written through K^T V ([D, D] per head, no S x S term):
-        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X).
+        # the uniform mean, with the softmax's gradient at p = 1/n written through K^T V (no S x S term):
+        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X) (docs/architecture.md)
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         vd = b.call("detach", (v,), method=True)
         ktv = heads(b.call(torch.matmul, (b.call(torch.transpose, (k, -2, -1)), vd)))  # [B, Hq, D, D]
