@@ -1,8 +1,5 @@
-"""A small Llama-style decoder, embedded so that the demo and tests need no download.
-
-RMSNorm, rotary embeddings, grouped-query attention (``F.scaled_dot_product_attention`` with ``is_causal``, or a
-hand-written softmax(QKᵀ)V when ``sdpa=False``), SwiGLU MLP, tied-free lm_head. Random init with a fixed seed.
-"""
+"""A small Llama-style decoder (RMSNorm, rotary embeddings, GQA attention by SDPA or by hand, SwiGLU MLP), embedded
+so that the demo and tests need no download; random init with a fixed seed."""
 from __future__ import annotations
 
 import math

@@ -106,11 +106,7 @@ def ensure_meta_val(gm: fx.GraphModule, example_inputs: list) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = None
-    for x in example_inputs:
-        if isinstance(x, torch._subclasses.FakeTensor):
-            mode = x.fake_mode
-            break
+    mode = next((x.fake_mode for x in example_inputs if isinstance(x, torch._subclasses.FakeTensor)), None)
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, mode).propagate(*example_inputs)
 

@@ -641,22 +641,20 @@ class _Calibrator:
         originals = ({t.name: t.module.weight.detach().float().clone() for t in members}
                      if self.report is not None else {})
         sd = self._scale_dtype(members[0])
+        if cross is not None:
+            cross = cross * (2.0 / max(acc.n, 1))
         if self.method == "gptq":
             W = torch.cat([t.module.weight.detach() for t in members], dim=0)
             if cross is not None:
-                W = _float_target_weight(W, cross * (2.0 / max(acc.n, 1)), H, self.damp)
+                W = _float_target_weight(W, cross, H, self.damp)
             res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
                                 self.block_size, sd, mse=self.mse)
-            for t, r in zip(members, _split_rows(res, [t.module.out_features for t in members])):
-                t.result = r
-                self.set_weight(t.module, t.result.weight)
+            self._set_results(members, _split_rows(res, [t.module.out_features for t in members]))
         elif self.method == "rtn":
-            for t in members:
-                t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
-                self.set_weight(t.module, t.result.weight)
+            self._set_results(members, [rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
+                                        for t in members])
         else:
-            self._awq_group(x, xs, members, H, absmean, sd,
-                            None if cross is None else cross * (2.0 / max(acc.n, 1)))
+            self._awq_group(x, xs, members, H, absmean, sd, cross)
         for t in members if self.report is not None else ():  # per-linear errors only when asked
             eff = t.result.weight.float()
             if t.name in self._awq_scales:
@@ -703,10 +701,14 @@ class _Calibrator:
             results = _split_rows(res, [t.module.out_features for t in members])
         else:
             results = [rtn_quantize(Ws, self.group_size, self.sym, sd) for Ws in clipped]
+        self._set_results(members, results)
+        for t in members:
+            self._awq_scales[t.name] = s.detach().cpu()
+
+    def _set_results(self, members: list, results: list) -> None:
         for t, r in zip(members, results):
             t.result = r
-            self.set_weight(t.module, t.result.weight)
-            self._awq_scales[t.name] = s.detach().cpu()
+            self.set_weight(t.module, r.weight)
 
     def _feeds_attention_scores(self, lin: fx.Node) -> bool:
         """Whether ``lin``'s output reaches attention scores (a softmax, or an SDPA query/key) before any other

@@ -415,8 +415,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None
     tensors: dict[str, torch.Tensor] = {}
     sym = True
     for n, m in qlinears.items():
-        packed = m.packed()
-        tensors.update({f"{n}.{k}": v for k, v in packed_to_gptq(packed, v2=fmt == "gptq_v2", name=n).items()})
+        tensors.update({f"{n}.{k}": v for k, v in packed_to_gptq(m.packed(), v2=fmt == "gptq_v2", name=n).items()})
         if m.bias is not None:
             tensors[f"{n}.bias"] = m.bias.detach().cpu().contiguous()
         sym = sym and bool((m.zeros == 8).all())
@@ -441,11 +440,8 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None
     qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
           "desc_act": any(m.perm is not None for m in qlinears.values()), "sym": sym,
           "checkpoint_format": fmt, "pack_dtype": "int32"}
-    cfg = {}
     hf_config = getattr(model, "config", None)
-    if hf_config is not None and hasattr(hf_config, "to_dict"):
-        cfg = hf_config.to_dict()
-    cfg["quantization_config"] = qc
+    cfg = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}, quantization_config=qc)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, default=str)

@@ -405,9 +405,7 @@ def _erase_dead(g: fx.Graph, candidates: list) -> None:
     seen: set = set()
     while work:
         n = work.pop()
-        if n in seen or n.graph is not g:
-            continue
-        if n.op not in ("call_function", "call_method") or n.users:
+        if n in seen or n.graph is not g or n.op not in ("call_function", "call_method") or n.users:
             continue
         if not is_pure_eval_target(n) and op_name(n) != "dropout":
             continue
