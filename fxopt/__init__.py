@@ -1,10 +1,7 @@
-"""fxopt: graph rewrites for ``torch.compile``.
-
-``torch.compile(model, backend="fxopt")`` runs fxopt's passes (fused FlashAttention, W4A16 linears, tensor and pipeline
-parallel splits) on Dynamo's graph, then Inductor. Public API: :class:`Backend`, :class:`Config`, :func:`explain`,
-and one entry function per feature: :func:`load_quantized`, :func:`save_quantized`, :func:`quantize`,
-:func:`parallelize`, :func:`pipeline`, :func:`distribute` (imported on first use).
-"""
+"""fxopt: graph rewrites for ``torch.compile`` (``backend="fxopt"``): fused FlashAttention, W4A16 linears, tensor and
+pipeline parallel splits on Dynamo's graph, then Inductor. Public API: :class:`Backend`, :class:`Config`,
+:func:`explain`, and :func:`load_quantized`, :func:`save_quantized`, :func:`quantize`, :func:`parallelize`,
+:func:`pipeline`, :func:`distribute` (imported on first use)."""
 import importlib
 
 from .backends import Backend, register_backends

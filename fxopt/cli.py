@@ -92,16 +92,13 @@ def demo(argv=None, out=sys.stdout) -> int:
           f"batch {args.batch} x seq {args.seq}, {dev_name}, {dtype}, torch {torch.__version__}", file=out)
     _run_one("float model", model, ids, args.device, args.iters, out)
     if args.quant == "rtn":
+        from .quant.linear import QuantLinear, replace_linears
+
         qdtype = dtype if dtype != torch.float32 else torch.bfloat16  # W4A16 takes 16-bit activations
-        try:
-            from .quant.linear import QuantLinear, replace_linears
-        except ImportError as e:  # the quantized linear is a later feature
-            print(f"\n[w4a16 model] not available: {e}", file=out)
-        else:
-            qmodel = build_demo_model(seed=0, cfg=cfg).to(args.device, qdtype)
-            replace_linears(qmodel, lambda name, lin: QuantLinear.from_linear(lin, group_size=128)
-                            if lin.in_features % 128 == 0 else None)
-            _run_one(f"w4a16 model (RTN g128, {qdtype})", qmodel, ids, args.device, args.iters, out)
+        qmodel = build_demo_model(seed=0, cfg=cfg).to(args.device, qdtype)
+        replace_linears(qmodel, lambda name, lin: QuantLinear.from_linear(lin, group_size=128)
+                        if lin.in_features % 128 == 0 else None)
+        _run_one(f"w4a16 model (RTN g128, {qdtype})", qmodel, ids, args.device, args.iters, out)
     torch._dynamo.reset()
     return 0
 

@@ -1,14 +1,6 @@
-"""fxopt's configuration: one dataclass per pass, nested in :class:`Config`.
-
-``torch.compile(model, backend="fxopt", options={...})`` passes a dict that :meth:`Config.from_options` validates.
-Keys are either nested (``{"attention": {"enabled": False}}``) or dotted (``{"attention.enabled": False}``); the
-top-level ``enabled`` switches every pass off. An unknown key or a value of the wrong type raises
-:class:`ConfigError` (a ``ValueError``) naming the valid keys: an option is never ignored silently.
-
-Values are checked too (:meth:`Config.validate`, run by ``from_options`` and when a :class:`fxopt.Backend` is
-built): degrees and counts in range, ``pipeline.schedule`` one of its choices, ``inductor_options`` keys that
-Inductor's own config has. Each message names the option, the value and what is allowed.
-"""
+"""fxopt's configuration: one dataclass per pass, nested in :class:`Config`, validated by
+:meth:`Config.from_options` (nested or dotted keys; an unknown key, wrong type or bad value raises
+:class:`ConfigError`). Every option is described in docs/configuration.md."""
 from __future__ import annotations
 
 import copy
@@ -28,10 +20,9 @@ class AttentionConfig:
     """Attention pass settings.
 
     Args:
-        enabled: rewrite attention subgraphs (SDPA and hand-written) into ``torch.ops.fxopt.flash_attention``.
+        enabled: rewrite SDPA and hand-written attention into ``torch.ops.fxopt.flash_attention``.
         fp8: route eligible inference attention to the FP8 kernel (Hopper only).
-        lower_masks: prove causal / sliding-window / key-padding structure of in-graph masks and pass kernel
-            arguments instead of the mask tensor.
+        lower_masks: pass proven causal / window / key-padding masks as kernel arguments, not tensors.
     """
 
     enabled: bool = True
@@ -45,9 +36,7 @@ class W4A16Config:
 
     Args:
         enabled: fuse ``dequantize_w4 -> linear`` into ``torch.ops.fxopt.w4a16_linear``.
-        group_siblings: make the products of linears that read one input and whose packed weights sit side by side
-            in one storage (q/k/v, gate/up after :func:`fxopt.quantize` or ``load_quantized``) one kernel call over
-            their joint columns (fewer launches, one read of the input). Off with tensor parallelism.
+        group_siblings: one kernel call for linears reading one input whose packed weights share a storage.
     """
 
     enabled: bool = True
@@ -59,32 +48,24 @@ ATTENTION_TMA_CHOICES = ("auto", "on", "off")
 
 @dataclass
 class KernelConfig:
-    """Kernel route choices of the ``torch.ops.fxopt.*`` ops (the defaults are the measured routes). They apply at
-    run time, process-wide: the backend that compiled last sets them; ``fxopt.kernels.use_kernels(...)`` (attention,
-    fp8) and ``fxopt.kernels.w4a16.routes(...)`` (W4A16) override them in a block.
+    """Kernel route choices of the ``torch.ops.fxopt.*`` ops, applied process-wide at run time (the backend that
+    compiled last sets them).
 
     Args:
-        attention_gluon: on sm_90, the attention forward runs the Gluon (FA3-style) builds where the routing
-            table (``fxopt/kernels/attention/routing.py``) picks them; ``False``: the Triton kernel everywhere.
+        attention_gluon: on sm_90, the attention forward may run the Gluon builds the routing table picks.
         attention_gluon_backward: the same for the attention backward.
-        attention_tma: TMA tensor descriptors in the Triton attention forward: ``"auto"`` (head dim 256 only,
-            where they measured faster), ``"on"`` (wherever the strides allow), ``"off"``.
-        fp8_gluon: on sm_90, ``fxopt::fp8_attention`` runs the Gluon FP8 forward where it takes the inputs;
-            ``False``: the Triton FP8 kernel.
-        w4a16_dequant_matmul: W4A16 "dequantize to a 16-bit weight, then cuBLAS" (a temporary copy of one linear's
-            weight per call): ``"auto"`` lets the tuner consider it above M = 256 (prefill, where it won every
-            shape measured), ``"on"`` from M = 33, ``"off"`` never (fused kernels only).
-        w4a16_gluon: let the W4A16 tuner consider the Gluon kernel (sm_90, bf16).
-        w4a16_mma: let the W4A16 tuner consider the mma.sync kernel (M <= 16).
-        w4a16_gemv1: let the W4A16 tuner consider the CUDA-core kernel for M <= 4.
+        attention_tma: TMA descriptors in the Triton attention forward: ``"auto"``, ``"on"`` or ``"off"``.
+        fp8_gluon: on sm_90, ``fxopt::fp8_attention`` may run the Gluon FP8 forward.
+        w4a16_dequant_matmul: W4A16 dequantize + cuBLAS route: ``"auto"`` (above M = 256), ``"on"``, ``"off"``.
+        w4a16_gluon: the W4A16 tuner may pick the Gluon kernel (sm_90, bf16).
+        w4a16_mma: the W4A16 tuner may pick the mma.sync kernel (M <= 16).
+        w4a16_gemv1: the W4A16 tuner may pick the CUDA-core kernel (M <= 4).
     """
 
-    # attention and fp8 attention (fxopt/kernels/attention, fxopt/kernels/fp8)
     attention_gluon: bool = True
     attention_gluon_backward: bool = True
     attention_tma: str = "auto"
     fp8_gluon: bool = True
-    # W4A16 (fxopt/kernels/w4a16)
     w4a16_dequant_matmul: Literal["auto", "on", "off"] = "auto"
     w4a16_gluon: bool = True
     w4a16_mma: bool = True
@@ -105,21 +86,12 @@ class TensorParallelConfig:
     Args:
         enabled: run the pass (off unless a process group and ``tp`` > 1 are given).
         tp: tensor-parallel degree; must equal the process group's world size.
-        vocab_parallel: also shard the lm_head over the vocabulary (with a gather of logits). An embedding tied to
-            it (GPT-2's wte) is cut with it.
-        vocab_parallel_embedding: with ``vocab_parallel``, also cut an untied vocabulary embedding by rows. That saves
-            (1 - 1/tp) of its parameters per rank but costs a masked lookup and an all-reduce of the embeddings per
-            forward (a [tokens, hidden] all-reduce: about 0.1 ms for 4096 x 4096 bf16 on two H200s), so the default
-            keeps it replicated, as DTensor's usual plan does.
-        overlap_chunks: in inference graphs, cut each row-parallel linear along its token dimension into this many
-            chunks, each followed by its own all-reduce, so that one chunk's all-reduce runs while the next chunk's
-            matmul does (1: one matmul, one all-reduce). Chunks the token count does not divide are not cut.
-        sequence_parallel: in inference graphs, replace each row-parallel all-reduce by a reduce-scatter over the
-            tokens and run the token-wise ops that follow (residual adds, norms) on this rank's tokens only, with an
-            all-gather before the next column-parallel linear (Megatron's sequence parallelism). Same bytes on the
-            wire; the all-gather -> matmul pairs are what Inductor's micro-pipeline TP overlaps.
-        sequence_parallel_min_bytes: with ``sequence_parallel``, an all-reduce of fewer bytes than this (a decode
-            step's [batch, hidden]) stays an all-reduce: one latency-bound collective, not two.
+        vocab_parallel: also shard the lm_head (and an embedding tied to it) over the vocabulary.
+        vocab_parallel_embedding: with ``vocab_parallel``, also cut an untied embedding by rows.
+        overlap_chunks: inference: cut each row-parallel linear into this many token chunks, each with its own
+            all-reduce.
+        sequence_parallel: inference: reduce-scatter / all-gather around the token-wise ops (Megatron's SP).
+        sequence_parallel_min_bytes: with ``sequence_parallel``, smaller all-reduces stay all-reduces.
     """
 
     enabled: bool = False
@@ -161,13 +133,8 @@ class Config:
         tensor_parallel: :class:`TensorParallelConfig`.
         pipeline: :class:`PipelineConfig`.
         kernels: :class:`KernelConfig` (kernel route choices).
-        inductor_options: options handed to Inductor's ``compile_fx`` (``config_patches``), e.g.
-            ``{"max_autotune": True}``.
-        cudagraphs: replay the compiled graphs from CUDA graphs (Inductor's CUDA-graph trees), what
-            ``mode="reduce-overhead"`` gives. ``torch.compile`` refuses ``mode`` together with ``options``, so this is
-            how a user sets fxopt options and gets CUDA graphs in one call:
-            ``torch.compile(m, backend="fxopt", options={"cudagraphs": True, "attention.fp8": True})``, or in
-            ``generate()``: ``CompileConfig(backend="fxopt", mode=None, options={"cudagraphs": True})``.
+        inductor_options: Inductor ``config_patches``, e.g. ``{"max_autotune": True}``.
+        cudagraphs: replay the compiled graphs from CUDA graphs (``mode="reduce-overhead"``, usable with options).
     """
 
     enabled: bool = True
@@ -260,10 +227,10 @@ def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     name = path[0]
+    unknown = ConfigError(f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: "
+                          f"{', '.join(Config.valid_keys())}")
     if name not in names:
-        raise ConfigError(
-            f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: {', '.join(Config.valid_keys())}"
-        )
+        raise unknown
     t = hints[name]
     full = prefix + name
     if dataclasses.is_dataclass(t):
@@ -279,9 +246,7 @@ def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
             raise ConfigError(f"fxopt option {full!r} takes a dict or {t.__name__}, got {type(value).__name__}")
         return
     if len(path) > 1:
-        raise ConfigError(
-            f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: {', '.join(Config.valid_keys())}"
-        )
+        raise unknown
     setattr(obj, name, _check_type(full, value, t))
 
 

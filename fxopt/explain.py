@@ -1,15 +1,9 @@
 """``fxopt.explain``: what fxopt would do to a model, without code generation.
 
-The model is captured with Dynamo, each graph goes through the passes (the ``fxopt_eager`` path: no Inductor), and
-the per-pass results are gathered into an :class:`ExplainReport`: rewrites per pass, every candidate left alone with
-its reason, the number of graphs and of graph breaks (with their reasons).
-
-Dynamo's caches are left alone (no ``torch._dynamo.reset()``), so a model the user compiled before does not
-recompile afterwards. The capture is still fresh: the function (or the module's ``forward``) is entered through a
-copy with a code object of its own (Dynamo keeps compiled entries on the code object), and the new backend object
-fails the backend guard of any entry compiled before, so nothing cached is reused. Frames Dynamo compiles apart
-after a graph break inside (sub-modules' ``forward``) get their entries on their own code, as any compile does.
-Graph breaks are the growth of Dynamo's break counter during the call (the counters are not cleared either).
+The model is captured with Dynamo, each graph goes through the passes (no Inductor), and the results are gathered
+into an :class:`ExplainReport`. Dynamo's caches and counters are left alone: the capture enters the function (or the
+module's ``forward``) through a copy with a code object of its own, and the new backend object fails the guard of
+any entry compiled before, so nothing cached is reused and a model compiled before does not recompile afterwards.
 """
 from __future__ import annotations
 
@@ -21,22 +15,14 @@ from typing import Any, Optional
 import torch
 
 from .config import Config
-from .passes.manager import PASS_ORDER, Skip
+from .passes.manager import PASS_ORDER
 
 
 @dataclass
 class ExplainReport:
-    """Result of :func:`fxopt.explain`.
-
-    Args:
-        rewrites: pass name → number of rewrites (every pass in ``PASS_ORDER`` is a key; 0 if it did not run).
-        skipped: every candidate a pass left alone, as :class:`fxopt.passes.Skip` (pass, node, reason).
-        graphs: number of graphs Dynamo captured.
-        graph_breaks: number of graph breaks.
-        break_reasons: Dynamo's reasons for the breaks.
-        pass_seconds: pass name → total time spent in it.
-        notes: free-form lines the passes left (e.g. a parallel plan).
-    """
+    """Result of :func:`fxopt.explain`: rewrites per pass (every pass of ``PASS_ORDER`` a key), every skipped
+    candidate (:class:`fxopt.passes.Skip`), the graph and graph-break counts with Dynamo's reasons, seconds per pass
+    and the passes' notes."""
 
     rewrites: dict = field(default_factory=lambda: {p: 0 for p in PASS_ORDER})
     skipped: list = field(default_factory=list)
@@ -101,9 +87,8 @@ def _copy_function(fn: types.FunctionType) -> types.FunctionType:
 
 @contextlib.contextmanager
 def _fresh_code(target: Any):
-    """The same callable, entered through a code object of its own: a function or bound method is copied; a
-    module gets a copied ``forward`` on the instance for the call (``__call__`` and its hooks run as usual), then its
-    own back. Anything else (a C function, a callable object) is captured as is."""
+    """The same callable, entered through a code object of its own: a function or bound method is copied, a module
+    gets a copied ``forward`` for the call; anything else is captured as is."""
     if isinstance(target, torch.nn.Module):
         own = target.__dict__.get("forward", None)
         fn = own.__func__ if isinstance(own, types.MethodType) else type(target).forward if own is None else None

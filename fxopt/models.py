@@ -1,8 +1,5 @@
-"""A small Llama-style decoder, embedded so that the demo and tests need no download.
-
-RMSNorm, rotary embeddings, grouped-query attention (``F.scaled_dot_product_attention`` with ``is_causal``, or a
-hand-written softmax(QKᵀ)V when ``sdpa=False``), SwiGLU MLP, tied-free lm_head. Random init with a fixed seed.
-"""
+"""A small Llama-style decoder (RMSNorm, rotary embeddings, GQA attention by SDPA or by hand, SwiGLU MLP), embedded
+so that the demo and tests need no download; random init with a fixed seed."""
 from __future__ import annotations
 
 import math
@@ -15,26 +12,15 @@ import torch.nn.functional as F
 
 @dataclass
 class TinyLlamaConfig:
-    """Shape of the demo decoder.
-
-    Args:
-        vocab_size: vocabulary size.
-        dim: hidden size.
-        n_layers: decoder blocks.
-        n_heads: query heads.
-        n_kv_heads: key/value heads (GQA when fewer than ``n_heads``).
-        ffn_dim: SwiGLU hidden size.
-        max_seq_len: longest sequence the rotary table covers.
-        sdpa: use ``F.scaled_dot_product_attention``; ``False`` writes attention by hand (matmul, softmax, matmul).
-    """
+    """Shape of the demo decoder (``n_kv_heads < n_heads``: GQA; ``sdpa=False``: attention written by hand)."""
 
     vocab_size: int = 1024
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: int = 2
-    ffn_dim: int = 768
-    max_seq_len: int = 512
+    ffn_dim: int = 768  # SwiGLU hidden size
+    max_seq_len: int = 512  # longest sequence the rotary table covers
     sdpa: bool = True
 
 

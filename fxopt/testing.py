@@ -1,10 +1,5 @@
-"""Helpers for fxopt's own tests (and users' tests of distributed passes).
-
-``run_on_ranks(fn, world_size=2, *args, backend="gloo")`` spawns ``world_size`` processes, each of
-which initializes a process group on a free localhost port, calls
-``fn(rank, world_size, *args)`` and tears the group down. A failure on any rank is
-re-raised in the caller with that rank's traceback. ``backend="nccl"`` puts rank ``r`` on
-``cuda:r`` (one GPU per rank) before the group is created.
+"""Helpers for fxopt's own tests: :func:`run_on_ranks` (spawned ranks of a gloo or NCCL process group) and the
+float64 references, cases and tolerances of the Gluon attention kernels' GPU tests.
 """
 from __future__ import annotations
 
@@ -23,14 +18,10 @@ def _free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, errors, backend):
-    import torch
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
@@ -47,19 +38,14 @@ def _worker(rank, world_size, port, fn, args, errors, backend):
 
 def run_on_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (spawned) of a ``backend`` process group."""
-    if backend == "nccl":
-        import torch
-
-        if torch.cuda.device_count() < world_size:
-            raise RuntimeError(f"backend='nccl' with {world_size} ranks needs {world_size} GPUs, "
-                               f"found {torch.cuda.device_count()}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"backend='nccl' with {world_size} ranks needs {world_size} GPUs, "
+                           f"found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, backend))
-        for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -72,33 +58,10 @@ def run_on_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
         raise RuntimeError(f"ranks exited with codes {bad}")
 
 
-def offline_build_json(code: str, **env_extra):
-    """Run ``code`` (offline sm_90 builds with Triton's bundled ptxas; it prints one JSON line last) in a subprocess
-    without TRITON_INTERPRET (the interpreter replaces the JIT functions) and return that JSON; pytest-skip when the
-    bundled ptxas / cuobjdump are unavailable, fail on any other error. For tests."""
-    import json
-    import subprocess
-    import sys
-
-    import pytest
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_extra)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    if proc.returncode != 0 and any(t in proc.stderr for t in ("ptxas", "cuobjdump", "FileNotFoundError")):
-        pytest.skip(f"offline sm_90 toolchain unavailable: {proc.stderr[-400:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def attention_bwd_reference64(q, k, v, dout, causal: bool, scale: float):
     """Exact attention forward and backward in float64, for the Gluon backward's GPU tests: q [B, Hq, Sq, D], k / v
     [B, Hkv, Sk, D] (GQA by repeating k / v), causal aligned bottom-right. Returns (out, lse, dq, dk, dv, empty):
     lse in natural log with +inf on rows with no visible key (``empty``), whose out and dq are 0."""
-    import torch
-
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g = Hq // Hkv

@@ -1,13 +1,8 @@
 """Dynamo backend: Dynamo's FX graph → fxopt passes (fixed order) → Inductor's ``compile_fx``.
 
-Our passes run on the torch-level graph Dynamo hands us, before AOTAutograd and before Inductor's own pattern
-passes (its attention fusion runs on the joint graph later), so our rewrites win: the ``torch.ops.fxopt.*`` ops they
-insert are opaque custom ops to Inductor, which generates Triton code for everything around them.
-
-``Backend(config)`` is a callable backend object; ``"fxopt"`` and ``"fxopt_eager"`` are registered names (through
-the ``torch_dynamo_backends`` entry points of the installed package, or by :func:`register_backends` when fxopt is
-imported from a checkout). ``options=`` from ``torch.compile`` are validated by :meth:`fxopt.Config.from_options` (keys, types, ranges,
-choices, Inductor's config keys); a ``Config`` handed to ``Backend`` is validated when the backend is built.
+The passes run on the torch-level graph before AOTAutograd and Inductor's own pattern passes, so their
+``torch.ops.fxopt.*`` ops (opaque to Inductor) win. ``"fxopt"`` and ``"fxopt_eager"`` are registered through the
+``torch_dynamo_backends`` entry points, or by :func:`register_backends` when fxopt is imported from a checkout.
 """
 from __future__ import annotations
 
@@ -33,13 +28,9 @@ class FxoptOptionError(ConfigError, torch._dynamo.exc.ShortenTraceback):
 
 
 class Backend:
-    """A ``torch.compile`` backend running fxopt's passes, then Inductor (or nothing, with ``inductor=False``).
-
-    Args:
-        config: an :class:`fxopt.Config` (default settings if None).
-        inductor: hand the rewritten graph to Inductor's ``compile_fx``; ``False`` runs it as is (``fxopt_eager``).
-        extras: pass-specific inputs (used by :func:`fxopt.parallelize` / :func:`fxopt.pipeline`).
-    """
+    """A ``torch.compile`` backend running fxopt's passes (``config``, default settings if None), then Inductor,
+    or the rewritten graph as is with ``inductor=False``; ``extras`` are pass-specific inputs (parallel entry
+    points). ``results`` holds one list of PassResult per compiled graph."""
 
     def __init__(self, config: Optional[Config] = None, *, inductor: bool = True, extras: Optional[dict] = None):
         if config is not None and not isinstance(config, Config):

@@ -1,17 +1,9 @@
-"""The pass manager: one registry, one fixed order, one report format.
-
-A pass is ``fn(gm, pass_config, ctx) -> PassResult``. It matches candidates in ``gm.graph``, checks each one on
-``node.meta["val"]`` (dtype, device, shapes), rewrites what it is sure of and records every candidate it leaves alone
-with a reason (``result.skip(node, reason)``). It must keep ``meta["val"]`` right on the nodes it creates, so the
-passes after it can trust shapes. The order is fixed and documented (``attention → w4a16 → tensor_parallel →
-pipeline``): attention first so that fused attention ops, not their matmuls, are what later passes see; w4a16 before
-tensor_parallel so that sharding sees the fused quantized linears; pipeline last because it cuts the final graph.
-
-Before the first pass the manager makes sure every node has ``meta["val"]`` (Dynamo records ``example_value``, used as
-is: a Dynamo graph is never propagated again, which would specialise its symbolic sizes; other graphs are run
-through ``FakeTensorProp``). After each pass it lints the graph and recompiles the module. Timing and
-counts go to ``logging.getLogger("fxopt.passes.manager")``; with ``FXOPT_DUMP_DIR=dir`` each graph is written before
-and after each pass as readable Python (``<graph>_<nn>_<pass>_{before,after}.py``).
+"""The pass manager: one registry, one fixed order (``attention → w4a16 → tensor_parallel → pipeline``), one report
+format. A pass is ``fn(gm, pass_config, ctx) -> PassResult`` (contract: docs/architecture.md, "Pass contract").
+Attention goes first so later passes see fused attention, not its matmuls; w4a16 before tensor_parallel so sharding
+sees the fused quantized linears; pipeline last because it cuts the final graph. The manager gives every node
+``meta["val"]`` first, lints and recompiles after each pass, logs to this module's logger and, with
+``FXOPT_DUMP_DIR``, writes each graph before and after each pass.
 """
 from __future__ import annotations
 
@@ -61,13 +53,8 @@ class PassResult:
 
 @dataclass
 class PassContext:
-    """What a pass may need besides the graph and its own config.
-
-    Args:
-        config: the whole :class:`fxopt.Config`.
-        example_inputs: the graph's example inputs (real or fake tensors), in placeholder order.
-        extras: pass-specific inputs from the entry points (e.g. a process group for tensor_parallel).
-    """
+    """What a pass may need besides the graph and its own config: the whole :class:`fxopt.Config`, the graph's
+    example inputs (placeholder order) and pass-specific ``extras`` (e.g. a process group for tensor_parallel)."""
 
     config: Config
     example_inputs: list = field(default_factory=list)
@@ -78,19 +65,18 @@ class PassContext:
 class _Registered:
     name: str
     fn: Callable
-    config_attr: str
 
 
 _REGISTRY: dict[str, _Registered] = {}
 
 
-def register_pass(name: str, config_attr: Optional[str] = None):
+def register_pass(name: str):
     """Register ``fn(gm, pass_config, ctx) -> PassResult`` under ``name`` (one of ``PASS_ORDER``)."""
     if name not in PASS_ORDER:
         raise ValueError(f"pass {name!r} is not in the documented order {PASS_ORDER}")
 
     def deco(fn):
-        _REGISTRY[name] = _Registered(name, fn, config_attr or name)
+        _REGISTRY[name] = _Registered(name, fn)
         return fn
 
     return deco
@@ -106,11 +92,8 @@ _graph_counter = itertools.count()
 def ensure_meta_val(gm: fx.GraphModule, example_inputs: list) -> None:
     """Give every node ``meta["val"]``: Dynamo's ``example_value`` as is, or fake-tensor propagation for other graphs.
 
-    A Dynamo graph is never propagated again: its values carry Dynamo's symbolic sizes, and a second propagation
-    specialises them (a guard, then a compile, per new shape) or fails outright on data-dependent ops
-    (``aten._local_scalar_dense`` of an ``.item()``). Its nodes without ``example_value`` (calls returning None
-    such as ``torch._C._log_api_usage_once``) simply have no value; the passes read ``meta["val"]`` with
-    ``match.val``, which gives None there, and leave such nodes alone."""
+    A Dynamo graph is never propagated again: that would specialise its symbolic sizes or fail on data-dependent ops.
+    Its nodes without ``example_value`` simply have no value (``match.val`` gives None)."""
     nodes = list(gm.graph.nodes)
     dynamo_graph = False
     for n in nodes:
@@ -123,11 +106,7 @@ def ensure_meta_val(gm: fx.GraphModule, example_inputs: list) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = None
-    for x in example_inputs:
-        if isinstance(x, torch._subclasses.FakeTensor):
-            mode = x.fake_mode
-            break
+    mode = next((x.fake_mode for x in example_inputs if isinstance(x, torch._subclasses.FakeTensor)), None)
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, mode).propagate(*example_inputs)
 
@@ -144,7 +123,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: Config,
     graph_id = next(_graph_counter)
     dump_dir = env.dump_dir()
     for i, p in enumerate(registered_passes()):
-        pcfg = getattr(config, p.config_attr)
+        pcfg = getattr(config, p.name)
         if not getattr(pcfg, "enabled", True):
             log.debug("pass %s disabled by config", p.name)
             continue

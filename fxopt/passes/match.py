@@ -1,10 +1,6 @@
-"""The one place that says what a node *is*, whatever way Dynamo spelled it.
-
-Dynamo's torch-level graphs spell one operation many ways: ``torch.matmul(a, b)``, ``a.matmul(b)``, ``a @ b``
-(``operator.matmul``); ``x / 8`` (``operator.truediv``), ``torch.div``, ``x.div(8)``; ``torch.softmax``,
-``F.softmax``, ``x.softmax(-1)``. :func:`op_name` maps all of them to one canonical name, and :func:`get_arg` reads an
-argument whether it was passed by position or keyword. Passes match on these and check shapes and dtypes on
-``node.meta["val"]`` (:func:`val`), never on module names.
+"""The one place that says what a node *is*, whatever way Dynamo spelled it (``a @ b``, ``torch.matmul``,
+``a.matmul(b)``...): :func:`op_name` maps them to one canonical name, :func:`get_arg` reads an argument by position
+or keyword, :func:`val` / :func:`tensor_val` read ``meta["val"]``.
 """
 from __future__ import annotations
 
@@ -75,10 +71,6 @@ def op_name(node: Any) -> Optional[str]:
     return None
 
 
-def is_op(node: Any, *names: str) -> bool:
-    return op_name(node) in names
-
-
 def get_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """Argument ``name`` of ``node``: positional ``index`` (counting ``self`` for methods) or keyword."""
     if len(node.args) > index:
@@ -96,7 +88,3 @@ def val(node: Any) -> Any:
 def tensor_val(node: Any) -> Optional[torch.Tensor]:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
-
-
-def single_user(node: fx.Node) -> bool:
-    return len(node.users) == 1

@@ -1,42 +1,12 @@
 """The ``w4a16`` pass: fuse ``dequantize_w4 -> linear`` into ``torch.ops.fxopt.w4a16_linear``.
 
-Design
-------
-:class:`fxopt.quant.QuantLinear` computes ``F.linear(x, dequantize_w4(qweight, scales, zeros, G), bias)``, so the
-Dynamo graph of a quantized model holds a ``dequantize_w4`` node per quantized linear. Left alone, that
-materializes a 16-bit weight in memory on every call; fused, the kernel reads the int4 weight once.
-
-Candidates are the ``torch.ops.fxopt.dequantize_w4`` nodes. Each user of the dequantized weight ``W`` [N, K] must be
-one of the spellings of ``x @ W.T (+ b)``:
-
-* ``F.linear(x, W, b)`` / ``torch._C._nn.linear`` (what ``QuantLinear`` emits);
-* ``matmul(x, Wt)`` / ``x @ Wt`` / ``torch.mm(x, Wt)`` with ``Wt`` one of ``W.t()``, ``W.T``, ``W.mT``,
-  ``W.transpose(0, 1)`` (any spelling of the two dims), ``W.permute(1, 0)``, used only by that product;
-* ``torch.addmm(b, x, Wt)`` with ``beta = alpha = 1``.
-
-If any user is something else, ``W`` is needed in memory anyway and the candidate stays (reason: the weight is used
-elsewhere). Otherwise each product is checked on ``meta["val"]`` and replaced by
-``w4a16_linear(x, qweight, scales, zeros, G, bias)`` only when all of these are proven:
-
-* dtypes: ``x`` is fp16/bf16, with the dtype of ``scales`` and ``zeros``; ``qweight`` is int32; the bias is in
-  ``x``'s dtype;
-* shapes: ``x`` is 2-D or 3-D (the op's contract) with ``x.shape[-1] = K`` provably (a symbolic size must be known
-  equal); ``qweight`` is [K // 8, N] with static K and N; the group size is a literal int the kernel supports (32,
-  64, 128 or K) that divides K; ``scales`` and ``zeros`` are [K // G, N]; the bias is [N];
-* layout: ``x`` has unit stride along K and its rows collapse to a 2-D [M, K] view (the kernel reads rows of x as
-  they are; any other layout is copied on every call), and the packed tensors are contiguous;
-* no in-place op between the ``dequantize_w4`` node and the product writes to storage shared with ``qweight``,
-  ``scales`` or ``zeros`` (the fused op reads them at the product, the original read them at the dequantize; a write
-  whose target has no ``meta["val"]`` counts as one). ``x`` and the bias are read at the product either way;
-* ``x``, the packed tensors and the bias are on one device; ``scales`` / ``zeros`` need no gradient (the fused op
-  gives none to them).
-
-A product with at least ``DEQUANT_MATMUL_MIN_ROWS`` static rows (a prefill) stays as it is when
-``kernels.w4a16_dequant_matmul`` is ``"auto"``: dequantize + cuBLAS is the measured winner there, and Inductor's code
-calls both without the fused op's Python. Everything else stays as it was, with a reason (``result.skip``). The new node gets ``meta["val"]`` by running the op's
-fake implementation under the graph's fake mode, and inherits the replaced node's ``nn_module_stack`` /
-``stack_trace``, so later passes (tensor parallel) still see which module it belongs to. The dequantize node (and a
-transpose) are erased once unused. One note line per rewrite goes to ``result.notes``.
+:class:`fxopt.quant.QuantLinear` reads as ``F.linear(x, dequantize_w4(...), bias)`` in a Dynamo graph; left alone,
+that writes a 16-bit weight on every call. Each user of the dequantized weight must be a spelling of
+``x @ W.T (+ b)`` (``F.linear``, ``matmul`` / ``mm`` of a transpose of W, ``addmm`` with beta = alpha = 1), and each
+product is replaced only when dtypes, shapes, layout, devices and the absence of in-place writes to the packed
+tensors are proven on ``meta["val"]`` (:func:`_check`, :func:`_mutated_between`); everything else stays, with a
+reason. Prefill-sized products stay dequantize + cuBLAS (``DEQUANT_MATMUL_MIN_ROWS``); siblings reading one input
+become one ``w4a16_linear_cat`` call. Details: docs/architecture.md, "The W4A16 pass".
 """
 from __future__ import annotations
 
@@ -47,6 +17,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import W4A16Config
 from ..kernels import w4a16 as _w4a16_ops  # noqa: F401  registers torch.ops.fxopt.w4a16_linear / dequantize_w4
@@ -130,8 +102,6 @@ def _static(*dims) -> bool:
 def _rows_collapse(xv: torch.Tensor) -> bool:
     """Whether x [..., K] provably has unit stride along K and leading dims that merge into one (a [M, K] view, no
     copy). Symbolic sizes (``dynamic=True``) are fine when the relation holds for every value."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
     size, stride = tuple(xv.shape), tuple(xv.stride())
     if not (known(size[-1] == 1) or known(stride[-1] == 1)):
         return False
@@ -157,9 +127,7 @@ def _check(use: _Use, qweight, scales, zeros, group_size) -> Optional[str]:
         return f"activation dtype {xv.dtype} differs from scales/zeros dtype ({sv.dtype}, {zv.dtype})"
     if xv.dim() not in (2, 3):
         return f"input is {xv.dim()}-D; w4a16_linear takes 2-D or 3-D input"
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if not statically_known_true(xv.shape[-1] == K):
+    if not known(xv.shape[-1] == K):
         return f"input has {xv.shape[-1]} features, not provably the packed weight's K = {K}"
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         return f"group size is not a constant int ({group_size!r})"
@@ -223,8 +191,6 @@ def _written(node: fx.Node) -> Optional[list]:
 
 def _mutated_between(start: fx.Node, end: fx.Node, packed: list) -> Optional[str]:
     """Why a node strictly between ``start`` and ``end`` may write to the packed tensors' storage, or None."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     storages = set()
     for p in packed:
         v = match.tensor_val(p)
@@ -267,20 +233,14 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
     result = PassResult("w4a16")
     graph = gm.graph
     for dq in [n for n in graph.nodes if _is_dequant(n)]:
-        qweight = match.get_arg(dq, 0, "qweight")
-        scales = match.get_arg(dq, 1, "scales")
-        zeros = match.get_arg(dq, 2, "zeros")
-        group_size = match.get_arg(dq, 3, "group_size")
+        qweight, scales, zeros, group_size = (match.get_arg(dq, i, name) for i, name in
+                                              enumerate(("qweight", "scales", "zeros", "group_size")))
         if not dq.users:
             result.skip(dq, "dequantized weight is unused")
             continue
-        uses, others = [], []
-        for u in list(dq.users):
-            use = _as_linear_use(u, dq)
-            if use is None:
-                others.append(u)
-            else:
-                uses.append(use)
+        read = [(u, _as_linear_use(u, dq)) for u in list(dq.users)]
+        uses = [use for _, use in read if use is not None]
+        others = [u for u, use in read if use is None]
         if others:
             casts = [o for o in others if match.op_name(o) in ("to", "float", "half", "bfloat16", "type_as")]
             if casts and len(casts) == len(others):
@@ -291,10 +251,9 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
                             + ", ".join(_describe(o) for o in others))
             continue
         for use in uses:
-            reason = _check(use, qweight, scales, zeros, group_size) or _mutated_between(
-                dq, use.node, [qweight, scales, zeros])
-            if reason is None:
-                reason = _left_to_cublas(use, ctx.config.kernels.w4a16_dequant_matmul)
+            reason = (_check(use, qweight, scales, zeros, group_size)
+                      or _mutated_between(dq, use.node, [qweight, scales, zeros])
+                      or _left_to_cublas(use, ctx.config.kernels.w4a16_dequant_matmul))
             if reason is not None:
                 result.skip(use.node, reason)
                 continue
@@ -312,9 +271,7 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
             with graph.inserting_before(use.node):
                 new = graph.call_function(torch.ops.fxopt.w4a16_linear.default, args, {"bias": use.bias})
             new.meta["val"] = new_val
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-                if key in use.node.meta:
-                    new.meta[key] = use.node.meta[key]
+            _copy_source(use.node, new)
             log.debug("w4a16: %s -> %s", use.node.format_node(), new.name)
             use.node.replace_all_uses_with(new)
             graph.erase_node(use.node)
@@ -345,6 +302,14 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
     return result
 
 
+def _copy_source(src: fx.Node, *dst: fx.Node) -> None:
+    """The module and source of ``src`` onto ``dst`` (later passes, tensor parallel, read ``nn_module_stack``)."""
+    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if k in src.meta:
+            for d in dst:
+                d.meta[k] = src.meta[k]
+
+
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
@@ -366,11 +331,8 @@ def _fused_parts(node: fx.Node):
     return x, q, s, z, g, match.get_arg(node, 5, "bias")
 
 
-# From this many static rows (a prefill) the product is compute-bound and "dequantize to a 16-bit W, then cuBLAS"
-# beat every fused kernel measured; the graph already says exactly that (dequantize_w4 -> linear), so the pass leaves
-# it to Inductor, whose generated code calls both with no Python of the fused op around them (on the H200 that Python,
-# about 0.2 ms per call, made a Llama-3-8B prefill host-bound). Between GROUP_MAX_ROWS and this the op's tuner times
-# both routes.
+# From this many static rows (a prefill) dequantize + cuBLAS beat every fused kernel, and Inductor calls it with no
+# Python of the fused op around it; below, the op's tuner times both routes.
 DEQUANT_MATMUL_MIN_ROWS = 1024
 
 
@@ -384,9 +346,8 @@ def _left_to_cublas(use, dequant_matmul: str) -> Optional[str]:
             f"{DEQUANT_MATMUL_MIN_ROWS} rows; kernels.w4a16_dequant_matmul='off' fuses it)")
 
 
-# Up to this many rows (a decode step) each product is bound by launch and per-call latency, and one joint call
-# saves both; above it (a prefill) each product is compute-bound, a joint call saves nothing and its output slices
-# would cost copies of the activations (the op then reads each sibling's slice of the packed storage in place).
+# Up to this many rows (a decode step) one joint call for siblings saves launches; above it, it saves nothing and its
+# output slices would cost copies of the activations.
 GROUP_MAX_ROWS = 256
 
 
@@ -402,14 +363,10 @@ def _rows(xv) -> Optional[int]:
 
 def _group_siblings(graph: fx.Graph, result: PassResult) -> None:
     """Make ``w4a16_linear`` calls that read one input and adjacent column slices of one packed storage (the
-    siblings :func:`fxopt.quant.linear.share_sibling_storage` lays out, e.g. q/k/v) one ``w4a16_linear_cat`` call.
-
-    Proven from the graph: the same ``x`` node and group size; bias on all or none; qweight, scales, zeros (and the
-    biases) each :func:`column_span` on their ``meta["val"]`` (same storage, adjacent offsets, one row stride); every
-    input defined before the first call; no in-place write to x or the packed storage between the first and the last
-    call; at most ``GROUP_MAX_ROWS`` static rows of input. The op checks the adjacency again on every call and falls
-    back to one call per linear. Each original output becomes a contiguous slice of the joint output (same values,
-    same layout, for any later user)."""
+    siblings of :func:`fxopt.quant.linear.share_sibling_storage`) one ``w4a16_linear_cat`` call, when proven from the
+    graph (same x and group size, bias on all or none, :func:`column_span` of each packed tensor, inputs defined
+    before the first call, no in-place write in between, at most ``GROUP_MAX_ROWS`` static rows). Each original
+    output becomes a contiguous slice of the joint output."""
     from ..kernels.w4a16 import column_span
 
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -432,8 +389,6 @@ def _group_siblings(graph: fx.Graph, result: PassResult) -> None:
             qv = match.tensor_val(_fused_parts(n)[1])
             if qv is None:
                 continue
-            from torch.multiprocessing.reductions import StorageWeakRef
-
             runs.setdefault(StorageWeakRef(qv.untyped_storage()), []).append(n)
         if len(runs) == len(nodes):
             result.skip(nodes[0], f"{', '.join(n.name for n in nodes)} read one input, but their packed tensors sit "
@@ -478,21 +433,17 @@ def _rewrite_group(graph: fx.Graph, members: list, x, g, no_bias: bool, result: 
     vals = [match.tensor_val(p[1]).shape[1] for p in parts]
     with graph.inserting_before(first):
         joint = graph.call_function(torch.ops.fxopt.w4a16_linear_cat.default, args)
-    joint.meta.update({k: first.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack")
-                       if k in first.meta})
-    col, replaced = 0, []
+    _copy_source(first, joint)
+    col = 0
     for m, n_cols in zip(members, vals):
         with graph.inserting_before(first):  # ``first`` is erased only after the loop
             piece = graph.call_function(torch.narrow, (joint, -1, col, n_cols))
             out = graph.call_method("contiguous", (piece,))
-        for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if k in m.meta:
-                piece.meta[k] = out.meta[k] = m.meta[k]
+        _copy_source(m, piece, out)
         out.meta["val"] = m.meta.get("val")
         col += n_cols
         m.replace_all_uses_with(out)
-        replaced.append(m)
-    for m in replaced:
+    for m in members:
         graph.erase_node(m)
     if mode is not None:
         def fake(a):

@@ -1,28 +1,11 @@
-"""AWQ (Lin et al., 2023): activation-aware per-input-channel scaling, then a clip search, then round-to-nearest
-(the paper's last step; :func:`fxopt.quantize` rounds with GPTQ's error feedback on the clipped grids by default).
+"""AWQ (Lin et al., 2023): activation-aware per-input-channel scaling, a clip search, then rounding.
 
-Weights that meet large activations matter most. For the linears that read one input ``x`` (q/k/v; gate/up),
-AWQ multiplies input channel c of every weight by ``s_c`` and divides ``x[..., c]`` by ``s_c``: the float output is
-unchanged, but the salient channels now use more of the int4 grid. ``s = mean|x|^α`` (normalised by
-``sqrt(max s · min s)``), with α picked from a grid of ``n_grid`` values in [0, 1) by the error it leaves on the
-shared-input linears' outputs. α = 0 is plain round-to-nearest, so the chosen scale never does worse on the
-calibration objective. The division of ``x`` is folded into whatever produces it (a norm's weight, or the output
-rows of a preceding linear; :mod:`fxopt.quant.calibrate` finds which from the graph); where nothing can absorb it,
-that linear gets no scale (α = 0, clip search only), so a quantized model is always plain int4 linears.
-
-The scale grid has a second family, ``mean|x|^α / mean|ŵ|^(1-α)`` (ŵ: |w| relative to its group's max, as the
-reference implementation's default), searched with the same objective, so adding it can only lower that objective.
-
-Then, per linear, the clip search shrinks each group's range by ratios ``1 - i / n_grid`` (i < max_shrink · n_grid):
-``±max|w|`` as in the paper, and (asymmetric grids) ``[min w, max w]`` with each end shrunk independently; it keeps,
-per output row and group, the range with the least output error. Linears whose outputs feed attention scores
-(query/key projections, found from the graph by :mod:`fxopt.quant.calibrate`) are not clipped: the softmax amplifies
-their errors beyond what the layer-wise objective sees (the reference implementation skips them too).
-
-Errors are measured exactly over every calibration token through the input's Gram matrix ``H = XᵀX / n``: the
-squared output error of a weight perturbation ``Δ`` [N, K] is ``tr(Δ H Δᵀ)``, and that of one group g of one row is
-``Δ_g H_gg Δ_gᵀ`` (the diagonal [G, G] block, as the paper's per-group clip objective). Cost: O(N·K²) per α,
-independent of the number of tokens. :func:`find_norm_fold` is the graph analysis for the norm case.
+For the linears that read one input ``x``, input channel c of every weight is multiplied by ``s_c`` and ``x[..., c]``
+divided by it (folded into the producer of ``x``: a norm, :func:`find_norm_fold`, or a preceding linear), so salient
+channels use more of the int4 grid. ``s`` is searched over two families on the output error, measured exactly
+through the Gram matrix ``H = XᵀX / n`` (``tr(Δ H Δᵀ)``); α = 0 is round-to-nearest, so the search never does worse
+than RTN on that objective. The clip search then shrinks each group's range (per row and group, least error).
+See docs/architecture.md, "Quantization".
 """
 from __future__ import annotations
 
@@ -33,7 +16,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from .gptq import fake_quantize
 
@@ -53,16 +35,10 @@ class ScaleSearch:
 @torch.no_grad()
 def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.Tensor, group_size: int,
                  sym: bool = False, n_grid: int = 20, scale_dtype: torch.dtype = torch.float16,
-                 channel_map: Optional[torch.Tensor] = None, weight_aware: bool = True) -> ScaleSearch:
-    """Pick ``s = mean|x|^α`` minimising the summed output error of ``weights`` (each [N_i, K]) after int4 RTN.
-
-    ``weight_aware`` adds a second family of ``n_grid`` candidates ``mean|x|^α / mean|ŵ|^(1-α)`` (``ŵ`` = |w| over
-    its group's max |w|, averaged over output rows: channels whose weights are already large in their group need
-    less scaling). The first ``n_grid`` entries of ``errors`` are the plain family (α = 0 is RTN).
-
-    ``channel_map`` (int64 [K], optional) ties input channels that come from one channel of the producer that will
-    absorb the scale (e.g. GQA: o_proj's inputs of all query heads sharing a value head): ``s[j] = s_src[map[j]]``,
-    with ``mean|x|`` averaged over the tied channels.
+                 channel_map: Optional[torch.Tensor] = None) -> ScaleSearch:
+    """Pick ``s = mean|x|^α`` or ``mean|x|^α / mean|ŵ|^(1-α)`` minimising the summed output error of ``weights``
+    (each [N_i, K]) after int4 RTN; the first ``n_grid`` entries of ``errors`` are the plain family (α = 0 is RTN).
+    ``channel_map`` (int64 [K]) ties input channels that one producer channel feeds (GQA): ``s[j] = s_src[map[j]]``.
     """
     W = torch.cat([w.detach().float() for w in weights], dim=0).to(H.device)
     K = W.shape[1]
@@ -77,15 +53,13 @@ def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.
     else:
         src_mean = xm
     candidates = [(i / n_grid, src_mean.pow(i / n_grid)) for i in range(n_grid)]
-    if weight_aware:
-        # mean over output rows of |w| relative to its group's max |w|, per input (source) channel
-        G = K if group_size == -1 else group_size
-        Wa = W.abs().reshape(W.shape[0], K // G, G)
-        wm = (Wa / (Wa.amax(-1, keepdim=True) + 1e-6)).reshape(W.shape[0], K).mean(0)
-        if channel_map is not None:
-            wm = torch.zeros(n_src, device=H.device).index_add_(0, channel_map, wm) / cnt.clamp(min=1)
-        candidates += [(i / n_grid, src_mean.pow(i / n_grid) / (wm.pow(1 - i / n_grid) + 1e-4))
-                       for i in range(n_grid)]
+    # mean over output rows of |w| relative to its group's max |w|, per input (source) channel
+    G = K if group_size == -1 else group_size
+    Wa = W.abs().reshape(W.shape[0], K // G, G)
+    wm = (Wa / (Wa.amax(-1, keepdim=True) + 1e-6)).reshape(W.shape[0], K).mean(0)
+    if channel_map is not None:
+        wm = torch.zeros(n_src, device=H.device).index_add_(0, channel_map, wm) / cnt.clamp(min=1)
+    candidates += [(i / n_grid, src_mean.pow(i / n_grid) / (wm.pow(1 - i / n_grid) + 1e-4)) for i in range(n_grid)]
     best_err, best_ratio, best_src = math.inf, 0.0, torch.ones_like(src_mean)
     errors = []
     for ratio, s_src in candidates:
@@ -107,13 +81,9 @@ def search_scale(weights: list[torch.Tensor], H: torch.Tensor, x_absmean: torch.
 
 @torch.no_grad()
 def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: bool = False, n_grid: int = 20,
-                max_shrink: float = 0.5, scale_dtype: torch.dtype = torch.float16,
-                asym_range: bool = True) -> torch.Tensor:
-    """Clip each (row, group) of ``weight`` [N, K] to ``±max|w| · (1 - i/n_grid)`` with the least output error.
-
-    ``asym_range`` (asymmetric grids only) also tries ``[min w · (1 - i/n_grid), max w · (1 - j/n_grid)]`` for every
-    (i, j); the best range of all is kept.
-    """
+                max_shrink: float = 0.5, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Clip each (row, group) of ``weight`` [N, K] to the range with the least output error among
+    ``±max|w| · (1 - i/n_grid)`` and (asymmetric grids) ``[min w · (1 - i/n_grid), max w · (1 - j/n_grid)]``."""
     W = weight.detach().float().to(H.device)
     N, K = W.shape
     G = K if group_size == -1 else group_size
@@ -129,7 +99,7 @@ def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: boo
     # independently, which an asymmetric grid can use; a = b = 1 is no clipping
     shrink = [1 - i / n_grid for i in range(steps)]
     ranges = [(-org_max * a, org_max * a) for a in shrink]
-    if asym_range and not sym:
+    if not sym:
         ranges += [(org_lo * a, org_hi * b) for a in shrink for b in shrink]
     for lo, hi in ranges:
         cur = torch.maximum(torch.minimum(Wg, hi), lo)
@@ -141,9 +111,6 @@ def search_clip(weight: torch.Tensor, H: torch.Tensor, group_size: int, sym: boo
         best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
     return torch.maximum(torch.minimum(Wg, best_hi), best_lo).reshape(N, K)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Graph analysis: which norm produces a linear's input, and how to fold a per-channel division into its weight.
 
 _PASSTHROUGH = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}
 
@@ -186,14 +153,10 @@ def _through_passthrough(node: fx.Node) -> fx.Node:
 def _param_multiplier(node, params: dict, K: int):
     """``node`` computes ``p`` or ``p + c`` / ``c + p`` (through dtype casts), p a 1-D parameter of size K used only
     there: return (p, c), else None."""
+    p = _channel_param(node, params, K)
+    if p is not None:
+        return p, 0.0
     node = _through_passthrough(node)
-    if not isinstance(node, fx.Node):
-        return None
-    if node in params:
-        p = params[node]
-        if p.dim() == 1 and p.numel() == K and len(node.users) == 1:
-            return p, 0.0
-        return None
     if _name(node) == "add" and len(node.users) == 1 and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         for pn, c in ((a, b), (b, a)):
@@ -204,7 +167,8 @@ def _param_multiplier(node, params: dict, K: int):
     return None
 
 
-def _is_bias_param(node, params: dict, K: int):
+def _channel_param(node, params: dict, K: int):
+    """The 1-D parameter of size K that ``node`` is (through dtype casts), used only there, or None."""
     node = _through_passthrough(node)
     if isinstance(node, fx.Node) and node in params and len(node.users) == 1:
         p = params[node]
@@ -214,12 +178,9 @@ def _is_bias_param(node, params: dict, K: int):
 
 
 def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
-    """If ``x`` (the linears' input) is a norm output ``... * weight (+ bias)`` whose weight/bias are parameters used
-    only there, or a ``layer_norm`` / ``rms_norm`` call with parameter weight, return how to fold a scale into it.
-
-    ``params`` maps placeholder / get_attr nodes to parameters. Intermediate nodes between the norm's last
-    multiplication and ``x`` may only be dtype casts with a single user (so nothing else sees the change).
-    """
+    """How to fold a scale into the norm producing ``x`` (``... * weight (+ bias)`` with parameters used only
+    there, or ``layer_norm`` / ``rms_norm`` with a parameter weight; only single-user casts in between), or None.
+    ``params`` maps placeholder / get_attr nodes to parameters."""
     node = x
     # casts between the multiplication and x (x itself may have several users: the linears)
     while _name(node) in _PASSTHROUGH and isinstance(node.args[0], fx.Node) and len(node.args[0].users) == 1:
@@ -228,12 +189,12 @@ def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
     if name in ("layer_norm", "rms_norm"):
         w = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         b = node.args[3] if len(node.args) > 3 and name == "layer_norm" else node.kwargs.get("bias")
-        wp = _is_bias_param(w, params, K) if isinstance(w, fx.Node) else None
+        wp = _channel_param(w, params, K) if isinstance(w, fx.Node) else None
         if wp is None:
             return None
         biases = []
         if isinstance(b, fx.Node):
-            bp = _is_bias_param(b, params, K)
+            bp = _channel_param(b, params, K)
             if bp is None:
                 return None
             biases.append(bp)
@@ -242,7 +203,7 @@ def find_norm_fold(x: fx.Node, params: dict, K: int) -> Optional[NormFold]:
     if name == "add" and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         for bias_node, rest in ((a, b), (b, a)):
-            bp = _is_bias_param(bias_node, params, K) if isinstance(bias_node, fx.Node) else None
+            bp = _channel_param(bias_node, params, K) if isinstance(bias_node, fx.Node) else None
             if bp is not None and isinstance(rest, fx.Node) and len(rest.users) == 1:
                 biases.append(bp)
                 node = _through_passthrough(rest)

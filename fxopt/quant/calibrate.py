@@ -1,51 +1,17 @@
 """``fxopt.quantize``: GPTQ / AWQ / RTN int4 calibration driven by the model's captured graph.
 
-Design. The model is captured once with Dynamo (``fullgraph=True``, a recording backend), giving a torch-level FX
-graph whose parameters are placeholders we map back to the model's own ``nn.Parameter`` objects (by identity). Every
-``linear`` call whose weight is an ``nn.Linear``'s weight is a candidate; which are quantized, and in what order, comes
-from the graph alone — no per-architecture layer lists:
-
-* the output head (a linear with no linear after it) and ``exclude`` patterns are left in float;
-* linears that read the *same input node* form a group (q/k/v, gate/up): they share one Hessian / Gram matrix and,
-  for AWQ, one input scale;
-* calibration runs as an interpreter over the graph in topological order, all calibration samples flowing together
-  node by node; a value is freed as soon as its last user has run, and only ancestors of a quantized linear are
-  computed at all (so a 262k-vocabulary head never runs). When the sweep reaches a group, its input activations are
-  the real ones given every linear quantized before it (true-sequential quantization); the group is quantized, its
-  weights replaced by the dequantized ones, and the sweep continues.
-
-AWQ folds ``x / s`` into whatever produces ``x``: a norm (``... * weight``, ``* (1 + weight)``, ``layer_norm``,
-found by :func:`fxopt.quant.awq.find_norm_fold`) or a preceding linear. For the latter (v_proj → o_proj through
-attention, up_proj → down_proj through the gated activation) we do not trust a pattern: a probe on one calibration
-sample scales the candidate's output channels by distinct factors (a shuffled even grid in [0.5, 2]), re-runs the
-subgraph up to ``x`` and recovers the channel map (o_proj input channel ↦ v_proj output channel, GQA included); a
-second probe with another shuffle must confirm it (with i.i.d. random factors two of 2048 channels nearly coincided
-and got swapped on Gemma-3, folding a 1e-2 scale where a 1e2 one belonged); the fold is used only if ``x`` changed by
-exactly those factors and every value on the way flows only to ``x`` (or out of the graph: a KV cache holding the
-scaled v is read back only through the same attention). The probe computes in float64 from the candidate's output on
-(a float16/bfloat16 model's own rounding is far above the 1e-4 check). Where no fold exists, AWQ leaves that group
-unscaled (clip search only) rather than keeping an explicit ``x / s`` module: the scale then lives in nothing but
-the packed weight, so every quantized model saves to, and loads back from, a plain GPTQ/AWQ checkpoint layout.
-
-With ``float_target=True`` (GPTQ or AWQ) a second stream runs through the same graph with the float parameters
-(the originals that :meth:`_Calibrator.touch` keeps as the sweep changes them). It accumulates ``C = Σ x x̃ᵀ`` (float
-input against the partly quantized model's input) next to ``H = Σ x̃ x̃ᵀ`` and quantizes
-``V = (W C + λ W)(H + λ I)^-1`` instead of ``W``: the weight that best maps x̃ to the float model's output, ridge-
-regularised towards ``W`` (GPTQ runs on V; AWQ searches its scales and clips on V). GPTQ on V with H minimises
-``||W x - Q x̃||²``, so each layer also corrects the error its inputs inherited (the asymmetric-calibration idea of
-GPTAQ). Its layer-wise error against ``W x̃`` is therefore not comparable with the other variants'.
-
-AWQ's last step (``awq_rounding``): the paper rounds the scaled, clipped weight to nearest. By default the grids the
-clip search picked are kept as static groups and GPTQ's error feedback does the rounding on them (columns in
-act-order, no permutation stored), so a later column compensates the rounding error of an earlier one exactly as in
-GPTQ while the scales, clips and checkpoint layout stay AWQ's.
-
-On any error the model's parameters are restored and a ``ValueError`` says what was wrong.
+The model is captured once with Dynamo; which linears are quantized, how they group (one input node: one Hessian,
+one AWQ scale) and where an AWQ scale folds (a norm, or a preceding linear whose channel map a float64 probe
+verifies) all come from that graph, with no per-architecture layer lists. Calibration runs as an interpreter over
+the graph, group by group, on the inputs the already quantized model gives (true-sequential); ``float_target`` adds
+a float stream and aims each linear at the float model's output. On any error the parameters are restored. Design:
+docs/architecture.md, "Quantization".
 """
 from __future__ import annotations
 
 import fnmatch
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -117,33 +83,23 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
         mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
             of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
-        float_target: GPTQ / AWQ (``None``, the default: on for GPTQ and AWQ, off for RTN; ``False`` gives the
-            papers' plain algorithms): aim each linear at the float model's output ``W x`` rather than at ``W x̃``
-            (x̃: its input in the partly quantized model). Runs a float copy of the graph alongside (twice the
-            compute, one more copy of each parameter the calibration changes) and quantizes the weight that best
-            maps x̃ to ``W x`` (a least-squares correction, ridge-regularised towards ``W`` by ``damp``), so later
-            layers also correct the error of earlier ones.
+        float_target: aim each linear at the float model's output ``W x`` instead of ``W x̃`` (a float copy of the
+            graph runs alongside; a least-squares correction ridge-regularised by ``damp``).
+            ``None``: on for GPTQ and AWQ, off for RTN; ``False`` gives the papers' plain algorithms.
         block_size: GPTQ lazy-batch block.
         exclude: ``fnmatch`` patterns of module names kept in float.
         include_head: also quantize the output head (excluded by default).
         n_grid, max_shrink, clip: AWQ scale grid size, clip search range, and whether to clip at all.
-        awq_rounding: AWQ's last step (``None``, the default, is ``"gptq"``): ``"gptq"`` rounds the scaled, clipped
-            weight with GPTQ's error feedback on the grids the clip search picked (act-order, static groups, so no
-            permutation is stored and the layout stays AWQ's); ``"nearest"`` is the paper's round-to-nearest.
+        awq_rounding: AWQ's last step (``None``, the default, is ``"gptq"``): GPTQ's error feedback on the grids
+            the clip search picked (no permutation, AWQ's layout), or ``"nearest"`` (the paper's round-to-nearest).
         offload: keep calibration activations on the CPU between nodes (for models on an accelerator).
         pack: replace linears with :class:`fxopt.quant.linear.QuantLinear`; ``False`` keeps ``nn.Linear`` with the
             dequantized weights (simulated quantization, same numbers; for quality studies).
         progress: tqdm bar over linears.
         report: a :class:`QuantizeReport` to fill with per-linear output errors (method vs. RTN) and skips.
 
-    Defaults. ``method="gptq"`` and ``method="awq"`` run the settings that measured best on text held out from
-    calibration: GPTQ with act-order and ``float_target``; AWQ with ``float_target`` and ``awq_rounding="gptq"``.
-    The papers' plain algorithms: ``method="gptq", float_target=False`` and ``method="awq", float_target=False,
-    awq_rounding="nearest"``. Measured on CPU (``benchmarks/results/quant_quality.md``: SmolLM2-135M at group 64,
-    Gemma-3-270M at 64 and 128, 32 calibration windows of 512 tokens of one novel, perplexity on another), what the
-    defaults cost on SmolLM2-135M, 2 CPU cores: GPTQ 500 s and 2.2 GB of peak memory above the float model against
-    128 s for the plain algorithm; AWQ 589 s and 1.4 GB against 251 s and 0.8 GB. They close 0.775 (GPTQ) and
-    0.755 (AWQ) of RTN's perplexity gap there, against 0.448 and 0.436 for the plain algorithms.
+    The defaults are the settings that measured best on held-out text; the papers' plain algorithms are
+    ``float_target=False`` (and ``awq_rounding="nearest"``). Costs and quality: benchmarks/results/quant_quality.md.
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -160,12 +116,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         raise ValueError(f"awq_rounding applies to method='awq', not {method!r}")
     if awq_rounding not in (None,) + AWQ_ROUNDINGS:
         raise ValueError(f"awq_rounding must be one of {AWQ_ROUNDINGS}, got {awq_rounding!r}")
-    QuantLinear = None
-    if pack:
-        try:
-            from .linear import QuantLinear
-        except ImportError as e:  # pragma: no cover - depends on the checkout
-            raise ValueError(f"pack=True needs fxopt.quant.linear.QuantLinear ({e}); use pack=False") from None
+    from .linear import QuantLinear, share_sibling_storage
+
     samples = _normalize_samples(calibration)
     if method == "rtn":
         samples = samples[:1]
@@ -184,10 +136,8 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
         if report is not None:
             report.method = method
             report.seconds = time.perf_counter() - t0
-        cal.install(QuantLinear)
-        if QuantLinear is not None:
-            from .linear import share_sibling_storage
-
+        cal.install(QuantLinear if pack else None)
+        if pack:
             share_sibling_storage(model)
     except BaseException:
         cal.restore()
@@ -206,9 +156,6 @@ def _warn_fp32(model: nn.Module, pack: bool) -> None:
         log.warning("fxopt.quantize: the model is float32, but the W4A16 kernels take float16/bfloat16 activations, "
                     "so torch.compile(backend='fxopt') would fuse none of the quantized linears. Cast it first: "
                     "model.to(torch.float16) (or torch.bfloat16), before or after quantize.")
-
-
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _normalize_samples(calibration) -> list:
@@ -243,9 +190,8 @@ def _signature(sample):
 
 
 def _model_device(model):
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
 
 
 def _run_node(node: fx.Node, args, kwargs, gm: fx.GraphModule):
@@ -256,16 +202,33 @@ def _run_node(node: fx.Node, args, kwargs, gm: fx.GraphModule):
     if node.op == "call_module":
         return gm.get_submodule(node.target)(*args, **kwargs)
     if node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return operator.attrgetter(node.target)(gm)
     raise RuntimeError(f"cannot run node {node.format_node()}")
 
 
 def _is_linear(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
         torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _weight_arg(n: fx.Node):
+    return n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+
+
+def _closure(start: Iterable[fx.Node], step) -> set:
+    """``start`` and every node reached from it through ``step(node)`` (its users, or its inputs)."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for m in step(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
+def _linear_owners(model: nn.Module) -> dict:
+    """id(weight) -> (name, module) of every ``nn.Linear`` of ``model``."""
+    return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 class _Calibrator:
@@ -287,7 +250,6 @@ class _Calibrator:
         self._awq_scales: dict[str, torch.Tensor] = {}  # AWQ: input scale s of each quantized linear
         self.device = _model_device(model)
 
-    # -- undo -------------------------------------------------------------------------------------------------
     def touch(self, p: torch.Tensor) -> None:
         """Called before any parameter changes: keeps its original for undo (and for the float stream)."""
         if id(p) not in self.saved:
@@ -306,7 +268,6 @@ class _Calibrator:
         self.touch(module.weight)
         module.weight.copy_(w.to(module.weight.dtype))
 
-    # -- capture ----------------------------------------------------------------------------------------------
     def capture(self):
         args, kwargs = self.samples[0]
         with torch.no_grad():
@@ -362,14 +323,9 @@ class _Calibrator:
                     self.params[node] = v
         self.gm = gm
 
-    # -- which linears --------------------------------------------------------------------------------------------
     def select(self):
-        gm = self.gm
-        owner = {}
-        for name, mod in self.model.named_modules():
-            if isinstance(mod, nn.Linear):
-                owner[id(mod.weight)] = (name, mod)
-        nodes = list(gm.graph.nodes)
+        owner = _linear_owners(self.model)
+        nodes = list(self.gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(nodes)}
         # linear descendants: a linear with none after it is the output head
         has_linear_after: dict[fx.Node, bool] = {}
@@ -379,8 +335,7 @@ class _Calibrator:
         weight_uses: dict[int, int] = {}
         for n in nodes:
             if _is_linear(n):
-                w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-                p = self.params.get(w)
+                p = self.params.get(_weight_arg(n))
                 if p is not None:
                     weight_uses[id(p)] = weight_uses.get(id(p), 0) + 1
         n_linear = 0
@@ -390,31 +345,29 @@ class _Calibrator:
             if not _is_linear(n):
                 continue
             n_linear += 1
-            w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+            w = _weight_arg(n)
             p = self.params.get(w)
             if p is None or id(p) not in owner:
                 skipped.append((n.name, "weight is not an nn.Linear parameter"))
                 continue
             name, mod = owner[id(p)]
             b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            K = mod.weight.shape[1]
             if b is not None and (not isinstance(b, fx.Node) or self.params.get(b) is not mod.bias):
-                skipped.append((name, "bias is not the module's own bias"))
-                continue
-            if weight_uses[id(p)] > 1 or len(w.users) > 1:
-                skipped.append((name, "weight is shared (tied or called several times)"))
-                continue
-            if not self.include_head and not has_linear_after[n]:
-                skipped.append((name, "output head (no linear after it); include_head=True quantizes it"))
-                continue
-            if any(fnmatch.fnmatch(name, pat) for pat in self.exclude):
-                skipped.append((name, "excluded by pattern"))
-                continue
-            N, K = mod.weight.shape
-            if K % 8 or (G != -1 and K % G):
+                why = "bias is not the module's own bias"
+            elif weight_uses[id(p)] > 1 or len(w.users) > 1:
+                why = "weight is shared (tied or called several times)"
+            elif not self.include_head and not has_linear_after[n]:
+                why = "output head (no linear after it); include_head=True quantizes it"
+            elif any(fnmatch.fnmatch(name, pat) for pat in self.exclude):
+                why = "excluded by pattern"
+            elif K % 8 or (G != -1 and K % G):
                 indivisible.append(name)
-                skipped.append((name, f"in_features {K} not divisible by group size {G} (and 8)"))
+                why = f"in_features {K} not divisible by group size {G} (and 8)"
+            else:
+                self.targets[n] = _Target(name, mod, n)
                 continue
-            self.targets[n] = _Target(name, mod, n)
+            skipped.append((name, why))
         for name, why in skipped:
             log.info("fxopt.quantize: skipping %s: %s", name, why)
         if self.report is not None:
@@ -429,47 +382,28 @@ class _Calibrator:
         self.groups: dict[fx.Node, list[_Target]] = {}
         for n, t in self.targets.items():
             self.groups.setdefault(n.args[0], []).append(t)
-        # only ancestors of targets are computed
-        needed = set()
-        stack = list(self.targets)
-        while stack:
-            n = stack.pop()
-            if n in needed:
-                continue
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
-        self.needed = needed
+        self.needed = _closure(self.targets, lambda n: n.all_input_nodes)  # only ancestors of targets are computed
 
-    # -- AWQ folds ------------------------------------------------------------------------------------------------
     def plan_folds(self):
         self.folds: dict[fx.Node, _Fold] = {}
-        owner = {}
-        for name, mod in self.model.named_modules():
-            if isinstance(mod, nn.Linear):
-                owner[id(mod.weight)] = (name, mod)
+        owner = _linear_owners(self.model)
         probes = []
         for x, members in self.groups.items():
             K = members[0].module.in_features
-            only_members = set(x.users) <= {t.node for t in members}
-            if not only_members:
+            if not set(x.users) <= {t.node for t in members}:
                 self.folds[x] = _Fold("explicit", reason=f"input {x.name} has users besides the quantized linears")
                 continue
             nf = find_norm_fold(x, self.params, K)
             if nf is not None:
                 self.folds[x] = _Fold("norm", norm=nf, reason=nf.description)
                 continue
-            cands = self._frontier_linears(x)
             found = False
-            for L1 in cands:
-                w = L1.args[1] if len(L1.args) > 1 else L1.kwargs.get("weight")
-                p = self.params.get(w)
-                if p is None or id(p) not in owner or len(L1.args) < 1:
-                    continue
-                S = self._between(L1, x)
-                if S is None:
-                    continue
-                probes.append((x, L1, S, owner[id(p)]))
-                found = True
+            for L1 in self._frontier_linears(x):
+                p = self.params.get(_weight_arg(L1))
+                S = None if p is None or id(p) not in owner or len(L1.args) < 1 else self._between(L1, x)
+                if S is not None:
+                    probes.append((x, L1, S, owner[id(p)]))
+                    found = True
             if not found:
                 self.folds[x] = _Fold("explicit", reason="no norm or preceding linear can absorb the scale")
         if probes:
@@ -501,21 +435,7 @@ class _Calibrator:
 
     def _between(self, L1, x):
         """Nodes strictly after L1 up to x on paths L1 → x, if every value there only flows on to x."""
-        desc, stack = set(), [L1]
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u not in desc:
-                    desc.add(u)
-                    stack.append(u)
-        anc, stack = {x}, [x]
-        while stack:
-            n = stack.pop()
-            for a in n.all_input_nodes:
-                if a not in anc:
-                    anc.add(a)
-                    stack.append(a)
-        S = desc & anc
+        S = (_closure([L1], lambda n: n.users) - {L1}) & _closure([x], lambda n: n.all_input_nodes)
         if x not in S:
             return None
         for n in [L1, *S]:
@@ -615,7 +535,6 @@ class _Calibrator:
                 last[a] = max(last.get(a, -1), pos[n])
         return last
 
-    # -- the sweep ----------------------------------------------------------------------------------------------
     def run(self):
         self.capture()
         self.select()
@@ -722,22 +641,20 @@ class _Calibrator:
         originals = ({t.name: t.module.weight.detach().float().clone() for t in members}
                      if self.report is not None else {})
         sd = self._scale_dtype(members[0])
+        if cross is not None:
+            cross = cross * (2.0 / max(acc.n, 1))
         if self.method == "gptq":
             W = torch.cat([t.module.weight.detach() for t in members], dim=0)
             if cross is not None:
-                W = _float_target_weight(W, cross * (2.0 / max(acc.n, 1)), H, self.damp)
+                W = _float_target_weight(W, cross, H, self.damp)
             res = gptq_quantize(W, H, self.group_size, self.sym, self.act_order, self.static_groups, self.damp,
                                 self.block_size, sd, mse=self.mse)
-            for t, r in zip(members, _split_rows(res, [t.module.out_features for t in members])):
-                t.result = r
-                self.set_weight(t.module, t.result.weight)
+            self._set_results(members, _split_rows(res, [t.module.out_features for t in members]))
         elif self.method == "rtn":
-            for t in members:
-                t.result = rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
-                self.set_weight(t.module, t.result.weight)
+            self._set_results(members, [rtn_quantize(t.module.weight.detach(), self.group_size, self.sym, sd)
+                                        for t in members])
         else:
-            self._awq_group(x, xs, members, H, absmean, sd,
-                            None if cross is None else cross * (2.0 / max(acc.n, 1)))
+            self._awq_group(x, xs, members, H, absmean, sd, cross)
         for t in members if self.report is not None else ():  # per-linear errors only when asked
             eff = t.result.weight.float()
             if t.name in self._awq_scales:
@@ -784,10 +701,14 @@ class _Calibrator:
             results = _split_rows(res, [t.module.out_features for t in members])
         else:
             results = [rtn_quantize(Ws, self.group_size, self.sym, sd) for Ws in clipped]
+        self._set_results(members, results)
+        for t in members:
+            self._awq_scales[t.name] = s.detach().cpu()
+
+    def _set_results(self, members: list, results: list) -> None:
         for t, r in zip(members, results):
             t.result = r
-            self.set_weight(t.module, t.result.weight)
-            self._awq_scales[t.name] = s.detach().cpu()
+            self.set_weight(t.module, r.weight)
 
     def _feeds_attention_scores(self, lin: fx.Node) -> bool:
         """Whether ``lin``'s output reaches attention scores (a softmax, or an SDPA query/key) before any other
@@ -833,7 +754,6 @@ class _Calibrator:
         self.touch(mod.weight)
         mod.weight.copy_((mod.weight.float() / s_src[:, None].to(mod.weight.device)).to(mod.weight.dtype))
 
-    # -- install -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def install(self, QuantLinear):
         for t in self.targets.values():

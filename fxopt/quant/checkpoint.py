@@ -1,40 +1,12 @@
-"""Quantized checkpoints: load GPTQ (v1, v2) and AWQ (GEMM) safetensors into fxopt's format; save as GPTQ.
+"""Quantized checkpoints: :func:`load_quantized` reads GPTQ (v1, v2) and AWQ (GEMM) safetensors into fxopt's
+format; :func:`save_quantized` writes GPTQ.
 
-Public entry points: :func:`load_quantized` (``fxopt.load_quantized``) and :func:`save_quantized`
-(``fxopt.save_quantized``).
-
-Formats read (K = in_features, N = out_features, G = group size; a weight W is [N, K]):
-
-* **GPTQ v1** (AutoGPTQ; ``quant_method: "gptq"``, ``checkpoint_format: "gptq"`` or absent): ``qweight`` int32
-  [K/8, N], nibble j of row i = code of W[:, 8i + j] (fxopt's own layout); ``qzeros`` int32 [K/G, N/8], nibble j of
-  column c = zero of output 8c + j, stored minus one (the zero is ``nibble + 1``, so 1..16); ``scales`` [K/G, N];
-  ``g_idx`` int32 [K] (group of each input feature; optional); ``bias`` [N].
-* **GPTQ v2** (GPTQModel; ``checkpoint_format: "gptq_v2"``): as v1, but ``qzeros`` holds the zero itself (0..15).
-* **AWQ GEMM** (AutoAWQ; ``quant_method: "awq"``, ``version: "gemm"``): ``qweight`` int32 [K, N/8] packed along N,
-  ``qzeros`` int32 [K/G, N/8] packed the same way, in the interleaved order: nibble i of column c holds output
-  ``8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]``; zeros as they are; ``scales`` [K/G, N].
-
-``W[n, k] = (q[k, n] - zero[g, n]) * scale[g, n]`` with g = ``g_idx[k]`` (GPTQ) or ``k // G``. The quantization
-settings come from ``config.json``'s ``quantization_config``, else ``quantize_config.json`` (AutoGPTQ / GPTQModel), else
-``quant_config.json`` (AutoAWQ). Weights come from every ``*.safetensors`` in the directory, or from the shards an
-``*.safetensors.index.json`` names.
-
-Act-order (GPTQ ``desc_act``: ``g_idx`` is not ``k // G``): ``perm`` = stable argsort of ``g_idx``; each group must then
-hold exactly G input features (else the checkpoint is rejected). The qweight rows are permuted once at load time
-(unpack, gather K, repack), so groups are contiguous and the layer gathers ``x[..., perm]`` once per call.
-
-Loading is all-or-nothing: every tensor is validated and converted (quantized layers: keys, dtypes, shapes against the
-model, settings; float tensors: keys and shapes) before the first module is replaced, and any problem raises a
-ValueError naming it, leaving the model untouched. A linear is quantized when ``<name>.qweight`` is in the checkpoint;
-it must be an ``nn.Linear`` (or a :class:`QuantLinear`) of the model; the other parameters and buffers (e.g. a float
-lm_head) are copied from the file. Scales default to the replaced linear's dtype when that is fp16/bf16 (the dtype the
-fused kernel needs), else keep the file's dtype; ``dtype=`` forces one.
-
-Saving writes GPTQ (v1 by default, ``format="gptq_v2"``) into ``model.safetensors`` + ``config.json`` (with
-``quantization_config``: quant_method, bits 4, group_size, desc_act, sym, checkpoint_format) + ``quantize_config.json``.
-Act-order layers save ``g_idx`` and un-permuted rows. ``load_quantized(save_quantized(m))`` is bitwise exact
-(:class:`QuantLinear` keeps act-order permutations canonical, see :mod:`fxopt.quant.linear`). v1 cannot store a zero
-of 0 (it stores zero - 1 in a nibble), v2 cannot store 16: such layers raise a ValueError naming the other format.
+K = in_features, N = out_features, G = group size; ``W[n, k] = (q[k, n] - zero[g, n]) * scale[g, n]`` with g =
+``g_idx[k]`` (GPTQ) or ``k // G``. GPTQ's qweight [K/8, N] is fxopt's own layout; its ``qzeros`` [K/G, N/8] are packed
+along N (v1 stores zero - 1, v2 the zero); AWQ packs qweight [K, N/8] and qzeros along N in the interleaved order
+:data:`AWQ_ORDER`. Act-order ``g_idx`` becomes a permutation applied to the qweight rows once at load time. Loading is
+all-or-nothing: everything is validated before the first module is replaced, and a problem raises a ValueError naming
+it. ``load_quantized(save_quantized(m))`` is bitwise exact. Details: docs/architecture.md, "Quantization".
 """
 from __future__ import annotations
 
@@ -42,7 +14,7 @@ import glob
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -53,9 +25,6 @@ from .linear import QuantLinear, _set_submodule, share_sibling_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_quantized", "save_quantized", "QuantSpec", "read_quant_config", "gptq_to_packed", "awq_to_packed",
-           "packed_to_gptq", "pack_along_n", "unpack_along_n", "GPTQ_ORDER", "AWQ_ORDER"]
-
 GPTQ_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds output column 8c + AWQ_ORDER[i]
 
@@ -65,9 +34,6 @@ _ST_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF1
               "BOOL": torch.bool}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Packing along N (the zeros of GPTQ and AWQ, AWQ's qweight)
-# ----------------------------------------------------------------------------------------------------------------
 def unpack_along_n(packed: torch.Tensor, order=GPTQ_ORDER) -> torch.Tensor:
     """int32 [R, N/8] -> int64 codes [R, N]; nibble i of column c is code ``8c + order[i]``."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
@@ -94,9 +60,6 @@ def pack_along_n(codes: torch.Tensor, order=GPTQ_ORDER) -> torch.Tensor:
     return packed.to(torch.int32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Format conversions (one layer)
-# ----------------------------------------------------------------------------------------------------------------
 def _perm_from_g_idx(g_idx: Optional[torch.Tensor], K: int, G: int) -> Optional[torch.Tensor]:
     if g_idx is None:
         return None
@@ -117,7 +80,7 @@ def _perm_from_g_idx(g_idx: Optional[torch.Tensor], K: int, G: int) -> Optional[
 def gptq_to_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: Optional[torch.Tensor],
                    group_size: int, v2: bool = False, dtype: Optional[torch.dtype] = None) -> PackedW4:
     """One GPTQ layer (v1: zeros stored minus one; v2: as they are) -> :class:`PackedW4` (act-order permuted)."""
-    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    K = qweight.shape[0] * PACK
     G = K if group_size == -1 else group_size
     zeros = unpack_along_n(qzeros) + (0 if v2 else 1)
     perm = _perm_from_g_idx(g_idx, K, G)
@@ -167,28 +130,13 @@ def packed_to_gptq(packed: PackedW4, v2: bool = False, name: str = "layer") -> d
             "g_idx": g_idx}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Quantization settings
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class QuantSpec:
-    """The quantization settings of a checkpoint.
-
-    Args:
-        fmt: ``"gptq"`` (v1), ``"gptq_v2"`` or ``"awq_gemm"``.
-        group_size: G (``-1``: per output channel, G = K of each layer).
-        desc_act: GPTQ act-order flag as written (the loader trusts ``g_idx``, not this flag).
-        sym: symmetric flag as written (informational).
-        source: the file the settings came from.
-        raw: the settings dict as read.
-    """
+    """The quantization settings of a checkpoint: ``fmt`` (``"gptq"``, ``"gptq_v2"`` or ``"awq_gemm"``) and
+    ``group_size`` (``-1``: per output channel)."""
 
     fmt: str
     group_size: int
-    desc_act: bool = False
-    sym: bool = False
-    source: str = ""
-    raw: dict = field(default_factory=dict)
 
 
 def read_quant_config(path: str) -> QuantSpec:
@@ -242,12 +190,9 @@ def read_quant_config(path: str) -> QuantSpec:
         if qc.get("zero_point", True) is False:
             raise ValueError(f"{source}: AWQ without zero points (zero_point: false) is not supported")
         fmt = "awq_gemm"
-    return QuantSpec(fmt, group_size, bool(qc.get("desc_act", False)), bool(qc.get("sym", False)), source, dict(qc))
+    return QuantSpec(fmt, group_size)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Reading safetensors
-# ----------------------------------------------------------------------------------------------------------------
 def _checkpoint_dir_and_files(path: str) -> tuple[str, list[str]]:
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".safetensors"):
@@ -310,16 +255,6 @@ def _read_tensors(headers: dict, names) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# load / save
-# ----------------------------------------------------------------------------------------------------------------
-def _layer_keys(fmt: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(required, optional) tensor suffixes of one quantized layer, besides the bias."""
-    if fmt == "awq_gemm":
-        return ("qweight", "qzeros", "scales"), ()
-    return ("qweight", "qzeros", "scales"), ("g_idx",)
-
-
 def _expected_shapes(fmt: str, K: int, N: int, G: int) -> dict:
     ng = K // G
     if fmt == "awq_gemm":
@@ -333,14 +268,12 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
 
     Args:
         model: the float model (or one already holding :class:`QuantLinear` modules of the same shapes).
-        path: checkpoint directory (``*.safetensors`` [+ index] and ``config.json`` / ``quantize_config.json``),
-            or a single ``.safetensors`` file whose directory holds the config.
-        dtype: dtype for scales / zeros / bias of the quantized layers (default: the replaced linear's dtype when
-            fp16/bf16, else the file's).
-        strict: reject float tensors of the model missing from the file and file tensors the model does not have.
+        path: checkpoint directory (safetensors [+ index] and its config), or one ``.safetensors`` file.
+        dtype: dtype of the quantized layers' scales / zeros / bias (default: the replaced linear's when fp16/bf16,
+            else the file's).
+        strict: reject model tensors missing from the file and file tensors the model does not have.
 
-    Every linear ``name`` with ``name.qweight`` in the file becomes a :class:`QuantLinear`; nothing is changed unless
-    the whole checkpoint validates (ValueError naming the problem otherwise).
+    Every linear ``name`` with ``name.qweight`` in the file becomes a :class:`QuantLinear`.
     """
     ckpt_dir, files = _checkpoint_dir_and_files(path)
     spec = read_quant_config(ckpt_dir)
@@ -352,7 +285,7 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
     prefixes = sorted(k[: -len(".qweight")] for k in headers if k.endswith(".qweight"))
     if not prefixes:
         raise ValueError(f"{path}: no '<name>.qweight' tensors: not a quantized checkpoint")
-    required, optional = _layer_keys(spec.fmt)
+    required, optional = ("qweight", "qzeros", "scales"), () if spec.fmt == "awq_gemm" else ("g_idx",)
     problems: list[str] = []
     layer_plans = {}
     consumed = set()
@@ -363,7 +296,6 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
                             + (f" (found {type(mod).__name__})" if mod is not None else ""))
             continue
         K, N = mod.in_features, mod.out_features
-        has_bias = mod.bias is not None
         G = K if spec.group_size == -1 else spec.group_size
         if K % PACK or N % PACK:
             problems.append(f"{p}: in/out features ({K}, {N}) must be multiples of 8 for 4-bit packing")
@@ -371,16 +303,10 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
         if K % G:
             problems.append(f"{p}: group size {G} does not divide in_features {K}")
             continue
-        want = _expected_shapes(spec.fmt, K, N, G)
-        names = {s: f"{p}.{s}" for s in required + optional}
-        for s in required:
-            if names[s] not in headers:
-                problems.append(f"missing key {names[s]!r}")
-        if has_bias:
-            names["bias"] = f"{p}.bias"
-            want["bias"] = (N,)
-            if names["bias"] not in headers:
-                problems.append(f"missing key {names['bias']!r}")
+        want = dict(_expected_shapes(spec.fmt, K, N, G), bias=(N,))
+        needed = required + (("bias",) if mod.bias is not None else ())
+        names = {s: f"{p}.{s}" for s in required + optional + needed[len(required):]}
+        problems += [f"missing key {names[s]!r}" for s in needed if names[s] not in headers]
         for s, key in names.items():
             if key not in headers:
                 continue
@@ -395,22 +321,16 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
                 problems.append(f"{key}: dtype {dt}, expected int32")
             elif s in ("scales", "bias") and dt not in _FLOAT_DTYPES:
                 problems.append(f"{key}: dtype {dt}, expected float16/bfloat16/float32")
-        wdt = getattr(mod, "weight", None)
-        wdt = wdt.dtype if isinstance(wdt, torch.Tensor) else None
+        wdt = mod.weight.dtype if isinstance(mod, nn.Linear) else None
         dev = (mod.weight if isinstance(mod, nn.Linear) else mod.qweight).device
         layer_plans[p] = (names, G, dtype or (wdt if wdt in (torch.float16, torch.bfloat16) else None), dev)
 
     # Float tensors: everything in the model's state dict outside the quantized layers.
-    quantized = set(layer_plans)
     state = model.state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}
     for k, t in state.items():
         aliases.setdefault(id(t), []).append(k)
-
-    def owner(key: str) -> str:
-        return key.rpartition(".")[0]
-
-    float_keys = {k: t for k, t in state.items() if owner(k) not in quantized and owner(k) not in prefixes}
+    float_keys = {k: t for k, t in state.items() if k.rpartition(".")[0] not in prefixes}
     for k in headers:
         if k in consumed:
             continue
@@ -475,8 +395,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None
         path: output directory (created; it must not already hold other ``.safetensors`` files).
         format: ``"gptq"`` (v1, AutoGPTQ: zeros stored minus one) or ``"gptq_v2"`` (GPTQModel).
 
-    Writes ``model.safetensors``, ``config.json`` (the model's ``config.to_dict()`` if it has one, plus
-    ``quantization_config``) and ``quantize_config.json``.
+    Writes ``model.safetensors``, ``config.json`` (with ``quantization_config``) and ``quantize_config.json``.
     """
     from safetensors.torch import save_file
 
@@ -496,8 +415,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None
     tensors: dict[str, torch.Tensor] = {}
     sym = True
     for n, m in qlinears.items():
-        packed = m.packed()
-        tensors.update({f"{n}.{k}": v for k, v in packed_to_gptq(packed, v2=fmt == "gptq_v2", name=n).items()})
+        tensors.update({f"{n}.{k}": v for k, v in packed_to_gptq(m.packed(), v2=fmt == "gptq_v2", name=n).items()})
         if m.bias is not None:
             tensors[f"{n}.bias"] = m.bias.detach().cpu().contiguous()
         sym = sym and bool((m.zeros == 8).all())
@@ -522,11 +440,8 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None
     qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
           "desc_act": any(m.perm is not None for m in qlinears.values()), "sym": sym,
           "checkpoint_format": fmt, "pack_dtype": "int32"}
-    cfg = {}
     hf_config = getattr(model, "config", None)
-    if hf_config is not None and hasattr(hf_config, "to_dict"):
-        cfg = hf_config.to_dict()
-    cfg["quantization_config"] = qc
+    cfg = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}, quantization_config=qc)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, default=str)

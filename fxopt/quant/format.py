@@ -1,33 +1,14 @@
 """fxopt's one packed int4 format (W4A16), and the reference math around it.
 
-A linear ``y = x @ W.T`` with ``W`` of shape [N, K] (out_features, in_features) is stored as:
+A linear ``y = x @ W.T`` with ``W`` [N, K] is stored as:
 
-* ``qweight``: int32 [K // 8, N]. Element (i, n) holds the 4-bit codes of W[n, 8i + j] for j = 0..7 in bits 4j..4j+3
-  (nibble j = k mod 8). K is the slow axis, N the fast one, so a kernel tile [BLOCK_K // 8, BLOCK_N] is one coalesced
-  load along N, and unpacking is one shift and one mask per nibble, broadcast over a [BLOCK_K, BLOCK_N] tile
-  (``(packed >> 4 * (k % 8)) & 0xF``) feeding ``tl.dot`` directly. This is also GPTQ's qweight layout, so GPTQ
-  checkpoints load without repacking.
-* ``scales``: [K // G, N] in the activation dtype (fp16/bf16), G = group size (32, 64, 128, or K for per-channel).
-* ``zeros``: [K // G, N], same dtype as scales, the zero point in code units, so ``W[n, k] = (q - zeros) * scales``
-  with the group g = k // G. Symmetric quantization stores zeros = 8 (code 8 is 0.0).
-* ``perm``: optional int64 [K]. Act-order checkpoints (``g_idx`` not sorted) are loaded by permuting K once: the
-  stored rows follow ``perm`` and the layer gathers ``x[..., perm]`` once per call, before the kernel; groups are
-  then contiguous again. ``None`` means identity, which is the common, fast case.
+* ``qweight``: int32 [K // 8, N]; nibble j (bits 4j..4j+3) of element (i, n) is the code of W[n, 8i + j] (GPTQ's
+  qweight layout);
+* ``scales``, ``zeros``: [K // G, N] in the activation dtype (fp16/bf16), G = 32, 64, 128 or K;
+  ``W[n, k] = (q - zeros) * scales`` for group k // G (symmetric: zeros = 8);
+* ``perm``: optional int64 [K]: the stored rows follow ``perm`` (act-order) and the layer gathers ``x[..., perm]``.
 
-Why this order. In registers the unpack is cheapest when one 32-bit op yields two weights: ``(word >> 4j) &
-0x000F000F | magic`` gives the 16-bit float pair (OFFSET + q_j, OFFSET + q_{j+4}) in one shift and one LOP3, so a
-word becomes 4 pair registers in 7 instructions (``fxopt/kernels/w4a16/``). Every kernel
-uses this pairing; what differs is where the pair lands. The tensor-core kernels whose unpacked weights are the
-register operand of wgmma / mma need thread t to hold k = 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-wide K slice, which
-in this order are spread over several words; they keep one word per thread by relabeling K and permuting x to
-match: the mma.sync kernel in its own registers (x is a register operand there too), the wgmma kernels ("swapx",
-"swapd", "gluon", whose x is read from shared memory) through a small prep kernel that writes x in that "FRAG"
-order once per call (1.7-5.4 us on the H200, ``docs/kernels.md``). Storing the nibbles in fragment order
-would remove that prep but give every other kernel (GEMV, mma.sync, the dequantization) a permuted x and GPTQ
-checkpoints a repack; the read rate itself does not depend on the layout (``docs/kernels.md``).
-
-Codes are unsigned 0..15. Everything here is plain PyTorch and runs on any device; the kernels live in
-``fxopt/kernels/w4a16/``.
+Codes are unsigned 0..15. Why this nibble order: docs/kernels.md; the kernels live in ``fxopt/kernels/w4a16/``.
 """
 from __future__ import annotations
 
@@ -65,15 +46,7 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PackedW4:
-    """One quantized weight in fxopt's format (see the module docstring).
-
-    Args:
-        qweight: int32 [K // 8, N].
-        scales: [K // G, N], fp16 or bf16.
-        zeros: [K // G, N], same dtype as ``scales``, zero point in code units.
-        group_size: G, with K % G == 0 (``-1`` is normalized to K).
-        perm: optional int64 [K] act-order permutation of the input features.
-    """
+    """One quantized weight in fxopt's format (see the module docstring; ``group_size`` -1 becomes K)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -121,8 +94,14 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
     scales, zeros = group_params(weight, group_size, sym)
     codes = quantize_codes(weight, scales, zeros, group_size)
     dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-    return PackedW4(pack_int4(codes.T.contiguous()), scales.T.contiguous().to(dtype),
-                    zeros.T.contiguous().to(dtype), group_size)
+    return pack_result(codes, scales, zeros, group_size, dtype)
+
+
+def pack_result(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                scale_dtype: torch.dtype, perm: Optional[torch.Tensor] = None) -> PackedW4:
+    """Codes [N, K] and per-group float params [N, K // G] → :class:`PackedW4` (rows of K in stored order)."""
+    return PackedW4(pack_int4(codes.T.contiguous()), scale.T.contiguous().to(scale_dtype),
+                    zero.T.contiguous().to(scale_dtype), group_size, perm)
 
 
 def group_params(weight: torch.Tensor, group_size: int, sym: bool, maxq: int = 15):
@@ -132,16 +111,16 @@ def group_params(weight: torch.Tensor, group_size: int, sym: bool, maxq: int = 1
     if K % G:
         raise ValueError(f"group size {group_size} does not divide in_features {K}")
     w = weight.float().reshape(N, K // G, G)
-    wmin = w.amin(-1).clamp(max=0)
-    wmax = w.amax(-1).clamp(min=0)
+    return range_params(w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0), sym, maxq)
+
+
+def range_params(lo: torch.Tensor, hi: torch.Tensor, sym: bool, maxq: int = 15):
+    """(scale, zero) of the grids covering [lo, hi] (lo <= 0 <= hi); symmetric grids are centred on code 8."""
     if sym:
-        amax = torch.maximum(wmin.abs(), wmax)
-        scale = (2 * amax / maxq).clamp(min=1e-10)
-        zero = torch.full_like(scale, (maxq + 1) / 2)
-    else:
-        scale = ((wmax - wmin) / maxq).clamp(min=1e-10)
-        zero = torch.round(-wmin / scale)
-    return scale, zero
+        scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-10)
+        return scale, torch.full_like(scale, (maxq + 1) / 2)
+    scale = ((hi - lo) / maxq).clamp(min=1e-10)
+    return scale, torch.round(-lo / scale)
 
 
 def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,

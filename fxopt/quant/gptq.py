@@ -1,38 +1,18 @@
 """GPTQ (Frantar et al., 2022): int4 weights that minimise a linear's output error on calibration inputs.
 
-For ``y = x @ W.T`` the layer-wise objective is ``||X Wᵀ - X Qᵀ||²``, whose Hessian in each row of W is
-``H = 2 XᵀX / n`` (one [K, K] matrix shared by every output row, and by every linear that reads the same input).
-Columns are quantized one at a time; the error of column i is spread over the columns not yet quantized through the
-inverse Hessian (``W[:, i:] -= err_i · Hinv[i, i:] / Hinv[i, i]``), taken from the upper Cholesky factor of ``H⁻¹``
-so no inverse is ever updated. Updates inside a block of ``block_size`` columns are applied eagerly, the rest of the
-matrix gets one matmul per block (lazy batch updates). Details that matter, all as in the paper's reference code:
-
-* dead inputs (``H[i, i] == 0``: the channel was always zero) get ``H[i, i] = 1`` and a zero weight column;
-* dampening adds ``damp × mean(diag H)`` to the diagonal before the Cholesky;
-* act-order quantizes columns by decreasing ``diag H`` (the most activated inputs first). With dynamic groups the
-  groups are consecutive in that order, which fxopt stores as a permutation ``perm`` of K plus a packed weight whose
-  rows follow ``perm`` (the :class:`~fxopt.quant.format.PackedW4` layout; the layer gathers ``x[..., perm]`` once
-  per call, before the kernel);
-* static groups compute every group's (scale, zero) once, from the original weight, before any error feedback; the
-  groups are then the original contiguous ones even with act-order, so the result needs no permutation;
-* dynamic groups compute (scale, zero) with :func:`~fxopt.quant.format.group_params` on the *current* (already
-  error-corrected) columns when the sweep reaches a group's first column;
-* ``mse=True`` (the reference code's ``mse`` grid) picks each group's range among min/max shrunk by ``1 - i/100``
-  (i < 80) by the least ``sum |q - w|^2.4``, instead of the full min/max. It matters for weights that already sit on a
-  coarser grid (a dequantized GGUF model: SmolLM2-135M's linears are Q4_1 with groups of 32, re-quantized here at
-  64), where the full range wastes levels.
-
-Scales are rounded to the stored dtype (fp16/bf16) before they are used, so the error feedback sees exactly the
-weights the kernel will dequantize. :class:`HessianAccumulator` builds ``H`` from activation batches.
+The layer-wise objective ``||X Wᵀ - X Qᵀ||²`` has the Hessian ``H = 2 XᵀX / n`` in each row of W. Columns are
+quantized one at a time and each one's error is spread over the columns not yet quantized through the upper Cholesky
+factor of ``H⁻¹``, with lazy batch updates per block, as in the paper's reference code (dead inputs, dampening,
+act-order, static or dynamic groups, the ``mse`` range grid: docs/architecture.md, "Quantization"). Scales are
+rounded to the stored dtype before use, so the error feedback sees the weights the kernel will dequantize.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .format import PackedW4, group_params, pack_int4
+from .format import PackedW4, group_params, pack_result, range_params
 
 
 class HessianAccumulator:
@@ -63,11 +43,8 @@ class QuantResult:
 
 def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: torch.dtype, maxq: int = 15,
                  mse: bool = False):
-    """:func:`group_params` with the scale rounded to ``scale_dtype`` (what the packed weight will store).
-
-    ``mse``: instead of the full [min, max] range, search ranges shrunk by ``1 - i/100`` (i < 80) and keep, per row
-    and group, the one whose rounding error ``sum |q - w|^2.4`` is least (the GPTQ reference code's ``mse`` grid).
-    """
+    """:func:`group_params` with the scale rounded to ``scale_dtype``; ``mse``: the range among [min, max] shrunk by
+    ``1 - i/100`` (i < 80) with the least ``sum |q - w|^2.4`` per row and group (the reference code's grid)."""
     tiny = torch.finfo(scale_dtype).tiny
     if not mse:
         scale, zero = group_params(weight, group_size, sym, maxq)
@@ -80,13 +57,7 @@ def round_params(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype: 
     best_scale, best_zero = torch.ones_like(wmin), torch.zeros_like(wmin)
     for i in range(80):
         p = 1 - i / 100
-        lo, hi = wmin * p, wmax * p
-        if sym:
-            scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-10)
-            zero = torch.full_like(scale, (maxq + 1) / 2)
-        else:
-            scale = ((hi - lo) / maxq).clamp(min=1e-10)
-            zero = torch.round(-lo / scale)
+        scale, zero = range_params(wmin * p, wmax * p, sym, maxq)
         scale = scale.clamp(min=tiny).to(scale_dtype).float()
         q = (torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, maxq) - zero[..., None]) \
             * scale[..., None]
@@ -110,13 +81,6 @@ def fake_quantize(weight: torch.Tensor, group_size: int, sym: bool, scale_dtype:
     return deq.reshape(N, K), codes.reshape(N, K).to(torch.uint8), scale, zero
 
 
-def pack_result(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                scale_dtype: torch.dtype, perm: Optional[torch.Tensor] = None) -> PackedW4:
-    """Codes [N, K] and per-group float params [N, K // G] → :class:`PackedW4` (rows of K in stored order)."""
-    return PackedW4(pack_int4(codes.T.contiguous()), scale.T.contiguous().to(scale_dtype),
-                    zero.T.contiguous().to(scale_dtype), group_size, perm)
-
-
 def rtn_quantize(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
                  scale_dtype: torch.dtype = torch.float16) -> QuantResult:
     """Round-to-nearest baseline in the same result form as :func:`gptq_quantize`."""
@@ -130,11 +94,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 128, sym: bool = False,
                   act_order: bool = True, static_groups: bool = False, damp: float = 0.01, block_size: int = 128,
                   scale_dtype: torch.dtype = torch.float16, maxq: int = 15, mse: bool = False) -> QuantResult:
-    """GPTQ of ``weight`` [N, K] for the Hessian ``H`` [K, K] (see the module docstring).
-
-    Several linears that read the same input can be quantized in one call by stacking their weights along N.
-    ``mse``: each group's (scale, zero) from a shrink-range search (:func:`round_params`) instead of min/max.
-    """
+    """GPTQ of ``weight`` [N, K] (linears reading one input stacked along N) for the Hessian ``H`` [K, K]."""
     cdt = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 only for reference tests
     W = weight.detach().to(cdt).clone()
     N, K = W.shape

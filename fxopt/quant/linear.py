@@ -1,28 +1,9 @@
 """``QuantLinear``: an ``nn.Linear`` stand-in that holds only fxopt's packed int4 weight.
 
-Design
-------
-The module stores the packed weight (``qweight``, ``scales``, ``zeros``, optional act-order ``perm``; see
-:mod:`fxopt.quant.format`) and an optional bias, all as buffers, and computes::
-
-    x = x.index_select(-1, perm)                       # act-order only: one gather of the activations
-    y = F.linear(x, torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size), bias)
-
-So eagerly (CPU or GPU, no compile) the model is correct: the weight is dequantized, then a plain linear runs. In the
-Dynamo graph the same code reads ``dequantize_w4 -> linear``, which the ``w4a16`` pass (:mod:`fxopt.passes.w4a16`)
-fuses into ``torch.ops.fxopt.w4a16_linear``: the 16-bit weight is then never written to memory.
-
-When the activation dtype differs from the scales dtype (e.g. an fp32 model with fp16 scales), the weight is
-dequantized in fp32 and cast to the activation dtype (as is the bias); the pass leaves such linears alone (with a
-reason), since the fused kernel needs fp16/bf16 activations matching the scales.
-
-Act-order permutations are canonicalized by :meth:`QuantLinear.from_packed`: within each group (a contiguous run of
-``group_size`` stored rows) the rows are ordered by increasing input feature. That is the order a checkpoint's
-``g_idx`` describes (groups are sets of input features, the order inside a group is not stored), so
-``load_quantized(save_quantized(m))`` reproduces ``m`` bit for bit; a permutation that turns out to be the identity
-is dropped (``perm = None``, the fast path).
-
-:func:`replace_linears` swaps ``nn.Linear`` modules for replacements (used by RTN here and by GPTQ / AWQ).
+It computes ``F.linear(x[..., perm], dequantize_w4(qweight, scales, zeros, group_size), bias)``: correct eagerly, and
+in a Dynamo graph the ``dequantize_w4 -> linear`` that the ``w4a16`` pass fuses into ``w4a16_linear``. Act-order
+permutations are kept canonical (rows sorted by input feature inside each group, the order a checkpoint's ``g_idx``
+implies), so ``load_quantized(save_quantized(m))`` is bitwise exact. See docs/architecture.md, "Quantization".
 """
 from __future__ import annotations
 
@@ -42,10 +23,8 @@ __all__ = ["QuantLinear", "replace_linears", "canonical_perm"]
 
 
 def canonical_perm(qweight: torch.Tensor, perm: Optional[torch.Tensor], group_size: int):
-    """Return ``(qweight, perm)`` with the rows of every group sorted by input feature; ``perm=None`` if identity.
-
-    Raises ValueError if ``perm`` is not a permutation of ``range(K)``.
-    """
+    """``(qweight, perm)`` with the rows of every group sorted by input feature (``perm=None`` if identity); a
+    ValueError if ``perm`` is not a permutation of ``range(K)``."""
     if perm is None:
         return qweight, None
     K = qweight.shape[0] * PACK
@@ -69,19 +48,9 @@ def canonical_perm(qweight: torch.Tensor, perm: Optional[torch.Tensor], group_si
 
 
 class QuantLinear(nn.Module):
-    """A linear layer with an int4 weight in fxopt's packed format (W4A16).
-
-    Args:
-        in_features: K.
-        out_features: N.
-        group_size: G (K % G == 0; ``-1`` means K).
-        bias: whether the layer has a bias.
-        dtype: dtype of scales / zeros / bias (fp16 or bf16; fp32 is accepted for reference use).
-        device: where the (zero-initialized) buffers live.
-
-    Buffers: ``qweight`` int32 [K/8, N], ``scales`` / ``zeros`` [K/G, N], ``perm`` int64 [K] or None, ``bias`` [N] or
-    None. Build one with :meth:`from_packed` or :meth:`from_linear`.
-    """
+    """A linear layer with an int4 weight in fxopt's packed format (W4A16): buffers ``qweight`` int32 [K/8, N],
+    ``scales`` / ``zeros`` [K/G, N], ``perm`` int64 [K] or None, ``bias`` [N] or None (``group_size`` -1 means K;
+    ``dtype`` fp16 or bf16, fp32 for reference use). Build one with :meth:`from_packed` or :meth:`from_linear`."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
                  dtype: torch.dtype = torch.float16, device=None):
@@ -104,10 +73,8 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_packed(cls, packed: PackedW4, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
-        """Wrap a :class:`PackedW4` (tensors are used as they are, on their device; bias cast to the scales dtype).
-
-        An act-order ``perm`` is canonicalized (see the module docstring); the identity becomes ``None``.
-        """
+        """Wrap a :class:`PackedW4` (tensors used as they are; bias cast to the scales dtype; ``perm`` made
+        canonical by :func:`canonical_perm`)."""
         qweight, perm = canonical_perm(packed.qweight, packed.perm, packed.group_size)
         K, N = packed.in_features, packed.out_features
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
@@ -127,10 +94,8 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, sym: bool = False,
                     dtype: Optional[torch.dtype] = None) -> "QuantLinear":
-        """Round-to-nearest quantization of an ``nn.Linear`` (:func:`fxopt.quant.format.quantize_rtn`).
-
-        ``dtype`` of scales / zeros / bias: default the weight's dtype if fp16/bf16, else fp16.
-        """
+        """Round-to-nearest quantization of an ``nn.Linear`` (scales in ``dtype``, default the weight's if
+        fp16/bf16, else fp16)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"QuantLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
         with torch.no_grad():
@@ -179,29 +144,19 @@ def replace_linears(model: nn.Module,
                     **rtn_kwargs) -> list[str]:
     """Replace ``nn.Linear`` submodules of ``model`` in place; return the replaced names (in module order).
 
-    ``fn_or_names`` is one of:
-
-    * a callable ``fn(name, linear) -> module or None``, called on every ``nn.Linear`` (``None`` keeps it);
-    * a mapping ``{name: replacement_module}``;
-    * an iterable of names: each is replaced by ``QuantLinear.from_linear(linear, **rtn_kwargs)`` (RTN).
-
-    Names given explicitly must exist and be ``nn.Linear``: otherwise a ValueError is raised before anything is
-    replaced. Replacements are computed first and installed at the end, so a failing ``fn`` leaves the model as it was.
+    ``fn_or_names``: a callable ``fn(name, linear) -> module or None`` (``None`` keeps it), a mapping
+    ``{name: module}``, or names to replace by ``QuantLinear.from_linear(linear, **rtn_kwargs)``. Every replacement
+    is computed and checked before the first is installed.
     """
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if callable(fn_or_names) and not isinstance(fn_or_names, Mapping):
         if rtn_kwargs:
             raise ValueError(f"replace_linears: keyword arguments {sorted(rtn_kwargs)} only apply to a list of names")
-        new = {}
-        for n, m in linears.items():
-            r = fn_or_names(n, m)
-            if r is not None:
-                new[n] = r
+        new = {n: r for n, m in linears.items() if (r := fn_or_names(n, m)) is not None}
     else:
         if isinstance(fn_or_names, str):
             raise ValueError("replace_linears: pass a list of module names, not a single string")
-        items = fn_or_names.items() if isinstance(fn_or_names, Mapping) else [(n, None) for n in fn_or_names]
-        items = list(items)
+        items = list(fn_or_names.items() if isinstance(fn_or_names, Mapping) else [(n, None) for n in fn_or_names])
         bad = [n for n, _ in items if n not in linears]
         if bad:
             raise ValueError(f"replace_linears: not nn.Linear modules of the model: {bad}")
@@ -236,16 +191,10 @@ def _side_by_side(parts: list) -> list:
 
 
 def share_sibling_storage(model: nn.Module, names=SIBLING_NAMES) -> list[tuple[str, ...]]:
-    """Lay out the packed tensors of sibling :class:`QuantLinear` s side by side in one storage; return the groups.
-
-    Siblings are children of one module named as in one entry of ``names`` (all of the entry present), with the same
-    K, group size, dtype, device and bias presence and no act-order permutation. Each keeps its own buffers, now
-    column slices of one ``[K // 8, sum N]`` qweight (and likewise scales, zeros, bias), so the numbers, the
-    state dict and checkpoints do not change. What it buys: the w4a16 pass proves from the graph that the siblings'
-    products read one input and the adjacent slices of one storage, and makes them one kernel call
-    (``torch.ops.fxopt.w4a16_linear_cat``). Moving a module to another device or dtype afterwards copies each
-    buffer on its own and ends the sharing (the pass then keeps separate calls). Costs one copy of each group's
-    packed tensors while it runs."""
+    """Lay out the packed tensors of sibling :class:`QuantLinear` s (children of one module named as in one entry
+    of ``names``, with the same K, group size, dtype, device and bias presence, no act-order) side by side in one
+    storage, each module's buffers becoming column slices of it; return the groups. Numbers and state dict do not
+    change; the w4a16 pass then makes the siblings' products one ``w4a16_linear_cat`` call."""
     groups = []
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())

@@ -18,10 +18,8 @@ from ..match import op_name as _torch_op_name
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-# ATen ops in a Dynamo graph (user code calling ``torch.ops.aten.*``, as Inductor's own patterns are written) read as
-# the torch-level op of the same name: each one takes its operands in the same positions and keywords. Overloads that
-# mean something else (``view.dtype``: a bitcast; ``div.*_mode``: rounding; ``_softmax`` with half_to_float, read by
-# :func:`op_name` itself) are left out.
+# ATen ops user code calls read as the torch-level op of the same name (same operand positions and keywords);
+# overloads that mean something else (``view.dtype``, ``div.*_mode``, ``_softmax``: see op_name) are left out.
 _ATEN_NAMES = {
     aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.mul: "mul",
     aten.div.Tensor: "div", aten.div.Scalar: "div", aten.div: "div",  # rounding_mode is a keyword, checked
@@ -100,10 +98,8 @@ def scalar_value(x: Any, facts: GraphFacts) -> Optional[float]:
 
 
 def sym_scalar(x: Any) -> Optional[fx.Node]:
-    """``x`` when it is a graph node holding one number known only at run time: a (symbolic) Python number, or a
-    0-d real tensor (``torch.full((), math.sqrt(S))``, ``torch.tensor(q.size(-1)) ** -0.5``, a learned temperature).
-    Either multiplies every score alike, so it moves onto q exactly; a 0-d tensor does not change the dtype of the
-    tensor it multiplies (type promotion), in eager nor on q."""
+    """``x`` when it is a graph node holding one number known only at run time: a (symbolic) Python number or a 0-d
+    real tensor (it multiplies every score alike, so it moves onto q exactly, without changing q's dtype)."""
     if isinstance(x, fx.Node):
         v = val(x)
         if isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
@@ -153,8 +149,6 @@ class Builder:
                 self.graph.erase_node(n)
 
 
-# ---- mutations -----------------------------------------------------------------------------------------------------
-
 _INPLACE_FUNCTIONS = {operator.setitem: "setitem", operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                       operator.itruediv: "div", operator.iand: "and", operator.ior: "or", operator.ixor: "xor"}
 _INPLACE_BASE = {"add_": "add", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill", "__iadd__": "add",
@@ -202,11 +196,9 @@ def _is_fresh(n: fx.Node) -> bool:
 
 
 class Mutations:
-    """Every in-place write of a graph and which values it may change (alias classes, found conservatively: any op
-    not known to return fresh memory is taken to alias its first input).
-
-    An in-place op on a fresh, otherwise unused intermediate (``s = q @ kᵀ; s += mask``) changes nothing anyone else
-    reads: it is taken as its functional form (:func:`_functional_inplace`) and is not a mutation here."""
+    """Every in-place write of a graph and which values it may change (alias classes, found conservatively: an op
+    not known to return fresh memory aliases its first input). An exact in-place form of a functional op on a fresh,
+    otherwise unused intermediate (:func:`_functional_inplace`) is not a mutation here."""
 
     def __init__(self, graph: fx.Graph):
         self.pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -266,15 +258,19 @@ def node_name(n: Any) -> Optional[str]:
     return base or op_name(n)
 
 
-# ---- constant evaluation -------------------------------------------------------------------------------------------
-
-
 @dataclass
 class GraphFacts:
     """What the pass knows of one graph: its in-place writes and the constants evaluated so far (None: not one)."""
 
     mutations: Mutations
     values: dict = field(default_factory=dict)
+
+
+def unwritten_ancestors(node: fx.Node, facts: GraphFacts) -> Optional[list[fx.Node]]:
+    """:func:`ancestors`, or None when one of them is written in place somewhere (its compile-time value is not the
+    value the graph reads)."""
+    nodes = ancestors(node)
+    return None if nodes is None or facts.mutations.touching(nodes) is not None else nodes
 
 
 def ancestors(node: fx.Node, limit: int = MAX_EVAL_NODES) -> Optional[list[fx.Node]]:
@@ -338,11 +334,9 @@ def const_eval(node: fx.Node, facts: GraphFacts) -> Optional[Any]:
     if node in facts.values:
         return facts.values[node]
     facts.values[node] = None
-    nodes = ancestors(node)
+    nodes = unwritten_ancestors(node, facts)
     if nodes is None:
         return None
-    if facts.mutations.touching(nodes) is not None:
-        return None  # written in place somewhere: its compile-time value is not the value the graph reads
     env: dict = {}
     for n in nodes:
         if not is_pure_eval_target(n):

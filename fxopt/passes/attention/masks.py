@@ -12,8 +12,8 @@ import torch
 import torch.fx as fx
 
 from ..match import tensor_val
-from .graph import (Builder, GraphFacts, ancestors, cast_dtype, const_eval, is_pure_eval_target, num, op_name,
-                    scalar_value, try_eval)
+from .graph import (Builder, GraphFacts, cast_dtype, const_eval, is_pure_eval_target, num, op_name, scalar_value,
+                    try_eval, unwritten_ancestors)
 
 
 @dataclass
@@ -82,18 +82,14 @@ def where_zero_fill(m: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, fl
     return cond, fb
 
 
-# ---- proofs: constant and key-padding literals ---------------------------------------------------------------------
-
 _GATHER_METHODS = {"getitem", "unsqueeze", "view", "reshape", "expand", "contiguous", "permute", "transpose",
                    "clone", "to", "bool", "expand_as", "squeeze", "flatten"}
 
 
 def _padding_probe(node: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, torch.Tensor]]:
     """If ``node`` is ``bool(P)`` gathered with constant indices from one placeholder P, return (P, index map)."""
-    nodes = ancestors(node)
+    nodes = unwritten_ancestors(node, facts)
     if nodes is None:
-        return None
-    if facts.mutations.touching(nodes) is not None:
         return None
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -309,9 +305,6 @@ def lower(masks: Masks, facts: GraphFacts, shape4: tuple, bh_layout: bool) -> tu
     return (None, why) if why else (low, "")
 
 
-# ---- fully masked rows ---------------------------------------------------------------------------------------------
-
-
 def dead_row_policy(masks: Masks, add_keep: list, possible: bool, training: bool, *, safe_softmax: bool,
                     dropout_p: float, softcap: float) -> tuple[Optional[str], str]:
     """What eager gives on a row whose every key is masked, when such rows may exist, as (policy, reason): None (none
@@ -352,11 +345,8 @@ def dead_row_policy(masks: Masks, add_keep: list, possible: bool, training: bool
 
 
 def call_with_dead_rows(b: Builder, q, k, v, kwargs: dict, dead: str, Hq: int, training: bool) -> fx.Node:
-    """The forward op (out, lse); rows the kernel found without a visible key (lse = +inf) get eager's value.
-
-    "nan": eager's softmax of a row of -inf is NaN, and so is its backward: dq on that row, dk and dv on the whole
-    (kv) head. In training a term that is 0 on every other row and NaN on the dead ones, times q, k and v (each times
-    0), carries exactly that NaN pattern into the gradients."""
+    """The forward op (out, lse); rows the kernel found without a visible key (lse = +inf) get eager's value, and in
+    training eager's NaN gradients (docs/architecture.md, "Fully masked rows")."""
     seed = None
     if kwargs.get("dropout_p"):
         seed = b.call(torch.randint, (0, 2**31 - 1, ()), {"dtype": torch.int64})
@@ -400,10 +390,8 @@ def _mean_rows(b: Builder, q, k, v, out, is_dead, dead: str, Hq: int, scale: Opt
 
     mean = heads(b.call("mean", (v, -2), {"keepdim": True}, method=True))  # [B, Hq, 1, D]
     if dead == "mean_additive":
-        # scores + f with f swamping them: the value is the uniform mean, but the softmax's gradient still reaches
-        # the scores, at p = 1/n: d out / d s_j = (v_j - mean v) / n. With s^ = s - detach(s) (value 0) that is
-        # mean v + (1/n) sum_j (s^_j - mean s^) v_j, written through K^T V ([D, D] per head, no S x S term):
-        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X).
+        # the uniform mean, with the softmax's gradient at p = 1/n written through K^T V (no S x S term):
+        # X = scale/n q (K^T sg(V)) - scale (q . mean k) sg(mean v); out = mean v + X - detach(X) (docs/architecture.md)
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         vd = b.call("detach", (v,), method=True)
         ktv = heads(b.call(torch.matmul, (b.call(torch.transpose, (k, -2, -1)), vd)))  # [B, Hq, D, D]
@@ -415,9 +403,6 @@ def _mean_rows(b: Builder, q, k, v, out, is_dead, dead: str, Hq: int, scale: Opt
         mean = b.call(operator.add, (mean, b.call(operator.sub, (x, b.call("detach", (x,), method=True)))))
     mean = b.call("to", (mean, tensor_val(out).dtype), method=True)
     return b.call(torch.where, (is_dead, mean, out))
-
-
-# ---- the mask tensor the kernel reads ------------------------------------------------------------------------------
 
 
 def sum_additive(b: Builder, adds: list) -> Optional[fx.Node]:

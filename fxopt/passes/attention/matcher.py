@@ -47,10 +47,8 @@ class Match:
 
 
 class _Layout:
-    """Views of the scores / probabilities that only split or merge the batch dims: [A*C, Sq, Sk] <-> [A, C, Sq, Sk]
-    (row-major, as ``view`` / ``reshape`` always are: index n of the merged dim is (n // C, n % C)), and ``expand`` to
-    the same shape. Every element keeps its (query, key) position, so the softmax over keys and every elementwise
-    op commute with them; each split must agree on C."""
+    """Views of the scores / probabilities that only split or merge the batch dims ([A*C, Sq, Sk] <-> [A, C, Sq,
+    Sk], ``expand`` to the same shape): every element keeps its (query, key) position; each split must agree on C."""
 
     def __init__(self):
         self.heads: Optional[int] = None
@@ -78,9 +76,6 @@ class _Layout:
             return f"views of the scores split the batch dim as {self.heads} and {heads} heads"
         self.heads = heads
         return ""
-
-
-# ---- operand helpers -----------------------------------------------------------------------------------------------
 
 
 def _strip_scalar(node: fx.Node, matched: list, facts: GraphFacts, syms: list) -> tuple[fx.Node, float]:
@@ -295,9 +290,6 @@ def _chain_operand(n: Any, shape: tuple) -> bool:
     return v is not None and tuple(v.shape) == shape and _chain_like(n)
 
 
-# ---- softmax, probabilities, P @ V ---------------------------------------------------------------------------------
-
-
 def _check_softmax(sm: fx.Node, sv: torch.Tensor) -> str:
     dim = get_arg(sm, 1, "dim")
     if not isinstance(dim, int) or dim % sv.dim() != sv.dim() - 1:
@@ -367,9 +359,6 @@ def _match_pv(m: Match, pv: fx.Node, p: fx.Node) -> str:
     else:
         return f"probabilities feed {pname or pv.target}, not a matmul"
     return ""
-
-
-# ---- the score chain, from the softmax input up to Q Kᵀ ------------------------------------------------------------
 
 
 @dataclass
@@ -630,9 +619,6 @@ def match_softmax(sm: fx.Node, facts: GraphFacts) -> tuple[Optional[Match], str]
     why = (_walk_scores(ch, m, layout, facts) or _match_qk(ch.x, m, ch.scale, facts)
            or _match_rank(m, ch.x, layout, ch.mask_ranks))
     return (None, why) if why else (m, "")
-
-
-# ---- SDPA ----------------------------------------------------------------------------------------------------------
 
 
 def is_sdpa(n: fx.Node) -> bool:

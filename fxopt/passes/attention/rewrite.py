@@ -68,17 +68,13 @@ def _flash_op():
     return None if op is None else op.default
 
 
-# ---- checks --------------------------------------------------------------------------------------------------------
-
-
 def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
     if not (qv.dtype == kv_.dtype == vv.dtype) or qv.dtype not in _SUPPORTED_DTYPES:
         return f"dtypes {qv.dtype}/{kv_.dtype}/{vv.dtype} unsupported"
     if not (qv.device == kv_.device == vv.device):
         return "q/k/v on different devices"
-    # Batch and sequence lengths may be symbolic (Dynamo's dynamic shapes): the kernel reads them at run time, and a
-    # comparison below that relates two of them becomes a guard. Head counts and the head dim must be static: they
-    # pick the kernel's configuration.
+    # B and the lengths may be symbolic (a comparison of two becomes a guard); head counts and the head dim pick the
+    # kernel's configuration and must be static.
     for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3]):
         if not isinstance(s, int):
             return "dynamic head count or head dim"
@@ -198,9 +194,7 @@ def _check_region(m: Match, ops: _Operands, trial: Masks, low: Optional[Lowered]
     the region's first node and the op."""
     if m.sdpa_causal and (trial.keeps or trial.additive):
         return "SDPA is_causal with an attn_mask"
-    # A learned bias (an additive mask that requires grad, e.g. T5's position bias): the op gives its gradient, but
-    # from an S x S float32 pass after the kernels (attention._mask_grad_impl); SDPA's own backends are the better
-    # choice there, so the original stays.
+    # A learned bias (e.g. T5's position bias): the op's bias gradient needs an extra S x S pass; SDPA's does not.
     if any(getattr(tensor_val(a), "requires_grad", False) for a in m.masks.additive):
         return ("additive mask requires grad (a learned bias): left to the original, whose backward gives the bias "
                 "gradient without an extra S x S pass")
@@ -230,26 +224,14 @@ def _plan(m: Match, ops: _Operands, cfg: AttentionConfig, facts: GraphFacts,
     return (None, why) if why else (_Plan(trial, low, dead, dynamic, training), "")
 
 
-# ---- building the replacement --------------------------------------------------------------------------------------
-
-
 def _bhsd_operands(b: Builder, m: Match, ops: _Operands) -> tuple[fx.Node, fx.Node, fx.Node]:
     """q, k, v in the op's [B, H, S, D] layout."""
-    q = m.q
-    k = ops.k_src if ops.k_src is not None else m.k
-    v = ops.v_src if ops.v_src is not None else m.v
-    if m.q_perm is not None:
-        q = b.call(torch.permute, (q, m.q_perm))
-    if m.k_perm is not None:
-        k = b.call(torch.permute, (k, m.k_perm))
-    if m.v_perm is not None:
-        v = b.call(torch.permute, (v, m.v_perm))
+    operands = ((m.q, m.q_perm), (ops.k_src or m.k, m.k_perm), (ops.v_src or m.v, m.v_perm))
+    q, k, v = [x if perm is None else b.call(torch.permute, (x, perm)) for x, perm in operands]
     if m.k_is_kt:
         k = b.call(torch.transpose, (k, -2, -1))
     if m.three_d:
-        q = b.call(torch.unsqueeze, (q, 0))
-        k = b.call(torch.unsqueeze, (k, 0))
-        v = b.call(torch.unsqueeze, (v, 0))
+        q, k, v = [b.call(torch.unsqueeze, (x, 0)) for x in (q, k, v)]
     if m.heads is not None:  # [A*C, S, D] -> [A, C, S, D], the layout the chain's views give the scores
         q, k, v = (x if tensor_val(x).dim() == 4 else b.call(torch.unflatten, (x, 0, (-1, m.heads)))
                    for x in (q, k, v))
@@ -417,18 +399,13 @@ def _emit(gm: fx.GraphModule, m: Match, cfg: AttentionConfig, op, facts: GraphFa
     return out
 
 
-# ---- the pass ------------------------------------------------------------------------------------------------------
-
-
 def _erase_dead(g: fx.Graph, candidates: list) -> None:
     """Erase unused pure nodes among ``candidates`` and (transitively) their ancestors."""
     work = list(candidates)
     seen: set = set()
     while work:
         n = work.pop()
-        if n in seen or n.graph is not g:
-            continue
-        if n.op not in ("call_function", "call_method") or n.users:
+        if n in seen or n.graph is not g or n.op not in ("call_function", "call_method") or n.users:
             continue
         if not is_pure_eval_target(n) and op_name(n) != "dropout":
             continue
