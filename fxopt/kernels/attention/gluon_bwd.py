@@ -1,24 +1,14 @@
 """FA3-style attention backward for Hopper (sm_90) in Gluon: the builds the routing table picks.
 
-The Triton backward runs two kernels that each recompute S and P (7 GEMMs per block pair instead of 5). Here one CTA
-owns a block of keys of one (batch, kv head); a TMA producer warp streams Q, dO, lse and delta of every query block
-of the GQA group through a shared-memory ring and two consumer warpgroups compute S^T = K Q^T and dP^T = V dO^T
-back to back, then P^T, dS^T, dV += P^T dO and dK += dS^T Q in registers. Three launches: ``_bwd_preprocess``
-(delta = rowsum(dO * O), lse in base 2, the fp32 dQ workspace zeroed), the main kernel, ``_bwd_dq_convert``.
-
-* ``"dq-reducer"`` (d = 64 / 128, ``_fa3_bwd_kernel``): 128 keys per CTA, 64 per warpgroup. dK is issued before
-  dS^T is published to the other warpgroup; each warpgroup computes dQ for its half of the head dim over all 128
-  keys and hands it to a reducer warp through a double-buffered shared-memory tile; the reducer adds the tile to
-  the workspace with one TMA ``cp.reduce.async.bulk.tensor`` per half-tile, so the consumers issue no global
-  reductions (1.13-1.20x over the same kernel with warp reductions at d = 128).
-* ``"d256"`` (``_fa3_bwd_kernel_d256``): 64 keys per CTA; the warpgroups split the queries of S^T / dP^T (32 each)
-  and the head dim of dK / dV / dQ (128 columns each), exchanging P^T and dS^T halves through shared memory. The
-  dQ tiles are written into the dead Q / dO bytes of the ring slot and the producer reduces them by TMA before it
-  refills the slot. 230.9 KB of the 232 KB of shared memory per CTA.
-
-At run time Triton makes an int argument equal to 1 (GROUP, H) a constexpr: the partition lists and argument tuples
-are literals, so that constexprs stay constexprs. Semantics: lse fp32 natural log (+inf on rows with no visible key:
-exact zero gradients), causal bottom-right aligned, GQA; ``gluon_bwd_supported`` names what it refuses.
+One CTA owns a block of keys of one (batch, kv head); a TMA producer warp streams Q, dO, lse and delta of every
+query block of the GQA group through a ring, and two consumer warpgroups compute S^T = K Q^T and dP^T = V dO^T,
+then dV += P^T dO and dK += dS^T Q in registers (5 GEMMs per block pair; the Triton backward's two kernels need 7).
+Three launches: ``_bwd_preprocess`` (delta, lse in base 2, the fp32 dQ workspace zeroed), the main kernel,
+``_bwd_dq_convert``. ``"dq-reducer"`` (d = 64 / 128, ``_fa3_bwd_kernel``): dQ handed to a reducer warp that adds it
+to the workspace by TMA reductions. ``"d256"`` (``_fa3_bwd_kernel_d256``): the warpgroups split queries and head
+dim; the producer reduces the dQ tiles written into the slot's dead Q / dO bytes. Partition lists and argument
+tuples are literals so that constexprs stay constexprs. ``gluon_bwd_supported`` names what it refuses; layouts and
+measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -42,6 +32,7 @@ from .gluon_common import (
     gluon,
     host_layout,
     mbarrier,
+    qkv_reason,
     tma,
     tma_stride_reason,
     warpgroup_mma,
@@ -733,28 +724,19 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
         return reason
     if not isinstance(lse, torch.Tensor) or lse.device != q.device:
         return "lse is not a tensor on q's device"
+    reason = qkv_reason(q, k, v, _STAGES, scale)
+    if reason is not None:
+        return reason
     B, Hq, Sq, D = q.shape
-    if k.shape != v.shape:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    Hkv = k.shape[1]
     if out.shape != q.shape or dout.shape != q.shape:
         return f"out {tuple(out.shape)} / dout {tuple(dout.shape)} must match q {tuple(q.shape)}"
-    if D not in _STAGES:
-        return f"head dim {D} not supported (only {sorted(_STAGES)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
     if lse.dtype != torch.float32 or tuple(lse.shape) != (B, Hq, Sq):
         return f"lse must be fp32 [B, Hq, Sq] = {(B, Hq, Sq)}, got {lse.dtype} {tuple(lse.shape)}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale})"
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         r = tma_stride_reason(name, t)
         if r is not None:
             return r
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
     if B * Hq * (Sq + _PRE_BLOCK) >= 2 ** 31:
         return "B * Hq * Sq too large for the int32 lse / delta TMA coordinate"
     if B * Hkv > 65535 or B * Hq > 65535:

@@ -114,3 +114,23 @@ def common_reason(tensors: tuple, dtypes: tuple, arch_major: int) -> Optional[st
     if cap[0] != arch_major:
         return f"needs sm_{arch_major}0 (TMA / wgmma), device is sm_{cap[0]}{cap[1]}"
     return None
+
+
+def qkv_reason(q, k, v, head_dims, scale) -> Optional[str]:
+    """The shape checks every Gluon attention build makes after ``common_reason``: k / v alike and matching q in
+    batch and head dim, a head dim in ``head_dims``, GQA, scale > 0 (folded into exp2), int32 TMA coordinates."""
+    B, Hq, Sq, D = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    if k.shape[0] != B or k.shape[3] != D:
+        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if D not in head_dims:
+        return f"head dim {D} not supported (only {sorted(head_dims)})"
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    if scale is not None and not (float(scale) > 0.0):
+        return f"scale must be > 0 (got {scale}); it is folded into exp2"
+    if max(Sq, k.shape[2]) >= 2 ** 30:
+        return "sequence too long for int32 TMA coordinates"
+    return None

@@ -1,26 +1,13 @@
 """FA3-style attention forward for Hopper (sm_90) in Gluon: the builds the routing table picks.
 
-A CTA is split by ``gl.warp_specialize`` into a TMA producer warp, which fills a ring of K / V shared-memory slots,
-and two (``"persistent3"``: three) consumer warpgroups of 64 query rows. Each consumer software-pipelines its key
-loop: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1} with P in registers as the wgmma A operand, wait until one
-group is in flight, so one warpgroup's softmax runs under the other warpgroups' GEMMs (the Triton kernel runs QK^T,
-softmax and PV one after the other in every warpgroup and leaves the schedulers idle most cycles).
+``gl.warp_specialize`` splits a CTA into a TMA producer warp (a ring of K / V slots) and two (``"persistent3"``:
+three) consumer warpgroups of 64 query rows, each software-pipelining its key loop (issue S_j, issue PV_{j-1} with P
+in registers, wait until one group is in flight) so one warpgroup's softmax runs under the others' GEMMs.
 
-Builds (``routing.ROUTES``):
-
-* ``"default"`` (d = 256): one CTA per 128-row query tile of one (batch, head); the O rescale after the PV wait.
-* ``"persistent"`` (d = 64 / 128): a grid of at most one CTA per SM loops over (batch x head, query tile) work
-  items (causal: zigzag pairs of a long and a short tile); two Q buffers per warpgroup, a K / V ring that never
-  drains between items, the O store left in flight. FA3's step order: O *= alpha_{j-1} between the two issues,
-  and a store of the row sum to an unread shared slot that keeps ptxas from hoisting the PV wait above the exp2s.
-  P is cast with one packed ``cvt`` per pair (``_fa_p16``).
-* ``"persistent3"`` (d = 64, long queries): the same with three consumer warpgroups (192-row items) and no
-  row-sum pin (in 160 registers it spilled).
-
-Masking is a compile-time variant of the step (a runtime branch while a wgmma is in flight makes ptxas wait for
-all of them at the join), so each consumer runs an unmasked and a masked loop. Semantics as
-``fxopt::flash_attention`` for d in {64, 128, 256}, causal or not, GQA, TMA-compatible strides; anything else is
-refused by ``gluon_supported`` with the reason. Layouts, barrier protocol and measurements: ``docs/kernels.md``.
+Builds: ``"default"`` (d = 256, one CTA per 128-row tile); ``"persistent"`` (d = 64 / 128, at most one CTA per SM
+looping over work items, FA3's step order, packed P cast); ``"persistent3"`` (d = 64, three consumers). Masking is a
+compile-time variant of the step (a runtime branch with a wgmma in flight makes ptxas wait for all of them).
+``gluon_supported`` names what a build refuses. Layouts, barriers, measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -41,6 +28,7 @@ from .gluon_common import (
     gluon,
     host_layout,
     mbarrier,
+    qkv_reason,
     tma,
     tma_stride_reason,
     unmasked_blocks,
@@ -713,27 +701,15 @@ def persistent_items(pid: int, P: int, num_m: int, num_bh: int, sched: int, caus
 
 def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
     """None if ``gluon_attention_fwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
-    reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9)
+    reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9) or \
+        qkv_reason(q, k, v, _CONFIGS, scale)
     if reason is not None:
         return reason
-    B, Hq, Sq, D = q.shape
-    if k.shape != v.shape:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    if D not in _CONFIGS:
-        return f"head dim {D} not supported (only {sorted(_CONFIGS)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale}); it is folded into exp2"
     for name, t in (("q", q), ("k", k), ("v", v)):
         r = tma_stride_reason(name, t)
         if r is not None:
             return r
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
+    B, Hq = q.shape[:2]
     if B * Hq > 65535:
         return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
     return None
@@ -747,22 +723,16 @@ def _desc(t: torch.Tensor, rows: int):
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
-                        write_lse: bool = True, num_sms: Optional[int] = None):
-    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
-    natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
-
-    ``out`` / ``lse``: buffers to write (``out`` like q, any strides TMA accepts); default contiguous.
-    ``checked=True`` skips ``gluon_supported`` (the caller ran it). ``variant``: one of ``VARIANTS``.
-    ``write_lse=False``: return (out, None); the persistent builds then skip the lse stores, "default" writes a
-    scratch buffer. ``num_sms``: persistent builds only, the grid's upper bound (default: the device's SM count;
-    small values force many items per CTA)."""
+                        num_sms: Optional[int] = None):
+    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out like q, lse fp32 [B, Hq, Sq], natural
+    log, +inf for rows with no visible key); ValueError when unsupported. ``out`` / ``lse``: buffers to write.
+    ``checked=True`` skips ``gluon_supported``. ``num_sms``: the persistent grid's bound (small values force many
+    items per CTA)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
     persistent = variant != "default"
     if num_sms is not None and (not persistent or int(num_sms) < 1):
         raise ValueError(f"gluon_attention_fwd: num_sms={num_sms} needs a persistent variant and a value >= 1")
-    if not write_lse and lse is not None:
-        raise ValueError("gluon_attention_fwd: an lse buffer was given with write_lse=False")
     reason = None if checked else gluon_supported(q, k, v, causal, scale)
     if reason is None and out is not None:
         reason = tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
@@ -777,16 +747,13 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if out is None:
         out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
     if lse is None:
-        lse = torch.empty((B, Hq, Sq) if (write_lse or not persistent) else (1,), device=q.device,
-                          dtype=torch.float32)
-    lse_ret = lse if write_lse else None
+        lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if B * Hq * Sq == 0:
-        return out, lse_ret
+        return out, lse
     if Sk == 0:
         out.zero_()
-        if write_lse:
-            lse.fill_(float("inf"))
-        return out, lse_ret
+        lse.fill_(float("inf"))
+        return out, lse
     cfg = config_for(D, variant)
     num_m = (Sq + rows_per_item(variant) - 1) // rows_per_item(variant)  # not triton.cdiv: slow on the host
     q_desc, o_desc = _desc(q, WG_ROWS), _desc(out, WG_ROWS)
@@ -803,12 +770,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m, B * Hq,
             HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
-            WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+            WRITE_LSE=True, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
             **({"NUM_WG": cfg["NUM_WG"]} if cfg["NUM_WG"] != 2 else {}))
-        return out, lse_ret
+        return out, lse
     _fa3_fwd_kernel[(num_m, B * Hq)](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk,
                                      num_m, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
                                      CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
                                      PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"],
                                      maxnreg=cfg["maxnreg"])
-    return out, lse_ret
+    return out, lse

@@ -1,20 +1,11 @@
 """The Gluon FP8 (e4m3) attention forward for Hopper (sm_90): the op's kernel at d = 64 / 128.
 
-The structure of the bf16 ``attention.gluon_fwd`` "default" build: one CTA = 128 query rows of one (batch, head), a
-TMA producer warp, two consumer warpgroups that pipeline S_i = Q K_i^T against O += P8_{i-1} V_{i-1} (QGMMA, fp32
-accumulation). Inputs are ``quant.quantize_qkv``'s; the block scales are folded exactly as the Triton kernel folds
-them, so the two agree to rounding. FP8 specifics:
-
-* sm_90 fp8 wgmma reads shared-memory operands K-major only, hence V transposed; P is scaled by 2^8, cast to e4m3
-  in registers and fed as the register A operand (k_width 4).
-* ``permute_k``: K is read through a 5-D TMA view that permutes the keys inside every 16, so that the accumulator
-  columns a lane owns after the relabelling are exactly the keys of its fp8 A fragment: P needs no cross-lane
-  exchange (F2FP pairs + one PRMT per 4 keys).
-* ``cast_late``: P_{i-1} is carried across the loop back edge in fp32 and cast right before the PV wgmma that reads
-  it (a loop-carried 8-bit register tensor is one byte per 32-bit register in Triton 3.6: ~180 pack / unpack
-  instructions per step otherwise).
-
-With both: 801-850 against 773-784 TFLOP/s for the Triton fp8 kernel non-causal at d = 128, level causal.
+The structure of the bf16 ``attention.gluon_fwd`` "default" build (128 query rows per CTA, a TMA producer warp, two
+consumer warpgroups pipelining S_i = Q K_i^T against O += P8_{i-1} V_{i-1}) on ``quant.quantize_qkv``'s inputs, with
+the block scales folded as the Triton kernel folds them. V is transposed (fp8 wgmma reads shared operands K-major
+only); P, scaled by 2^8, is cast to e4m3 in registers as the A operand. ``permute_k``: K is read through a 5-D TMA
+view that permutes keys inside every 16, so P needs no cross-lane exchange; ``cast_late``: P_{i-1} is carried in
+fp32 and cast right before the PV wgmma. Layouts and measurements: ``docs/kernels.md`` ("FP8 attention").
 """
 from __future__ import annotations
 
@@ -34,6 +25,7 @@ from fxopt.kernels.attention.gluon_common import (
     gluon,
     host_layout,
     mbarrier,
+    qkv_reason,
     tma,
     tma_stride_reason,
     unmasked_blocks,
@@ -313,20 +305,10 @@ def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = 
     reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9)
     if reason is not None:
         return reason
-    B, Hq, Sq, D = q.shape
-    if tuple(k.shape) != tuple(v.shape):
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    if D not in _CONFIGS:
-        return f"head dim {D} not supported by the Gluon fp8 kernel (only {sorted(_CONFIGS)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale}); it is folded into exp2"
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
+    reason = qkv_reason(q, k, v, _CONFIGS, scale)
+    if reason is not None:
+        return reason
+    B, Hq = q.shape[:2]
     if B * Hq > 65535:
         return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
     return None

@@ -1,14 +1,10 @@
 """W4A16 "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read as it is (no prep kernel).
 
-Each program owns 128-column chunks of N and a K slice; every thread holds 4 columns per chunk, so each activation
-it converts serves several weights. A code becomes an fp32 with one LOP3: ``(copy & 0xF0000) | 0x43000000`` reads
-as 128 + q, ``(copy & 0xF000) | 0x45000000`` as 2048 + q, from four copies of the packed word (itself, ``<< 8``,
-``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1. Per K tile and column a
-thread runs one FFMA chain started at the zero / offset correction ``-(sum x OFF + z sum x)``, then folds it with
-the scale. Split-K partials go to an fp32 workspace kept at zero (relaxed atomics); the CTA that bumps the column
-tile's counter last reads the total, zeroes it, adds the bias and writes y. The grid is sized to one wave of the
-resident CTAs (``common.one_wave_split``). It wins at M = 1 on narrow shapes (4096 x 1024 on the H200); the
-tuner checks its output against the default candidate's before timing it.
+Each program owns 128-column chunks of N and a K slice. A code becomes an fp32 with one LOP3 (``(copy & MASK) |
+MAGIC`` = OFF + q, from four shifted copies of the packed word: 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1);
+one FFMA chain per K tile and column, started at the zero / offset correction, folded with the scale. Split-K
+partials go by relaxed atomics to an fp32 workspace kept at zero; the last CTA of a column tile writes y. The grid is
+one wave of resident CTAs (``common.one_wave_split``). Design and measurements: ``docs/kernels.md`` ("gemv1.py").
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
 """W4A16 GEMM for Hopper (sm_90) in Gluon: a warp-specialized TMA ring feeding two consumer warpgroups.
 
-Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)``, group size 128, integer zeros, as the transposed product
-``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]``: the dequantized weights are wgmma's A operand from registers (the weight's N
-is the tensor-core M, so 16..256 activation rows are the wgmma N), x^T the shared-memory B operand.
-
-* x is rewritten once per call in FRAG order (``triton_tiles.prep_x``), so thread t of a quad needs, per 32-K chunk,
-  exactly the 8 nibbles of one packed word: whole-word shared-memory loads.
-* A producer warp TMA-loads x [BM, 128], the packed words [16, BN], and the scale and zero rows into a ring of
-  STAGES slots (``ready`` barrier: expect-tx of the four copies; ``empty``: one arrival per consumer).
-* Consumer c owns weight columns [c BN/2, (c + 1) BN/2): per K tile and KC-column chunk it unpacks its words to
-  ``OFFSET + q`` pairs, dequantizes with packed ``sub.rn`` / ``mul.rn`` bf16x2 (exact for integer zeros, one rounding
-  as the reference), relabels the registers into the wgmma A layout (``convert_layout(..., assert_trivial=True)``:
-  no data movement), issues an async wgmma and waits with one group in flight; the two consumers overlap each
-  other's dequantization and tensor work. A slot is released after the first wgmma of the next tile.
-* Weight columns are relabeled (tile row r = 64 rep + 16 warp + 8 h + g holds column 2R (8 warp + g) + 2 rep + h) so a
-  thread's rows are consecutive columns: one vector load per word row; the epilogue applies the same map.
-* Small grids split K: each consumer writes its fp32 partial to a workspace (register-major tiles with
-  ``ws="regmajor"``: one coalesced 128-byte line per warp store), bumps a per-(tile, consumer) counter and the last
-  to arrive sums, adds the bias, writes y and resets the counter.
-* ``regs="async"`` (consumers 200 / producer 112 registers) keeps wgmma asynchronous; with the default split ptxas
-  serializes every wgmma. Async builds retire their last wgmma inside the K loop (``DRAIN_IN_LOOP``): ptxas
-  otherwise schedules epilogue reads of the accumulator above the final wait.
-* ``deq="xsum"`` (M <= 16): the codes ``OFFSET + q`` go into the wgmma as they are, and zero and scale are applied
-  once per K tile to an fp32 partial, ``acc += (part - (OFFSET + z) * sum_k x) * s`` (sums of x from the prep).
-
-Supported: sm_90, bf16 / fp16 x (2-D or 3-D), K and N multiples of 128, group 128, integer zeros, N a multiple of
-BN; other inputs raise ``ValueError``. Measurements and SASS notes: ``docs/kernels.md`` ("W4A16").
+``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]`` (group 128, integer zeros): the dequantized weights are wgmma's register A
+operand, x (rewritten in FRAG order by ``triton_tiles.prep_x``) the shared B operand. A producer warp TMA-loads x,
+the packed words, scales and zeros into a ring; consumer c dequantizes its half of the columns with packed bf16x2
+``sub`` / ``mul`` (exact for integer zeros), relabels the registers into the A layout and keeps one wgmma group in
+flight. Small grids split K through a workspace (``ws="regmajor"``: register-major tiles) and per-tile counters.
+``regs="async"`` is the register split that keeps wgmma asynchronous (with the last wait inside the K loop);
+``deq="xsum"`` (M <= 16) feeds the codes as they are and applies zero and scale once per K tile. Other inputs raise
+``ValueError``. Layouts, SASS notes, measurements: ``docs/kernels.md`` ("gluon.py").
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+.
+"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+; method "mma", M <= 16.
 
-The tuner lists it as method "mma" for M buckets <= 16 (``Routes.mma`` unlists it). Why: the CUDA-core kernel
-"gemv1" is issue-bound at M = 1 (about three instructions per weight); here the tensor cores take the multiply.
-Product ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8 columns the
-(zero-padded) activation rows. Both axes are relabeled so that lane t reads exactly the 8 nibbles of one packed word
-per 32-K chunk and each A register is a pair of unpacked weights; the codes enter as OFFSET + q and scale / zero are
-applied once per K tile, with the sums of x from a second mma. Split-K by relaxed fp32 atomics into the zeroed
-workspace, sized to one wave (``choose_split``); ``prefetch`` 1 / 2 keeps the next one / two K tiles' loads in
-registers (the loop unrolled by two / three, no register copies).
-Lane maps, register budgets and measurements: ``docs/kernels.md``.
+``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8 columns the (zero-padded)
+activation rows. Both axes are relabeled so that lane t reads the 8 nibbles of one packed word per 32-K chunk; the
+codes enter as OFFSET + q and scale / zero are applied once per K tile (sums of x from a second mma). Split-K by
+relaxed fp32 atomics into the zeroed workspace, sized to one wave (``choose_split``). Lane maps, register budgets
+and measurements: ``docs/kernels.md`` ("w4a16/mma.py").
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Triton W4A16 tiles "swapx" and "swapd": the weight as the dot's first operand, x prepared once per call.
 
-``_w4a16_swap_kernel`` computes ``y^T[BLOCK_N, BLOCK_M] = codes[BLOCK_N, BLOCK_K] @ x^T`` over a K slice. The
-unpacked codes are the first operand, which Hopper's wgmma reads from registers (they never pass through shared
-memory), and the tensor-core M side is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile.
-``_prep_x_kernel`` first writes x in the codes' K order with its sums per K tile, so no program permutes or reduces
-x in its inner loop; with BLOCK_K a multiple of 32 the codes are unpacked in FRAG order (wgmma's register fragment:
-a thread reads each packed word once and uses all 8 nibbles).
-
-* "swapx": the dot runs on the offset codes, scale and zero are applied once per K tile to the accumulator:
-  ``acc += (codes @ x^T - (OFFSET + z) * sum_k x) * s``.
-* "swapd": the codes are dequantized before the dot by packed PTX ``sub`` / ``mul`` (two weights per instruction,
-  rounded as the reference rounds ``(q - z) * s``), so the dot accumulates over K with no per-tile correction and
-  its wgmma stays asynchronous. Exact only for integer zeros (otherwise it runs as "swapx").
-
-The main kernel is launched with programmatic dependent launch (``pdl``): its programs load their first scales
-while the prep kernel runs and wait (``gdc_wait``) before reading x. Small grids split K: partials go to an fp32
-workspace and the last program to arrive at a tile's counter sums them, adds the bias and writes y (one launch).
-Measurements: ``docs/kernels.md`` ("W4A16").
+``_w4a16_swap_kernel`` computes ``y^T[BLOCK_N, BLOCK_M] = codes @ x^T`` over a K slice (the codes are wgmma's register
+operand and the tensor-core M side is the weight's N, so 1-16 activation rows cost one BLOCK_M = 16 tile);
+``_prep_x_kernel`` first writes x in the codes' FRAG K order with its sums per K tile. "swapx" runs the dot on the
+offset codes and applies scale and zero once per K tile, ``acc += (codes @ x^T - (OFFSET + z) * sum_k x) * s``;
+"swapd" dequantizes before the dot with packed PTX (exact only for integer zeros). The main kernel is launched with
+programmatic dependent launch; small grids split K through an fp32 workspace and a per-tile counter (the last
+program sums). Design and measurements: ``docs/kernels.md`` ("W4A16").
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """The W4A16 tuner: per (M bucket, K, N, group, dtype) it times a short candidate list once and keeps the pick.
 
-Candidates (``candidate_configs``, first = the untuned default): the Triton "swapx" / "swapd" tiles of the
-bucket, "dequant_matmul" above M = 256 (``Routes.dequant_matmul``), then where they apply the Gluon tiles (sm_90,
-bf16, integer zeros, group 128), "gemv1" (M <= 4) and "mma" (M <= 16, sm_80+), each behind a ``Routes`` switch.
-
-Timing (``_pick_fastest``): every candidate replayed from a CUDA graph, then the ones within 8% of the best timed
-again, longer (near-equal builds are within one round's noise). Buckets up to M = 16 are timed as calls back to back
-over weight copies larger than L2 (``bench_streamed_us``: as a model's layers run, PDL overlap included), larger
-ones one call at a time after emptying L2 by reading 256 MB (a zero-fill would leave dirty lines whose write-back
-the timed call pays). "gemv1" / "mma" are timed only after their output matched the default candidate's. Under
-CUDA-graph capture nothing is timed (the tuner's file, else the default).
-
-Picks are kept in the process, in the tuner's file (``FXOPT_W4A16_TUNE_CACHE``: key = GPU model, software versions,
-shape, and a digest of the candidate labels, so a pick is never reused against other candidates) and, for the
-benchmarked models' shapes on the H200, in the shipped ``picks_h200.json`` (the same key without software versions;
-``benchmarks/generate.py --export-w4a16-picks`` writes it; ``tests/kernels/test_w4a16_tuner.py`` checks that every
-shipped key matches today's candidate list).
+Candidates (``candidate_configs``, first = the untuned default): the Triton tiles of the bucket, "dequant_matmul"
+above M = 256, then where they apply Gluon (sm_90, bf16, integer zeros, group 128), "gemv1" (M <= 4) and "mma"
+(M <= 16), each behind a ``Routes`` switch. ``_pick_fastest`` times every candidate from a CUDA graph, then the ones
+within 8% of the best again, longer; buckets up to M = 16 back to back over weight copies larger than L2
+(``bench_streamed_us``), larger ones one call at a time after emptying L2. "gemv1" / "mma" are timed only after
+their output matched the default's; under CUDA-graph capture nothing is timed. Picks live in the process, in the
+tuner's file (``FXOPT_W4A16_TUNE_CACHE``, keyed on GPU model, software versions, shape and a digest of the
+candidate labels) and in the shipped ``picks_h200.json`` (the same key without versions). ``docs/kernels.md``.
 """
 from __future__ import annotations
 
