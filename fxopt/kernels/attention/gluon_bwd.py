@@ -301,28 +301,6 @@ def _bwd_consumer(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _bwd_consumer_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                  dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                  dk_desc, dv_desc, HEAD_DIM, STAGES, NB)
-
-
-@gluon.jit
-def _bwd_consumer_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                  dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                  dk_desc, dv_desc, HEAD_DIM, STAGES, NB)
-
-
-@gluon.jit
 def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
     """Per step: wait dq_full[buf]; two TMA reduce-adds (one per column half, each a [64, d / 2] tile = one
     [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8] with strides
@@ -408,11 +386,11 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     # A literal partition list and literal argument tuples (see the module docstring). The reducer warp(s) join
     # warpgroup 2 at the producer's register budget.
     gl.warp_specialize([
-        (_bwd_consumer_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+        (_bwd_consumer, (0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                              dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                              dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                              dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
-        (_bwd_consumer_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+        (_bwd_consumer, (1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                              dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
                              dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                              dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
@@ -618,28 +596,6 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
 
 
 @gluon.jit
-def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                           b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                           dk_desc, dv_desc, dq_desc, STAGES: gl.constexpr):
-    _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                       b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                       dk_desc, dv_desc, dq_desc, STAGES)
-
-
-@gluon.jit
-def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                           b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                           dk_desc, dv_desc, dq_desc, STAGES: gl.constexpr):
-    _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                       b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                       dk_desc, dv_desc, dq_desc, STAGES)
-
-
-@gluon.jit
 def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
                          qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -696,11 +652,11 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer_d256_wg0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+        (_bwd_consumer_d256, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
                                   b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                                   dk_desc, dv_desc, dq_desc, STAGES)),
-        (_bwd_consumer_d256_wg1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+        (_bwd_consumer_d256, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                                   kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
                                   b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
                                   dk_desc, dv_desc, dq_desc, STAGES)),

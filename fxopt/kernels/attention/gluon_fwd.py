@@ -228,22 +228,6 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 
 
 @gluon.jit
-def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
-def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
 def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -287,12 +271,10 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
     # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
     # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
     gl.warp_specialize([
-        (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                            CAUSAL)),
-        (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                            CAUSAL)),
+        (_fa_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_fa_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
         (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                         v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -522,40 +504,6 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     tma.store_wait(0)
 
 
-@gluon.jit
-def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr = 2):
-    _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
-@gluon.jit
-def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr = 2):
-    _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
-@gluon.jit
-def _fa_consumer_persistent_wg2(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr):
-    # "persistent3" only: the third consumer warpgroup, query rows m0 + 128 .. m0 + 191 of the 192-row tile
-    _fa_consumer_persistent(2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
 # lse_ptr's alignment: one build per constexpr set.
 @gluon.jit(do_not_specialize=["lse_ptr", "H", "GROUP", "SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_BH"])
@@ -598,32 +546,32 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
     if NUM_WG == 3:
         # consumer warpgroups 0 (default partition), 1, 2 and the producer warp: 13 warps, 16 after rounding
         gl.warp_specialize([
-            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
-            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
-            (_fa_consumer_persistent_wg2, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED, NUM_WG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, 2)),
-            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, 2)),
+            (_fa_consumer_persistent, (0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, 2)),
+            (_fa_consumer_persistent, (1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, 2)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
