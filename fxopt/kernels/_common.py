@@ -1,4 +1,5 @@
-"""Helpers every kernel family shares: the SM count, the interpreter flag, and the active kernel choices.
+"""Helpers every kernel family shares: the SM count, the interpreter flag, autotune lists, and the active kernel
+choices.
 
 Kernel choices (:class:`fxopt.config.KernelConfig`, e.g. "Gluon attention on / off") reach the kernels at run time,
 long after a graph was compiled, and custom ops take no config argument. So they live in one place here:
@@ -43,6 +44,40 @@ def _cuda_sms(index: int) -> int:  # a device-properties query costs microsecond
 def is_sm90(device) -> bool:
     """Hopper (sm_90 exactly): the Gluon builds use its wgmma and TMA."""
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def block_configs(rows, pre_hook=None) -> list:
+    """``triton.Config`` of each distinct (BLOCK_M, BLOCK_N, num_warps, num_stages) row, in order (under the
+    interpreter: one small config)."""
+    import triton
+
+    rows = [(16, 16, 4, 1)] if INTERPRET else dict.fromkeys(rows)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=pre_hook)
+            for bm, bn, w, st in rows]
+
+
+def keep_rows(configs, wanted, ordered: bool = False) -> list:
+    """An autotune prune: the configs whose row is in ``wanted`` (in ``wanted``'s order when ``ordered``), the
+    first config when none is, only the first one under ``FXOPT_NO_TUNE``."""
+    from fxopt import env
+
+    def row(c):
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+    kept = [c for c in configs if row(c) in wanted]
+    if ordered:
+        kept.sort(key=lambda c: wanted.index(row(c)))
+    kept = kept or configs[:1]
+    return kept[:1] if env.no_tune() else kept
+
+
+def quick_bench(rep: int):
+    """The ``do_bench`` of the autotuners: a short warm-up and ``rep`` ms of timing."""
+    def bench(fn, quantiles=None):
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=rep, quantiles=quantiles)
+    return bench
 
 
 _backend_kernels = KernelConfig()

@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 import triton
 
-from fxopt import env
 from fxopt.kernels import cdiv, next_pow2
-from fxopt.kernels._common import INTERPRET, is_sm90, kernel_config, kernel_config_key
+from fxopt.kernels._common import (INTERPRET, block_configs, is_sm90, keep_rows, kernel_config, kernel_config_key,
+                                   quick_bench)
 from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
 
 from . import routing
@@ -61,18 +61,6 @@ DQ_CONFIGS = {
     256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2)],
     "f32": [(32, 32, 4, 2), (32, 16, 4, 2)],
 }
-INTERPRET_CONFIG = (16, 16, 4, 1)
-
-
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
-
-def _configs(table):
-    if INTERPRET:
-        return [_cfg(*INTERPRET_CONFIG)]
-    rows = dict.fromkeys(r for rows in table.values() for r in rows)  # unique, in order
-    return [_cfg(*r) for r in rows]
 
 
 def _pruner(table):
@@ -81,17 +69,8 @@ def _pruner(table):
             return configs
         bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         cls = "f32" if named_args["Q"].dtype == torch.float32 else (64 if bd <= 64 else 128 if bd <= 128 else 256)
-        wanted = set(table[cls])
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-        kept = kept or configs[:1]
-        return kept[:1] if env.no_tune() else kept
+        return keep_rows(configs, set(table[cls]))
     return prune
-
-
-def _quick_bench(fn, quantiles=None):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
 # TUNE_SEQ = power-of-two bucket of (Sq, Sk) (an unused kernel argument): one tuning per bucket, not per length.
@@ -107,8 +86,9 @@ def _tune_bucket(Sq, Sk):
 
 
 def _tuned(kernel, table, extra_key=()):
-    return triton.autotune(_configs(table), key=_TUNE_KEY + list(extra_key),
-                           prune_configs_by={"early_config_prune": _pruner(table)}, do_bench=_quick_bench)(kernel)
+    rows = (r for rows in table.values() for r in rows)
+    return triton.autotune(block_configs(rows), key=_TUNE_KEY + list(extra_key),
+                           prune_configs_by={"early_config_prune": _pruner(table)}, do_bench=quick_bench(20))(kernel)
 
 
 _attn_fwd_tuned = _tuned(_attn_fwd, FWD_CONFIGS, ["USE_TMA"])
@@ -221,14 +201,13 @@ def _first_line(e: Exception) -> str:
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
-                           decode_combine=None, config=None, use_tma=None, out=None):
+                           decode_combine=None, use_tma=None, out=None):
     """Launch the forward. Returns out (and the natural-log lse [B, Hq, Sq] fp32 when return_lse).
 
     decode: None = choose automatically, True/False = force the split-KV path on/off.
     decode_combine: split-KV partials merged by the split kernel (True), by the combine kernel (False), or by
     ``decode.fused_combine_rule`` (None).
-    config: dict(BLOCK_M, BLOCK_N, num_warps, num_stages) runs the Triton kernel with it, untuned (benchmarks);
-    ``config`` or ``use_tma`` given: the Triton kernel, never a Gluon build.
+    use_tma given: the Triton kernel (with / without TMA tiles), never a Gluon build.
     """
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v = last_contig(q), last_contig(k), last_contig(v)
@@ -257,7 +236,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
         launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
                      fused=decode_combine)
         return (o, lse) if return_lse else o
-    build = None if config is not None or use_tma is not None else gluon_forward_build(
+    build = None if use_tma is not None else gluon_forward_build(
         q, k, v, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale)
     if build is not None:
         try:
@@ -277,11 +256,6 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
             *mstr, *kstr, Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
             _tune_bucket(Sq, Sk))
     flags.update(HAS_DROPOUT=dropout_p > 0, USE_TMA=bool(use_tma), FOLD_SCALE=sm_scale > 0)
-    if config is not None:
-        c = dict(config)
-        meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"))
-        _attn_fwd[(cdiv(Sq, meta["BLOCK_M"]), B * Hq)](*args, **flags, **meta, **c)
-        return (o, lse) if return_lse else o
     grid = lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
     try:
         _attn_fwd_tuned[grid](*args, **flags)
@@ -298,16 +272,14 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 @plan_cached(state=_bwd_plan_state)
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                               window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
-                               dq_config=None):
+                               window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None):
     """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. Where the routing table names a Gluon
     build (and the call can take one) it runs ``gluon_bwd.gluon_attention_bwd``, else the Triton kernels.
-    ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) run the Triton kernels
-    with them, untuned."""
+    ``dkdv_config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) runs the Triton kernels, dK / dV untuned."""
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v, out, dout = (last_contig(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    if dkdv_config is None and dq_config is None and gluon_backward_build(
+    if dkdv_config is None and gluon_backward_build(
             dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale):
         try:
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
@@ -345,12 +317,7 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         _attn_bwd_dkdv[(cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
     else:
         _attn_bwd_dkdv_tuned[lambda META: (cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
-    if dq_config is not None:
-        c = dict(dq_config)
-        bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-        _attn_bwd_dq[(cdiv(Sq, bm), B * Hq)](*dq_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
-    else:
-        _attn_bwd_dq_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
+    _attn_bwd_dq_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
     return dq, dk, dv
 
 
