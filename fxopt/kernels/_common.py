@@ -46,6 +46,18 @@ def is_sm90(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def kept_zeros(cache: dict, key, n: int, dtype, device, floor: int) -> torch.Tensor:
+    """A zeroed buffer of at least ``n`` elements kept in ``cache[key]`` across calls (kernels leave it at zero),
+    never from a CUDA-graph pool; ``floor`` elements at least, so that captured graphs never see it replaced."""
+    from fxopt.kernels import outside_graph_pools
+
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, floor), dtype=dtype, device=device))
+        cache[key] = buf
+    return buf
+
+
 def block_configs(rows, pre_hook=None) -> list:
     """``triton.Config`` of each distinct (BLOCK_M, BLOCK_N, num_warps, num_stages) row, in order (under the
     interpreter: one small config)."""

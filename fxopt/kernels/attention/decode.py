@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fxopt.kernels import cdiv, has_pdl, next_pow2, outside_graph_pools
-from fxopt.kernels._common import INTERPRET, num_sms
+from fxopt.kernels import cdiv, has_pdl, next_pow2
+from fxopt.kernels._common import INTERPRET, kept_zeros, num_sms
 
 from .triton_kernels import _attn_combine, _attn_fwd_split
 
@@ -57,12 +57,7 @@ def _decode_locks(device, n: int) -> torch.Tensor:
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        _LOCKS[key] = buf
-    return buf
+    return kept_zeros(_LOCKS, (idx, torch.cuda.current_stream(idx).cuda_stream), n, torch.int32, device, 4096)
 
 
 def launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags, fused=None):

@@ -12,21 +12,16 @@ the calls on it, which the stream serializes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from fxopt.kernels import cdiv, next_pow2, outside_graph_pools
+from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels._common import INTERPRET, kept_zeros, num_sms  # noqa: F401  (re-exported)
 from fxopt.quant.format import PACK
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-NUM_SMS_DEFAULT = 132
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``, Triton's own variable)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+NUM_SMS_DEFAULT = 132  # the candidate lists' SM count when no device is given
 
 
 @dataclass(frozen=True)
@@ -91,12 +86,6 @@ def config_from_dict(d: dict):
         if k not in _FIELDS and _RETIRED_FIELDS.get(k, object()) != v:
             return None
     return W4A16Config(**kept)
-
-
-def num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return NUM_SMS_DEFAULT
 
 
 def m_bucket(M: int) -> int:
@@ -175,22 +164,14 @@ _ZEROED_WS: dict = {}
 
 def counters(device, n: int) -> torch.Tensor:
     """int32 tile counters, all zero between calls."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        _COUNTERS[device] = buf
-    return buf
+    return kept_zeros(_COUNTERS, device, n, torch.int32, device, 4096)
 
 
 def zeroed_workspace(device, n: int) -> torch.Tensor:
     """The fp32 split-K workspace of gemv1 and mma (relaxed atomic adds), all zeros between calls: every call's last
-    CTA per column tile zeroes what it read."""
-    buf = _ZEROED_WS.get(device)
-    if buf is None or buf.numel() < n:
-        # 4 MB at least: a buffer that grows would leave captured CUDA graphs pointing at a freed one
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device))
-        _ZEROED_WS[device] = buf
-    return buf
+    CTA per column tile zeroes what it read (4 MB at least: a buffer that grows would leave captured CUDA graphs
+    pointing at a freed one)."""
+    return kept_zeros(_ZEROED_WS, device, n, torch.float32, device, 1 << 20)
 
 
 # Answers of ``integer_zeros`` by storage place, for views made afresh on every call (the sibling spans of

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl, next_pow2
-from fxopt.kernels.w4a16.common import (W4A16Config, balanced_split, counters, interpreting, m_bucket,
+from fxopt.kernels.w4a16.common import (INTERPRET, W4A16Config, balanced_split, counters, m_bucket,
                                         one_wave_split, zeroed_workspace)
 from fxopt.quant.format import PACK
 
@@ -341,7 +341,7 @@ def launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config
         ws, cnt = zeroed_workspace(x2d.device, M * N), counters(x2d.device, n_tiles)
     else:
         ws, cnt = y, y  # unused
-    gpu = x2d.is_cuda and not interpreting()
+    gpu = x2d.is_cuda and not INTERPRET
     pdl = cfg.pdl and gpu and has_pdl(x2d.device)
     m = _gemv1_meta(M, K, N, group_size, cfg, x2d.dtype, bias is not None, split, gpu, pdl)
     _w4a16_gemv1_kernel[(n_tiles, split)](

@@ -22,8 +22,8 @@ import torch
 from fxopt import env
 from fxopt.kernels.launch_plan import plan_cached
 from fxopt.kernels.w4a16 import routing, tuner
-from fxopt.kernels.w4a16.common import (MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
-                                        interpreting, mark_integer_zeros)
+from fxopt.kernels.w4a16.common import (INTERPRET, MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
+                                        mark_integer_zeros)
 from fxopt.kernels.w4a16.dequant import dequantize_w4_triton
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
@@ -123,7 +123,7 @@ def _slice_route(x, qweight, scales, zeros, group_size, bias) -> Optional[W4A16C
         return None
     K = qweight.shape[0] * PACK
     x2d = x.reshape(-1, K)
-    if x2d.stride(1) != 1 or x2d.shape[0] == 0 or interpreting():
+    if x2d.stride(1) != 1 or x2d.shape[0] == 0 or INTERPRET:
         return None
     cfg = tuner.tuned_config(x2d, qweight.shape[1], zeros, K if group_size == -1 else group_size, bias is not None)
     return cfg if cfg is not None and cfg.method == "dequant_matmul" else None

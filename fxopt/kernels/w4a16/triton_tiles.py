@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl
-from fxopt.kernels.w4a16.common import MAGIC, W4A16Config, balanced_split, counters, integer_zeros, interpreting
+from fxopt.kernels.w4a16.common import INTERPRET, MAGIC, W4A16Config, balanced_split, counters, integer_zeros
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,7 @@ def launch_swap(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config)
     else:
         ws, cnt = y, y  # unused
     frag = cfg.block_k % 32 == 0
-    interp = interpreting()
-    pdl = cfg.pdl and x2d.is_cuda and not interp and has_pdl(x2d.device)
+    pdl = cfg.pdl and x2d.is_cuda and not INTERPRET and has_pdl(x2d.device)
     xin, xs = prep_x(x2d, cfg.block_k, frag, pdl)
     _w4a16_swap_kernel[(n_mn, split)](
         xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
@@ -281,7 +280,7 @@ def launch_swap(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config)
         scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
         GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FRAG=frag,
-        DEQ=cfg.method == "swapd", ASM=not interp, USE_GDC=pdl, num_warps=cfg.num_warps,
+        DEQ=cfg.method == "swapd", ASM=not INTERPRET, USE_GDC=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y

@@ -25,8 +25,8 @@ import triton
 from fxopt import env
 from fxopt.kernels import cdiv, outside_graph_pools
 from fxopt.kernels.w4a16 import routing
-from fxopt.kernels.w4a16.common import (NUM_SMS_DEFAULT, W4A16Config, config_from_dict, fit_block_k, integer_zeros,
-                                        interpreting, m_bucket, num_sms, split_for)
+from fxopt.kernels.w4a16.common import (INTERPRET, NUM_SMS_DEFAULT, W4A16Config, config_from_dict, fit_block_k,
+                                        integer_zeros, m_bucket, num_sms, split_for)
 from fxopt.kernels.w4a16.dequant import launch_dequant_matmul
 from fxopt.kernels.w4a16.gemv1 import gemv1_configs, launch_gemv1
 from fxopt.kernels.w4a16.triton_tiles import launch_swap
@@ -382,7 +382,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     when tuning is impossible."""
     M, K = x2d.shape
     N = qweight.shape[1]
-    if interpreting() or x2d.device.type != "cuda":
+    if INTERPRET or x2d.device.type != "cuda":
         return interpreter_config(M, K, group_size)
     intz = integer_zeros(zeros)
     routes = routing.active()
