@@ -1,15 +1,10 @@
-"""Helpers every kernel family shares: the SM count, the interpreter flag, autotune lists, and the active kernel
-choices.
+"""Helpers every kernel family shares: the SM count, the interpreter flag, kept buffers, autotune lists, and the
+active kernel choices.
 
-Kernel choices (:class:`fxopt.config.KernelConfig`, e.g. "Gluon attention on / off") reach the kernels at run time,
-long after a graph was compiled, and custom ops take no config argument. So they live in one place here:
-
-* :func:`set_backend_kernels` is called by :class:`fxopt.Backend` when it compiles a graph: the choices of the
-  backend that compiled last apply process-wide (a backward run by the autograd engine's threads sees them too).
-* :func:`use_kernels` overrides them inside a ``with`` block (tests, benchmarks); an override wins over backends
-  compiled inside the block and is undone on exit.
-* :func:`kernel_config` is what the routing code reads; :func:`kernel_config_key` is its hashable form (launch plans
-  put it in their key, so a plan never replays a route that is switched off).
+Kernel choices (:class:`fxopt.config.KernelConfig`) reach the kernels at run time and custom ops take no config,
+so they are process-wide: :func:`set_backend_kernels` (called by :class:`fxopt.Backend` when it compiles; the last
+compile wins), :func:`use_kernels` (a ``with`` block that overrides them, also over compiles inside it),
+:func:`kernel_config` (what routing reads) and :func:`kernel_config_key` (its hashable form, in launch plan keys).
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Launch paths of the attention family: ``flash_attention_triton`` (forward) and ``flash_attention_triton_bwd``.
 
-Each call is routed once, on the host: decode shapes to the split-KV kernels (``decode``); calls the Gluon builds
-can take (sm_90, 16-bit, no mask / dropout / window / softcap, TMA-compatible strides, the
-:class:`fxopt.config.KernelConfig` switches on) to the build ``routing.select`` names; everything else to the
-Triton kernels, autotuned once per (flags, power-of-two bucket of Sq and Sk) over a short per-head-dim list. A Gluon
-build that fails to compile or launch is remembered for its (device, dtype, head dim, causal), logged once, and the
-Triton kernel runs instead. ``kernel_routes`` says which build a call runs. Both entry points replay launch plans
-(``launch_plan.plan_cached``) keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices in force.
+Each call is routed on the host: decode shapes to the split-KV kernels, calls a Gluon build can take to the build
+``routing.select`` names, the rest to the Triton kernels (autotuned per flags and power-of-two bucket of Sq, Sk). A
+Gluon build that fails is remembered per (device, dtype, head dim, causal), logged once, and the Triton kernel runs.
+Both entry points replay launch plans keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices.
 """
 from __future__ import annotations
 
@@ -37,11 +34,7 @@ from .triton_kernels import (
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Autotuning of the Triton kernels (one config under the interpreter; small lists per head-dim class on GPU)
-# ----------------------------------------------------------------------------------------------------------------
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; fp32 takes the "f32" list.
+# Autotune lists: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; fp32 takes the "f32" list.
 FWD_CONFIGS = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
@@ -95,10 +88,6 @@ _attn_fwd_tuned = _tuned(_attn_fwd, FWD_CONFIGS, ["USE_TMA"])
 _attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv, DKDV_CONFIGS, ["GROUP"])
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, DQ_CONFIGS)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Routing
-# ----------------------------------------------------------------------------------------------------------------
-
 # (device, dtype, head dim, causal) of Gluon builds / TMA forwards that failed in this process: not tried again
 _GLUON_FAILED: set = set()
 _GLUON_BWD_FAILED: set = set()
@@ -106,8 +95,7 @@ _TMA_FAILED: set = set()
 
 
 def _tma_ok(*tensors) -> bool:
-    """TMA (tensor-descriptor) tiles in the Triton forward: measured faster only at head dim 256 on the H200 (517
-    against 499 TFLOP/s), slower at 64 / 128, so ``attention_tma="auto"`` uses them for BLOCK_D = 256 only."""
+    """TMA tiles in the Triton forward: ``attention_tma="auto"`` uses them at BLOCK_D = 256 only (faster there)."""
     mode = kernel_config().attention_tma
     if INTERPRET or mode == "off":
         return False
@@ -133,8 +121,7 @@ def _ensure_allocator():
 
 
 def _plain_16bit_sm90(q, attn_mask, key_padding_mask, dropout_p, window, softcap) -> bool:
-    """What every Gluon build needs of a call, before the routing table: no mask, dropout, window or softcap,
-    16-bit inputs on an sm_90 device."""
+    """What every Gluon build needs: no mask, dropout, window or softcap; 16-bit inputs on sm_90."""
     return (attn_mask is None and key_padding_mask is None and dropout_p == 0 and window < 0 and softcap == 0
             and q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda" and is_sm90(q.device))
 
@@ -157,8 +144,7 @@ def gluon_forward_build(q, k, v, attn_mask=None, key_padding_mask=None, dropout_
 def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_mask=None, dropout_p=0.0, window=-1,
                          softcap=0.0, is_causal=False, scale=None) -> Optional[str]:
     """The Gluon backward build (``routing.ROUTES``) this call runs, or None for the Triton kernels. Strided q, k,
-    v (e.g. [B, S, H, D] transposed views, as real models pass them) go there when ``torch.empty_like`` of each
-    suits TMA: the gradients are then laid out like the inputs, as the op's fake implementation promises."""
+    v go there when ``torch.empty_like`` of each suits TMA (the gradients are laid out like the inputs)."""
     D = q.shape[-1]
     if not (kernel_config().attention_gluon_backward
             and _plain_16bit_sm90(q, attn_mask, key_padding_mask, dropout_p, window, softcap)):
@@ -174,8 +160,7 @@ def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_ma
 
 
 def _plan_state(dropout_p) -> tuple:
-    """What the launch paths route on beyond the arguments' metadata (part of each launch plan's key): the
-    routing table, the kernel choices in force, and how many builds failed in this process."""
+    """The launch plans' key beyond the arguments: the table, the kernel choices, the builds failed so far."""
     if dropout_p:  # a fresh seed in every call would only fill the plan table
         return NO_PLAN
     return (routing.ROUTES_DIGEST, kernel_config_key(), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), len(_TMA_FAILED))
@@ -193,22 +178,13 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Entry points
-# ----------------------------------------------------------------------------------------------------------------
-
-
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
                            decode_combine=None, use_tma=None, out=None):
-    """Launch the forward. Returns out (and the natural-log lse [B, Hq, Sq] fp32 when return_lse).
-
-    decode: None = choose automatically, True/False = force the split-KV path on/off.
-    decode_combine: split-KV partials merged by the split kernel (True), by the combine kernel (False), or by
-    ``decode.fused_combine_rule`` (None).
-    use_tma given: the Triton kernel (with / without TMA tiles), never a Gluon build.
-    """
+    """Launch the forward -> out (and the natural-log lse [B, Hq, Sq] fp32 with return_lse). ``decode`` /
+    ``decode_combine``: force the split-KV path / its fused combine on or off (None: automatic); ``use_tma`` given:
+    the Triton kernel with / without TMA tiles, never a Gluon build."""
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v = last_contig(q), last_contig(k), last_contig(v)
     B, Hq, Sq, D = q.shape
@@ -273,9 +249,8 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 @plan_cached(state=_bwd_plan_state)
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None):
-    """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. Where the routing table names a Gluon
-    build (and the call can take one) it runs ``gluon_bwd.gluon_attention_bwd``, else the Triton kernels.
-    ``dkdv_config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) runs the Triton kernels, dK / dV untuned."""
+    """Launch the backward -> (dq, dk, dv) allocated like q, k, v: the Gluon build the table names, else the Triton
+    kernels. ``dkdv_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages): the Triton kernels, dK / dV untuned."""
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v, out, dout = (last_contig(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -322,11 +297,9 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
 
 
 def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
-    """{"forward": ..., "backward": ...}: the builds ``flash_attention_triton`` / ``flash_attention_triton_bwd``
-    run for these inputs with no mask, dropout, window or softcap ("gluon <build>", "triton", "triton split-kv"),
-    with " (fell back to triton)" where a Gluon build was routed but failed on this machine earlier in the process.
-    For benchmark tables, which must say what they timed. Runs the forward once (the backward route needs its
-    out / lse)."""
+    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap
+    ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"), for benchmark tables. Runs the
+    forward once (the backward route needs its out / lse)."""
     D = q.shape[-1]
     key = (q.device, q.dtype, D, bool(is_causal))
     if use_split(q, k, 0.0):
