@@ -100,24 +100,10 @@ def _int8_blocks(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tens
 
 def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK,
                              block_n: Optional[int] = None):
-    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel).
-
-    It reaches the <= 5e-3 accuracy target that e4m3 misses (``benchmarks/fp8_accuracy.py``). The reason is the
-    Hadamard transform: it bounds every row, so a block's values fill an int8 grid evenly, and int8 then keeps about
-    7 bits for each of Q, K and V where e4m3 keeps 3 bits of mantissa. Hopper's int8 and fp8 tensor cores have the
-    same throughput. The design:
-
-    * Q, K and V are all multiplied by the same orthogonal M (a signed Hadamard matrix, as for fp8). Q K^T is
-      unchanged. P (V M) = (P V) M, so the output is transformed back by M^T, one more O(D log D) transform per
-      output row.
-    * Each 128-row block of a head gets a symmetric int8 scale (amax / 127). Scores are int32 dots times
-      q_scale * k_scale * sm_scale.
-    * P = exp(s - m) in [0, 1] is quantized to 255 levels: u = round(255 p). It enters an s8 x s8 product as
-      u - 128, and 128 * colsum(V block) is added back. The column sums can be computed once per V block when
-      quantizing, so P V is exact integer arithmetic. The row sum l adds the unquantized p, as the fp8 kernel does.
-    * The online softmax runs over ``block_n``-key blocks (default ``qblock``), in fp32 apart from the integer
-      products. Those are emulated here in float64, where they are exact. ``int8_attention_triton`` is the kernel.
-    """
+    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; the design and why it meets the
+    accuracy target e4m3 misses: ``docs/kernels.md``, "FP8 attention"): Q, K, V times the same signed Hadamard M
+    (the output transformed back by M^T), symmetric int8 per 128-row block, P as u = round(255 p) entering an
+    s8 x s8 product as u - 128 with 128 * colsum(V block) added back; integer products exact in float64 here."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv

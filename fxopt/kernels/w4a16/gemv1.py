@@ -29,12 +29,8 @@ _GEMV1_MAGIC_B, _GEMV1_MASK_B, _GEMV1_OFF_B = 0x45000000, 0x0000F000, 2048.0
 
 @triton.jit
 def _gemv1_nibbles(P, MA, MB, MKA, MKB):
-    """int32 words -> 8 fp32 tensors, nibble j of each word as OFF_j + q_j with OFF = 128 (even j) / 2048 (odd j).
-
-    Each nibble is moved into bits 16..19 (even j) or 12..15 (odd j) of one of four copies of the word and masked
-    into an fp32 whose exponent is fixed: ``(copy & MASK) | MAGIC``. Copies: the word (nibbles 3, 4), ``<< 8``
-    (1, 2), ``>> 8`` (5, 6) and the half-word rotation (7, 0): 3 shifts and 8 LOP3 per 8 weights, no int->float
-    conversion. Exact: the codes are integers below the fp32 unit of those bits."""
+    """int32 words -> 8 fp32 tensors, nibble j as OFF_j + q_j (OFF = 128 for even j, 2048 for odd j): ``(copy & MASK)
+    | MAGIC`` on the word (nibbles 3, 4), ``<< 8`` (1, 2), ``>> 8`` (5, 6) and its half-word rotation (7, 0)."""
     b = P << 8
     c = P >> 8
     d = (P << 16) | ((P >> 16) & 0xFFFF)
@@ -154,20 +150,10 @@ def _w4a16_gemv1_kernel(
     IS_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, MASK_K: tl.constexpr, USE_GDC: tl.constexpr, FENCE: tl.constexpr,
 ):
-    """Method "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read directly (no prep kernel).
-
-    Program (pid_n, pid_k): columns [pid_n * 128 NCH, + 128 NCH) as NCH chunks of 128 (a [BLOCK_M, W, 128] tensor
-    each: 32 lanes x 4 columns, one 16-byte load per packed row; every thread holds 4 NCH columns, so each
-    activation it converts serves 4 NCH weights), K tiles [pid_k * TILES_PER_SPLIT, ...) of BLOCK_K (one group:
-    BLOCK_K divides GROUP_SIZE). Warp w owns packed rows w R .. w R + R - 1 of a tile (R = BLOCK_K / 8 / W), all
-    BLOCK_M rows of x. Per tile and column a thread runs one FFMA chain over its 8 R codes, started at the zero and
-    offset correction -(sum_k x_k OFF_k + z sum_k x_k) of its rows, then folds it with the scale: acc += s * part.
-    The warps' partial sums are added once at the end (shared memory), then either written (no split) or added to
-    an fp32 workspace kept at zero between calls (``tl.atomic_add``, relaxed); the CTA that bumps the column tile's
-    counter last reads the total, zeroes the workspace, adds the bias and writes y. No second launch, no memset.
-    Tile t + 1's loads are issued before tile t is computed (a register double buffer), so a warp waits for memory at
-    most once per K tile; no shared memory and no barrier in the K loop.
-    """
+    """Program (pid_n, pid_k): NCH chunks of 128 columns ([BLOCK_M, W, 128]: 32 lanes x 4 columns), K tiles
+    [pid_k * TILES_PER_SPLIT, ...) of BLOCK_K (one group); warp w owns packed rows w R .. w R + R - 1 of a tile
+    (R = BLOCK_K / 8 / W). The warps' sums are added once at the end, then written or added to the zeroed workspace
+    (the column tile's last CTA writes y). Tile t + 1's loads are issued before tile t is computed."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:  # the next kernel may launch now; it waits (griddepcontrol.wait) for this grid before its reads

@@ -145,14 +145,8 @@ def _w4a16_swap_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FRAG: tl.constexpr = False, USE_GDC: tl.constexpr = False, DEQ: tl.constexpr = False, ASM: tl.constexpr = True,
 ):
-    """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
-
-    The unpacked weight tile is the dot's first operand, which Hopper's wgmma can read from registers, so the codes
-    never pass through shared memory; x (tiny) is the second. The tensor-core M dimension is the weight's N, so a
-    tile needs only BLOCK_M >= 16 activation rows (M = 1..16 cost one tile). Codes are exact (OFFSET + q); scale and
-    zero are applied once per K tile on the [BLOCK_N, BLOCK_M] product. BLOCK_K divides the group. x is prepared
-    by ``_prep_x_kernel`` (PERM or FRAG order, sums per K tile).
-    """
+    """``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]`` over one K slice, x prepared by
+    ``_prep_x_kernel`` (PERM or FRAG order, sums per K tile); BLOCK_K divides the group (see the module docstring)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)

@@ -33,14 +33,8 @@ from fxopt.kernels.w4a16.triton_tiles import launch_swap
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Candidate lists
-# ----------------------------------------------------------------------------------------------------------------
 # The Triton tiles per M bucket, from H200 sweeps: (method, block_m, block_n, waves, warps, stages); waves = programs
-# per SM that the K split aims at (0: no split). "swapx" wins up to M = 32, "swapd" from M = 64 to 256 (12-35% over
-# swapx). At M <= 16 about 5 programs of 4 warps fit per SM at BLOCK_N = 64 and 3 at 128 (registers), and the
-# kernel is short of eligible warps at M = 1, so grids that fill those slots are listed. At M = 128 two warpgroups
-# split BLOCK_N (170 registers at 128 x 128 against 255 and a spill with one).
+# per SM that the K split aims at (0: no split). "swapx" wins up to M = 32, "swapd" from M = 64 to 256.
 _SWAP16 = (("swapx", 16, 64, 4, 4, 3), ("swapx", 16, 64, 5, 4, 3), ("swapx", 16, 128, 2, 4, 3),
            ("swapx", 16, 128, 3, 4, 3), ("swapx", 16, 128, 8, 4, 3), ("swapx", 16, 64, 8, 4, 3),
            ("swapx", 16, 128, 4, 4, 4))
@@ -127,11 +121,9 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = NU
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None, device=None,
                       capability: Optional[tuple] = None, routes: Optional[routing.Routes] = None
                       ) -> list[W4A16Config]:
-    """The configs the tuner times for this shape (first = untuned default). ``integer_zeros``: whether the layer's
-    zero points are integers ("swapd" and "gluon" are exact only then). ``device`` (a CUDA one) or ``capability``
-    (its compute capability, for lists computed without a GPU) admit the GPU-only builds, listed after the Triton
-    tiles so that the default does not change: Gluon (also needs ``dtype`` bf16), gemv1, mma. ``routes``: the
-    builds allowed (default: ``routing.active()``)."""
+    """The configs the tuner times for this shape (first = untuned default). A CUDA ``device`` or a ``capability``
+    admits the GPU-only builds (Gluon, gemv1, mma), listed after the Triton tiles; ``routes`` default to
+    ``routing.active()``."""
     r = routes or routing.active()
     out = _triton_configs(M, N, K, group_size, num_sms, integer_zeros, r.dequant_matmul)
     cuda = capability is not None or (device is not None and torch.device(device).type == "cuda")
@@ -179,11 +171,8 @@ _TUNED: dict = {}
 
 
 def _bench_us(fn, reps: int = 10) -> float:
-    # L2 is emptied by *reading* 256 MB: a zero-fill would leave ~50 MB of dirty lines whose write-back the timed
-    # call then pays (about 12 us on an H200, more than a small-M call's own time).
-    # The call is replayed from a CUDA graph: timed eagerly, a config that launches two kernels ("swapx": x is
-    # prepared first) would also be charged the host's launch gap between them, which a compiled model's graph
-    # does not have.
+    # L2 is emptied by reading 256 MB (a zero-fill leaves dirty lines whose write-back the timed call pays); the call
+    # is replayed from a CUDA graph (timed eagerly, a two-kernel config would pay the host's launch gap).
     flush = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -212,10 +201,8 @@ _STREAMED_CALLS = 24
 
 
 def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
-    """The layer's packed weight and enough copies that together they exceed three times the L2 cache (at most 8
-    copies, at most ``budget_bytes``), for timing calls back to back with every call reading its weight from HBM.
-    [] when one extra copy does not fit the budget or the allocation fails (the tuner then times one call after an
-    L2 flush)."""
+    """The packed weight and copies that together exceed three times L2 (at most 8, within ``budget_bytes``), for
+    timing calls back to back from HBM; [] when one extra copy does not fit (the tuner then flushes L2 instead)."""
     one = qweight.numel() * 4 + (scales.numel() + zeros.numel()) * scales.element_size()
     try:
         l2 = torch.cuda.get_device_properties(qweight.device).L2_cache_size
@@ -231,10 +218,8 @@ def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
 
 
 def bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -> float:
-    """Per-call time (median over ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the
-    next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which a single
-    call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL and
-    non-PDL builds from run to run). ``benchmarks/common.streamed_us`` is this."""
+    """Per-call time (median of ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the next
+    weight copy, as a model's layers run (PDL overlap included). ``benchmarks/common.streamed_us`` is this."""
     for c in copies:
         fn_on(c)
     torch.cuda.synchronize()
@@ -257,9 +242,8 @@ def bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) ->
 
 def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config,
                          default: W4A16Config) -> bool:
-    """Safety net of the tuner for the methods whose kernels reduce across CTAs with atomics ("gemv1", "mma"):
-    the output on the tuning inputs must match the default candidate's (within the output dtype's rounding: 2e-2 of max |y| for bf16, 4e-3
-    for fp16) before it is timed; otherwise it is dropped with a warning, never picked for being fast."""
+    """"gemv1" / "mma" (cross-CTA atomics) must match the default candidate's output (2e-2 of max |y| for bf16, 4e-3
+    for fp16) before they are timed; otherwise they are dropped with a warning."""
     ref = launch(x2d, qweight, scales, zeros, group_size, bias, default).float()
     y = launch(x2d, qweight, scales, zeros, group_size, bias, cfg).float()
     tol = (2e-2 if x2d.dtype == torch.bfloat16 else 4e-3) * float(ref.abs().max()) + 1e-3
@@ -272,10 +256,8 @@ def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A
 
 
 def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
-    """One entry per device model, software versions, shape key and candidate list (a digest of the labels: routes
-    that add or remove candidates get their own timing): a pick timed on another GPU, Triton or fxopt build, or
-    against other candidates, is never reused. ``key``: (device index, dtype, M bucket, K, N, group, bias, integer
-    zeros, ...)."""
+    """The tuner file's key: device model, software versions, shape and a digest of the candidate labels (a pick is
+    never reused on another GPU, build or candidate list). ``key``: (device, dtype, M bucket, K, N, G, bias, intz)."""
     import fxopt  # not at module level: fxopt imports this module
 
     return (f"{device_name}|torch {torch.__version__}|triton {triton.__version__}|fxopt {fxopt.__version__}|"
@@ -334,12 +316,8 @@ _FINAL_ROUND_REPS = 30
 
 
 def _pick_fastest(cands: list, time_us) -> tuple:
-    """(config, us) of the fastest candidate; (first candidate, inf) when none could be timed.
-
-    ``time_us(config, reps)`` gives a median time in us; a config that raises (e.g. out of shared memory) is
-    skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
-    four) again with ``_FINAL_ROUND_REPS``, since near-equal builds are within one round's run-to-run noise (2-5%).
-    Timing the small-M buckets back to back (``bench_streamed_us``) is what keeps their picks stable from run to run."""
+    """(config, us) of the fastest candidate by ``time_us(config, reps)`` (a config that raises is skipped; (first,
+    inf) when none ran): every candidate once, then the ones within 8% of the best (at most four) again, longer."""
     timed = []
     for c in cands:
         try:
@@ -446,10 +424,8 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     return best
 
 
-# Picks timed on the GPU models the project benchmarks on, keyed like the tuner's file without the software versions
-# (every candidate is correct on any version; only its speed was measured on one): the first compile on such a GPU
-# times nothing for these shapes. gemv1 / mma picks are still checked against the default build before use.
-# Written by ``export_picks`` (``benchmarks/generate.py --export-w4a16-picks``).
+# Picks timed on the benchmark GPU, keyed like the tuner's file without software versions (gemv1 / mma picks are
+# still checked against the default build). Written by ``export_picks`` (``benchmarks/generate.py``).
 SHIPPED_PICKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "picks_h200.json")
 _TIMED_HERE: dict = {}  # shipped key -> (config, us) for every shape this process timed
 
