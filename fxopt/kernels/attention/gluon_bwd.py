@@ -34,6 +34,7 @@ from .gluon_common import (
     mbarrier,
     qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -710,13 +711,6 @@ def grad_strides_ok(*ts: torch.Tensor) -> bool:
     return True
 
 
-def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
-    block = [1, 1, rows, t.shape[-1] if cols is None else cols]
-    if layout is None:
-        layout = host_layout(tuple(block), t.dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def _vec_desc(t: torch.Tensor):
     return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M], host_layout((BLOCK_M,), torch.float32))
 
@@ -775,15 +769,16 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     regs = dict(CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG)
     if D == 256:
         _fa3_bwd_kernel_d256[((Sk + D256_BLOCK_N - 1) // D256_BLOCK_N, B * Hkv)](
-            _desc(q, D256_QROWS, D256_HALF), _desc(k, D256_BLOCK_N, D256_HALF), _desc(v, D256_BLOCK_N, D256_HALF),
-            _desc(dout, D256_QROWS, D256_HALF), _desc(dk, D256_BLOCK_N, D256_HALF), _desc(dv, D256_BLOCK_N, D256_HALF),
+            tma_desc(q, D256_QROWS, D256_HALF), tma_desc(k, D256_BLOCK_N, D256_HALF),
+            tma_desc(v, D256_BLOCK_N, D256_HALF), tma_desc(dout, D256_QROWS, D256_HALF),
+            tma_desc(dk, D256_BLOCK_N, D256_HALF), tma_desc(dv, D256_BLOCK_N, D256_HALF),
             _vec_desc(lse2), _vec_desc(delta), _dq_tma_desc(dq_acc, D), sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk,
             sq_pad, STAGES=_STAGES[D], CAUSAL=bool(causal), **regs)
     else:
         k_layout = _k_layout(D, gl_dtype(k.dtype), 4)  # d = 64: 64-byte swizzle (K tile and dK staging)
         _fa3_bwd_kernel[((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)](
-            _desc(q, BLOCK_M), _desc(k, WG_KEYS, layout=k_layout), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
-            _desc(dk, WG_KEYS, layout=k_layout), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta),
+            tma_desc(q, BLOCK_M), tma_desc(k, WG_KEYS, layout=k_layout), tma_desc(v, WG_KEYS), tma_desc(dout, BLOCK_M),
+            tma_desc(dk, WG_KEYS, layout=k_layout), tma_desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta),
             _dq_tma_desc(dq_acc, D), sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
             HEAD_DIM=D, STAGES=_STAGES[D], CAUSAL=bool(causal), NB=DQ_BUFFERS, REDUCER_WARPS=1, **regs)
     _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,

@@ -79,6 +79,14 @@ def host_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
 
 
+def tma_desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
+    """Host TensorDescriptor of a 4-D tensor with box [1, 1, rows, cols] (default: the last dim whole)."""
+    block = [1, 1, rows, t.shape[-1] if cols is None else cols]
+    if layout is None:
+        layout = host_layout(tuple(block), t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
     """None if TMA can address ``t`` (last dim contiguous, other strides and the base 16-byte aligned), else why."""
     if t.stride(-1) != 1:

@@ -20,16 +20,15 @@ from fxopt.kernels._common import num_sms as _device_sms
 
 from .gluon_common import (
     LOG2E,
-    TensorDescriptor,
     as_tma_box,
     common_reason,
     fence_async_shared,
     gl,
     gluon,
-    host_layout,
     mbarrier,
     qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     unmasked_blocks,
     warpgroup_mma,
@@ -663,11 +662,6 @@ def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None
     return None
 
 
-def _desc(t: torch.Tensor, rows: int):
-    block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, host_layout(tuple(block), t.dtype))
-
-
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
@@ -704,8 +698,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         return out, lse
     cfg = config_for(D, variant)
     num_m = (Sq + rows_per_item(variant) - 1) // rows_per_item(variant)  # not triton.cdiv: slow on the host
-    q_desc, o_desc = _desc(q, WG_ROWS), _desc(out, WG_ROWS)
-    k_desc, v_desc = _desc(k, cfg["BLOCK_N"]), _desc(v, cfg["BLOCK_N"])
+    q_desc, o_desc = tma_desc(q, WG_ROWS), tma_desc(out, WG_ROWS)
+    k_desc, v_desc = tma_desc(k, cfg["BLOCK_N"]), tma_desc(v, cfg["BLOCK_N"])
     if persistent:
         sched, n_cta = persistent_schedule(num_m, B * Hq, bool(causal), int(num_sms or _device_sms(q.device)))
         # the ring counter g (and the masks' column shift g * BLOCK_N) grows over a CTA's items: keep it in int32

@@ -23,6 +23,7 @@ from . import routing
 from .checks import block_d, check_inputs, last_contig, mask_args
 from .decode import launch_split, use_split
 from .gluon_bwd import gluon_attention_bwd, gluon_bwd_supported, grad_strides_ok
+from .gluon_common import tma_stride_reason
 from .gluon_fwd import gluon_attention_fwd, gluon_supported
 from .triton_kernels import (
     _attn_bwd_dkdv,
@@ -103,11 +104,7 @@ def _tma_ok(*tensors) -> bool:
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    for t in tensors:
-        el = t.element_size()
-        if t.data_ptr() % 16 or any((s * el) % 16 for s in t.stride()[:-1]) or t.stride(-1) != 1:
-            return False
-    return True
+    return all(tma_stride_reason("", t) is None for t in tensors)
 
 
 _ALLOCATOR_SET = False

@@ -27,6 +27,7 @@ from fxopt.kernels.attention.gluon_common import (
     mbarrier,
     qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     unmasked_blocks,
     warpgroup_mma,
@@ -330,19 +331,15 @@ def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -
     return None
 
 
-def _desc(t: torch.Tensor, block, shape=None, strides=None):
-    layout = host_layout(tuple(block), t.dtype)
-    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
-
-
 def _k_desc(kq: torch.Tensor, block_n: int):
     """K's TMA descriptor: a 5-D view [rows / 16, jl, q, e, d] of the contiguous [B, Hkv, Sk_pad, d] tensor with
     strides [16 d, 2 d, 4 d, d, 1], so a box lands in shared memory with row 8 jl + 2 q + e holding key
     4 q + 2 jl + e of each 16 (jl and q swapped; the TMA unit accepts the non-monotonic strides)."""
     D = kq.shape[-1]
     rows = kq.shape[0] * kq.shape[1] * kq.shape[2]
-    return _desc(kq, [block_n // 16, 2, 4, 2, D], shape=[rows // 16, 2, 4, 2, D],
-                 strides=[16 * D, 2 * D, 4 * D, D, 1])
+    block = [block_n // 16, 2, 4, 2, D]
+    return TensorDescriptor(kq, [rows // 16, 2, 4, 2, D], [16 * D, 2 * D, 4 * D, D, 1], block,
+                            host_layout(tuple(block), kq.dtype))
 
 
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
@@ -372,8 +369,8 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     block_n, stages = _CONFIGS[D]
     num_m = (Sq + 2 * WG_ROWS - 1) // (2 * WG_ROWS)
     _fp8_fa3_fwd_kernel[(num_m, B * Hq)](
-        _desc(qq, [1, 1, WG_ROWS, D]), _k_desc(kq, block_n), _desc(vt, [1, 1, D, block_n]),
-        _desc(out, [1, 1, WG_ROWS, D]), qs, ks, vs, lse if return_lse else qs, sm_scale * LOG2E,
+        tma_desc(qq, WG_ROWS), _k_desc(kq, block_n), tma_desc(vt, D, block_n), tma_desc(out, WG_ROWS), qs, ks, vs,
+        lse if return_lse else qs, sm_scale * LOG2E,
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
         HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
         QB=QBLOCK, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG)
