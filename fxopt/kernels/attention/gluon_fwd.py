@@ -623,29 +623,6 @@ def persistent_schedule(num_m: int, num_bh: int, causal: bool, sms: int):
     return sched, max(1, min(sms, units))
 
 
-def persistent_items(pid: int, P: int, num_m: int, num_bh: int, sched: int, causal: bool) -> list:
-    """CPU mirror of ``_fa_sched_count`` / ``_fa_sched_item`` (same integer formulas): CTA pid's work items
-    [(bh, pid_m), ...] in order, for the test that every item is covered exactly once."""
-    T = num_m * num_bh
-    if sched == 1:
-        half = T // 2
-        n = 2 * ((max(half - pid, 0) + P - 1) // P) + int(T % 2 == 1 and half % P == pid)
-    else:
-        n = (max(T - pid, 0) + P - 1) // P
-    out = []
-    for t in range(n):
-        if sched == 1:
-            x = 2 * (pid + (t // 2) * P) + t % 2
-            bh, j = divmod(x, num_m)
-            pid_m = num_m - 1 - j // 2 if j % 2 == 0 else j // 2
-        else:
-            bh, pid_m = divmod(pid + t * P, num_m)
-            if causal:
-                pid_m = num_m - 1 - pid_m
-        out.append((bh, pid_m))
-    return out
-
-
 def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
     """None if ``gluon_attention_fwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
     reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9) or \

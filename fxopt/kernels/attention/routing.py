@@ -7,7 +7,6 @@ key. The measurements behind each row: ``docs/kernels.md`` ("What runs by defaul
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -63,7 +62,3 @@ def select(op: str, arch: tuple, head_dim: int, causal: bool, seq_q: int, seq_k:
             return r.build
     return TRITON
 
-
-def routes_for(op: str) -> tuple:
-    """The rows of one op, as dicts (for reports and docs)."""
-    return tuple(dataclasses.asdict(r) for r in ROUTES if r.op == op)
