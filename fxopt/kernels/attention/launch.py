@@ -178,7 +178,7 @@ def _first_line(e: Exception) -> str:
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
-                           decode_combine=None, use_tma=None, out=None):
+                           decode_combine=None, use_tma=None):
     """Launch the forward -> out (and the natural-log lse [B, Hq, Sq] fp32 with return_lse). ``decode`` /
     ``decode_combine``: force the split-KV path / its fused combine on or off (None: automatic); ``use_tma`` given:
     the Triton kernel with / without TMA tiles, never a Gluon build."""
@@ -190,7 +190,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     BLOCK_D = block_d(D)
     mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
-    o = torch.empty_like(q) if out is None else out
+    o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,

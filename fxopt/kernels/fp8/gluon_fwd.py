@@ -343,9 +343,9 @@ def _k_desc(kq: torch.Tensor, block_n: int):
 
 
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
-                                  is_causal=False, scale=None, out=None, return_lse=False, lse=None):
+                                  is_causal=False, scale=None, out=None):
     """The Gluon kernel alone, on ``quant.quantize_qkv`` outputs (the arguments of
-    ``triton_fwd.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``)."""
+    ``triton_fwd.fp8_attention_quantized``) -> out."""
     B, Hq, Sq, D = shape_q
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
     if reason is None and scale is not None and not (float(scale) > 0.0):
@@ -355,30 +355,24 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     Hkv = n_kv_heads
     if out is None:
         out = torch.empty((B, Hq, Sq, D), device=qq.device, dtype=out_dtype)
-    if return_lse and lse is None:
-        lse = torch.empty((B, Hq, Sq), device=qq.device, dtype=torch.float32)
-    res = (out, lse) if return_lse else out
     if B * Hq * Sq == 0:
-        return res
+        return out
     if seq_k == 0:
-        out.zero_()
-        if return_lse:
-            lse.fill_(float("inf"))
-        return res
+        return out.zero_()
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     block_n, stages = _CONFIGS[D]
     num_m = (Sq + 2 * WG_ROWS - 1) // (2 * WG_ROWS)
     _fp8_fa3_fwd_kernel[(num_m, B * Hq)](
         tma_desc(qq, WG_ROWS), _k_desc(kq, block_n), tma_desc(vt, D, block_n), tma_desc(out, WG_ROWS), qs, ks, vs,
-        lse if return_lse else qs, sm_scale * LOG2E,
+        qs, sm_scale * LOG2E,
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
-        HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
+        HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(is_causal), WRITE_LSE=False,
         QB=QBLOCK, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG)
-    return res
+    return out
 
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
-                        seed: int = 0, *, out=None, return_lse: bool = False):
+                        seed: int = 0, *, out=None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize (``quant.quantize_qkv``), then run the Gluon
     kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
@@ -389,4 +383,4 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     qq, qs, kq, ks, vt, vs = quantize_qkv(q, k, v, hadamard=hadamard, seed=seed)
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
-                                         scale=scale, out=out, return_lse=return_lse)
+                                         scale=scale, out=out)
