@@ -68,9 +68,7 @@ if GLUON_IMPORT_ERROR is None:
                                                   src.handle)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Triton-language helpers: preprocess (delta, lse2, zero dQ workspace) and dQ convert
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -119,11 +117,7 @@ def _bwd_dq_convert(DQ_ACC, DQ, stride_dqz, stride_dqh, stride_dqm, H, SEQ_Q, SQ
              + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # "dq-reducer" (d = 64 / 128)
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -388,13 +382,13 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     # warpgroup 2 at the producer's register budget.
     gl.warp_specialize([
         (_bwd_consumer, (0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                             dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                             dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                             dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
+                         dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
         (_bwd_consumer, (1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                             dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                             dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                             dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
+                         dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -403,11 +397,9 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # "d256": 64 keys per CTA; the warpgroups split the queries of S^T / dP^T and the head dim of dK / dV / dQ. Every
 # shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks); P^T and dS^T are exchanged through [64, 64]
 # tiles with a 64-byte swizzle, two [64, 32] column blocks, one written by each warpgroup.
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -654,13 +646,13 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
 
     gl.warp_specialize([
         (_bwd_consumer_d256, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                                  b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                  dk_desc, dv_desc, dq_desc, STAGES)),
+                              kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
+                              b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                              dk_desc, dv_desc, dq_desc, STAGES)),
         (_bwd_consumer_d256, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                                  b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                  dk_desc, dv_desc, dq_desc, STAGES)),
+                              kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
+                              b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                              dk_desc, dv_desc, dq_desc, STAGES)),
         (_bwd_producer_d256, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -668,9 +660,7 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:

@@ -61,4 +61,3 @@ def select(op: str, arch: tuple, head_dim: int, causal: bool, seq_q: int, seq_k:
         if r.matches(op, arch, head_dim, bool(causal), seq_q, seq_k):
             return r.build
     return TRITON
-

@@ -10,6 +10,7 @@ Philox dropout; a row with no visible key gives 0 and lse = +inf. ``docs/kernels
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _tanh(x):
     # tanh through exp2: saturates cleanly to +-1 for large |x|.
@@ -115,9 +116,7 @@ def _q_range(start_n, SEQ_Q, SEQ_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     return lo, full_lo, full_hi, hi
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Forward
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -247,9 +246,7 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, KPM,
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Decode: split-KV forward + combine
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -359,9 +356,7 @@ def _attn_combine(OPART, LPART, O, LSE, stride_oz, stride_oh, stride_om, H_Q, SE
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Backward
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -423,8 +418,6 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
             dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
-
-
 
 
 @triton.jit

@@ -297,9 +297,7 @@ if HAS_GLUON:
                          off_m, off_n, k_tile0, n_iter)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-    # ------------------------------------------------------------------------------------------------------------
     # Small-M consumer ("xsum"): scale and zero applied once per K tile to an fp32 partial product
-    # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
     def _rows_for_acc(v, BN_C: gl.constexpr, R: gl.constexpr, acc_layout: gl.constexpr):
         """[1, BN_C] in the packed-word layout (column n = 2R (8 warp + g) + 2 rep + h of the consumer's slice) ->
@@ -458,9 +456,7 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 GROUP = 128  # K per ring stage = the (only supported) group size
 _SMEM_LIMIT = 227 * 1024
 

@@ -33,9 +33,7 @@ except Exception:  # pragma: no cover - old Triton
 __all__ = ["MmaConfig", "w4a16_mma", "mma_configs", "HAS_GLUON"]
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Kernel
-# --------------------------------------------------------------------------------------------------------------
 if HAS_GLUON:
     # the relabeling chains of ``_a_operand`` / ``_b_operand`` (also emulated by tests/kernels/test_w4a16_mma.py)
     _A_PERM = gl.constexpr((4, 2, 5, 3, 0, 7, 6, 1, 8))  # (c t warp g rep h hk kb e) -> (rep warp h g | c kb hk t e)
@@ -263,9 +261,7 @@ if HAS_GLUON:
             gl.store(y_ptrs, acc.to(DT), mask=mask_y)
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Layouts (host side: constexpr arguments of the kernel)
-# --------------------------------------------------------------------------------------------------------------
 def _lg(v: int) -> int:
     return int(math.log2(v))
 
@@ -294,9 +290,7 @@ def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
     return dict(w_layout=w_layout, x_layout=x_layout, sz_layout=sz_layout)
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Host side
-# --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MmaConfig:
     """``warps`` per CTA; ``cols_per_warp`` = 16 R weight columns per warp (16, 32 or 64: R mma row tiles);
@@ -320,22 +314,16 @@ class MmaConfig:
                 + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
 
 
-# Resident CTAs per SM of each listed tile, from offline sm_90 register counts (bf16 and fp16, K tile 128, PDL or not). BM = 8 (M = 1..8): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3;
-# 128 x 256 -> 2; 132 (rounded to 136) x 128 -> 3. BM = 16 (M = 9..16, R = 4): 255 registers -> 8 warps per SM, i.e.
-# 2 CTAs of 4 warps, 4 of 2, 8 of 1. (cols_per_warp, warps, prefetch) -> CTAs; sizes the split-K grid.
+# Resident CTAs per SM of each listed tile (cols_per_warp, warps, prefetch), from offline sm_90 register counts
+# (BM = 8: 128 registers x 128 threads -> 4, 168 -> 3, 128 x 256 -> 2; BM = 16: 255 registers, 8 warps per SM).
 _RESIDENT = {(32, 4, 1): 4, (64, 4, 1): 3, (32, 8, 1): 2, (32, 4, 2): 3}
 _RESIDENT16 = {(64, 4, 1): 2, (64, 2, 1): 4, (64, 1, 1): 8}
 # The tuner's candidates (cols_per_warp, warps, prefetch, pdl) for M <= 8 (BM = 8).
 _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, False), (32, 4, 1, True))
-# ... and for M = 9..16 (BM = 16: two n8 tiles). Only R = 4 (64 columns per warp): at BM = 16 the per-token costs
-# (x loads and pair PRMTs, the xsum HMMAs) double while the A unpack is shared by both n-tiles, and R = 4 spreads
-# them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
-# per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
+# ... and for M = 9..16 (BM = 16: two n8 tiles): only R = 4 (docs/kernels.md, "M = 9..16").
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# The one-wave split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224
-# column tiles x split 2 fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at
-# M = 1 and 41.5 against 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
-# twice the split, and the tuner times both.
+# When the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with twice the split
+# (8192 x 28672 fills 85% of 528 slots: two waves ran 38.9 against 40.9 us at M = 1).
 _FILL_FOR_SECOND_SPLIT = 0.9
 
 
@@ -428,9 +416,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
     return y
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Tuner candidates and their W4A16Config form
-# --------------------------------------------------------------------------------------------------------------
 def to_mma_config(cfg: W4A16Config) -> MmaConfig:
     """W4A16Config(method="mma") -> MmaConfig: num_warps = warps, block_n = warps x cols_per_warp."""
     return MmaConfig(warps=cfg.num_warps, cols_per_warp=cfg.block_n // cfg.num_warps, split_k=cfg.split_k,

@@ -27,7 +27,7 @@ _LAUNCH_PLANS = env.launch_plans()
 
 
 def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
-    """The routing state beyond the arguments' metadata: integer zeros, the tuner's table, routes, the untuned switch."""
+    """The routing state beyond the arguments' metadata: integer zeros, the tuner's table, routes, untuned switch."""
     return (integer_zeros(zeros) if zeros.is_cuda else None, len(tuner._TUNED), routing.active(), env.no_tune())
 
 
@@ -63,9 +63,7 @@ def w4a16_reference(x, qweight, scales, zeros, group_size: int, bias=None) -> to
     return y.to(x.dtype).contiguous()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Custom ops
-# ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("fxopt::dequantize_w4", mutates_args=())
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [N, K] = (q - zeros) * scales in scales.dtype, contiguous."""
