@@ -299,22 +299,11 @@ def gemv1_geometry(M: int, K: int, group_size: int, cfg: W4A16Config) -> tuple[i
     return next_pow2(M), bk, warps
 
 
-def _gemv1_meta(M: int, K: int, N: int, group_size: int, cfg: W4A16Config, dtype: torch.dtype, has_bias: bool,
-                split: int, gpu: bool, pdl: bool) -> dict:
-    """The constexpr arguments and launch options of ``_w4a16_gemv1_kernel``."""
-    bm, bk, warps = gemv1_geometry(M, K, group_size, cfg)
-    meta = dict(GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
-                IS_BF16=dtype == torch.bfloat16, HAS_BIAS=has_bias, USE_SPLIT=split > 1, MASK_M=M != bm,
-                MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu)
-    opts = dict(num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
-    return dict(meta=meta, opts=opts)
-
-
 def launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
     """Method "gemv1" (``_w4a16_gemv1_kernel``): one launch, x read as it is, split-K reduced in the kernel."""
     M, K = x2d.shape
     N = qweight.shape[1]
-    _, bk, _ = gemv1_geometry(M, K, group_size, cfg)
+    bm, bk, warps = gemv1_geometry(M, K, group_size, cfg)
     if x2d.stride(0) % 2 or x2d.data_ptr() % 4:
         x2d = x2d.contiguous()
     xw = x2d.view(torch.int32)  # 16-bit pairs: one 4-byte load per two activations
@@ -329,12 +318,14 @@ def launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config
         ws, cnt = y, y  # unused
     gpu = x2d.is_cuda and not INTERPRET
     pdl = cfg.pdl and gpu and has_pdl(x2d.device)
-    m = _gemv1_meta(M, K, N, group_size, cfg, x2d.dtype, bias is not None, split, gpu, pdl)
     _w4a16_gemv1_kernel[(n_tiles, split)](
         xw, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
         M, N, K // PACK, split, tiles_per_split, _GEMV1_MAGIC_A, _GEMV1_MAGIC_B, _GEMV1_MASK_A, _GEMV1_MASK_B,
-        xw.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), **m["meta"], **m["opts"],
-    )
+        xw.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
+        IS_BF16=x2d.dtype == torch.bfloat16, HAS_BIAS=bias is not None, USE_SPLIT=split > 1, MASK_M=M != bm,
+        MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu,
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

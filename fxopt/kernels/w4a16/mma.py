@@ -371,14 +371,6 @@ def _check(x, qweight, scales, zeros, group_size, bias, cfg: MmaConfig):
     return M, K, N, group, bm, bk, R, W
 
 
-def _meta(M, K, N, group, bm, bk, R, W, cfg: MmaConfig, has_bias: bool, split: int, pdl: bool) -> dict:
-    meta = dict(GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=has_bias, USE_SPLIT=split > 1,
-                MASK_M=M != bm, MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl,
-                PREFETCH=cfg.prefetch, **_layouts(bm, bk, R, W))
-    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}))
-    return dict(meta=meta, opts=opts)
-
-
 def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
               config: Optional[MmaConfig] = None) -> torch.Tensor:
     """y [M, N] = x @ dequant(W)^T (+ bias) on mma.sync with register operands; x 2-D [M <= 16, K] fp16 / bf16 on a
@@ -393,9 +385,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: mma.sync bf16/fp16 needs compute capability >= 8.0, got "
                          f"{device_capability(x.device)}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()  # 16-byte loads of 8 activations
-    if x.stride(0) % 8:  # K not a multiple of 8 cannot happen (packed), kept for safety
-        raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
+        x = x.contiguous()  # 16-byte loads of 8 activations (K is a multiple of 8: packed)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
     split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch),
@@ -408,11 +398,13 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         ws, cnt = y, y  # unused
     pdl = cfg.pdl and has_pdl(x.device)
     magic, offset = MAGIC[x.dtype]
-    m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias is not None, split, pdl)
     _w4a16_mma_kernel[(n_tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
         M, N, K // 8, split, tps, magic * 0x10001, offset,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), **m["meta"], **m["opts"])
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=bias is not None, USE_SPLIT=split > 1, MASK_M=M != bm,
+        MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl, PREFETCH=cfg.prefetch,
+        **_layouts(bm, bk, R, W), num_warps=W, **({"launch_pdl": True} if pdl else {}))
     return y
 
 
