@@ -409,14 +409,9 @@ def record(fn, args, kwargs, inputs, stream_fn=None):
 
 def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., Any]] = None,
                 enabled: Optional[Callable[[], bool]] = None):
-    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring).
-
-    Args:
-        state: called with the call's arguments, returns the (hashable) state the entry point routes on that the
-            arguments' metadata does not show: module globals a benchmark or a test reassigns, a fact about a
-            tensor's values cached on the tensor. It becomes part of the key. ``NO_PLAN``: not this call (e.g. a
-            fresh dropout seed in every call would only fill the table).
-        enabled: an entry point's own switch (called per call; plans run only while it returns True)."""
+    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring). ``state(*args,
+    **kwargs)``: the hashable routing state the arguments' metadata does not show (part of the key; ``NO_PLAN``: not
+    this call); ``enabled()``: the entry point's own switch, read per call."""
     if fn is None:
         return functools.partial(plan_cached, state=state, enabled=enabled)
 
