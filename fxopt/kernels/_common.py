@@ -41,6 +41,13 @@ def is_sm90(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def remember_failure(log, failed: set, key, what: str, e: Exception) -> None:
+    """A build or launch this machine rejected: ``key`` joins ``failed`` (not tried again), one warning says why and
+    what runs instead (``what``: "<op>: <build> failed ... <fallback>")."""
+    failed.add(key)
+    log.warning(what, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", key)
+
+
 def kept_zeros(cache: dict, key, n: int, dtype, device, floor: int) -> torch.Tensor:
     """A zeroed buffer of at least ``n`` elements kept in ``cache[key]`` across calls (kernels leave it at zero),
     never from a CUDA-graph pool; ``floor`` elements at least, so that captured graphs never see it replaced."""

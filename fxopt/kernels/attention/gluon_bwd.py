@@ -297,11 +297,9 @@ def _bwd_consumer(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
-    """Per step: wait dq_full[buf]; two TMA reduce-adds (one per column half, each a [64, d / 2] tile = one
-    [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8] with strides
-    [8 d, 8, d, 1]: the box order is the tile's chunk-transposed shared-memory order); wait for the TMA unit's reads
-    of both tiles; release dq_empty[buf]. One flat loop over the (g, m) steps (the partition runs with 24
-    registers)."""
+    """Per step: wait dq_full[buf]; one TMA reduce-add per column half (a [64, d / 2] tile = one box of
+    ``dq_desc``, see ``_dq_tma_desc``); wait for the TMA unit's reads; release dq_empty[buf]. One flat loop over the
+    (g, m) steps (the partition runs with 24 registers)."""
     NB: gl.constexpr = dq_smem.shape[0] // 2
     CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
     n_steps = n_m - m_lo
@@ -723,12 +721,9 @@ def _dq_tma_desc(dq_acc: torch.Tensor, D: int):
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
                         checked: bool = False, grads_like_inputs: bool = False):
-    """FA3-style backward -> (dq, dk, dv), dtypes of q / k / v. Raises ValueError when unsupported
-    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). d = 64 / 128 run
-    ``_fa3_bwd_kernel`` ("dq-reducer"), d = 256 ``_fa3_bwd_kernel_d256``. ``grads_like_inputs=True``: dq / dk / dv
-    laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's fake
-    implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; default
-    contiguous."""
+    """FA3-style backward -> (dq, dk, dv); ValueError when unsupported (``checked=True`` skips
+    ``gluon_bwd_supported``). ``grads_like_inputs=True``: the gradients laid out like ``torch.empty_like`` of q / k /
+    v (as the op's fake implementation promises), ValueError where those strides do not suit TMA."""
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd: {reason}")

@@ -16,7 +16,7 @@ import triton
 
 from fxopt.kernels import cdiv, next_pow2
 from fxopt.kernels._common import (INTERPRET, block_configs, is_sm90, keep_rows, kernel_config, kernel_config_key,
-                                   quick_bench)
+                                   quick_bench, remember_failure)
 from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
 
 from . import routing
@@ -171,10 +171,6 @@ def _bwd_plan_state(*args, **kwargs):
     return _plan_state(args[7] if len(args) > 7 else kwargs.get("dropout_p", 0.0))  # dropout_p: the eighth
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
-
-
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
@@ -216,10 +212,9 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
             gluon_attention_fwd(q, k, v, causal=bool(is_causal), scale=sm_scale, out=o, lse=lse, checked=True,
                                 variant=build.split(" ", 1)[1])
             return (o, lse) if return_lse else o
-        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernel runs
-            _GLUON_FAILED.add((q.device, q.dtype, D, bool(is_causal)))
-            log.warning("flash_attention: Gluon forward failed (%s: %s); using the Triton kernel for %s",
-                        type(e).__name__, _first_line(e), (q.dtype, D, is_causal))
+        except Exception as e:  # a build or launch this machine rejects: the Triton kernel runs
+            remember_failure(log, _GLUON_FAILED, (q.device, q.dtype, D, bool(is_causal)),
+                             "flash_attention: Gluon forward failed (%s: %s); using the Triton kernel for %s", e)
     auto_tma = use_tma is None
     if auto_tma:
         use_tma = _tma_ok(q, k, v, o) and (q.dtype, D, bool(is_causal)) not in _TMA_FAILED
@@ -235,9 +230,8 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     except Exception as e:  # a TMA build the compiler rejects: remember it and use plain pointers
         if not (auto_tma and use_tma):
             raise
-        log.warning("flash_attention: TMA forward failed (%s: %s); using pointer loads for %s",
-                    type(e).__name__, _first_line(e), (q.dtype, D, is_causal))
-        _TMA_FAILED.add((q.dtype, D, bool(is_causal)))
+        remember_failure(log, _TMA_FAILED, (q.dtype, D, bool(is_causal)),
+                         "flash_attention: TMA forward failed (%s: %s); using pointer loads for %s", e)
         flags["USE_TMA"] = False
         _attn_fwd_tuned[grid](*args, **flags)
     return (o, lse) if return_lse else o
@@ -256,10 +250,9 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         try:
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
                                        grads_like_inputs=True)
-        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
-            _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
-            log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",
-                        type(e).__name__, _first_line(e), (q.dtype, q.shape[-1], is_causal))
+        except Exception as e:  # a build or launch this machine rejects: the Triton kernels run
+            remember_failure(log, _GLUON_BWD_FAILED, (q.device, q.dtype, q.shape[-1], bool(is_causal)),
+                             "flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s", e)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fxopt.kernels._common import is_sm90, kernel_config
+from fxopt.kernels._common import is_sm90, kernel_config, remember_failure
 from fxopt.kernels.attention import routing
 
 from .gluon_fwd import fp8_gluon_attention, fp8_gluon_supported
@@ -112,10 +112,8 @@ def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
         fp8_gluon_attention(q, k, v, is_causal, scale, hadamard, seed, out=out)
         return True
     except Exception as e:  # noqa: BLE001 -- a build or launch this machine rejects: the Triton kernel runs
-        key = (q.device, q.dtype, q.shape[-1], bool(is_causal))
-        _GLUON_FP8_FAILED.add(key)
-        log.warning("fp8_attention: Gluon kernel failed (%s: %s); using the Triton kernel for %s",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", key)
+        remember_failure(log, _GLUON_FP8_FAILED, (q.device, q.dtype, q.shape[-1], bool(is_causal)),
+                         "fp8_attention: Gluon kernel failed (%s: %s); using the Triton kernel for %s", e)
         return False
 
 

@@ -267,13 +267,9 @@ def _lg(v: int) -> int:
 
 
 def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
-    """The load layouts (docs/kernels.md, "Lane mapping"):
-
-    * ``w_layout`` for the packed words [BK/8, BN]: registers = 2R consecutive columns (one vector load), then the
-      chunks c (word rows 4 c); lanes = (t: word row, g: column block of 2R); warps: column blocks of 16 R.
-    * ``x_layout`` for x [BM, BK/8, 8]: registers = the 8 activations of a word row (one 16-byte load), the chunks
-      c, and token g + 8 when BM = 16; lanes = (t: word row, g: token); every warp holds the same x.
-    * ``sz_layout`` for the scale / zero rows [BN]: the words' columns (lanes t hold copies)."""
+    """The load layouts (docs/kernels.md, "Lane mapping"): ``w_layout`` for the packed words [BK/8, BN] (registers
+    2R consecutive columns, then the chunks; lanes (t: word row, g: column block); warps: column blocks), ``x_layout``
+    for x [BM, BK/8, 8] (a word row's 8 activations per lane, same x in every warp), ``sz_layout`` for [BN] rows."""
     C = BK // 32
     BN = 16 * R * W
     w_layout = gl.DistributedLinearLayout(
