@@ -8,8 +8,7 @@ import threading
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host code. ``triton.cdiv`` is a ``ConstexprFunction``: about 1.6 us per call from Python,
-    and a launch computes several of these."""
+    """ceil(a / b) for host code (``triton.cdiv`` costs about 1.6 us per call from Python)."""
     return -(-a // b)
 
 
@@ -19,15 +18,11 @@ def next_pow2(n: int) -> int:
 
 
 def outside_graph_pools(fn):
-    """``fn()`` with its CUDA allocations taken from the ordinary caching allocator, never from a CUDA-graph pool.
+    """``fn()`` with its CUDA allocations from the ordinary caching allocator, never from a CUDA-graph pool.
 
-    Inductor's CUDA-graph trees route every allocation of the calling thread to their private pool during a graph's
-    warm-up run, and then refuse a pool tensor that is not an output of the graph ("tensor(s) in the cudagraph pool
-    not tracked as outputs"). A buffer that a kernel keeps across calls (split-K workspaces, tile counters) or memory
-    that the W4A16 tuner times with must therefore be allocated outside that routing: the pool is bound to a thread,
-    so ``fn`` runs in a short-lived thread of its own. The caller's stream is synchronised first (``fn`` may read the
-    caller's tensors on its own stream) and ``fn``'s work is finished before this returns. Not for use while the
-    calling stream is being captured.
+    Inductor's CUDA-graph trees route the calling thread's allocations to their pool during a warm-up run and refuse
+    pool tensors that are not graph outputs, so buffers kept across calls (and the W4A16 tuner's memory) are made in
+    a short-lived thread of their own, after a sync of the caller's stream. Not for use while capturing.
     """
     import torch
 

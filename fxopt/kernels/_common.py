@@ -1,14 +1,10 @@
-"""Helpers every kernel family shares: the SM count, the interpreter flag, and the active kernel choices.
+"""Helpers every kernel family shares: the SM count, the interpreter flag, kept buffers, autotune lists, and the
+active kernel choices.
 
-Kernel choices (:class:`fxopt.config.KernelConfig`, e.g. "Gluon attention on / off") reach the kernels at run time,
-long after a graph was compiled, and custom ops take no config argument. So they live in one place here:
-
-* :func:`set_backend_kernels` is called by :class:`fxopt.Backend` when it compiles a graph: the choices of the
-  backend that compiled last apply process-wide (a backward run by the autograd engine's threads sees them too).
-* :func:`use_kernels` overrides them inside a ``with`` block (tests, benchmarks); an override wins over backends
-  compiled inside the block and is undone on exit.
-* :func:`kernel_config` is what the routing code reads; :func:`kernel_config_key` is its hashable form (launch plans
-  put it in their key, so a plan never replays a route that is switched off).
+Kernel choices (:class:`fxopt.config.KernelConfig`) reach the kernels at run time and custom ops take no config,
+so they are process-wide: :func:`set_backend_kernels` (called by :class:`fxopt.Backend` when it compiles; the last
+compile wins), :func:`use_kernels` (a ``with`` block that overrides them, also over compiles inside it),
+:func:`kernel_config` (what routing reads) and :func:`kernel_config_key` (its hashable form, in launch plan keys).
 """
 from __future__ import annotations
 
@@ -43,6 +39,59 @@ def _cuda_sms(index: int) -> int:  # a device-properties query costs microsecond
 def is_sm90(device) -> bool:
     """Hopper (sm_90 exactly): the Gluon builds use its wgmma and TMA."""
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def remember_failure(log, failed: set, key, what: str, e: Exception) -> None:
+    """A build or launch this machine rejected: ``key`` joins ``failed`` (not tried again), one warning says why and
+    what runs instead (``what``: "<op>: <build> failed ... <fallback>")."""
+    failed.add(key)
+    log.warning(what, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", key)
+
+
+def kept_zeros(cache: dict, key, n: int, dtype, device, floor: int) -> torch.Tensor:
+    """A zeroed buffer of at least ``n`` elements kept in ``cache[key]`` across calls (kernels leave it at zero),
+    never from a CUDA-graph pool; ``floor`` elements at least, so that captured graphs never see it replaced."""
+    from fxopt.kernels import outside_graph_pools
+
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        buf = outside_graph_pools(lambda: torch.zeros(max(n, floor), dtype=dtype, device=device))
+        cache[key] = buf
+    return buf
+
+
+def block_configs(rows, pre_hook=None) -> list:
+    """``triton.Config`` of each distinct (BLOCK_M, BLOCK_N, num_warps, num_stages) row, in order (under the
+    interpreter: one small config)."""
+    import triton
+
+    rows = [(16, 16, 4, 1)] if INTERPRET else dict.fromkeys(rows)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=pre_hook)
+            for bm, bn, w, st in rows]
+
+
+def keep_rows(configs, wanted, ordered: bool = False) -> list:
+    """An autotune prune: the configs whose row is in ``wanted`` (in ``wanted``'s order when ``ordered``), the
+    first config when none is, only the first one under ``FXOPT_NO_TUNE``."""
+    from fxopt import env
+
+    def row(c):
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+    kept = [c for c in configs if row(c) in wanted]
+    if ordered:
+        kept.sort(key=lambda c: wanted.index(row(c)))
+    kept = kept or configs[:1]
+    return kept[:1] if env.no_tune() else kept
+
+
+def quick_bench(rep: int):
+    """The ``do_bench`` of the autotuners: a short warm-up and ``rep`` ms of timing."""
+    def bench(fn, quantiles=None):
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=rep, quantiles=quantiles)
+    return bench
 
 
 _backend_kernels = KernelConfig()

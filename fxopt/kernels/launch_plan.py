@@ -1,31 +1,13 @@
 """Launch plans: an entry point's kernel launches replayed without Triton's per-call Python.
 
-Why. On the H200 box a Triton / Gluon launch through ``JITFunction.run`` costs tens of microseconds of host time
-(argument binding and specialization, the cache key, the global-value check, descriptor objects validated in Python),
-and the attention op's own routing and checks add more: the eager fwd+bwd measured 0.8-1.0 ms of host
-time per call against 0.3-0.5 ms for cuDNN's (an H200 check): at short sequences the op
-was bound by its launch path, not by its kernels.
-
-What. ``@plan_cached`` on an entry point (``flash_attention_triton``, ``flash_attention_triton_bwd``) keys each call
-on everything its Python can branch on: every tensor's shape, strides, dtype, device and 16-byte alignment, every
-other argument's value, the current CUDA device, and the entry point's own routing state (its ``state`` function:
-for attention the routing table's digest and the kernel choices in force, ``fxopt.kernels.use_kernels``). For a
-key:
-
-* the first call runs the ordinary path (it may compile and autotune);
-* the second is recorded: each ``JITFunction.run`` is intercepted (compiled kernel, grid, bound arguments) while a
-  dispatch mode watches every aten op. The plan is kept only if the call did nothing but allocate
-  (``empty`` / ``empty_strided`` / ``empty_like`` / ``new_empty``), take views, and launch Triton kernels, each
-  autotuned kernel once. Any other op (a copy, a fill, a read of a tensor's value), an argument that cannot be
-  placed unambiguously, or a launch hook marks the key as not replayable: it keeps the ordinary path;
-* later calls replay: the same allocations, each pointer argument placed as (input or allocation, byte offset), each
-  TMA descriptor refilled from its new base, each compiled kernel's launcher called directly on the current stream.
-
-A replay launches the same compiled kernels with the same arguments the ordinary path would, so results are the
-same bit for bit (``tests/kernels/test_launch_plan_gpu.py`` checks it across routes). Python state other than the arguments
-and the ``state`` function's (a monkeypatched function) is not in the key: change such state only between
-``clear_plans()`` calls (the tests' fixture clears before each test). ``FXOPT_LAUNCH_PLANS=0``
-(read at import) turns plans off.
+A Triton / Gluon launch through ``JITFunction.run`` costs tens of microseconds of host time, and at short sequences
+the attention op was bound by its launch path. ``@plan_cached`` keys each call on every tensor's shape, strides,
+dtype, device and 16-byte alignment, every other argument's value, the current device and the entry point's
+``state`` function. The first call of a key runs the ordinary path; the second is recorded (each ``JITFunction.run``
+intercepted while a dispatch mode watches every aten op) and kept only if it did nothing but allocate, take views
+and launch kernels (each autotuned kernel once); later calls replay the same compiled kernels on the current stream
+with pointers and TMA descriptors re-based, so results are the same bit for bit. Python state outside the key may
+change only between ``clear_plans()`` calls; ``FXOPT_LAUNCH_PLANS=0`` (read at import) turns plans off.
 """
 from __future__ import annotations
 
@@ -69,9 +51,7 @@ def _alloc_ops():
     return _ALLOC_OPS
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Keys
-# ----------------------------------------------------------------------------------------------------------------
 
 _SCALARS = frozenset((bool, int, float, str))
 
@@ -106,9 +86,7 @@ def _call_key(fn, args, kwargs, allow_cpu=False):
     return tuple(parts), tensors
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Recording
-# ----------------------------------------------------------------------------------------------------------------
 
 class NotReplayable(Exception):
     pass
@@ -431,14 +409,9 @@ def record(fn, args, kwargs, inputs, stream_fn=None):
 
 def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., Any]] = None,
                 enabled: Optional[Callable[[], bool]] = None):
-    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring).
-
-    Args:
-        state: called with the call's arguments, returns the (hashable) state the entry point routes on that the
-            arguments' metadata does not show: module globals a benchmark or a test reassigns, a fact about a
-            tensor's values cached on the tensor. It becomes part of the key. ``NO_PLAN``: not this call (e.g. a
-            fresh dropout seed in every call would only fill the table).
-        enabled: an entry point's own switch (called per call; plans run only while it returns True)."""
+    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring). ``state(*args,
+    **kwargs)``: the hashable routing state the arguments' metadata does not show (part of the key; ``NO_PLAN``: not
+    this call); ``enabled()``: the entry point's own switch, read per call."""
     if fn is None:
         return functools.partial(plan_cached, state=state, enabled=enabled)
 

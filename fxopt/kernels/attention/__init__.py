@@ -1,18 +1,8 @@
-"""FlashAttention for fxopt: the ``fxopt::flash_attention`` ops and every kernel behind them.
+"""FlashAttention for fxopt: the ``fxopt::flash_attention`` ops (``ops``, registered on import) and their kernels.
 
-Modules (imports point one way: ops -> launch -> {routing, decode, gluon_*, triton_kernels} -> checks / common):
-
-* ``ops``: the custom ops (fake implementations, autograd, the eager fast path); importing the package registers
-  them.
-* ``launch``: ``flash_attention_triton`` / ``flash_attention_triton_bwd``, the host routing of each call,
-  ``kernel_routes``.
-* ``routing``: the routing table (arch, op, head dim, causal, lengths -> build) and its digest.
-* ``triton_kernels``: the Triton forward (FA2), split-KV decode and backward kernels; ``decode``: their decode
-  host side.
-* ``gluon_fwd`` / ``gluon_bwd``: the Gluon Hopper builds the table routes to; ``gluon_common``: what they share.
-* ``reference`` / ``checks``: the float reference (the CPU path) and the input checks.
-
-Design notes and measurements: ``docs/kernels.md``.
+Imports point one way: ``ops`` -> ``launch`` (host routing of each call) -> {``routing`` (the table), ``decode``,
+``gluon_fwd`` / ``gluon_bwd`` (Hopper builds), ``triton_kernels``} -> ``checks`` / ``gluon_common``; ``reference``
+is the float path on CPU. Design notes and measurements: ``docs/kernels.md``.
 """
 from .checks import check_qkv  # noqa: F401
 from .launch import (  # noqa: F401

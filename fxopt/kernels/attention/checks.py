@@ -89,4 +89,3 @@ def mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk):
 
 def block_d(D):
     return max(16, next_pow2(D))
-

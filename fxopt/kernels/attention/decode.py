@@ -1,18 +1,13 @@
-"""Host side of the split-KV decode (flash-decoding) kernels of ``triton_kernels``.
-
-Used for few query rows and long keys (``use_split``). The key axis is split into chunks so that
-B x Hkv x chunks fills the GPU about four times over; each program packs all query heads of one KV group and all
-query tokens into the rows of one tile, so K / V are read once per group. The partials are merged by
-``_attn_combine`` launched with programmatic dependent launch, or by the last split of each (batch, kv head) to
-finish (one launch fewer: the eager call of a small step, which is bound by the host). At d = 128 the build holds
-136 KB of cp.async buffers (BLOCK_N 128, 3 stages), so one CTA is resident per SM.
+"""Host side of the split-KV decode (flash-decoding) kernels of ``triton_kernels``, for few query rows and long
+keys (``use_split``): key chunks so that B x Hkv x chunks fills the GPU about four times over, partials merged by
+``_attn_combine`` (programmatic dependent launch) or by the last split to finish. ``docs/kernels.md`` ("Decode").
 """
 from __future__ import annotations
 
 import torch
 
-from fxopt.kernels import cdiv, has_pdl, next_pow2, outside_graph_pools
-from fxopt.kernels._common import INTERPRET, num_sms
+from fxopt.kernels import cdiv, has_pdl, next_pow2
+from fxopt.kernels._common import INTERPRET, kept_zeros, num_sms
 
 from .triton_kernels import _attn_combine, _attn_fwd_split
 
@@ -22,8 +17,7 @@ FUSED_MAX_KV_BYTES = 192 << 20
 
 def use_split(q, k, dropout_p) -> bool:
     """The split-KV decode path: few query rows and long keys, or keys from 256 on when the one-pass kernel would
-    give fewer programs than SMs (a batch-1 decode step over a 640-slot static cache ran the one-pass kernel on 32
-    programs of the 132 SMs: 23 us a layer, cuDNN 9 us)."""
+    give fewer programs than SMs (batch-1 decode over a 640-slot cache: 32 programs, 23 us a layer, cuDNN 9 us)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if dropout_p != 0.0 or Sq > 16 or (Hq // Hkv) * Sq > 128:
@@ -41,9 +35,8 @@ def split_plan(B, Hkv, Sk, device, block_n, sms=None):
 
 
 def fused_combine_rule(is_cuda: bool, capturing: bool, kv_bytes: int) -> bool:
-    """Eager launches of a small decode step are bound by the host, so one kernel fewer wins (H200, B = 8, H = 32:
-    GQA 4:1 at 4k 1.27 against 0.57 TB/s); replayed from a CUDA graph, or with more K/V to read, the combine
-    kernel's shorter critical path wins. So: fused when launched eagerly on at most 192 MB of K/V."""
+    """Fused when launched eagerly on at most 192 MB of K/V: an eager small step is bound by the host (one kernel
+    fewer: 1.27 against 0.57 TB/s at B = 8, H = 32, 4k); from a CUDA graph or on more K/V the combine kernel wins."""
     return is_cuda and not capturing and kv_bytes <= FUSED_MAX_KV_BYTES
 
 
@@ -51,18 +44,12 @@ _LOCKS: dict = {}
 
 
 def _decode_locks(device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused combine; every launch leaves them at zero again. One buffer per
-    (device, stream), so launches on two streams never share counters. Under CUDA-graph capture a fresh buffer is
-    captured (its memset replays with the graph) and not cached: graph-pool memory must not leak to eager calls."""
+    """Zeroed int32 arrival counters of the fused combine, per (device, stream); under CUDA-graph capture a fresh,
+    uncached buffer (its memset replays with the graph; graph-pool memory must not leak to eager calls)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        _LOCKS[key] = buf
-    return buf
+    return kept_zeros(_LOCKS, (idx, torch.cuda.current_stream(idx).cuda_stream), n, torch.int32, device, 4096)
 
 
 def launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags, fused=None):
@@ -78,7 +65,7 @@ def launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softca
         block_n, num_warps, num_stages = (128 if BLOCK_D <= 128 and BLOCK_R <= 64 else 64 if BLOCK_D <= 128 else 32,
                                           4, 3)
     num_splits, split_len = split_plan(B, Hkv, Sk, q.device, block_n)
-    # one allocation for both partial buffers (an allocator call costs host microseconds per decode step)
+    # one allocation for both partial buffers (an allocator call costs host microseconds)
     n_o = B * Hq * Sq * num_splits * BLOCK_D
     parts = torch.empty(n_o + B * Hq * Sq * num_splits, device=q.device, dtype=torch.float32)
     opart = parts[:n_o].view(B, Hq, Sq, num_splits, BLOCK_D)

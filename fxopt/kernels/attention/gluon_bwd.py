@@ -1,24 +1,14 @@
 """FA3-style attention backward for Hopper (sm_90) in Gluon: the builds the routing table picks.
 
-The Triton backward runs two kernels that each recompute S and P (7 GEMMs per block pair instead of 5). Here one CTA
-owns a block of keys of one (batch, kv head); a TMA producer warp streams Q, dO, lse and delta of every query block
-of the GQA group through a shared-memory ring and two consumer warpgroups compute S^T = K Q^T and dP^T = V dO^T
-back to back, then P^T, dS^T, dV += P^T dO and dK += dS^T Q in registers. Three launches: ``_bwd_preprocess``
-(delta = rowsum(dO * O), lse in base 2, the fp32 dQ workspace zeroed), the main kernel, ``_bwd_dq_convert``.
-
-* ``"dq-reducer"`` (d = 64 / 128, ``_fa3_bwd_kernel``): 128 keys per CTA, 64 per warpgroup. dK is issued before
-  dS^T is published to the other warpgroup; each warpgroup computes dQ for its half of the head dim over all 128
-  keys and hands it to a reducer warp through a double-buffered shared-memory tile; the reducer adds the tile to
-  the workspace with one TMA ``cp.reduce.async.bulk.tensor`` per half-tile, so the consumers issue no global
-  reductions (1.13-1.20x over the same kernel with warp reductions at d = 128).
-* ``"d256"`` (``_fa3_bwd_kernel_d256``): 64 keys per CTA; the warpgroups split the queries of S^T / dP^T (32 each)
-  and the head dim of dK / dV / dQ (128 columns each), exchanging P^T and dS^T halves through shared memory. The
-  dQ tiles are written into the dead Q / dO bytes of the ring slot and the producer reduces them by TMA before it
-  refills the slot. 230.9 KB of the 232 KB of shared memory per CTA.
-
-At run time Triton makes an int argument equal to 1 (GROUP, H) a constexpr: the partition lists and argument tuples
-are literals, so that constexprs stay constexprs. Semantics: lse fp32 natural log (+inf on rows with no visible key:
-exact zero gradients), causal bottom-right aligned, GQA; ``gluon_bwd_supported`` names what it refuses.
+One CTA owns a block of keys of one (batch, kv head); a TMA producer warp streams Q, dO, lse and delta of every
+query block of the GQA group through a ring, and two consumer warpgroups compute S^T = K Q^T and dP^T = V dO^T,
+then dV += P^T dO and dK += dS^T Q in registers (5 GEMMs per block pair; the Triton backward's two kernels need 7).
+Three launches: ``_bwd_preprocess`` (delta, lse in base 2, the fp32 dQ workspace zeroed), the main kernel,
+``_bwd_dq_convert``. ``"dq-reducer"`` (d = 64 / 128, ``_fa3_bwd_kernel``): dQ handed to a reducer warp that adds it
+to the workspace by TMA reductions. ``"d256"`` (``_fa3_bwd_kernel_d256``): the warpgroups split queries and head
+dim; the producer reduces the dQ tiles written into the slot's dead Q / dO bytes. Partition lists and argument
+tuples are literals so that constexprs stay constexprs. ``gluon_bwd_supported`` names what it refuses; layouts and
+measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -42,7 +32,9 @@ from .gluon_common import (
     gluon,
     host_layout,
     mbarrier,
+    qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -76,9 +68,7 @@ if GLUON_IMPORT_ERROR is None:
                                                   src.handle)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Triton-language helpers: preprocess (delta, lse2, zero dQ workspace) and dQ convert
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -127,11 +117,7 @@ def _bwd_dq_convert(DQ_ACC, DQ, stride_dqz, stride_dqh, stride_dqm, H, SEQ_Q, SQ
              + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # "dq-reducer" (d = 64 / 128)
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -310,34 +296,10 @@ def _bwd_consumer(WG: gl.constexpr, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _bwd_consumer_wg0(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer(0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                  dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                  dk_desc, dv_desc, HEAD_DIM, STAGES, NB)
-
-
-@gluon.jit
-def _bwd_consumer_wg1(k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                      dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                      dk_desc, dv_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr):
-    _bwd_consumer(1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                  dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                  dk_desc, dv_desc, HEAD_DIM, STAGES, NB)
-
-
-@gluon.jit
 def _bwd_dq_reducer(dq_smem, dq_full, dq_empty, dq_desc, b, hk, H, GROUP, SQ_PAD, m_lo, n_m):
-    """Per step: wait dq_full[buf]; two TMA reduce-adds (one per column half, each a [64, d / 2] tile = one
-    [8, d / 16, 8, 8] box of ``dq_desc``, the workspace viewed as [rows / 8, d / 8, 8, 8] with strides
-    [8 d, 8, d, 1]: the box order is the tile's chunk-transposed shared-memory order); wait for the TMA unit's reads
-    of both tiles; release dq_empty[buf]. One flat loop over the (g, m) steps (the partition runs with 24
-    registers)."""
+    """Per step: wait dq_full[buf]; one TMA reduce-add per column half (a [64, d / 2] tile = one box of
+    ``dq_desc``, see ``_dq_tma_desc``); wait for the TMA unit's reads; release dq_empty[buf]. One flat loop over the
+    (g, m) steps (the partition runs with 24 registers)."""
     NB: gl.constexpr = dq_smem.shape[0] // 2
     CHUNKS: gl.constexpr = dq_smem.shape[2]      # 8-column chunks per column half: 8 at d = 128, 4 at d = 64
     n_steps = n_m - m_lo
@@ -417,14 +379,14 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     # A literal partition list and literal argument tuples (see the module docstring). The reducer warp(s) join
     # warpgroup 2 at the producer's register budget.
     gl.warp_specialize([
-        (_bwd_consumer_wg0, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                             dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                             dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                             dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
-        (_bwd_consumer_wg1, (k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                             dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
-                             dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                             dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
+        (_bwd_consumer, (0, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
+        (_bwd_consumer, (1, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_bar, end_bar, dq_full,
+                         dq_empty, b, hk, n0, H, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                         dk_desc, dv_desc, HEAD_DIM, STAGES, NB)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                          kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -433,11 +395,9 @@ def _fa3_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     ], [4, 1, REDUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])  # default partition = consumer 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # "d256": 64 keys per CTA; the warpgroups split the queries of S^T / dP^T and the head dim of dK / dV / dQ. Every
 # shared tile is [rows, 128] (two 128-byte-swizzle [rows, 64] blocks); P^T and dS^T are exchanged through [64, 64]
 # tiles with a 64-byte swizzle, two [64, 32] column blocks, one written by each warpgroup.
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -627,28 +587,6 @@ def _bwd_consumer_d256(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_sm
 
 
 @gluon.jit
-def _bwd_consumer_d256_wg0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                           b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                           dk_desc, dv_desc, dq_desc, STAGES: gl.constexpr):
-    _bwd_consumer_d256(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                       b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                       dk_desc, dv_desc, dq_desc, STAGES)
-
-
-@gluon.jit
-def _bwd_consumer_d256_wg1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                           kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                           b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                           dk_desc, dv_desc, dq_desc, STAGES: gl.constexpr):
-    _bwd_consumer_d256(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                       kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                       b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                       dk_desc, dv_desc, dq_desc, STAGES)
-
-
-@gluon.jit
 def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
                          qk_scale, H, GROUP, SEQ_Q, SEQ_K, SQ_PAD,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -705,14 +643,14 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer_d256_wg0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                                  b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                  dk_desc, dv_desc, dq_desc, STAGES)),
-        (_bwd_consumer_d256_wg1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
-                                  kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
-                                  b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
-                                  dk_desc, dv_desc, dq_desc, STAGES)),
+        (_bwd_consumer_d256, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                              kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
+                              b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                              dk_desc, dv_desc, dq_desc, STAGES)),
+        (_bwd_consumer_d256, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
+                              kv_bar, q_ready, q_empty, do_ready, do_empty, x_bar, x_free, end_bar,
+                              b, hk, n0, GROUP, m_lo, m_full, n_m, qk_scale, SEQ_Q, SEQ_K,
+                              dk_desc, dv_desc, dq_desc, STAGES)),
         (_bwd_producer_d256, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar, q_ready, q_empty, do_ready, do_empty,
@@ -720,9 +658,7 @@ def _fa3_bwd_kernel_d256(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # default partition = consumer 0 (num_warps = 4)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -733,28 +669,19 @@ def gluon_bwd_supported(dout, q, k, v, out, lse, causal: bool = False, scale: Op
         return reason
     if not isinstance(lse, torch.Tensor) or lse.device != q.device:
         return "lse is not a tensor on q's device"
+    reason = qkv_reason(q, k, v, _STAGES, scale)
+    if reason is not None:
+        return reason
     B, Hq, Sq, D = q.shape
-    if k.shape != v.shape:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    Hkv = k.shape[1]
     if out.shape != q.shape or dout.shape != q.shape:
         return f"out {tuple(out.shape)} / dout {tuple(dout.shape)} must match q {tuple(q.shape)}"
-    if D not in _STAGES:
-        return f"head dim {D} not supported (only {sorted(_STAGES)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
     if lse.dtype != torch.float32 or tuple(lse.shape) != (B, Hq, Sq):
         return f"lse must be fp32 [B, Hq, Sq] = {(B, Hq, Sq)}, got {lse.dtype} {tuple(lse.shape)}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale})"
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         r = tma_stride_reason(name, t)
         if r is not None:
             return r
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
     if B * Hq * (Sq + _PRE_BLOCK) >= 2 ** 31:
         return "B * Hq * Sq too large for the int32 lse / delta TMA coordinate"
     if B * Hkv > 65535 or B * Hq > 65535:
@@ -770,13 +697,6 @@ def grad_strides_ok(*ts: torch.Tensor) -> bool:
         if st[-1] != 1 or any((x * t.element_size()) % 16 for x in st[:-1]):
             return False
     return True
-
-
-def _desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
-    block = [1, 1, rows, t.shape[-1] if cols is None else cols]
-    if layout is None:
-        layout = host_layout(tuple(block), t.dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def _vec_desc(t: torch.Tensor):
@@ -801,12 +721,9 @@ def _dq_tma_desc(dq_acc: torch.Tensor, D: int):
 def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
                         checked: bool = False, grads_like_inputs: bool = False):
-    """FA3-style backward -> (dq, dk, dv), dtypes of q / k / v. Raises ValueError when unsupported
-    (``gluon_bwd_supported`` gives the reason; ``checked=True`` skips that check). d = 64 / 128 run
-    ``_fa3_bwd_kernel`` ("dq-reducer"), d = 256 ``_fa3_bwd_kernel_d256``. ``grads_like_inputs=True``: dq / dk / dv
-    laid out like ``torch.empty_like`` of q / k / v (e.g. [B, S, H, D] transposed views, as the op's fake
-    implementation promises) when those strides suit TMA (``grad_strides_ok``), else ValueError; default
-    contiguous."""
+    """FA3-style backward -> (dq, dk, dv); ValueError when unsupported (``checked=True`` skips
+    ``gluon_bwd_supported``). ``grads_like_inputs=True``: the gradients laid out like ``torch.empty_like`` of q / k /
+    v (as the op's fake implementation promises), ValueError where those strides do not suit TMA."""
     reason = None if checked else gluon_bwd_supported(dout, q, k, v, out, lse, causal, scale)
     if reason is not None:
         raise ValueError(f"gluon_attention_bwd: {reason}")
@@ -837,15 +754,16 @@ def gluon_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     regs = dict(CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG)
     if D == 256:
         _fa3_bwd_kernel_d256[((Sk + D256_BLOCK_N - 1) // D256_BLOCK_N, B * Hkv)](
-            _desc(q, D256_QROWS, D256_HALF), _desc(k, D256_BLOCK_N, D256_HALF), _desc(v, D256_BLOCK_N, D256_HALF),
-            _desc(dout, D256_QROWS, D256_HALF), _desc(dk, D256_BLOCK_N, D256_HALF), _desc(dv, D256_BLOCK_N, D256_HALF),
+            tma_desc(q, D256_QROWS, D256_HALF), tma_desc(k, D256_BLOCK_N, D256_HALF),
+            tma_desc(v, D256_BLOCK_N, D256_HALF), tma_desc(dout, D256_QROWS, D256_HALF),
+            tma_desc(dk, D256_BLOCK_N, D256_HALF), tma_desc(dv, D256_BLOCK_N, D256_HALF),
             _vec_desc(lse2), _vec_desc(delta), _dq_tma_desc(dq_acc, D), sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk,
             sq_pad, STAGES=_STAGES[D], CAUSAL=bool(causal), **regs)
     else:
         k_layout = _k_layout(D, gl_dtype(k.dtype), 4)  # d = 64: 64-byte swizzle (K tile and dK staging)
         _fa3_bwd_kernel[((Sk + BLOCK_N - 1) // BLOCK_N, B * Hkv)](
-            _desc(q, BLOCK_M), _desc(k, WG_KEYS, layout=k_layout), _desc(v, WG_KEYS), _desc(dout, BLOCK_M),
-            _desc(dk, WG_KEYS, layout=k_layout), _desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta),
+            tma_desc(q, BLOCK_M), tma_desc(k, WG_KEYS, layout=k_layout), tma_desc(v, WG_KEYS), tma_desc(dout, BLOCK_M),
+            tma_desc(dk, WG_KEYS, layout=k_layout), tma_desc(dv, WG_KEYS), _vec_desc(lse2), _vec_desc(delta),
             _dq_tma_desc(dq_acc, D), sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, sq_pad,
             HEAD_DIM=D, STAGES=_STAGES[D], CAUSAL=bool(causal), NB=DQ_BUFFERS, REDUCER_WARPS=1, **regs)
     _bwd_dq_convert[(n_m, B * Hq)](dq_acc, dq, *dq.stride()[:3], Hq, Sq, sq_pad, sm_scale,

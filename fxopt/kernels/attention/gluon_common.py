@@ -79,6 +79,14 @@ def host_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
 
 
+def tma_desc(t: torch.Tensor, rows: int, cols: Optional[int] = None, layout=None):
+    """Host TensorDescriptor of a 4-D tensor with box [1, 1, rows, cols] (default: the last dim whole)."""
+    block = [1, 1, rows, t.shape[-1] if cols is None else cols]
+    if layout is None:
+        layout = host_layout(tuple(block), t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def tma_stride_reason(name: str, t: torch.Tensor) -> Optional[str]:
     """None if TMA can address ``t`` (last dim contiguous, other strides and the base 16-byte aligned), else why."""
     if t.stride(-1) != 1:
@@ -113,4 +121,24 @@ def common_reason(tensors: tuple, dtypes: tuple, arch_major: int) -> Optional[st
     cap = device_capability(tensors[0][1].device)
     if cap[0] != arch_major:
         return f"needs sm_{arch_major}0 (TMA / wgmma), device is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def qkv_reason(q, k, v, head_dims, scale) -> Optional[str]:
+    """The shape checks every Gluon attention build makes after ``common_reason``: k / v alike and matching q in
+    batch and head dim, a head dim in ``head_dims``, GQA, scale > 0 (folded into exp2), int32 TMA coordinates."""
+    B, Hq, Sq, D = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    if k.shape[0] != B or k.shape[3] != D:
+        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if D not in head_dims:
+        return f"head dim {D} not supported (only {sorted(head_dims)})"
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    if scale is not None and not (float(scale) > 0.0):
+        return f"scale must be > 0 (got {scale}); it is folded into exp2"
+    if max(Sq, k.shape[2]) >= 2 ** 30:
+        return "sequence too long for int32 TMA coordinates"
     return None

@@ -1,26 +1,13 @@
 """FA3-style attention forward for Hopper (sm_90) in Gluon: the builds the routing table picks.
 
-A CTA is split by ``gl.warp_specialize`` into a TMA producer warp, which fills a ring of K / V shared-memory slots,
-and two (``"persistent3"``: three) consumer warpgroups of 64 query rows. Each consumer software-pipelines its key
-loop: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1} with P in registers as the wgmma A operand, wait until one
-group is in flight, so one warpgroup's softmax runs under the other warpgroups' GEMMs (the Triton kernel runs QK^T,
-softmax and PV one after the other in every warpgroup and leaves the schedulers idle most cycles).
+``gl.warp_specialize`` splits a CTA into a TMA producer warp (a ring of K / V slots) and two (``"persistent3"``:
+three) consumer warpgroups of 64 query rows, each software-pipelining its key loop (issue S_j, issue PV_{j-1} with P
+in registers, wait until one group is in flight) so one warpgroup's softmax runs under the others' GEMMs.
 
-Builds (``routing.ROUTES``):
-
-* ``"default"`` (d = 256): one CTA per 128-row query tile of one (batch, head); the O rescale after the PV wait.
-* ``"persistent"`` (d = 64 / 128): a grid of at most one CTA per SM loops over (batch x head, query tile) work
-  items (causal: zigzag pairs of a long and a short tile); two Q buffers per warpgroup, a K / V ring that never
-  drains between items, the O store left in flight. FA3's step order: O *= alpha_{j-1} between the two issues,
-  and a store of the row sum to an unread shared slot that keeps ptxas from hoisting the PV wait above the exp2s.
-  P is cast with one packed ``cvt`` per pair (``_fa_p16``).
-* ``"persistent3"`` (d = 64, long queries): the same with three consumer warpgroups (192-row items) and no
-  row-sum pin (in 160 registers it spilled).
-
-Masking is a compile-time variant of the step (a runtime branch while a wgmma is in flight makes ptxas wait for
-all of them at the join), so each consumer runs an unmasked and a masked loop. Semantics as
-``fxopt::flash_attention`` for d in {64, 128, 256}, causal or not, GQA, TMA-compatible strides; anything else is
-refused by ``gluon_supported`` with the reason. Layouts, barrier protocol and measurements: ``docs/kernels.md``.
+Builds: ``"default"`` (d = 256, one CTA per 128-row tile); ``"persistent"`` (d = 64 / 128, at most one CTA per SM
+looping over work items, FA3's step order, packed P cast); ``"persistent3"`` (d = 64, three consumers). Masking is a
+compile-time variant of the step (a runtime branch with a wgmma in flight makes ptxas wait for all of them).
+``gluon_supported`` names what a build refuses. Layouts, barriers, measurements: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -33,15 +20,15 @@ from fxopt.kernels._common import num_sms as _device_sms
 
 from .gluon_common import (
     LOG2E,
-    TensorDescriptor,
     as_tma_box,
     common_reason,
     fence_async_shared,
     gl,
     gluon,
-    host_layout,
     mbarrier,
+    qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     unmasked_blocks,
     warpgroup_mma,
@@ -65,9 +52,7 @@ _WG3_HEAD_DIMS = (64,)
 VARIANTS = ("default", "persistent", "persistent3")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Device code shared by the builds
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -110,9 +95,7 @@ def _fa_p16(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     return gl.convert_layout(p16, p_layout)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # "default" (d = 256): one CTA per query tile
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -240,22 +223,6 @@ def _fa_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bars, k_rea
 
 
 @gluon.jit
-def _fa_consumer_wg0(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _fa_consumer(0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
-def _fa_consumer_wg1(o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                     lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _fa_consumer(1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
 def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -299,20 +266,16 @@ def _fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP,
     # Argument tuples are written inline: assigning them to a variable first would turn the constexprs into
     # int32 tensors (Triton's assignment rule), and the layouts inside the partitions need them constant.
     gl.warp_specialize([
-        (_fa_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                            CAUSAL)),
-        (_fa_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                            CAUSAL)),
+        (_fa_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_fa_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        lse_ptr, bh, b, h, m0, n_blocks, SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
         (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                         v_empty, b, h, hk, m0, n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # "persistent" / "persistent3": one CTA per SM looping over work items
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -534,40 +497,6 @@ def _fa_consumer_persistent(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_
     tma.store_wait(0)
 
 
-@gluon.jit
-def _fa_consumer_persistent_wg0(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr = 2):
-    _fa_consumer_persistent(0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
-@gluon.jit
-def _fa_consumer_persistent_wg1(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr = 2):
-    _fa_consumer_persistent(1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
-@gluon.jit
-def _fa_consumer_persistent_wg2(o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K,
-                                qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, SCHED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                                NUM_WG: gl.constexpr):
-    # "persistent3" only: the third consumer warpgroup, query rows m0 + 128 .. m0 + 191 of the 192-row tile
-    _fa_consumer_persistent(2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS, SEQ_Q, SEQ_K, qk_scale,
-                            HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED, WRITE_LSE, NUM_WG)
-
-
 # No value specialization of the runtime ints (Triton would make a 1 a constant and mark multiples of 16) or of
 # lse_ptr's alignment: one build per constexpr set.
 @gluon.jit(do_not_specialize=["lse_ptr", "H", "GROUP", "SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_BH"])
@@ -610,41 +539,39 @@ def _fa3_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale
     if NUM_WG == 3:
         # consumer warpgroups 0 (default partition), 1, 2 and the producer warp: 13 warps, 16 after rounding
         gl.warp_specialize([
-            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
-            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
-            (_fa_consumer_persistent_wg2, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
+            (_fa_consumer_persistent, (2, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, NUM_WG)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED, NUM_WG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_fa_consumer_persistent_wg0, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, 2)),
-            (_fa_consumer_persistent_wg1, (o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                           v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
-                                           SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
-                                           WRITE_LSE, 2)),
+            (_fa_consumer_persistent, (0, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, 2)),
+            (_fa_consumer_persistent, (1, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                       v_ready, v_empty, pin, lse_ptr, pid, P, n_local, H, NUM_BH, NUM_M_BLOCKS,
+                                       SEQ_Q, SEQ_K, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHED,
+                                       WRITE_LSE, 2)),
             (_fa_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                        k_empty, v_ready, v_empty, pid, P, n_local, H, GROUP, NUM_BH, NUM_M_BLOCKS,
                                        SEQ_Q, SEQ_K, BLOCK_N, STAGES, CAUSAL, SCHED)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def config_for(head_dim: int, variant: str = "default") -> dict:
@@ -688,81 +615,35 @@ def persistent_schedule(num_m: int, num_bh: int, causal: bool, sms: int):
     return sched, max(1, min(sms, units))
 
 
-def persistent_items(pid: int, P: int, num_m: int, num_bh: int, sched: int, causal: bool) -> list:
-    """CPU mirror of ``_fa_sched_count`` / ``_fa_sched_item`` (same integer formulas): CTA pid's work items
-    [(bh, pid_m), ...] in order, for the test that every item is covered exactly once."""
-    T = num_m * num_bh
-    if sched == 1:
-        half = T // 2
-        n = 2 * ((max(half - pid, 0) + P - 1) // P) + int(T % 2 == 1 and half % P == pid)
-    else:
-        n = (max(T - pid, 0) + P - 1) // P
-    out = []
-    for t in range(n):
-        if sched == 1:
-            x = 2 * (pid + (t // 2) * P) + t % 2
-            bh, j = divmod(x, num_m)
-            pid_m = num_m - 1 - j // 2 if j % 2 == 0 else j // 2
-        else:
-            bh, pid_m = divmod(pid + t * P, num_m)
-            if causal:
-                pid_m = num_m - 1 - pid_m
-        out.append((bh, pid_m))
-    return out
-
-
 def gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
     """None if ``gluon_attention_fwd`` can run these inputs, else a one-line reason (for a fallback decision)."""
-    reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9)
+    reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9) or \
+        qkv_reason(q, k, v, _CONFIGS, scale)
     if reason is not None:
         return reason
-    B, Hq, Sq, D = q.shape
-    if k.shape != v.shape:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    if D not in _CONFIGS:
-        return f"head dim {D} not supported (only {sorted(_CONFIGS)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale}); it is folded into exp2"
     for name, t in (("q", q), ("k", k), ("v", v)):
         r = tma_stride_reason(name, t)
         if r is not None:
             return r
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
+    B, Hq = q.shape[:2]
     if B * Hq > 65535:
         return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
     return None
 
 
-def _desc(t: torch.Tensor, rows: int):
-    block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, host_layout(tuple(block), t.dtype))
-
-
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         lse: Optional[torch.Tensor] = None, checked: bool = False, variant: str = "default",
-                        write_lse: bool = True, num_sms: Optional[int] = None):
-    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out [B, Hq, Sq, D], lse fp32 [B, Hq, Sq],
-    natural log, +inf for rows with no visible key). Raises ValueError when unsupported.
-
-    ``out`` / ``lse``: buffers to write (``out`` like q, any strides TMA accepts); default contiguous.
-    ``checked=True`` skips ``gluon_supported`` (the caller ran it). ``variant``: one of ``VARIANTS``.
-    ``write_lse=False``: return (out, None); the persistent builds then skip the lse stores, "default" writes a
-    scratch buffer. ``num_sms``: persistent builds only, the grid's upper bound (default: the device's SM count;
-    small values force many items per CTA)."""
+                        num_sms: Optional[int] = None):
+    """FA3-style forward. q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> (out like q, lse fp32 [B, Hq, Sq], natural
+    log, +inf for rows with no visible key); ValueError when unsupported. ``out`` / ``lse``: buffers to write.
+    ``checked=True`` skips ``gluon_supported``. ``num_sms``: the persistent grid's bound (small values force many
+    items per CTA)."""
     if variant not in VARIANTS:
         raise ValueError(f"gluon_attention_fwd: unknown variant {variant!r} (one of {VARIANTS})")
     persistent = variant != "default"
     if num_sms is not None and (not persistent or int(num_sms) < 1):
         raise ValueError(f"gluon_attention_fwd: num_sms={num_sms} needs a persistent variant and a value >= 1")
-    if not write_lse and lse is not None:
-        raise ValueError("gluon_attention_fwd: an lse buffer was given with write_lse=False")
     reason = None if checked else gluon_supported(q, k, v, causal, scale)
     if reason is None and out is not None:
         reason = tma_stride_reason("out", out) if out.shape == q.shape and out.dtype == q.dtype else \
@@ -777,20 +658,17 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if out is None:
         out = torch.empty((B, Hq, Sq, D), device=q.device, dtype=q.dtype)
     if lse is None:
-        lse = torch.empty((B, Hq, Sq) if (write_lse or not persistent) else (1,), device=q.device,
-                          dtype=torch.float32)
-    lse_ret = lse if write_lse else None
+        lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if B * Hq * Sq == 0:
-        return out, lse_ret
+        return out, lse
     if Sk == 0:
         out.zero_()
-        if write_lse:
-            lse.fill_(float("inf"))
-        return out, lse_ret
+        lse.fill_(float("inf"))
+        return out, lse
     cfg = config_for(D, variant)
     num_m = (Sq + rows_per_item(variant) - 1) // rows_per_item(variant)  # not triton.cdiv: slow on the host
-    q_desc, o_desc = _desc(q, WG_ROWS), _desc(out, WG_ROWS)
-    k_desc, v_desc = _desc(k, cfg["BLOCK_N"]), _desc(v, cfg["BLOCK_N"])
+    q_desc, o_desc = tma_desc(q, WG_ROWS), tma_desc(out, WG_ROWS)
+    k_desc, v_desc = tma_desc(k, cfg["BLOCK_N"]), tma_desc(v, cfg["BLOCK_N"])
     if persistent:
         sched, n_cta = persistent_schedule(num_m, B * Hq, bool(causal), int(num_sms or _device_sms(q.device)))
         # the ring counter g (and the masks' column shift g * BLOCK_N) grows over a CTA's items: keep it in int32
@@ -803,12 +681,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk, num_m, B * Hq,
             HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], SCHED=sched,
-            WRITE_LSE=bool(write_lse), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+            WRITE_LSE=True, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
             **({"NUM_WG": cfg["NUM_WG"]} if cfg["NUM_WG"] != 2 else {}))
-        return out, lse_ret
+        return out, lse
     _fa3_fwd_kernel[(num_m, B * Hq)](q_desc, k_desc, v_desc, o_desc, lse, sm_scale * LOG2E, Hq, Hq // Hkv, Sq, Sk,
                                      num_m, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
                                      CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"],
                                      PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=cfg["num_warps"],
                                      maxnreg=cfg["maxnreg"])
-    return out, lse_ret
+    return out, lse

@@ -1,12 +1,9 @@
 """Launch paths of the attention family: ``flash_attention_triton`` (forward) and ``flash_attention_triton_bwd``.
 
-Each call is routed once, on the host: decode shapes to the split-KV kernels (``decode``); calls the Gluon builds
-can take (sm_90, 16-bit, no mask / dropout / window / softcap, TMA-compatible strides, the
-:class:`fxopt.config.KernelConfig` switches on) to the build ``routing.select`` names; everything else to the
-Triton kernels, autotuned once per (flags, power-of-two bucket of Sq and Sk) over a short per-head-dim list. A Gluon
-build that fails to compile or launch is remembered for its (device, dtype, head dim, causal), logged once, and the
-Triton kernel runs instead. ``kernel_routes`` says which build a call runs. Both entry points replay launch plans
-(``launch_plan.plan_cached``) keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices in force.
+Each call is routed on the host: decode shapes to the split-KV kernels, calls a Gluon build can take to the build
+``routing.select`` names, the rest to the Triton kernels (autotuned per flags and power-of-two bucket of Sq, Sk). A
+Gluon build that fails is remembered per (device, dtype, head dim, causal), logged once, and the Triton kernel runs.
+Both entry points replay launch plans keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices.
 """
 from __future__ import annotations
 
@@ -17,15 +14,16 @@ from typing import Optional
 import torch
 import triton
 
-from fxopt import env
 from fxopt.kernels import cdiv, next_pow2
-from fxopt.kernels._common import INTERPRET, is_sm90, kernel_config, kernel_config_key
+from fxopt.kernels._common import (INTERPRET, block_configs, is_sm90, keep_rows, kernel_config, kernel_config_key,
+                                   quick_bench, remember_failure)
 from fxopt.kernels.launch_plan import NO_PLAN, plan_cached
 
 from . import routing
 from .checks import block_d, check_inputs, last_contig, mask_args
 from .decode import launch_split, use_split
 from .gluon_bwd import gluon_attention_bwd, gluon_bwd_supported, grad_strides_ok
+from .gluon_common import tma_stride_reason
 from .gluon_fwd import gluon_attention_fwd, gluon_supported
 from .triton_kernels import (
     _attn_bwd_dkdv,
@@ -37,11 +35,7 @@ from .triton_kernels import (
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Autotuning of the Triton kernels (one config under the interpreter; small lists per head-dim class on GPU)
-# ----------------------------------------------------------------------------------------------------------------
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; fp32 takes the "f32" list.
+# Autotune lists: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; fp32 takes the "f32" list.
 FWD_CONFIGS = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
@@ -61,18 +55,6 @@ DQ_CONFIGS = {
     256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2)],
     "f32": [(32, 32, 4, 2), (32, 16, 4, 2)],
 }
-INTERPRET_CONFIG = (16, 16, 4, 1)
-
-
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
-
-def _configs(table):
-    if INTERPRET:
-        return [_cfg(*INTERPRET_CONFIG)]
-    rows = dict.fromkeys(r for rows in table.values() for r in rows)  # unique, in order
-    return [_cfg(*r) for r in rows]
 
 
 def _pruner(table):
@@ -81,17 +63,8 @@ def _pruner(table):
             return configs
         bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         cls = "f32" if named_args["Q"].dtype == torch.float32 else (64 if bd <= 64 else 128 if bd <= 128 else 256)
-        wanted = set(table[cls])
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-        kept = kept or configs[:1]
-        return kept[:1] if env.no_tune() else kept
+        return keep_rows(configs, set(table[cls]))
     return prune
-
-
-def _quick_bench(fn, quantiles=None):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
 # TUNE_SEQ = power-of-two bucket of (Sq, Sk) (an unused kernel argument): one tuning per bucket, not per length.
@@ -107,17 +80,14 @@ def _tune_bucket(Sq, Sk):
 
 
 def _tuned(kernel, table, extra_key=()):
-    return triton.autotune(_configs(table), key=_TUNE_KEY + list(extra_key),
-                           prune_configs_by={"early_config_prune": _pruner(table)}, do_bench=_quick_bench)(kernel)
+    rows = (r for rows in table.values() for r in rows)
+    return triton.autotune(block_configs(rows), key=_TUNE_KEY + list(extra_key),
+                           prune_configs_by={"early_config_prune": _pruner(table)}, do_bench=quick_bench(20))(kernel)
 
 
 _attn_fwd_tuned = _tuned(_attn_fwd, FWD_CONFIGS, ["USE_TMA"])
 _attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv, DKDV_CONFIGS, ["GROUP"])
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, DQ_CONFIGS)
-
-# ----------------------------------------------------------------------------------------------------------------
-# Routing
-# ----------------------------------------------------------------------------------------------------------------
 
 # (device, dtype, head dim, causal) of Gluon builds / TMA forwards that failed in this process: not tried again
 _GLUON_FAILED: set = set()
@@ -126,8 +96,7 @@ _TMA_FAILED: set = set()
 
 
 def _tma_ok(*tensors) -> bool:
-    """TMA (tensor-descriptor) tiles in the Triton forward: measured faster only at head dim 256 on the H200 (517
-    against 499 TFLOP/s), slower at 64 / 128, so ``attention_tma="auto"`` uses them for BLOCK_D = 256 only."""
+    """TMA tiles in the Triton forward: ``attention_tma="auto"`` uses them at BLOCK_D = 256 only (faster there)."""
     mode = kernel_config().attention_tma
     if INTERPRET or mode == "off":
         return False
@@ -135,11 +104,7 @@ def _tma_ok(*tensors) -> bool:
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    for t in tensors:
-        el = t.element_size()
-        if t.data_ptr() % 16 or any((s * el) % 16 for s in t.stride()[:-1]) or t.stride(-1) != 1:
-            return False
-    return True
+    return all(tma_stride_reason("", t) is None for t in tensors)
 
 
 _ALLOCATOR_SET = False
@@ -153,8 +118,7 @@ def _ensure_allocator():
 
 
 def _plain_16bit_sm90(q, attn_mask, key_padding_mask, dropout_p, window, softcap) -> bool:
-    """What every Gluon build needs of a call, before the routing table: no mask, dropout, window or softcap,
-    16-bit inputs on an sm_90 device."""
+    """What every Gluon build needs: no mask, dropout, window or softcap; 16-bit inputs on sm_90."""
     return (attn_mask is None and key_padding_mask is None and dropout_p == 0 and window < 0 and softcap == 0
             and q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda" and is_sm90(q.device))
 
@@ -177,8 +141,7 @@ def gluon_forward_build(q, k, v, attn_mask=None, key_padding_mask=None, dropout_
 def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_mask=None, dropout_p=0.0, window=-1,
                          softcap=0.0, is_causal=False, scale=None) -> Optional[str]:
     """The Gluon backward build (``routing.ROUTES``) this call runs, or None for the Triton kernels. Strided q, k,
-    v (e.g. [B, S, H, D] transposed views, as real models pass them) go there when ``torch.empty_like`` of each
-    suits TMA: the gradients are then laid out like the inputs, as the op's fake implementation promises."""
+    v go there when ``torch.empty_like`` of each suits TMA (the gradients are laid out like the inputs)."""
     D = q.shape[-1]
     if not (kernel_config().attention_gluon_backward
             and _plain_16bit_sm90(q, attn_mask, key_padding_mask, dropout_p, window, softcap)):
@@ -194,8 +157,7 @@ def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_ma
 
 
 def _plan_state(dropout_p) -> tuple:
-    """What the launch paths route on beyond the arguments' metadata (part of each launch plan's key): the
-    routing table, the kernel choices in force, and how many builds failed in this process."""
+    """The launch plans' key beyond the arguments: the table, the kernel choices, the builds failed so far."""
     if dropout_p:  # a fresh seed in every call would only fill the plan table
         return NO_PLAN
     return (routing.ROUTES_DIGEST, kernel_config_key(), len(_GLUON_FAILED), len(_GLUON_BWD_FAILED), len(_TMA_FAILED))
@@ -209,27 +171,13 @@ def _bwd_plan_state(*args, **kwargs):
     return _plan_state(args[7] if len(args) > 7 else kwargs.get("dropout_p", 0.0))  # dropout_p: the eighth
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Entry points
-# ----------------------------------------------------------------------------------------------------------------
-
-
 @plan_cached(state=_fwd_plan_state)
 def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, window=-1,
                            softcap=0.0, key_padding_mask=None, seed=0, *, return_lse=False, decode=None,
-                           decode_combine=None, config=None, use_tma=None, out=None):
-    """Launch the forward. Returns out (and the natural-log lse [B, Hq, Sq] fp32 when return_lse).
-
-    decode: None = choose automatically, True/False = force the split-KV path on/off.
-    decode_combine: split-KV partials merged by the split kernel (True), by the combine kernel (False), or by
-    ``decode.fused_combine_rule`` (None).
-    config: dict(BLOCK_M, BLOCK_N, num_warps, num_stages) runs the Triton kernel with it, untuned (benchmarks);
-    ``config`` or ``use_tma`` given: the Triton kernel, never a Gluon build.
-    """
+                           decode_combine=None, use_tma=None):
+    """Launch the forward -> out (and the natural-log lse [B, Hq, Sq] fp32 with return_lse). ``decode`` /
+    ``decode_combine``: force the split-KV path / its fused combine on or off (None: automatic); ``use_tma`` given:
+    the Triton kernel with / without TMA tiles, never a Gluon build."""
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v = last_contig(q), last_contig(k), last_contig(v)
     B, Hq, Sq, D = q.shape
@@ -238,7 +186,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     BLOCK_D = block_d(D)
     mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
-    o = torch.empty_like(q) if out is None else out
+    o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
@@ -257,17 +205,16 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
         launch_split(q, k, v, o, lse, mask, mstr, kpm, kstr, group, sm_scale, softcap, window, flags,
                      fused=decode_combine)
         return (o, lse) if return_lse else o
-    build = None if config is not None or use_tma is not None else gluon_forward_build(
+    build = None if use_tma is not None else gluon_forward_build(
         q, k, v, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale)
     if build is not None:
         try:
             gluon_attention_fwd(q, k, v, causal=bool(is_causal), scale=sm_scale, out=o, lse=lse, checked=True,
                                 variant=build.split(" ", 1)[1])
             return (o, lse) if return_lse else o
-        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernel runs
-            _GLUON_FAILED.add((q.device, q.dtype, D, bool(is_causal)))
-            log.warning("flash_attention: Gluon forward failed (%s: %s); using the Triton kernel for %s",
-                        type(e).__name__, _first_line(e), (q.dtype, D, is_causal))
+        except Exception as e:  # a build or launch this machine rejects: the Triton kernel runs
+            remember_failure(log, _GLUON_FAILED, (q.device, q.dtype, D, bool(is_causal)),
+                             "flash_attention: Gluon forward failed (%s: %s); using the Triton kernel for %s", e)
     auto_tma = use_tma is None
     if auto_tma:
         use_tma = _tma_ok(q, k, v, o) and (q.dtype, D, bool(is_causal)) not in _TMA_FAILED
@@ -277,20 +224,14 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
             *mstr, *kstr, Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
             _tune_bucket(Sq, Sk))
     flags.update(HAS_DROPOUT=dropout_p > 0, USE_TMA=bool(use_tma), FOLD_SCALE=sm_scale > 0)
-    if config is not None:
-        c = dict(config)
-        meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"))
-        _attn_fwd[(cdiv(Sq, meta["BLOCK_M"]), B * Hq)](*args, **flags, **meta, **c)
-        return (o, lse) if return_lse else o
     grid = lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
     try:
         _attn_fwd_tuned[grid](*args, **flags)
     except Exception as e:  # a TMA build the compiler rejects: remember it and use plain pointers
         if not (auto_tma and use_tma):
             raise
-        log.warning("flash_attention: TMA forward failed (%s: %s); using pointer loads for %s",
-                    type(e).__name__, _first_line(e), (q.dtype, D, is_causal))
-        _TMA_FAILED.add((q.dtype, D, bool(is_causal)))
+        remember_failure(log, _TMA_FAILED, (q.dtype, D, bool(is_causal)),
+                         "flash_attention: TMA forward failed (%s: %s); using pointer loads for %s", e)
         flags["USE_TMA"] = False
         _attn_fwd_tuned[grid](*args, **flags)
     return (o, lse) if return_lse else o
@@ -298,24 +239,20 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 @plan_cached(state=_bwd_plan_state)
 def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                               window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None,
-                               dq_config=None):
-    """Launch the backward; returns (dq, dk, dv) allocated like q, k, v. Where the routing table names a Gluon
-    build (and the call can take one) it runs ``gluon_bwd.gluon_attention_bwd``, else the Triton kernels.
-    ``dkdv_config`` / ``dq_config`` (dicts of BLOCK_M, BLOCK_N, num_warps, num_stages) run the Triton kernels
-    with them, untuned."""
+                               window=-1, softcap=0.0, key_padding_mask=None, seed=0, *, dkdv_config=None):
+    """Launch the backward -> (dq, dk, dv) allocated like q, k, v: the Gluon build the table names, else the Triton
+    kernels. ``dkdv_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages): the Triton kernels, dK / dV untuned."""
     check_inputs(q, k, v, attn_mask, dropout_p, window, softcap, key_padding_mask)
     q, k, v, out, dout = (last_contig(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    if dkdv_config is None and dq_config is None and gluon_backward_build(
+    if dkdv_config is None and gluon_backward_build(
             dout, q, k, v, out, lse, attn_mask, key_padding_mask, dropout_p, window, softcap, is_causal, scale):
         try:
             return gluon_attention_bwd(dout, q, k, v, out, lse, causal=bool(is_causal), scale=scale, checked=True,
                                        grads_like_inputs=True)
-        except Exception as e:  # a build or launch this machine rejects: remember it, the Triton kernels run
-            _GLUON_BWD_FAILED.add((q.device, q.dtype, q.shape[-1], bool(is_causal)))
-            log.warning("flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s",
-                        type(e).__name__, _first_line(e), (q.dtype, q.shape[-1], is_causal))
+        except Exception as e:  # a build or launch this machine rejects: the Triton kernels run
+            remember_failure(log, _GLUON_BWD_FAILED, (q.device, q.dtype, q.shape[-1], bool(is_causal)),
+                             "flash_attention: Gluon backward failed (%s: %s); using the Triton kernels for %s", e)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -345,21 +282,14 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
         _attn_bwd_dkdv[(cdiv(Sk, bn), B * Hkv)](*dkdv_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
     else:
         _attn_bwd_dkdv_tuned[lambda META: (cdiv(Sk, META["BLOCK_N"]), B * Hkv)](*dkdv_args, **flags)
-    if dq_config is not None:
-        c = dict(dq_config)
-        bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-        _attn_bwd_dq[(cdiv(Sq, bm), B * Hq)](*dq_args, **flags, BLOCK_M=bm, BLOCK_N=bn, **c)
-    else:
-        _attn_bwd_dq_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
+    _attn_bwd_dq_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*dq_args, **flags)
     return dq, dk, dv
 
 
 def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
-    """{"forward": ..., "backward": ...}: the builds ``flash_attention_triton`` / ``flash_attention_triton_bwd``
-    run for these inputs with no mask, dropout, window or softcap ("gluon <build>", "triton", "triton split-kv"),
-    with " (fell back to triton)" where a Gluon build was routed but failed on this machine earlier in the process.
-    For benchmark tables, which must say what they timed. Runs the forward once (the backward route needs its
-    out / lse)."""
+    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap
+    ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"), for benchmark tables. Runs the
+    forward once (the backward route needs its out / lse)."""
     D = q.shape[-1]
     key = (q.device, q.dtype, D, bool(is_causal))
     if use_split(q, k, 0.0):

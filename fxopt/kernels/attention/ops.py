@@ -1,17 +1,10 @@
-"""The ``torch.ops.fxopt`` attention ops: registration, fake implementations, autograd, the eager fast path.
+"""The attention ops: ``torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+scale=None, window=-1, softcap=0.0, key_padding_mask=None)``, q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D], any strides.
 
-Public op::
-
-    torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                    window=-1, softcap=0.0, key_padding_mask=None) -> Tensor
-
-q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] with any strides (GQA / MQA without repeating K/V), D <= 256. It is
-``CompositeImplicitAutograd`` over ``fxopt::flash_attention_fwd`` -> (out, lse) and ``fxopt::flash_attention_bwd``
-(custom ops with fake implementations whose strides match the kernels' outputs), plus
-``fxopt::flash_attention_mask_grad`` for an additive float mask that requires grad (exact, S x S memory). On CUDA
-the bodies call ``launch``; on CPU the float32 ``reference``. Eager calls on real tensors outside any tracing take a
-plain ``autograd.Function`` over the same bodies instead of the custom ops' Python autograd layer (same kernels,
-about 0.5 ms less host time per fwd+bwd on the H200 box); graphs keep the opaque custom-op nodes.
+It is ``CompositeImplicitAutograd`` over ``fxopt::flash_attention_fwd`` -> (out, lse), ``fxopt::flash_attention_bwd``
+and ``fxopt::flash_attention_mask_grad`` (an additive float mask that requires grad: exact, S x S memory). CUDA runs
+``launch``, CPU the float32 ``reference``. Eager calls on real tensors take a plain ``autograd.Function`` over the
+same bodies (the custom ops' Python autograd layer cost about 0.5 ms of host time per fwd+bwd).
 """
 from __future__ import annotations
 
@@ -80,10 +73,8 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def _has_swamped_rows(attn_mask, lse, dropout_p) -> bool:
-    """Rows whose every visible key carries a huge finite bias (a ``finfo.min`` fill): their forward is right (the
-    uniform average eager computes), but lse = max + log(n) has lost log(n) to rounding, so recomputing p from it
-    (as the kernels and ``_reference_bwd`` do) would give p = 1 instead of 1 / n. The forward leaves such rows with a
-    hugely negative finite lse, which is how they are found (one small reduction, float masks only)."""
+    """Rows whose every visible key carries a huge finite bias (a ``finfo.min`` fill): lse = max + log(n) lost log(n)
+    to rounding, so p recomputed from it would be 1 instead of 1 / n. The forward leaves them a hugely negative lse."""
     if attn_mask is None or not attn_mask.is_floating_point() or dropout_p > 0:
         return False
     return bool((lse < -1e30).any())
@@ -96,10 +87,8 @@ def _(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, s
 
 def _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
                     key_padding_mask, seed):
-    """dL / d attn_mask for an additive float mask that requires grad (a learned bias): the logits' gradient
-    (``_reference_bwd(logits_grad=True)``, float32 over [B, Hq, Sq, Sk]: exact, S x S memory) summed over the dims
-    the mask broadcasts along, laid out like ``torch.empty_like(attn_mask)``. The kernels do not write it;
-    returning None here would leave a learned bias without its gradient, and no error would say so."""
+    """dL / d attn_mask for an additive float mask that requires grad: the logits' gradient (``_reference_bwd``,
+    float32, S x S memory) summed over the dims the mask broadcasts along, laid out like ``empty_like(attn_mask)``."""
     if dropout_p > 0 and q.device.type != "cpu":
         raise ValueError("flash_attention: the gradient of attn_mask with dropout_p > 0 is only computed on CPU (the "
                          "reference cannot replay the GPU kernel's dropout mask); use dropout_p=0 or SDPA")
@@ -128,29 +117,27 @@ def _(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, s
     return torch.empty_like(attn_mask)
 
 
-def _wants_mask_grad(ctx, attn_mask) -> bool:
-    return attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
-
-
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed = inputs
-    out, lse = output
+def _save(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed, out, lse):
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
     ctx.params = (dropout_p, is_causal, scale, window, softcap)
 
 
-def _fwd_backward(ctx, dout, _dlse):
+def _grads(ctx, dout, bwd, mask_grad):
+    """(dq, dk, dv, d attn_mask, None...) through ``bwd`` / ``mask_grad`` (the custom ops or their bodies)."""
     q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
-    dropout_p, is_causal, scale, window, softcap = ctx.params
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.fxopt.flash_attention_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
-                                                     scale, window, softcap, key_padding_mask, seed)
-    dmask = None
-    if _wants_mask_grad(ctx, attn_mask):
-        dmask = torch.ops.fxopt.flash_attention_mask_grad(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
-                                                          scale, window, softcap, key_padding_mask, seed)
-    return dq, dk, dv, dmask, None, None, None, None, None, None, None
+    args = (torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse, attn_mask, *ctx.params,
+            key_padding_mask, seed)
+    dq, dk, dv = bwd(*args)
+    wants_mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+    return dq, dk, dv, mask_grad(*args) if wants_mask_grad else None, None, None, None, None, None, None, None
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    _save(ctx, *inputs, *output)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    return _grads(ctx, dout, torch.ops.fxopt.flash_attention_bwd, torch.ops.fxopt.flash_attention_mask_grad)
 
 
 flash_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -162,32 +149,20 @@ torch.library.define(
 
 
 class _EagerFlashAttention(torch.autograd.Function):
-    """Eager fast path of ``fxopt::flash_attention``: the same bodies as the custom ops (``_flash_fwd_impl`` /
-    ``_flash_bwd_impl``, same kernels, same results bit for bit) under a plain autograd.Function. The custom op's
-    autograd layer is Python (default filling, a generated Function, a redispatch into the backward op): 32 x 16 x
-    512 x 128 fwd+bwd took 1.66 ms per call through it and 1.10 ms through this, for 0.67-0.74 ms of kernels. Only
-    real tensors outside any tracing take it (``_eager_fast_path_ok``)."""
+    """Eager fast path of ``fxopt::flash_attention``: the custom ops' bodies (same kernels, same results bit for bit)
+    under a plain autograd.Function (32 x 16 x 512 x 128 fwd+bwd: 1.10 against 1.66 ms per call)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
-        out, lse = _flash_fwd_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
-                                   key_padding_mask, seed)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
-        ctx.params = (dropout_p, is_causal, scale, window, softcap)
+        args = (q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed)
+        out, lse = _flash_fwd_impl(*args)
+        _save(ctx, *args, out, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative raises, as through the custom ops
     def backward(ctx, dout):
-        q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
-        dropout_p, is_causal, scale, window, softcap = ctx.params
-        dq, dk, dv = _flash_bwd_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window,
-                                     softcap, key_padding_mask, seed)
-        dmask = None
-        if _wants_mask_grad(ctx, attn_mask):
-            dmask = _mask_grad_impl(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
-                                    key_padding_mask, seed)
-        return dq, dk, dv, dmask, None, None, None, None, None, None, None
+        return _grads(ctx, dout, _flash_bwd_impl, _mask_grad_impl)
 
 
 def _eager_fast_path_ok(*tensors) -> bool:

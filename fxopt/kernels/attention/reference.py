@@ -147,4 +147,3 @@ def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, sca
         r.copy_(grad)
         res.append(r)
     return tuple(res)
-

@@ -1,18 +1,12 @@
 """The one routing table of the attention family: (arch, op, head dim, causal, lengths) -> build.
 
-``ROUTES`` is a frozen tuple of :class:`Route` rows, read top to bottom: the first row that matches a call names its
-build; a call no row matches runs the Triton kernel ("triton"). A row only chooses among builds that can take the
-call: the eligibility checks (16-bit dtypes, no mask / dropout / window / softcap, TMA-compatible strides, the
-:class:`fxopt.config.KernelConfig` switches, builds that failed earlier in the process) run before the table.
-Decode shapes (few query rows, long keys) take the split-KV kernels before any of this (``launch.use_split``).
-
-The measurements behind each row are in ``docs/kernels.md`` ("What runs by default"). ``ROUTES_DIGEST`` (a hash
-of the table) is part of every attention launch plan's key (``launch_plan.plan_cached``), with the kernel choices
-in force (``_common.kernel_config_key``).
+``ROUTES`` is read top to bottom; the first matching row names the build, no match runs the Triton kernel. The
+eligibility checks (16-bit, no mask / dropout / window / softcap, TMA strides, the ``KernelConfig`` switches, earlier
+failures) and the decode shapes come first (``launch``). ``ROUTES_DIGEST`` is part of every attention launch plan's
+key. The measurements behind each row: ``docs/kernels.md`` ("What runs by default").
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -22,18 +16,8 @@ TRITON = "triton"
 
 @dataclass(frozen=True)
 class Route:
-    """One row of the routing table.
-
-    Args:
-        op: ``"forward"``, ``"backward"`` or ``"fp8_forward"``.
-        build: the build the row routes to (``"triton"`` keeps the Triton kernel).
-        arch: compute capability (major, minor) the row applies to.
-        head_dims: head dims the row applies to.
-        causal: ``True`` / ``False``: only causal / non-causal calls; ``None``: both.
-        min_q: the row needs at least this many query rows.
-        min_k: the row needs at least this many keys.
-        max_k: the row needs fewer keys than this (``None``: no bound).
-    """
+    """One row: ``op`` ("forward", "backward", "fp8_forward") on ``arch`` at ``head_dims`` runs ``build`` for causal
+    or non-causal calls (``causal`` None: both) with Sq >= ``min_q``, Sk >= ``min_k`` and Sk < ``max_k``."""
 
     op: str
     build: str
@@ -77,8 +61,3 @@ def select(op: str, arch: tuple, head_dim: int, causal: bool, seq_q: int, seq_k:
         if r.matches(op, arch, head_dim, bool(causal), seq_q, seq_k):
             return r.build
     return TRITON
-
-
-def routes_for(op: str) -> tuple:
-    """The rows of one op, as dicts (for reports and docs)."""
-    return tuple(dataclasses.asdict(r) for r in ROUTES if r.op == op)

@@ -1,22 +1,15 @@
 """The Triton attention kernels (FlashAttention-2 style; every GPU, CPU under the interpreter).
 
-* ``_attn_fwd``: one program per (query block, batch x head); online softmax in base 2 with log2(e) folded into the
-  scale; the key range is walked in three segments (masked blocks at the window edge, unmasked blocks with no
-  per-element test, masked blocks at the causal diagonal / sequence end) and invisible blocks are never visited;
-  causal grids start with the longest rows. ``USE_TMA`` reads the tiles through device-side tensor descriptors.
-* ``_attn_fwd_split`` + ``_attn_combine``: split-KV decode (flash-decoding). All query heads of one KV group and all
-  query tokens are packed into the rows of one tile, so K / V are read once per group; the partial (output, lse)
-  pairs are merged by the combine kernel (launched with programmatic dependent launch) or, ``FUSED_COMBINE``, by the
-  last split of each (batch, kv head) to finish, behind an acq_rel arrival counter.
-* Backward: ``_attn_bwd_preprocess`` (delta = rowsum(dO * O)), ``_attn_bwd_dkdv`` (one program per key block and
-  kv head looping over the group's query heads: dK / dV without atomics, also for GQA), ``_attn_bwd_dq``. P is
-  recomputed from the saved log-sum-exp.
-
-Masks: causal bottom-right aligned, sliding window, softcap, key padding, bool / additive float masks (stride-0
-broadcast), Philox dropout regenerated in the backward. A row with no visible key gives 0 and lse = +inf.
+``_attn_fwd`` (one program per query block and batch x head, the key range in three segments so invisible blocks
+are never visited); ``_attn_fwd_split`` + ``_attn_combine``: split-KV decode (a KV group's query heads and tokens
+packed into one tile, partials merged by the combine kernel or, ``FUSED_COMBINE``, by the last split to finish);
+backward ``_attn_bwd_preprocess``, ``_attn_bwd_dkdv`` (no atomics, also for GQA), ``_attn_bwd_dq``, P recomputed
+from the saved lse. Masks: causal bottom-right aligned, window, softcap, key padding, bool / additive float masks,
+Philox dropout; a row with no visible key gives 0 and lse = +inf. ``docs/kernels.md`` ("Attention").
 """
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def _tanh(x):
@@ -123,9 +116,7 @@ def _q_range(start_n, SEQ_Q, SEQ_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     return lo, full_lo, full_hi, hi
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Forward
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -255,9 +246,7 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, KPM,
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Decode: split-KV forward + combine
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -367,9 +356,7 @@ def _attn_combine(OPART, LPART, O, LSE, stride_oz, stride_oh, stride_om, H_Q, SE
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Backward
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -431,8 +418,6 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
             dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
-
-
 
 
 @triton.jit

@@ -1,20 +1,11 @@
 """The Gluon FP8 (e4m3) attention forward for Hopper (sm_90): the op's kernel at d = 64 / 128.
 
-The structure of the bf16 ``attention.gluon_fwd`` "default" build: one CTA = 128 query rows of one (batch, head), a
-TMA producer warp, two consumer warpgroups that pipeline S_i = Q K_i^T against O += P8_{i-1} V_{i-1} (QGMMA, fp32
-accumulation). Inputs are ``quant.quantize_qkv``'s; the block scales are folded exactly as the Triton kernel folds
-them, so the two agree to rounding. FP8 specifics:
-
-* sm_90 fp8 wgmma reads shared-memory operands K-major only, hence V transposed; P is scaled by 2^8, cast to e4m3
-  in registers and fed as the register A operand (k_width 4).
-* ``permute_k``: K is read through a 5-D TMA view that permutes the keys inside every 16, so that the accumulator
-  columns a lane owns after the relabelling are exactly the keys of its fp8 A fragment: P needs no cross-lane
-  exchange (F2FP pairs + one PRMT per 4 keys).
-* ``cast_late``: P_{i-1} is carried across the loop back edge in fp32 and cast right before the PV wgmma that reads
-  it (a loop-carried 8-bit register tensor is one byte per 32-bit register in Triton 3.6: ~180 pack / unpack
-  instructions per step otherwise).
-
-With both: 801-850 against 773-784 TFLOP/s for the Triton fp8 kernel non-causal at d = 128, level causal.
+The structure of the bf16 ``attention.gluon_fwd`` "default" build (128 query rows per CTA, a TMA producer warp, two
+consumer warpgroups pipelining S_i = Q K_i^T against O += P8_{i-1} V_{i-1}) on ``quant.quantize_qkv``'s inputs, with
+the block scales folded as the Triton kernel folds them. V is transposed (fp8 wgmma reads shared operands K-major
+only); P, scaled by 2^8, is cast to e4m3 in registers as the A operand. ``permute_k``: K is read through a 5-D TMA
+view that permutes keys inside every 16, so P needs no cross-lane exchange; ``cast_late``: P_{i-1} is carried in
+fp32 and cast right before the PV wgmma. Layouts and measurements: ``docs/kernels.md`` ("FP8 attention").
 """
 from __future__ import annotations
 
@@ -34,7 +25,9 @@ from fxopt.kernels.attention.gluon_common import (
     gluon,
     host_layout,
     mbarrier,
+    qkv_reason,
     tma,
+    tma_desc,
     tma_stride_reason,
     unmasked_blocks,
     warpgroup_mma,
@@ -226,26 +219,6 @@ def _f8_consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, q_bar
 
 
 @gluon.jit
-def _f8_consumer_wg0(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
-                     ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr):
-    _f8_consumer(0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
-                 ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)
-
-
-@gluon.jit
-def _f8_consumer_wg1(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
-                     ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, QB: gl.constexpr):
-    _f8_consumer(1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty, qs_ptr,
-                 ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB, sm_scale_log2,
-                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)
-
-
-@gluon.jit
 def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr, lse_ptr, sm_scale_log2,
                         H, GROUP, H_KV, SEQ_Q, SEQ_K, NQB, NKB, NUM_M_BLOCKS,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -292,20 +265,18 @@ def _fp8_fa3_fwd_kernel(q_desc, k_desc, vt_desc, o_desc, qs_ptr, ks_ptr, vs_ptr,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_f8_consumer_wg0, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)),
-        (_f8_consumer_wg1, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
-                            sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)),
+        (_f8_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                        sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)),
+        (_f8_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                        qs_ptr, ks_ptr, vs_ptr, lse_ptr, bh, bhk, b, h, m0, n_blocks, SEQ_Q, SEQ_K, NQB, NKB,
+                        sm_scale_log2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QB)),
         (_f8_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
                         v_empty, b, h, hk, bhk, m0, n_blocks, NKB * QB, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = None) -> Optional[str]:
@@ -313,20 +284,10 @@ def fp8_gluon_supported(q, k, v, causal: bool = False, scale: Optional[float] = 
     reason = common_reason((("q", q), ("k", k), ("v", v)), (torch.bfloat16, torch.float16), 9)
     if reason is not None:
         return reason
-    B, Hq, Sq, D = q.shape
-    if tuple(k.shape) != tuple(v.shape):
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    if k.shape[0] != B or k.shape[3] != D:
-        return f"k / v shape {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    if D not in _CONFIGS:
-        return f"head dim {D} not supported by the Gluon fp8 kernel (only {sorted(_CONFIGS)})"
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv:
-        return f"query heads {Hq} not a multiple of kv heads {Hkv}"
-    if scale is not None and not (float(scale) > 0.0):
-        return f"scale must be > 0 (got {scale}); it is folded into exp2"
-    if max(Sq, k.shape[2]) >= 2 ** 30:
-        return "sequence too long for int32 TMA coordinates"
+    reason = qkv_reason(q, k, v, _CONFIGS, scale)
+    if reason is not None:
+        return reason
+    B, Hq = q.shape[:2]
     if B * Hq > 65535:
         return f"B * Hq = {B * Hq} exceeds the grid's y limit (65535)"
     return None
@@ -368,25 +329,21 @@ def _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out) -
     return None
 
 
-def _desc(t: torch.Tensor, block, shape=None, strides=None):
-    layout = host_layout(tuple(block), t.dtype)
-    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
-
-
 def _k_desc(kq: torch.Tensor, block_n: int):
     """K's TMA descriptor: a 5-D view [rows / 16, jl, q, e, d] of the contiguous [B, Hkv, Sk_pad, d] tensor with
     strides [16 d, 2 d, 4 d, d, 1], so a box lands in shared memory with row 8 jl + 2 q + e holding key
     4 q + 2 jl + e of each 16 (jl and q swapped; the TMA unit accepts the non-monotonic strides)."""
     D = kq.shape[-1]
     rows = kq.shape[0] * kq.shape[1] * kq.shape[2]
-    return _desc(kq, [block_n // 16, 2, 4, 2, D], shape=[rows // 16, 2, 4, 2, D],
-                 strides=[16 * D, 2 * D, 4 * D, D, 1])
+    block = [block_n // 16, 2, 4, 2, D]
+    return TensorDescriptor(kq, [rows // 16, 2, 4, 2, D], [16 * D, 2 * D, 4 * D, D, 1], block,
+                            host_layout(tuple(block), kq.dtype))
 
 
 def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype,
-                                  is_causal=False, scale=None, out=None, return_lse=False, lse=None):
+                                  is_causal=False, scale=None, out=None):
     """The Gluon kernel alone, on ``quant.quantize_qkv`` outputs (the arguments of
-    ``triton_fwd.fp8_attention_quantized``). Returns out (or (out, lse) with ``return_lse``)."""
+    ``triton_fwd.fp8_attention_quantized``) -> out."""
     B, Hq, Sq, D = shape_q
     reason = _quantized_reason(qq, qs, kq, ks, vt, vs, shape_q, seq_k, n_kv_heads, out)
     if reason is None and scale is not None and not (float(scale) > 0.0):
@@ -396,30 +353,24 @@ def fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_k
     Hkv = n_kv_heads
     if out is None:
         out = torch.empty((B, Hq, Sq, D), device=qq.device, dtype=out_dtype)
-    if return_lse and lse is None:
-        lse = torch.empty((B, Hq, Sq), device=qq.device, dtype=torch.float32)
-    res = (out, lse) if return_lse else out
     if B * Hq * Sq == 0:
-        return res
+        return out
     if seq_k == 0:
-        out.zero_()
-        if return_lse:
-            lse.fill_(float("inf"))
-        return res
+        return out.zero_()
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     block_n, stages = _CONFIGS[D]
     num_m = (Sq + 2 * WG_ROWS - 1) // (2 * WG_ROWS)
     _fp8_fa3_fwd_kernel[(num_m, B * Hq)](
-        _desc(qq, [1, 1, WG_ROWS, D]), _k_desc(kq, block_n), _desc(vt, [1, 1, D, block_n]),
-        _desc(out, [1, 1, WG_ROWS, D]), qs, ks, vs, lse if return_lse else qs, sm_scale * LOG2E,
+        tma_desc(qq, WG_ROWS), _k_desc(kq, block_n), tma_desc(vt, D, block_n), tma_desc(out, WG_ROWS), qs, ks, vs,
+        qs, sm_scale * LOG2E,
         Hq, Hq // Hkv, Hkv, Sq, seq_k, qq.shape[2] // QBLOCK, kq.shape[2] // QBLOCK, num_m,
-        HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(is_causal), WRITE_LSE=bool(return_lse),
+        HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(is_causal), WRITE_LSE=False,
         QB=QBLOCK, CONSUMER_REGS=_CONSUMER_REGS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG)
-    return res
+    return out
 
 
 def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None, hadamard: bool = True,
-                        seed: int = 0, *, out=None, return_lse: bool = False):
+                        seed: int = 0, *, out=None):
     """Same options as ``torch.ops.fxopt.fp8_attention``: quantize (``quant.quantize_qkv``), then run the Gluon
     kernel. Raises ValueError (with the reason) for inputs it cannot run."""
     reason = fp8_gluon_supported(q, k, v, is_causal, scale)
@@ -430,4 +381,4 @@ def fp8_gluon_attention(q, k, v, is_causal: bool = False, scale: Optional[float]
     qq, qs, kq, ks, vt, vs = quantize_qkv(q, k, v, hadamard=hadamard, seed=seed)
     return fp8_gluon_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=k.shape[2],
                                          n_kv_heads=k.shape[1], out_dtype=q.dtype, is_causal=is_causal,
-                                         scale=scale, out=out, return_lse=return_lse)
+                                         scale=scale, out=out)

@@ -16,18 +16,11 @@ from typing import Optional
 
 import torch
 
-from fxopt.kernels._common import is_sm90, kernel_config
+from fxopt.kernels._common import is_sm90, kernel_config, remember_failure
 from fxopt.kernels.attention import routing
 
 from .gluon_fwd import fp8_gluon_attention, fp8_gluon_supported
-from .quant import (
-    DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    _check_hadamard_input,
-    check_attn_inputs,
-    hadamard_reference,
-    hadamard_triton,
-)
+from .quant import _check_hadamard_input, check_attn_inputs, hadamard_reference, hadamard_triton
 from .reference import fp8_attention_reference, int8_attention_reference
 from .triton_fwd import fp8_attention_triton, int8_attention_triton
 
@@ -40,20 +33,10 @@ def fp8_attention_supported(q, k, v, training: bool = False, *, allow_cpu_refere
     Works on real and fake tensors (only shapes, dtypes and devices are read)."""
     if training:
         return False, "fp8 attention is forward-only (inference); training mode keeps bf16/fp16 attention"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            return False, f"{name} is {t.dim()}-D, fp8 attention needs [B, H, S, D]"
-        if t.dtype not in DTYPES:
-            return False, f"{name} dtype {t.dtype} unsupported (float16 / bfloat16)"
-    if not (q.dtype == k.dtype == v.dtype):
-        return False, f"dtype mismatch q {q.dtype}, k {k.dtype}, v {v.dtype}"
-    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        return False, f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        return False, f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}"
-    d = q.shape[3]
-    if d not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {d} unsupported by the fp8 kernel (needs one of {SUPPORTED_HEAD_DIMS})"
+    try:
+        check_attn_inputs(q, k, v, None)
+    except ValueError as e:
+        return False, str(e)
     dev = q.device
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -90,13 +73,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     out = torch.empty_like(q)  # same strides as the fake impl
     if q.device.type == "cuda" and _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out):
         return out
-    if q.device.type == "cuda" and out.stride(-1) == 1:
-        return fp8_attention_triton(q, k, v, is_causal, scale, hadamard, seed, out=out)
-    if q.device.type == "cuda":
-        out.copy_(fp8_attention_triton(q, k, v, is_causal, scale, hadamard, seed))
-    else:
-        out.copy_(fp8_attention_reference(q, k, v, is_causal, scale, hadamard, seed))
-    return out
+    return _run_into(q, fp8_attention_triton, fp8_attention_reference, q, k, v, is_causal, scale, hadamard, seed)
 
 
 _GLUON_FP8_FAILED: set = set()
@@ -116,6 +93,15 @@ def fp8_build(q, k, v, is_causal, scale, out) -> str:
     return build
 
 
+def _run_into(q, kernel, reference, *args) -> torch.Tensor:
+    """The op's body: ``kernel`` on CUDA (writing into an ``empty_like(q)`` output, as the fake impl lays it out),
+    ``reference`` on CPU."""
+    out = torch.empty_like(q)
+    if q.device.type == "cuda" and out.stride(-1) == 1:
+        return kernel(*args, out=out)
+    return out.copy_(kernel(*args) if q.device.type == "cuda" else reference(*args))
+
+
 def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
     """Run the op on the Gluon fp8 kernel where ``fp8_build`` names it; False leaves the call to the Triton kernel
     (same quantization, so the two differ only in accumulation order). A build or launch that fails is remembered
@@ -126,10 +112,8 @@ def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
         fp8_gluon_attention(q, k, v, is_causal, scale, hadamard, seed, out=out)
         return True
     except Exception as e:  # noqa: BLE001 -- a build or launch this machine rejects: the Triton kernel runs
-        key = (q.device, q.dtype, q.shape[-1], bool(is_causal))
-        _GLUON_FP8_FAILED.add(key)
-        log.warning("fp8_attention: Gluon kernel failed (%s: %s); using the Triton kernel for %s",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", key)
+        remember_failure(log, _GLUON_FP8_FAILED, (q.device, q.dtype, q.shape[-1], bool(is_causal)),
+                         "fp8_attention: Gluon kernel failed (%s: %s); using the Triton kernel for %s", e)
         return False
 
 
@@ -145,14 +129,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     """INT8 attention forward: Q, K, V Hadamard-transformed and int8 block-quantized, P at 255 levels
     (:func:`int8_attention_reference` is the design and the CPU path; :func:`int8_attention_triton` the kernel)."""
     check_attn_inputs(q, k, v, scale)
-    out = torch.empty_like(q)  # same strides as the fake impl
-    if q.device.type == "cuda" and out.stride(-1) == 1:
-        return int8_attention_triton(q, k, v, is_causal, scale, seed, out=out)
-    if q.device.type == "cuda":
-        out.copy_(int8_attention_triton(q, k, v, is_causal, scale, seed))
-    else:
-        out.copy_(int8_attention_reference(q, k, v, is_causal, scale, seed))
-    return out
+    return _run_into(q, int8_attention_triton, int8_attention_reference, q, k, v, is_causal, scale, seed)
 
 
 @int8_attention.register_fake

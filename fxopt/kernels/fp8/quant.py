@@ -1,12 +1,9 @@
 """Hadamard transform and block quantization of Q, K, V for the FP8 / INT8 attention kernels (Triton).
 
-Q and K are multiplied by the same random-signed Hadamard matrix M = H diag(signs) / sqrt(d) (orthogonal: Q K^T is
-unchanged, outliers spread over the head dim), then Q, K, V are quantized with one fp32 scale per 128-row block
-(e4m3: s = amax / 448; int8: s = amax / 127), V transposed and not transformed ([B, H, D, S_pad]: sm_90 fp8 wgmma
-reads shared-memory operands K-major only). ``quantize_qkv`` does all three in one persistent launch
-(``_quant_qkv_kernel``; the transform as a tensor-core product with H diag(signs), exact in 16 bits) where it takes
-the inputs (16-bit, D a power of two in 16..128, sm_90); otherwise three ``_quant_kernel`` launches (the transform
-as butterflies where the tensor-core product does not apply). Both give the same codes and scales bit for bit.
+Q and K are multiplied by the same random-signed Hadamard matrix M = H diag(signs) / sqrt(d), then Q, K, V are
+quantized with one fp32 scale per 128-row block, V transposed and not transformed. ``quantize_qkv`` does all three
+in one persistent launch where it takes the inputs, else three ``_quant_kernel`` launches; both give the same codes
+and scales bit for bit. ``docs/kernels.md`` ("FP8 attention").
 """
 from __future__ import annotations
 
@@ -61,13 +58,9 @@ def _quant_kernel(X, XQ, SCALE, SIGNS, XSUM, stride_xz, stride_xh, stride_xs, st
                   stride_qd, H, SEQ, N_BLOCKS, norm,
                   HEAD_DIM: tl.constexpr, LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr,
                   INT8: tl.constexpr = False, SUM_CHUNK: tl.constexpr = 0, HAD_DOT: tl.constexpr = False):
-    """Quantize rows [pid * QBLOCK, +QBLOCK) of head (z, h): XQ = x / s with s = amax / 448, one s per block.
-
-    XQ's strides are free, so the same kernel writes Q / K row-major and V transposed ([D, S_pad]).
-    ``INT8``: symmetric int8 codes, s = amax / 127, rounded half away from zero; with ``SUM_CHUNK`` > 0 also the
-    column sums of the codes per SUM_CHUNK rows (XSUM [B * H, S_pad / SUM_CHUNK, D] int32, for the P offset).
-    ``HAD_DOT``: SIGNS is then the [D, D] matrix H_D diag(signs) in x's 16-bit dtype (entries +-1, exact) and the
-    transform is one tensor-core product with fp32 accumulation instead of the butterflies."""
+    """Quantize rows [pid * QBLOCK, +QBLOCK) of head (z, h) with one s = amax / 448 (``INT8``: / 127, rounded half
+    away from zero) into XQ (any strides: Q / K row-major, V transposed); ``SUM_CHUNK``: also the int8 codes' column
+    sums per SUM_CHUNK rows; ``HAD_DOT``: SIGNS is the [D, D] matrix H_D diag(signs), one tensor-core product."""
     pid = tl.program_id(0)
     off_zh = tl.program_id(1)
     off_z = off_zh // H
@@ -153,20 +146,10 @@ def _quant_qkv_kernel(Q, K, V, QQ, KQ, VT, QS, KS, VS, HMAT,
                       stride_vs, HQ, HKV, SEQ_Q, SEQ_K, NB_Q, NB_K, TOTAL_Q, TOTAL_K, TOTAL_V, norm,
                       HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, HADAMARD: tl.constexpr,
                       NUM_STAGES: tl.constexpr, V_DOT: tl.constexpr):
-    """Block-quantize q, k (row-major, optionally Hadamard-transformed) and v (transposed) in ONE persistent launch.
-
-    Program p walks the blocks u = p, p + P, ... of the sequence [V blocks (TOTAL_V), Q blocks (TOTAL_Q), K blocks
-    (TOTAL_K)], so every program gets the same number of blocks +-1 and neighbouring programs read neighbouring
-    blocks. Per-block arithmetic is ``_quant_kernel``'s (same dot shape, same amax, same scale expression).
-
-    * V loop: plain loads into registers; the next block's load is issued before this block is quantized (a
-      register double buffer: the amax, the transpose through shared memory and the stores of block i run while
-      block i + 1 is in flight). ``V_DOT``: instead, V^T = x^T @ I on the tensor cores from a cp.async pipeline
-      (exact for finite x up to the sign of zero; an A/B option, see ``_quant_cfg``).
-    * Q / K loop: one loop over both tensors (pointers and shapes selected per block), loads pipelined through
-      shared memory by ``tl.range(num_stages=NUM_STAGES)`` (cp.async, NUM_STAGES - 1 blocks in flight while one is
-      transformed); the [D, D] matrix H_D diag(signs) is loaded into shared memory once per program instead of
-      once per block."""
+    """Block-quantize q, k (row-major, optionally Hadamard-transformed) and v (transposed) in one persistent launch:
+    program p walks blocks p, p + P, ... of [V blocks, Q blocks, K blocks] with ``_quant_kernel``'s arithmetic. V:
+    a register double buffer (``V_DOT``: V^T = x^T @ I on the tensor cores from a cp.async pipeline); Q / K: one
+    cp.async-pipelined loop, the [D, D] transform matrix loaded into shared memory once per program."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # ---- V -> V^T [B, HKV, D, S_pad]
@@ -288,13 +271,9 @@ def _qblock():
 def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose: bool = False,
                     qblock: Optional[int] = None, qdtype=None, sum_chunk: int = 0, fused: bool = True,
                     tensor_core: bool = True):
-    """Block-quantize x [B, H, S, D] (Triton). Returns (xq, scales): xq [B, H, S_pad, D] (or [B, H, D, S_pad] when
-    ``transpose``) in ``qdtype`` (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock], x ~ xq * s.
-
-    ``qdtype=torch.int8``: symmetric int8 codes (s = amax / 127); with ``sum_chunk`` > 0 returns a third tensor, the
-    column sums of the codes per ``sum_chunk`` rows (int32 [B * H, S_pad / sum_chunk, D]).
-    ``fused`` / ``tensor_core``: ``False`` keeps the per-tensor kernel / the butterfly transform even where the
-    fused kernel / the tensor-core product would take x (tests compare the paths bit for bit)."""
+    """Block-quantize x [B, H, S, D] -> (xq [B, H, S_pad, D] (``transpose``: [B, H, D, S_pad]) in ``qdtype``
+    (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock]). int8 with ``sum_chunk``: also the codes'
+    column sums per ``sum_chunk`` rows. ``fused`` / ``tensor_core`` False: the per-tensor kernel / the butterflies."""
     qblock = qblock or _qblock()
     qdtype = qdtype or _fp8_dtype()
     int8 = qdtype == torch.int8
@@ -333,11 +312,8 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool, seed: int = 0,
                  qblock: Optional[int] = None, qdtype=None, fused: bool = True):
-    """Block-quantize the attention inputs: q and k row-major (Hadamard-transformed when ``hadamard``), v transposed
-    without transform, exactly as ``quantize_blocks`` on each. Returns (qq, qs, kq, ks, vt, vs).
-
-    One launch of ``_quant_qkv_kernel`` when the fused path takes the inputs (``_fused_quant_ok``: 16-bit inputs,
-    D a power of two in 16..128, e4m3 / fp16 codes) and ``fused``; otherwise three per-tensor launches."""
+    """(qq, qs, kq, ks, vt, vs): ``quantize_blocks`` of q and k (Hadamard when ``hadamard``) and of v (transposed, no
+    transform), in one ``_quant_qkv_kernel`` launch where ``_fused_quant_ok`` takes them, else three launches."""
     qblock = qblock or _qblock()
     qdtype = qdtype or _fp8_dtype()
     D = q.shape[-1]
@@ -353,12 +329,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
     return qq, qs, kq, ks, vt, vs
 
 
-# The fused persistent quantization kernel: bit-identical to the per-tensor ``_quant_kernel`` launches and faster
-# (116 / 93 us for q, k, v at d = 128 / 64 against 142 / 101-130 us for three tensor-core launches).
 def _fused_quant_ok(x: torch.Tensor, D: int, qblock: int, qdtype, hadamard: bool) -> bool:
-    """Whether ``_quant_qkv_kernel`` takes x: 16-bit x, D a power of two in 16..128 (the [D, D] transform matrix
-    and three [QBLOCK, D] stages fit in shared memory), a power-of-two qblock >= 16, non-int8 codes, and for the
-    transform the tensor-core path's own conditions (``_had_dot_ok``: no bf16 in the interpreter)."""
+    """Whether ``_quant_qkv_kernel`` takes x: 16-bit, D a power of two in 16..128 (the shared-memory stages fit), a
+    power-of-two qblock >= 16, non-int8 codes, and for the transform ``_had_dot_ok``."""
     if x.dtype not in (torch.float16, torch.bfloat16) or qdtype == torch.int8:
         return False
     if D & (D - 1) or not 16 <= D <= 128 or qblock < 16 or qblock & (qblock - 1):
@@ -374,9 +347,7 @@ _FUSED_QUANT_FAILED: set = set()
 
 
 def _quant_cfg(D: int) -> tuple[int, int, int, bool]:
-    """(num_warps, num_stages, programs per SM, V_DOT) of ``_quant_qkv_kernel``, from a GPU sweep (codes and scales
-    bit-identical in every row): D = 128 with 2 stages, 2 programs per SM and V through the tensor cores (100 us
-    for q, k, v at 16k tokens x 16 heads), D <= 64 with 3 stages and 3 programs per SM (85 us)."""
+    """(num_warps, num_stages, programs per SM, V_DOT) of ``_quant_qkv_kernel``, the winners of a GPU sweep."""
     return (8, 2, 2, True) if D > 64 else (8, 3, 3, False)
 
 
@@ -438,8 +409,7 @@ _QUANT_WARPS = {64: 8, 128: 16, 256: 32}
 
 
 def _quant_warps(D: int, butterflies: bool) -> int:
-    """Warps of one quantization program: the butterfly transform needs many (``_QUANT_WARPS``); the plain and
-    tensor-core paths hold 16-32 fp32 values of the tile per thread with 8 warps at D <= 128 (16 at D = 256)."""
+    """Warps of one quantization program: many for the butterflies (``_QUANT_WARPS``), else 8 (16 at D = 256)."""
     if INTERPRET:
         return 4
     if butterflies:
@@ -448,10 +418,8 @@ def _quant_warps(D: int, butterflies: bool) -> int:
 
 
 def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
-    """Whether the quantization kernel can take the tensor-core transform (faster than the butterflies: 141-159
-    against 199-203 us): 16-bit x (exact operands; fp32 x would go through tf32), 16 <= D <= 128 (the [D, D]
-    operand stays small in shared memory), a dot-sized block; not for bf16 in the Triton interpreter (it computes
-    bf16 wrongly)."""
+    """Whether the quantization kernel can take the tensor-core transform: 16-bit x (exact operands), 16 <= D <= 128,
+    a dot-sized block; not bf16 in the Triton interpreter (it computes bf16 wrongly)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or not 16 <= D <= 128 or qblock < 16:
         return False
     return not (INTERPRET and x.dtype == torch.bfloat16)

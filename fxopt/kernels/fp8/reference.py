@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from fxopt.kernels.attention.reference import attention_reference
+
 from .quant import FP8_MAX, QUANT_BLOCK, _fp8_dtype, hadamard_matrix, hadamard_reference
 
 LOG2E = 1.4426950408889634
@@ -23,19 +25,25 @@ def quantize_reference(x: torch.Tensor, granularity: str = "block", qblock: int 
     to x). granularity: 'block' (one scale per qblock rows of a head, as the kernel), 'tensor' (one scale)."""
     qdtype = qdtype or _fp8_dtype()
     x = x.float()
-    B, H, S, D = x.shape
     if granularity == "tensor":
         amax = x.abs().amax().clamp_min(1e-30)
         inv, scale = 448.0 / amax, amax / 448.0
         return (x * inv).clamp(-FP8_MAX, FP8_MAX).to(qdtype).float(), scale
     if granularity != "block":
         raise ValueError(f"granularity must be 'block' or 'tensor', got {granularity!r}")
+    return _blocks(x, qblock, 448.0, lambda xp: xp.clamp(-FP8_MAX, FP8_MAX).to(qdtype).float())
+
+
+def _blocks(x: torch.Tensor, qblock: int, qmax: float, codes_of):
+    """Per block of ``qblock`` rows of a head, scale = amax / qmax: (``codes_of(x / scale)`` [B, H, S, D], scale
+    [B, H, S, 1])."""
+    B, H, S, D = x.shape
     n = max(1, -(-S // qblock))
     xp = torch.nn.functional.pad(x, (0, 0, 0, n * qblock - S)).reshape(B, H, n, qblock, D)
     amax = xp.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-30)
-    xq = (xp * (448.0 / amax)).clamp(-FP8_MAX, FP8_MAX).to(qdtype).float()
-    scale = (amax / 448.0).expand(B, H, n, qblock, 1).reshape(B, H, n * qblock, 1)[:, :, :S]
-    return xq.reshape(B, H, n * qblock, D)[:, :, :S], scale
+    codes = codes_of(xp * (qmax / amax))
+    scale = (amax / qmax).expand(B, H, n, qblock, 1).reshape(B, H, n * qblock, 1)[:, :, :S]
+    return codes.reshape(B, H, n * qblock, D)[:, :, :S], scale
 
 
 def fp8_attention_reference(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0, *,
@@ -87,35 +95,15 @@ def fp8_attention_reference(q, k, v, is_causal=False, scale=None, hadamard=True,
 
 def _int8_blocks(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of ``qblock`` rows of a head: (codes in [-127, 127] as float64, scale [B, H, S, 1])."""
-    B, H, S, D = x.shape
-    n = max(1, -(-S // qblock))
-    xp = torch.nn.functional.pad(x, (0, 0, 0, n * qblock - S)).reshape(B, H, n, qblock, D)
-    amax = xp.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-30)
-    codes = torch.round(xp * (127.0 / amax)).clamp(-127, 127)
-    scale = (amax / 127.0).expand(B, H, n, qblock, 1).reshape(B, H, n * qblock, 1)[:, :, :S]
-    return codes.reshape(B, H, n * qblock, D)[:, :, :S], scale
+    return _blocks(x, qblock, 127.0, lambda xp: torch.round(xp).clamp(-127, 127))
 
 
 def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK,
                              block_n: Optional[int] = None):
-    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel).
-
-    It reaches the <= 5e-3 accuracy target that e4m3 misses (``benchmarks/fp8_accuracy.py``). The reason is the
-    Hadamard transform: it bounds every row, so a block's values fill an int8 grid evenly, and int8 then keeps about
-    7 bits for each of Q, K and V where e4m3 keeps 3 bits of mantissa. Hopper's int8 and fp8 tensor cores have the
-    same throughput. The design:
-
-    * Q, K and V are all multiplied by the same orthogonal M (a signed Hadamard matrix, as for fp8). Q K^T is
-      unchanged. P (V M) = (P V) M, so the output is transformed back by M^T, one more O(D log D) transform per
-      output row.
-    * Each 128-row block of a head gets a symmetric int8 scale (amax / 127). Scores are int32 dots times
-      q_scale * k_scale * sm_scale.
-    * P = exp(s - m) in [0, 1] is quantized to 255 levels: u = round(255 p). It enters an s8 x s8 product as
-      u - 128, and 128 * colsum(V block) is added back. The column sums can be computed once per V block when
-      quantizing, so P V is exact integer arithmetic. The row sum l adds the unquantized p, as the fp8 kernel does.
-    * The online softmax runs over ``block_n``-key blocks (default ``qblock``), in fp32 apart from the integer
-      products. Those are emulated here in float64, where they are exact. ``int8_attention_triton`` is the kernel.
-    """
+    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; the design and why it meets the
+    accuracy target e4m3 misses: ``docs/kernels.md``, "FP8 attention"): Q, K, V times the same signed Hadamard M
+    (the output transformed back by M^T), symmetric int8 per 128-row block, P as u = round(255 p) entering an
+    s8 x s8 product as u - 128 with 128 * colsum(V block) added back; integer products exact in float64 here."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -154,16 +142,4 @@ def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qb
 
 def attention_float64(q, k, v, is_causal=False, scale=None):
     """Exact attention in float64 (the accuracy yardstick); same causal convention as the kernel."""
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    qd, kd, vd = q.double(), k.double(), v.double()
-    if Hq != Hkv:
-        kd, vd = kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1)
-    s = (qd @ kd.transpose(-1, -2)) * sm_scale
-    if is_causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return p @ vd
+    return attention_reference(q, k, v, is_causal=is_causal, scale=scale, compute_dtype=torch.float64)

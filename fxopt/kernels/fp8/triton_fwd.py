@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fxopt import env
 from fxopt.kernels import cdiv
-from fxopt.kernels._common import INTERPRET
+from fxopt.kernels._common import INTERPRET, block_configs, keep_rows, quick_bench
 
 from .quant import _fwht, _qblock, check_attn_inputs, hadamard_signs, quantize_blocks, quantize_qkv
 
@@ -175,7 +174,6 @@ FWD_CONFIGS = {
     128: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2)],
 }
-INTERPRET_CONFIG = (16, 16, 4, 1)
 INTERPRET_QBLOCK = 32
 
 
@@ -188,44 +186,17 @@ def _tma_pre_hook(nargs):
     nargs["VT"].block_shape = [d, bn]
 
 
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
-                         pre_hook=_tma_pre_hook)
-
-
-def _all_configs():
-    if INTERPRET:
-        return [_cfg(*INTERPRET_CONFIG)]
-    seen, out = set(), []
-    for rows in FWD_CONFIGS.values():
-        for r in rows:
-            if r not in seen:
-                seen.add(r)
-                out.append(_cfg(*r))
-    return out
-
-
 def _prune(configs, named_args, **kwargs):
     if INTERPRET:
         return configs
     d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    wanted = FWD_CONFIGS.get(d, FWD_CONFIGS[128])
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-    kept.sort(key=lambda c: wanted.index((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)))
-    kept = kept or configs[:1]
-    return kept[:1] if env.no_tune() else kept
+    return keep_rows(configs, FWD_CONFIGS.get(d, FWD_CONFIGS[128]), ordered=True)
 
 
-def _quick_bench(fn, quantiles=None):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-_fp8_attn_fwd_tuned = triton.autotune(_all_configs(), key=["HEAD_DIM", "IS_CAUSAL", "USE_TMA", "SEQ_Q_PAD",
-                                                           "SEQ_K_PAD", "INT8"],
-                                      prune_configs_by={"early_config_prune": _prune},
-                                      do_bench=_quick_bench)(_fp8_attn_fwd)
+_fp8_attn_fwd_tuned = triton.autotune(
+    block_configs((r for rows in FWD_CONFIGS.values() for r in rows), _tma_pre_hook),
+    key=["HEAD_DIM", "IS_CAUSAL", "USE_TMA", "SEQ_Q_PAD", "SEQ_K_PAD", "INT8"],
+    prune_configs_by={"early_config_prune": _prune}, do_bench=quick_bench(25))(_fp8_attn_fwd)
 
 
 def _use_tma(device) -> bool:
@@ -235,13 +206,10 @@ def _use_tma(device) -> bool:
 
 
 def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_heads, out_dtype, is_causal=False,
-                            scale=None, out=None, config=None, use_tma=None, qblock=None, vsum=None, signs=None):
-    """Attention kernel alone, on inputs from :func:`quantize_blocks` (Q and K row-major, V transposed).
-
-    shape_q = (B, Hq, Sq, D) of the original q; seq_k = Sk; config = dict(BLOCK_M, BLOCK_N, num_warps, num_stages)
-    bypasses autotuning. int8 inputs (``qq.dtype == torch.int8``) need ``vsum`` (V's code column sums
-    per ``SUM_CHUNK`` rows) and ``signs`` (the Hadamard signs V was transformed with; the output is transformed
-    back)."""
+                            scale=None, out=None, qblock=None, vsum=None, signs=None):
+    """Attention kernel alone, on inputs from :func:`quantize_blocks` (Q and K row-major, V transposed); shape_q =
+    (B, Hq, Sq, D) of the original q, seq_k = Sk. int8 inputs need ``vsum`` (V's code column sums per
+    ``SUM_CHUNK`` rows) and ``signs`` (the Hadamard signs V was transformed with; the output is transformed back)."""
     B, Hq, Sq, D = shape_q
     int8 = qq.dtype == torch.int8
     if int8 and (vsum is None or signs is None):
@@ -255,8 +223,7 @@ def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_head
     if seq_k == 0:
         return o.zero_()
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    if use_tma is None:
-        use_tma = _use_tma(qq.device)
+    use_tma = _use_tma(qq.device)
     if use_tma:
         dummy = [16, 16]
         q_arg = TensorDescriptor(qq, shape=[B * Hq * sq_pad, D], strides=[D, 1], block_shape=dummy)
@@ -269,21 +236,11 @@ def fp8_attention_quantized(qq, qs, kq, ks, vt, vs, *, shape_q, seq_k, n_kv_head
             1.0 / math.sqrt(D))
     flags = dict(HEAD_DIM=D, IS_CAUSAL=bool(is_causal), USE_TMA=bool(use_tma), QBLOCK=qblock, INT8=int8,
                  SUM_CHUNK=SUM_CHUNK if int8 else 0, LOG2_D=D.bit_length() - 1, UNROTATE=int8)
-    if config is not None:
-        c = dict(config)
-        meta = dict(BLOCK_M=c.pop("BLOCK_M"), BLOCK_N=c.pop("BLOCK_N"))
-        if use_tma:
-            _tma_pre_hook(dict(Q=q_arg, K=k_arg, VT=v_arg, USE_TMA=True, HEAD_DIM=D, **meta))
-        grid = (cdiv(Sq, meta["BLOCK_M"]), B * Hq)
-        _fp8_attn_fwd[grid](*args, **flags, **meta, **c)
-    else:
-        grid = lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)  # noqa: E731
-        _fp8_attn_fwd_tuned[grid](*args, **flags)
+    _fp8_attn_fwd_tuned[lambda META: (cdiv(Sq, META["BLOCK_M"]), B * Hq)](*args, **flags)
     return o
 
 
-def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0, *, qdtype=None, out=None,
-                         config=None, use_tma=None):
+def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0, *, qdtype=None, out=None):
     """Quantize (Triton) + attention (Triton). ``qdtype=torch.float16`` runs the same kernels without fp8 (for the
     interpreter on CPU)."""
     check_attn_inputs(q, k, v, scale)
@@ -291,11 +248,10 @@ def fp8_attention_triton(q, k, v, is_causal=False, scale=None, hadamard=True, se
     Hkv, Sk = k.shape[1], k.shape[2]
     qq, qs, kq, ks, vt, vs = quantize_qkv(q, k, v, hadamard=hadamard, seed=seed, qdtype=qdtype)
     return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
-                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
-                                   use_tma=use_tma)
+                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out)
 
 
-def int8_attention_triton(q, k, v, is_causal=False, scale=None, seed=0, *, out=None, config=None, use_tma=None):
+def int8_attention_triton(q, k, v, is_causal=False, scale=None, seed=0, *, out=None):
     """The INT8 design of :func:`int8_attention_reference` in Triton: Q, K, V Hadamard-transformed and quantized to
     int8 per block, s8 x s8 dots with int32 accumulation, P as round(255 p) - 128 with V's column sums added back,
     the output transformed back in the epilogue. Same kernels as the fp8 path (``INT8`` constexpr)."""
@@ -307,5 +263,5 @@ def int8_attention_triton(q, k, v, is_causal=False, scale=None, seed=0, *, out=N
     vt, vs, vsum = quantize_blocks(v, hadamard=True, seed=seed, transpose=True, qdtype=torch.int8,
                                    sum_chunk=SUM_CHUNK)
     return fp8_attention_quantized(qq, qs, kq, ks, vt, vs, shape_q=(B, Hq, Sq, D), seq_k=Sk, n_kv_heads=Hkv,
-                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, config=config,
-                                   use_tma=use_tma, vsum=vsum, signs=hadamard_signs(D, seed, q.device))
+                                   out_dtype=q.dtype, is_causal=is_causal, scale=scale, out=out, vsum=vsum,
+                                   signs=hadamard_signs(D, seed, q.device))

@@ -1,17 +1,9 @@
 """W4A16 linear: int4 weights in fxopt's packed format, fp16 / bf16 activations, fused dequantization.
 
-Importing the package registers the ops ``fxopt::w4a16_linear``, ``fxopt::w4a16_linear_cat`` and
-``fxopt::dequantize_w4`` (``ops.py``). The builds, one module each, that the tuner (``tuner.py``) may pick per
-(M bucket, K, N, group, dtype):
-
-* ``triton_tiles``: "swapx" / "swapd", Triton, any CUDA GPU (and the CPU interpreter);
-* ``gemv1``: M <= 4, one launch on CUDA cores;
-* ``mma``: M <= 16, Gluon mma.sync with register operands, sm_80+;
-* ``gluon``: warp-specialized TMA + wgmma, sm_90, bf16;
-* ``dequant``: "dequant_matmul", a 16-bit W then cuBLAS, above M = 256.
-
-``common.py`` holds what they share (launch config, checks, buffers, grid arithmetic); ``routing.py`` the user's
-kernel choices (``fxopt.Config.kernels``, ``routes()``). Design and measurements: ``docs/kernels.md``.
+Importing the package registers ``fxopt::w4a16_linear``, ``fxopt::w4a16_linear_cat`` and ``fxopt::dequantize_w4``
+(``ops``). The builds the tuner (``tuner``) picks from, one module each: ``triton_tiles`` ("swapx" / "swapd"),
+``gemv1`` (M <= 4), ``mma`` (M <= 16, sm_80+), ``gluon`` (sm_90, bf16), ``dequant`` (16-bit W then cuBLAS);
+``common`` is what they share, ``routing`` the user's kernel choices. ``docs/kernels.md`` ("W4A16").
 """
 from fxopt.kernels.w4a16.common import W4A16Config
 from fxopt.kernels.w4a16.dequant import dequantize_w4_triton

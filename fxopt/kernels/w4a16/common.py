@@ -1,53 +1,30 @@
 """What every W4A16 build shares: the launch config, input checks, the integer-zeros fact, buffers kept across
-calls, and the grid arithmetic (M buckets, K tiles, split-K sizing).
+calls (tile counters and a zeroed workspace per device, reset by each call's last program), grid arithmetic.
 
-Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i + j];
-``scales`` / ``zeros`` [K/G, N]; ``W = (q - zero) * scale``. Every build unpacks two weights per 32-bit operation:
-``(p >> 4j) & 0x000F000F | MAGIC2`` holds the 16-bit float bits of OFFSET + q_j and OFFSET + q_{j+4}
-(``MAGIC``: 0x4300 -> 128 + q in bf16, 0x6400 -> 1024 + q in fp16; exact).
-
-Split-K builds keep their tile counters (and gemv1 / mma an fp32 workspace kept at zero) across calls: each
-call's last program per tile resets what it used, so no memset runs per call. They are per device and shared by
-the calls on it, which the stream serializes.
+Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i + j]; ``scales``
+/ ``zeros`` [K/G, N]; ``W = (q - zero) * scale``. ``MAGIC``: ``code | 0x4300`` read as bf16 is 128 + q (``| 0x6400``
+as fp16: 1024 + q), two per 32-bit operation.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from fxopt.kernels import cdiv, next_pow2, outside_graph_pools
+from fxopt.kernels import cdiv, next_pow2
+from fxopt.kernels._common import INTERPRET, kept_zeros, num_sms  # noqa: F401  (re-exported)
 from fxopt.quant.format import PACK
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-NUM_SMS_DEFAULT = 132
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``, Triton's own variable)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+NUM_SMS_DEFAULT = 132  # the candidate lists' SM count when no device is given
 
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """One launch configuration of ``fxopt::w4a16_linear``.
-
-    Args:
-        method: "swapx" / "swapd" (Triton tiles, ``triton_tiles.py``; "swapd" dequantizes before the dot, integer
-            zeros only), "gemv1" (M <= 4, ``gemv1.py``), "mma" (M <= 16, ``mma.py``), "gluon" (sm_90,
-            ``gluon.py``) or "dequant_matmul" (16-bit W, then cuBLAS, ``dequant.py``).
-        block_m, block_n, block_k: tile (gemv1: block_n columns, block_k the K tile; mma: block_n = warps x
-            columns per warp).
-        split_k: K splits (gluon: 0 = its own choice, about one CTA per SM).
-        num_warps, num_stages: launch options (gluon: num_stages = ring slots).
-        pdl: programmatic dependent launch (swapx / swapd: the main kernel starts while x is prepared).
-        kc: gluon, K columns per dequantized wgmma chunk.
-        regs: gluon, "async" = the register split that keeps wgmma asynchronous.
-        deq: gluon, "xsum" = the small-M consumer (scale and zero once per K tile).
-        prefetch: mma, K tiles of loads kept in flight ahead of the computed one (1 or 2).
-        ws: gluon, "regmajor" = the register-major split-K workspace.
-    """
+    """One launch configuration of ``fxopt::w4a16_linear``: ``method`` ("swapx", "swapd", "gemv1", "mma", "gluon",
+    "dequant_matmul"), the tile, ``split_k`` (gluon: 0 = about one CTA per SM), launch options (gluon: num_stages =
+    ring slots), ``pdl`` (programmatic dependent launch); gluon's ``kc`` (K per wgmma chunk), ``regs`` ("async"),
+    ``deq`` ("xsum"), ``ws`` ("regmajor"); mma's ``prefetch`` (K tiles of loads in flight)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -93,12 +70,6 @@ def config_from_dict(d: dict):
     return W4A16Config(**kept)
 
 
-def num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return NUM_SMS_DEFAULT
-
-
 def m_bucket(M: int) -> int:
     """The tuner caches one pick per power-of-two bucket of M (capped at 4096)."""
     return min(next_pow2(max(M, 1)), 4096)
@@ -126,10 +97,8 @@ def split_for(n_tiles_mn: int, k_tiles: int, target_ctas: int) -> int:
 
 
 def one_wave_split(n_tiles: int, k_tiles: int, slots: int, cta_cost: float = 1.5) -> int:
-    """K split of a grid of ``n_tiles`` x split CTAs with ``slots`` resident at once over the GPU: the split whose
-    critical path, waves x (K tiles per CTA + ``cta_cost``), is shortest (ties: the smaller split). ``cta_cost`` is a
-    CTA's fixed cost in K tiles (first loads, reduction, counter). E.g. 112 column tiles, 64 K tiles, 528 slots:
-    split 4 (one wave of 16 tiles), not 5 (a second wave) nor 32 (seven waves of 2 tiles)."""
+    """K split of a grid of ``n_tiles`` x split CTAs with ``slots`` resident at once: the one whose critical path,
+    waves x (K tiles per CTA + ``cta_cost``, a CTA's fixed cost in K tiles), is shortest (ties: the smaller)."""
     best_cost, best = None, 1
     for s in range(1, k_tiles + 1):
         s_eff, tps = balanced_split(k_tiles, s)
@@ -175,22 +144,14 @@ _ZEROED_WS: dict = {}
 
 def counters(device, n: int) -> torch.Tensor:
     """int32 tile counters, all zero between calls."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:  # kept across calls: never from a CUDA-graph pool
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        _COUNTERS[device] = buf
-    return buf
+    return kept_zeros(_COUNTERS, device, n, torch.int32, device, 4096)
 
 
 def zeroed_workspace(device, n: int) -> torch.Tensor:
     """The fp32 split-K workspace of gemv1 and mma (relaxed atomic adds), all zeros between calls: every call's last
-    CTA per column tile zeroes what it read."""
-    buf = _ZEROED_WS.get(device)
-    if buf is None or buf.numel() < n:
-        # 4 MB at least: a buffer that grows would leave captured CUDA graphs pointing at a freed one
-        buf = outside_graph_pools(lambda: torch.zeros(max(n, 1 << 20), dtype=torch.float32, device=device))
-        _ZEROED_WS[device] = buf
-    return buf
+    CTA per column tile zeroes what it read (4 MB at least: a buffer that grows would leave captured CUDA graphs
+    pointing at a freed one)."""
+    return kept_zeros(_ZEROED_WS, device, n, torch.float32, device, 1 << 20)
 
 
 # Answers of ``integer_zeros`` by storage place, for views made afresh on every call (the sibling spans of
@@ -199,10 +160,8 @@ _INTEGER_ZEROS: dict = {}
 
 
 def integer_zeros(zeros: torch.Tensor) -> bool:
-    """Whether every zero point is an integer (GPTQ/AWQ/RTN zeros are): "swapd" and "gluon" are exact only then.
-    Checked once per storage place and in-place version (a device sync; the answer is kept on the tensor and by
-    storage, so a new view of the same numbers is not checked again); under CUDA-graph capture an unchecked tensor
-    counts as not integer."""
+    """Whether every zero point is an integer ("swapd" and "gluon" are exact only then): one device sync per storage
+    place and in-place version, the answer kept on the tensor and by storage; unchecked under capture: False."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     seen = getattr(zeros, "_fxopt_integer_zeros", None)

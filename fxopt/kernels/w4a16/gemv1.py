@@ -1,14 +1,10 @@
 """W4A16 "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read as it is (no prep kernel).
 
-Each program owns 128-column chunks of N and a K slice; every thread holds 4 columns per chunk, so each activation
-it converts serves several weights. A code becomes an fp32 with one LOP3: ``(copy & 0xF0000) | 0x43000000`` reads
-as 128 + q, ``(copy & 0xF000) | 0x45000000`` as 2048 + q, from four copies of the packed word (itself, ``<< 8``,
-``>> 8``, the half-word rotation): 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1. Per K tile and column a
-thread runs one FFMA chain started at the zero / offset correction ``-(sum x OFF + z sum x)``, then folds it with
-the scale. Split-K partials go to an fp32 workspace kept at zero (relaxed atomics); the CTA that bumps the column
-tile's counter last reads the total, zeroes it, adds the bias and writes y. The grid is sized to one wave of the
-resident CTAs (``common.one_wave_split``). It wins at M = 1 on narrow shapes (4096 x 1024 on the H200); the
-tuner checks its output against the default candidate's before timing it.
+Each program owns 128-column chunks of N and a K slice. A code becomes an fp32 with one LOP3 (``(copy & MASK) |
+MAGIC`` = OFF + q, from four shifted copies of the packed word: 3 shifts + 8 LOP3 + 8 FFMA per 8 weights at M = 1);
+one FFMA chain per K tile and column, started at the zero / offset correction, folded with the scale. Split-K
+partials go by relaxed atomics to an fp32 workspace kept at zero; the last CTA of a column tile writes y. The grid is
+one wave of resident CTAs (``common.one_wave_split``). Design and measurements: ``docs/kernels.md`` ("gemv1.py").
 """
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl, next_pow2
-from fxopt.kernels.w4a16.common import (W4A16Config, balanced_split, counters, interpreting, m_bucket,
+from fxopt.kernels.w4a16.common import (INTERPRET, W4A16Config, balanced_split, counters, m_bucket,
                                         one_wave_split, zeroed_workspace)
 from fxopt.quant.format import PACK
 
@@ -33,12 +29,8 @@ _GEMV1_MAGIC_B, _GEMV1_MASK_B, _GEMV1_OFF_B = 0x45000000, 0x0000F000, 2048.0
 
 @triton.jit
 def _gemv1_nibbles(P, MA, MB, MKA, MKB):
-    """int32 words -> 8 fp32 tensors, nibble j of each word as OFF_j + q_j with OFF = 128 (even j) / 2048 (odd j).
-
-    Each nibble is moved into bits 16..19 (even j) or 12..15 (odd j) of one of four copies of the word and masked
-    into an fp32 whose exponent is fixed: ``(copy & MASK) | MAGIC``. Copies: the word (nibbles 3, 4), ``<< 8``
-    (1, 2), ``>> 8`` (5, 6) and the half-word rotation (7, 0): 3 shifts and 8 LOP3 per 8 weights, no int->float
-    conversion. Exact: the codes are integers below the fp32 unit of those bits."""
+    """int32 words -> 8 fp32 tensors, nibble j as OFF_j + q_j (OFF = 128 for even j, 2048 for odd j): ``(copy & MASK)
+    | MAGIC`` on the word (nibbles 3, 4), ``<< 8`` (1, 2), ``>> 8`` (5, 6) and its half-word rotation (7, 0)."""
     b = P << 8
     c = P >> 8
     d = (P << 16) | ((P >> 16) & 0xFFFF)
@@ -158,20 +150,10 @@ def _w4a16_gemv1_kernel(
     IS_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, MASK_K: tl.constexpr, USE_GDC: tl.constexpr, FENCE: tl.constexpr,
 ):
-    """Method "gemv1": y[M <= 4, N] on CUDA cores in one launch, x read directly (no prep kernel).
-
-    Program (pid_n, pid_k): columns [pid_n * 128 NCH, + 128 NCH) as NCH chunks of 128 (a [BLOCK_M, W, 128] tensor
-    each: 32 lanes x 4 columns, one 16-byte load per packed row; every thread holds 4 NCH columns, so each
-    activation it converts serves 4 NCH weights), K tiles [pid_k * TILES_PER_SPLIT, ...) of BLOCK_K (one group:
-    BLOCK_K divides GROUP_SIZE). Warp w owns packed rows w R .. w R + R - 1 of a tile (R = BLOCK_K / 8 / W), all
-    BLOCK_M rows of x. Per tile and column a thread runs one FFMA chain over its 8 R codes, started at the zero and
-    offset correction -(sum_k x_k OFF_k + z sum_k x_k) of its rows, then folds it with the scale: acc += s * part.
-    The warps' partial sums are added once at the end (shared memory), then either written (no split) or added to
-    an fp32 workspace kept at zero between calls (``tl.atomic_add``, relaxed); the CTA that bumps the column tile's
-    counter last reads the total, zeroes the workspace, adds the bias and writes y. No second launch, no memset.
-    Tile t + 1's loads are issued before tile t is computed (a register double buffer), so a warp waits for memory at
-    most once per K tile; no shared memory and no barrier in the K loop.
-    """
+    """Program (pid_n, pid_k): NCH chunks of 128 columns ([BLOCK_M, W, 128]: 32 lanes x 4 columns), K tiles
+    [pid_k * TILES_PER_SPLIT, ...) of BLOCK_K (one group); warp w owns packed rows w R .. w R + R - 1 of a tile
+    (R = BLOCK_K / 8 / W). The warps' sums are added once at the end, then written or added to the zeroed workspace
+    (the column tile's last CTA writes y). Tile t + 1's loads are issued before tile t is computed."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:  # the next kernel may launch now; it waits (griddepcontrol.wait) for this grid before its reads
@@ -317,22 +299,11 @@ def gemv1_geometry(M: int, K: int, group_size: int, cfg: W4A16Config) -> tuple[i
     return next_pow2(M), bk, warps
 
 
-def _gemv1_meta(M: int, K: int, N: int, group_size: int, cfg: W4A16Config, dtype: torch.dtype, has_bias: bool,
-                split: int, gpu: bool, pdl: bool) -> dict:
-    """The constexpr arguments and launch options of ``_w4a16_gemv1_kernel``."""
-    bm, bk, warps = gemv1_geometry(M, K, group_size, cfg)
-    meta = dict(GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
-                IS_BF16=dtype == torch.bfloat16, HAS_BIAS=has_bias, USE_SPLIT=split > 1, MASK_M=M != bm,
-                MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu)
-    opts = dict(num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
-    return dict(meta=meta, opts=opts)
-
-
 def launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
     """Method "gemv1" (``_w4a16_gemv1_kernel``): one launch, x read as it is, split-K reduced in the kernel."""
     M, K = x2d.shape
     N = qweight.shape[1]
-    _, bk, _ = gemv1_geometry(M, K, group_size, cfg)
+    bm, bk, warps = gemv1_geometry(M, K, group_size, cfg)
     if x2d.stride(0) % 2 or x2d.data_ptr() % 4:
         x2d = x2d.contiguous()
     xw = x2d.view(torch.int32)  # 16-bit pairs: one 4-byte load per two activations
@@ -345,14 +316,16 @@ def launch_gemv1(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config
         ws, cnt = zeroed_workspace(x2d.device, M * N), counters(x2d.device, n_tiles)
     else:
         ws, cnt = y, y  # unused
-    gpu = x2d.is_cuda and not interpreting()
+    gpu = x2d.is_cuda and not INTERPRET
     pdl = cfg.pdl and gpu and has_pdl(x2d.device)
-    m = _gemv1_meta(M, K, N, group_size, cfg, x2d.dtype, bias is not None, split, gpu, pdl)
     _w4a16_gemv1_kernel[(n_tiles, split)](
         xw, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
         M, N, K // PACK, split, tiles_per_split, _GEMV1_MAGIC_A, _GEMV1_MAGIC_B, _GEMV1_MASK_A, _GEMV1_MASK_B,
-        xw.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), **m["meta"], **m["opts"],
-    )
+        xw.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_K=bk, NCH=cfg.block_n // 128, W=warps,
+        IS_BF16=x2d.dtype == torch.bfloat16, HAS_BIAS=bias is not None, USE_SPLIT=split > 1, MASK_M=M != bm,
+        MASK_N=N % cfg.block_n != 0, MASK_K=K % bk != 0, USE_GDC=pdl, FENCE=gpu,
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

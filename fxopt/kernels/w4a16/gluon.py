@@ -1,31 +1,13 @@
 """W4A16 GEMM for Hopper (sm_90) in Gluon: a warp-specialized TMA ring feeding two consumer warpgroups.
 
-Computes ``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)``, group size 128, integer zeros, as the transposed product
-``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]``: the dequantized weights are wgmma's A operand from registers (the weight's N
-is the tensor-core M, so 16..256 activation rows are the wgmma N), x^T the shared-memory B operand.
-
-* x is rewritten once per call in FRAG order (``triton_tiles.prep_x``), so thread t of a quad needs, per 32-K chunk,
-  exactly the 8 nibbles of one packed word: whole-word shared-memory loads.
-* A producer warp TMA-loads x [BM, 128], the packed words [16, BN], and the scale and zero rows into a ring of
-  STAGES slots (``ready`` barrier: expect-tx of the four copies; ``empty``: one arrival per consumer).
-* Consumer c owns weight columns [c BN/2, (c + 1) BN/2): per K tile and KC-column chunk it unpacks its words to
-  ``OFFSET + q`` pairs, dequantizes with packed ``sub.rn`` / ``mul.rn`` bf16x2 (exact for integer zeros, one rounding
-  as the reference), relabels the registers into the wgmma A layout (``convert_layout(..., assert_trivial=True)``:
-  no data movement), issues an async wgmma and waits with one group in flight; the two consumers overlap each
-  other's dequantization and tensor work. A slot is released after the first wgmma of the next tile.
-* Weight columns are relabeled (tile row r = 64 rep + 16 warp + 8 h + g holds column 2R (8 warp + g) + 2 rep + h) so a
-  thread's rows are consecutive columns: one vector load per word row; the epilogue applies the same map.
-* Small grids split K: each consumer writes its fp32 partial to a workspace (register-major tiles with
-  ``ws="regmajor"``: one coalesced 128-byte line per warp store), bumps a per-(tile, consumer) counter and the last
-  to arrive sums, adds the bias, writes y and resets the counter.
-* ``regs="async"`` (consumers 200 / producer 112 registers) keeps wgmma asynchronous; with the default split ptxas
-  serializes every wgmma. Async builds retire their last wgmma inside the K loop (``DRAIN_IN_LOOP``): ptxas
-  otherwise schedules epilogue reads of the accumulator above the final wait.
-* ``deq="xsum"`` (M <= 16): the codes ``OFFSET + q`` go into the wgmma as they are, and zero and scale are applied
-  once per K tile to an fp32 partial, ``acc += (part - (OFFSET + z) * sum_k x) * s`` (sums of x from the prep).
-
-Supported: sm_90, bf16 / fp16 x (2-D or 3-D), K and N multiples of 128, group 128, integer zeros, N a multiple of
-BN; other inputs raise ``ValueError``. Measurements and SASS notes: ``docs/kernels.md`` ("W4A16").
+``y^T[BN, BM] = W[BN, K] @ x^T[K, BM]`` (group 128, integer zeros): the dequantized weights are wgmma's register A
+operand, x (rewritten in FRAG order by ``triton_tiles.prep_x``) the shared B operand. A producer warp TMA-loads x,
+the packed words, scales and zeros into a ring; consumer c dequantizes its half of the columns with packed bf16x2
+``sub`` / ``mul`` (exact for integer zeros), relabels the registers into the A layout and keeps one wgmma group in
+flight. Small grids split K through a workspace (``ws="regmajor"``: register-major tiles) and per-tile counters.
+``regs="async"`` is the register split that keeps wgmma asynchronous (with the last wait inside the K loop);
+``deq="xsum"`` (M <= 16) feeds the codes as they are and applies zero and scale once per K tile. Other inputs raise
+``ValueError``. Layouts, SASS notes, measurements: ``docs/kernels.md`` ("gluon.py").
 """
 from __future__ import annotations
 
@@ -34,7 +16,8 @@ from typing import Optional
 import torch
 
 from fxopt.kernels import cdiv, next_pow2
-from fxopt.kernels.w4a16.common import MAGIC, W4A16Config, balanced_split, counters, integer_zeros, split_for
+from fxopt.kernels.w4a16.common import (MAGIC, W4A16Config, balanced_split, check_inputs, counters, integer_zeros,
+                                        split_for)
 from fxopt.kernels.w4a16.triton_tiles import prep_x
 
 try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or without a GPU)
@@ -53,7 +36,7 @@ try:  # Gluon ships with Triton >= 3.5; importing must not fail without it (or w
 except Exception:  # pragma: no cover - old Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_w4a16_mm", "gluon_w4a16_configs", "gluon_w4a16_small_configs", "gluon_candidates", "HAS_GLUON"]
+__all__ = ["gluon_w4a16_mm", "gluon_candidates", "HAS_GLUON"]
 
 
 if HAS_GLUON:
@@ -314,9 +297,7 @@ if HAS_GLUON:
                          off_m, off_n, k_tile0, n_iter)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-    # ------------------------------------------------------------------------------------------------------------
     # Small-M consumer ("xsum"): scale and zero applied once per K tile to an fp32 partial product
-    # ------------------------------------------------------------------------------------------------------------
     @gluon.jit
     def _rows_for_acc(v, BN_C: gl.constexpr, R: gl.constexpr, acc_layout: gl.constexpr):
         """[1, BN_C] in the packed-word layout (column n = 2R (8 warp + g) + 2 rep + h of the consumer's slice) ->
@@ -475,17 +456,12 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Host side
-# ----------------------------------------------------------------------------------------------------------------
 GROUP = 128  # K per ring stage = the (only supported) group size
 _SMEM_LIMIT = 227 * 1024
 
-# Named register splits (consumer warpgroups, producer warpgroup) for ``regs=``, at one launch limit (maxnreg 168
-# from ``_maxnreg``); Triton gives the default partition what is left of the 3 x 168 per-thread pool. With the
-# producer below 112 registers ptxas serializes every wgmma (C7512: DEPBAR.LE gsb0 0x0 after each HGMMA); "async"
-# keeps one wgmma group in flight (only for the configs of ``_async_regs_ok``) and needs the in-loop final wait
-# (``_drain_in_loop``, docs/kernels.md "Epilogue hazard").
+# Named register splits (consumer warpgroups, producer warpgroup) for ``regs=`` at maxnreg 168. With the producer
+# below 112 ptxas serializes every wgmma (C7512); "async" keeps one wgmma group in flight (docs/kernels.md).
 _REGS = {"default": (232, 40), "async": (200, 112)}
 
 
@@ -513,88 +489,30 @@ def _max_stages(block_m: int, block_n: int, cap: int = 8) -> int:
 
 
 def _async_regs_ok(block_m: int, block_n: int, kc: int, split: bool) -> bool:
-    """Configs whose ``regs="async"`` build was checked offline (sm_90 SASS, bf16 and fp16, split-K on and off):
-    no C7512, DEPBAR.LE gsb0 0x1 in the main loop, no spill. Outside it (128 accumulators per thread, or
-    64 accumulators + KC = 64 at BM = 64) ptxas still serializes; BM = 128 spills in the split-K epilogue."""
+    """Configs whose ``regs="async"`` build was checked offline (sm_90 SASS, split-K on and off): no C7512,
+    DEPBAR.LE gsb0 0x1 in the main loop, no spill (docs/kernels.md, "Register split")."""
     acc = (block_n // 2) * block_m // 128  # fp32 accumulators per consumer thread
     a_regs = (block_n // 2) * kc // 256  # bf16x2 A-operand registers per thread per chunk
     return acc <= 64 and acc + a_regs <= 80 and (block_m <= 64 or not split)
 
 
 def _split_epilogue_spills(block_m: int, block_n: int, consumer_regs: int, producer_regs: int) -> bool:
-    """Tiles whose split-K epilogue spills (offline sm_90 builds): 128 fp32 accumulators per thread, or BM > 64
-    with the "async" register split. ``gluon_w4a16_mm`` runs them without split-K."""
+    """Tiles whose split-K epilogue spills (offline sm_90 builds); ``gluon_w4a16_mm`` runs them without split-K."""
     return ((block_n // 2) * block_m // 128 >= 128
             or ((consumer_regs, producer_regs) == _REGS["async"] and block_m > 64))
 
 
 def _drain_in_loop(consumer_regs: int, producer_regs: int) -> bool:
-    """Whether the build retires its last wgmma inside the K loop (``DRAIN_IN_LOOP``; docs/kernels.md, "Epilogue
-    hazard"): every register split except the default (232 / 40), whose SASS waits after every HGMMA anyway."""
+    """Whether the build retires its last wgmma inside the K loop (docs/kernels.md, "Epilogue hazard"): every
+    register split but the default, whose SASS waits after every HGMMA anyway."""
     return (consumer_regs, producer_regs) != _REGS["default"]
 
 
 def _maxnreg(consumer_regs: int, producer_regs: int) -> int:
-    """Launch register limit: 12 warps (default consumer, worker consumer, producer padded to a warpgroup) share
-    64K registers; Triton then emits ``setmaxnreg`` (consumers ``consumer_regs``, producer ``producer_regs``)."""
+    """Launch register limit: 12 warps share 64K registers; Triton then emits ``setmaxnreg`` per partition."""
     if consumer_regs >= 256 and producer_regs >= 256:
         return 168
     return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
-
-
-def gluon_w4a16_configs(M: int, K: int, N: int) -> list[dict]:
-    """The main kernel's candidates for this shape (first = default). Keys: block_m, block_n, stages, kc,
-    split_k (None = fill the SMs), regs (optional)."""
-    bm = _block_m_for(M)
-    out: list[dict] = []
-
-    def add(block_m, block_n, stages=None, kc=32, regs=None):
-        stages = stages or _max_stages(block_m, block_n)
-        cfg = dict(block_m=block_m, block_n=block_n, stages=stages, kc=kc, split_k=None)
-        if regs is not None:
-            # the wrapper runs regs="async" with BM > 64 without split-K (see gluon_w4a16_mm)
-            if not _async_regs_ok(block_m, block_n, kc, block_m <= 64):
-                return
-            cfg["regs"] = regs
-        if _config_ok(M, K, N, block_m, block_n, stages, kc) and cfg not in out:
-            out.append(cfg)
-
-    if bm <= 64:
-        add(bm, 256)
-        add(bm, 128)
-        add(bm, 256, kc=64)
-        add(bm, 256, stages=4)
-    elif bm == 128:
-        add(128, 256)
-        add(128, 128)
-        add(128, 256, kc=64)
-        add(64, 256)  # two M tiles
-    else:
-        add(256, 128)
-        add(128, 256)
-        add(256, 128, kc=64)
-        add(128, 128)
-    if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
-        add(min(bm, 128), 128, stages=2)
-    # regs="async" (wgmma left asynchronous, with the in-loop drain): the best async tile was 6-10% faster at
-    # M = 64 / 256 and 13% slower at M = 128 (8192 x 8192), so they are candidates and the tuner decides
-    if bm <= 64:
-        add(bm, 128, regs="async")
-        add(bm, 256, regs="async")
-    else:
-        add(128, 128, kc=64, regs="async")
-        add(128, 128, regs="async")
-        add(64, 256, regs="async")
-    return out
-
-
-def gluon_w4a16_small_configs(M: int, K: int, N: int) -> list[dict]:
-    """The small-M consumer's candidate for M <= 16: BM 16 x BN 256, ``deq="xsum"``, the ``regs="async"`` split, KC
-    32, the ring of ``_max_stages``, split-K to fill the SMs. Keys as ``gluon_w4a16_configs`` plus ``deq``."""
-    stages = _max_stages(16, 256)
-    if M > 16 or not (_config_ok(M, K, N, 16, 256, stages, 32) and _async_regs_ok(16, 256, 32, True)):
-        return []
-    return [dict(block_m=16, block_n=256, stages=stages, kc=32, split_k=None, regs="async", deq="xsum")]
 
 
 def _nvmma(block_shape, gl_dtype, swizzle: Optional[int] = None):
@@ -613,61 +531,32 @@ def make_descriptors(xp, qweight, scales, zeros, block_m: int, block_n: int):
     return x_desc, q_desc, s_desc, z_desc
 
 
-def _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros):
+def _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc):
     if not HAS_GLUON:
         raise ValueError("gluon_w4a16: triton.experimental.gluon is not available in this Triton")
-    if not (isinstance(x, torch.Tensor) and x.is_cuda):
-        raise ValueError("gluon_w4a16: x must be a CUDA tensor")
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
-        raise ValueError(f"gluon_w4a16: needs sm_90 (Hopper), got {torch.cuda.get_device_capability(x.device)}")
-    if x.dtype not in MAGIC:
-        raise ValueError(f"gluon_w4a16: x must be bfloat16 or float16, got {x.dtype}")
-    if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        raise ValueError(f"gluon_w4a16: qweight must be int32 [K/8, N], got {qweight.dtype} {tuple(qweight.shape)}")
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
-    if x.shape[-1] != K or x.dim() not in (2, 3):
-        raise ValueError(f"gluon_w4a16: x must be [..., {K}] (2-D or 3-D), got {tuple(x.shape)}")
-    if K % GROUP or N % GROUP:
-        raise ValueError(f"gluon_w4a16: K ({K}) and N ({N}) must be multiples of {GROUP}")
-    if group_size != GROUP:
-        raise ValueError(f"gluon_w4a16: only group size {GROUP} is supported, got {group_size}")
-    for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.dtype != x.dtype or tuple(t.shape) != (K // GROUP, N):
-            raise ValueError(f"gluon_w4a16: {name} must be {x.dtype} [{K // GROUP}, {N}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
-        raise ValueError(f"gluon_w4a16: bias must be [{N}], got {tuple(bias.shape)}")
+    K, N, group_size = check_inputs(x, qweight, scales, zeros, group_size, bias)
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError(f"gluon_w4a16: needs an sm_90 (Hopper) CUDA device, got {x.device}")
+    if K % GROUP or N % GROUP or group_size != GROUP:
+        raise ValueError(f"gluon_w4a16: K ({K}) and N ({N}) must be multiples of {GROUP}, the only group size")
     if not _config_ok(1, K, N, block_m, block_n, stages, kc):
         raise ValueError(f"gluon_w4a16: unsupported config block_m={block_m} block_n={block_n} stages={stages} "
                          f"kc={kc} for N={N} (block_n/2 a multiple of 64 dividing N, block_m*block_n/256 <= 128 "
                          f"accumulators per thread, shared memory {_smem_bytes(block_m, block_n, stages)} B <= "
                          f"{_SMEM_LIMIT})")
-    if check_zeros and not integer_zeros(zeros):
+    if not integer_zeros(zeros):
         raise ValueError("gluon_w4a16: zeros must be integers (the bf16x2 dequantization is exact only then)")
     return K, N
 
 
 def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None, *, block_m: int = 64,
                    block_n: int = 256, stages: int = 4, kc: int = 32, split_k: Optional[int] = None,
-                   xp: Optional[torch.Tensor] = None, xs: Optional[torch.Tensor] = None, regs: Optional[str] = None,
-                   deq: Optional[str] = None, ws_layout: Optional[str] = None, check_zeros: bool = True,
-                   num_sms: Optional[int] = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel. ``x`` [..., K] bf16/fp16 CUDA;
-    ``qweight`` int32 [K/8, N]; ``scales`` / ``zeros`` [K/128, N] in x's dtype (integer zeros). Raises ValueError
-    when unsupported.
-
-    Args:
-        split_k: K splits; None = enough to give the grid about one CTA per SM (tiles whose split epilogue spills
-            run without split-K).
-        xp, xs: x already in FRAG order and its fp32 sums per group (``triton_tiles.prep_x(x2d, 128, True)``), to
-            skip the prep kernel (``xs`` only for ``deq="xsum"``; computed with torch when missing).
-        regs: None / "default" (consumers 232 / producer 40 registers) or "async" (``_REGS``).
-        deq: None (per-weight dequantization) or "xsum" (the small-M consumer: codes in the wgmma, zero and scale
-            once per K tile).
-        ws_layout: None (a [split, M, N] workspace) or "regmajor" (main kernel: register-major tiles, one coalesced
-            128-byte line per warp store).
-        num_sms: SM count for the default split (None: the device's).
-    """
+                   regs: Optional[str] = None, deq: Optional[str] = None, ws_layout: Optional[str] = None
+                   ) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) with the warp-specialized Gluon kernel; x [..., K] bf16 / fp16 on sm_90, group
+    128, integer zeros; ValueError when unsupported. ``split_k`` None: about one CTA per SM (tiles whose split
+    epilogue spills run without split-K); ``regs`` None / "default" / "async" (``_REGS``); ``deq`` None or "xsum"
+    (the small-M consumer); ``ws_layout`` None or "regmajor" (the main kernel's register-major workspace)."""
     if deq not in (None, "xsum"):
         raise ValueError(f"gluon_w4a16: deq must be None or 'xsum', got {deq!r}")
     if ws_layout not in (None, "regmajor") or (ws_layout and deq):
@@ -675,25 +564,19 @@ def gluon_w4a16_mm(x, qweight, scales, zeros, group_size: int = GROUP, bias=None
     if regs not in (None, *_REGS):
         raise ValueError(f"gluon_w4a16: regs must be one of {sorted(_REGS)} or None, got {regs!r}")
     consumer_regs, producer_regs = _REGS[regs or "default"]
-    K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc, check_zeros)
+    K, N = _check(x, qweight, scales, zeros, group_size, bias, block_m, block_n, stages, kc)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, K)
     M = x2d.shape[0]
     if M == 0:
         return x.new_empty(*lead, N)
-    if xp is None:
-        xp, xs_p = prep_x(x2d.contiguous(), GROUP, True)
-        xs = xs_p if xs is None else xs
-    elif deq and xs is None:
-        xs = x2d.float().reshape(M, K // GROUP, GROUP).sum(-1)
-    if deq and (xs.dtype != torch.float32 or tuple(xs.shape) != (M, K // GROUP)):
-        raise ValueError(f"gluon_w4a16: xs must be float32 [{M}, {K // GROUP}], got {xs.dtype} {tuple(xs.shape)}")
+    xp, xs = prep_x(x2d.contiguous(), GROUP, True)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_tiles = K // GROUP
     n_tiles = cdiv(M, block_m) * (N // block_n)
     if split_k is None:
-        split_k = split_for(n_tiles, k_tiles, num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count)
+        split_k = split_for(n_tiles, k_tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
     if _split_epilogue_spills(block_m, block_n, consumer_regs, producer_regs):
         split_k = 1
     split_k, tiles_per_split = balanced_split(k_tiles, split_k)
@@ -733,15 +616,49 @@ def launch_gluon(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config
 
 
 def gluon_candidates(M: int, K: int, N: int) -> list[W4A16Config]:
-    """The tuner's Gluon candidates of an M bucket: the main kernel's tiles, with the register-major split-K
-    workspace wherever the split epilogue does not spill, then (M <= 16) the small-M consumer."""
-    out = []
-    for c in gluon_w4a16_configs(M, K, N):
-        regs = _REGS[c.get("regs") or "default"]
-        ws = "" if _split_epilogue_spills(c["block_m"], c["block_n"], *regs) else "regmajor"
-        out.append(W4A16Config(c["block_m"], c["block_n"], 128, 0, 4, c["stages"], "gluon", kc=c["kc"],
-                               regs=c.get("regs") or "", ws=ws))
-    for c in gluon_w4a16_small_configs(M, K, N):
-        out.append(W4A16Config(c["block_m"], c["block_n"], 128, 0, 4, c["stages"], "gluon", kc=c["kc"],
-                               regs=c["regs"], deq=c["deq"]))
+    """The tuner's Gluon candidates of an M bucket (first = default): the main kernel's tiles, with the register-major
+    split-K workspace wherever the split epilogue does not spill, then (M <= 16) the small-M consumer."""
+    bm = _block_m_for(M)
+    out: list[W4A16Config] = []
+
+    def add(block_m, block_n, stages=None, kc=32, regs=""):
+        stages = stages or _max_stages(block_m, block_n)
+        # gluon_w4a16_mm runs regs="async" with BM > 64 without split-K
+        if regs and not _async_regs_ok(block_m, block_n, kc, block_m <= 64):
+            return
+        ws = "" if _split_epilogue_spills(block_m, block_n, *_REGS[regs or "default"]) else "regmajor"
+        cfg = W4A16Config(block_m, block_n, 128, 0, 4, stages, "gluon", kc=kc, regs=regs, ws=ws)
+        if _config_ok(M, K, N, block_m, block_n, stages, kc) and cfg not in out:
+            out.append(cfg)
+
+    if bm <= 64:
+        add(bm, 256)
+        add(bm, 128)
+        add(bm, 256, kc=64)
+        add(bm, 256, stages=4)
+    elif bm == 128:
+        add(128, 256)
+        add(128, 128)
+        add(128, 256, kc=64)
+        add(64, 256)  # two M tiles
+    else:
+        add(256, 128)
+        add(128, 256)
+        add(256, 128, kc=64)
+        add(128, 128)
+    if not out:  # e.g. N not a multiple of 256 and the BN = 128 tiles dropped for another reason
+        add(min(bm, 128), 128, stages=2)
+    # regs="async" (wgmma left asynchronous): the best async tile was 6-10% faster at M = 64 / 256 and 13% slower at
+    # M = 128 (8192 x 8192), so the tuner decides
+    if bm <= 64:
+        add(bm, 128, regs="async")
+        add(bm, 256, regs="async")
+    else:
+        add(128, 128, kc=64, regs="async")
+        add(128, 128, regs="async")
+        add(64, 256, regs="async")
+    # the small-M consumer: BM 16 x BN 256, deq="xsum", the async split, KC 32, split-K to fill the SMs
+    stages = _max_stages(16, 256)
+    if M <= 16 and _config_ok(M, K, N, 16, 256, stages, 32) and _async_regs_ok(16, 256, 32, True):
+        out.append(W4A16Config(16, 256, 128, 0, 4, stages, "gluon", kc=32, regs="async", deq="xsum"))
     return out

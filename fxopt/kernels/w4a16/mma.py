@@ -1,14 +1,10 @@
-"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+.
+"""W4A16 at small M on mma.sync (m16n8k16) with both operands in registers: Gluon, sm_80+; method "mma", M <= 16.
 
-The tuner lists it as method "mma" for M buckets <= 16 (``Routes.mma`` unlists it). Why: the CUDA-core kernel
-"gemv1" is issue-bound at M = 1 (about three instructions per weight); here the tensor cores take the multiply.
-Product ``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8 columns the
-(zero-padded) activation rows. Both axes are relabeled so that lane t reads exactly the 8 nibbles of one packed word
-per 32-K chunk and each A register is a pair of unpacked weights; the codes enter as OFFSET + q and scale / zero are
-applied once per K tile, with the sums of x from a second mma. Split-K by relaxed fp32 atomics into the zeroed
-workspace, sized to one wave (``choose_split``); ``prefetch`` 1 / 2 keeps the next one / two K tiles' loads in
-registers (the loop unrolled by two / three, no register copies).
-Lane maps, register budgets and measurements: ``docs/kernels.md``.
+``out^T[N, M] = W^T[N, K] . x^T[K, M]``: the mma's 16 rows are weight columns, its 8 columns the (zero-padded)
+activation rows. Both axes are relabeled so that lane t reads the 8 nibbles of one packed word per 32-K chunk; the
+codes enter as OFFSET + q and scale / zero are applied once per K tile (sums of x from a second mma). Split-K by
+relaxed fp32 atomics into the zeroed workspace, sized to one wave (``choose_split``). Lane maps, register budgets
+and measurements: ``docs/kernels.md`` ("w4a16/mma.py").
 """
 from __future__ import annotations
 
@@ -37,9 +33,7 @@ except Exception:  # pragma: no cover - old Triton
 __all__ = ["MmaConfig", "w4a16_mma", "mma_configs", "HAS_GLUON"]
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Kernel
-# --------------------------------------------------------------------------------------------------------------
 if HAS_GLUON:
     # the relabeling chains of ``_a_operand`` / ``_b_operand`` (also emulated by tests/kernels/test_w4a16_mma.py)
     _A_PERM = gl.constexpr((4, 2, 5, 3, 0, 7, 6, 1, 8))  # (c t warp g rep h hk kb e) -> (rep warp h g | c kb hk t e)
@@ -267,21 +261,15 @@ if HAS_GLUON:
             gl.store(y_ptrs, acc.to(DT), mask=mask_y)
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Layouts (host side: constexpr arguments of the kernel)
-# --------------------------------------------------------------------------------------------------------------
 def _lg(v: int) -> int:
     return int(math.log2(v))
 
 
 def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
-    """The load layouts (docs/kernels.md, "Lane mapping"):
-
-    * ``w_layout`` for the packed words [BK/8, BN]: registers = 2R consecutive columns (one vector load), then the
-      chunks c (word rows 4 c); lanes = (t: word row, g: column block of 2R); warps: column blocks of 16 R.
-    * ``x_layout`` for x [BM, BK/8, 8]: registers = the 8 activations of a word row (one 16-byte load), the chunks
-      c, and token g + 8 when BM = 16; lanes = (t: word row, g: token); every warp holds the same x.
-    * ``sz_layout`` for the scale / zero rows [BN]: the words' columns (lanes t hold copies)."""
+    """The load layouts (docs/kernels.md, "Lane mapping"): ``w_layout`` for the packed words [BK/8, BN] (registers
+    2R consecutive columns, then the chunks; lanes (t: word row, g: column block); warps: column blocks), ``x_layout``
+    for x [BM, BK/8, 8] (a word row's 8 activations per lane, same x in every warp), ``sz_layout`` for [BN] rows."""
     C = BK // 32
     BN = 16 * R * W
     w_layout = gl.DistributedLinearLayout(
@@ -298,9 +286,7 @@ def _layouts(BM: int, BK: int, R: int, W: int) -> dict:
     return dict(w_layout=w_layout, x_layout=x_layout, sz_layout=sz_layout)
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Host side
-# --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MmaConfig:
     """``warps`` per CTA; ``cols_per_warp`` = 16 R weight columns per warp (16, 32 or 64: R mma row tiles);
@@ -324,22 +310,16 @@ class MmaConfig:
                 + (" pdl" if self.pdl else "") + (f" p{self.prefetch}" if self.prefetch != 1 else ""))
 
 
-# Resident CTAs per SM of each listed tile, from offline sm_90 register counts (bf16 and fp16, K tile 128, PDL or not). BM = 8 (M = 1..8): 128 registers x 128 threads -> 4 CTAs (16 warps); 168 x 128 -> 3;
-# 128 x 256 -> 2; 132 (rounded to 136) x 128 -> 3. BM = 16 (M = 9..16, R = 4): 255 registers -> 8 warps per SM, i.e.
-# 2 CTAs of 4 warps, 4 of 2, 8 of 1. (cols_per_warp, warps, prefetch) -> CTAs; sizes the split-K grid.
+# Resident CTAs per SM of each listed tile (cols_per_warp, warps, prefetch), from offline sm_90 register counts
+# (BM = 8: 128 registers x 128 threads -> 4, 168 -> 3, 128 x 256 -> 2; BM = 16: 255 registers, 8 warps per SM).
 _RESIDENT = {(32, 4, 1): 4, (64, 4, 1): 3, (32, 8, 1): 2, (32, 4, 2): 3}
 _RESIDENT16 = {(64, 4, 1): 2, (64, 2, 1): 4, (64, 1, 1): 8}
 # The tuner's candidates (cols_per_warp, warps, prefetch, pdl) for M <= 8 (BM = 8).
 _TILES = ((32, 4, 1, False), (64, 4, 1, False), (32, 8, 1, False), (32, 4, 2, False), (32, 4, 1, True))
-# ... and for M = 9..16 (BM = 16: two n8 tiles). Only R = 4 (64 columns per warp): at BM = 16 the per-token costs
-# (x loads and pair PRMTs, the xsum HMMAs) double while the A unpack is shared by both n-tiles, and R = 4 spreads
-# them over twice the weights: 1.90 SASS instructions per weight, 255 registers, no stack. R = 2 costs 2.30-2.36
-# per weight and either spills (168 registers, 24 B of stack, 3 CTAs) or needs 172-184 registers (1-2 CTAs).
+# ... and for M = 9..16 (BM = 16: two n8 tiles): only R = 4 (docs/kernels.md, "M = 9..16").
 _TILES16 = ((64, 4, 1, False), (64, 2, 1, False), (64, 1, 1, False), (64, 2, 1, True))
-# The one-wave split is the fastest for the PDL tile on every shape at M = 1, 4, 8 but one: 8192 x 28672 (224
-# column tiles x split 2 fill 85% of the 528 slots), where twice the split (two waves) ran 38.9 against 40.9 us at
-# M = 1 and 41.5 against 42.1 at M = 4. So when the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with
-# twice the split, and the tuner times both.
+# When the one-wave grid leaves more than 10% of the slots idle, the PDL tile is also listed with twice the split
+# (8192 x 28672 fills 85% of 528 slots: two waves ran 38.9 against 40.9 us at M = 1).
 _FILL_FOR_SECOND_SPLIT = 0.9
 
 
@@ -387,14 +367,6 @@ def _check(x, qweight, scales, zeros, group_size, bias, cfg: MmaConfig):
     return M, K, N, group, bm, bk, R, W
 
 
-def _meta(M, K, N, group, bm, bk, R, W, cfg: MmaConfig, has_bias: bool, split: int, pdl: bool) -> dict:
-    meta = dict(GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=has_bias, USE_SPLIT=split > 1,
-                MASK_M=M != bm, MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl,
-                PREFETCH=cfg.prefetch, **_layouts(bm, bk, R, W))
-    opts = dict(num_warps=W, **({"launch_pdl": True} if pdl else {}))
-    return dict(meta=meta, opts=opts)
-
-
 def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
               config: Optional[MmaConfig] = None) -> torch.Tensor:
     """y [M, N] = x @ dequant(W)^T (+ bias) on mma.sync with register operands; x 2-D [M <= 16, K] fp16 / bf16 on a
@@ -409,9 +381,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         raise ValueError(f"w4a16_mma: mma.sync bf16/fp16 needs compute capability >= 8.0, got "
                          f"{device_capability(x.device)}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()  # 16-byte loads of 8 activations
-    if x.stride(0) % 8:  # K not a multiple of 8 cannot happen (packed), kept for safety
-        raise ValueError(f"w4a16_mma: x row stride {x.stride(0)} must be a multiple of 8")
+        x = x.contiguous()  # 16-byte loads of 8 activations (K is a multiple of 8: packed)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = cdiv(N, 16 * R * W)
     split_k = cfg.split_k or choose_split(n_tiles, cdiv(K, bk), _resident(bm, cfg.cols_per_warp, W, cfg.prefetch),
@@ -424,17 +394,17 @@ def w4a16_mma(x, qweight, scales, zeros, group_size: int, bias=None,
         ws, cnt = y, y  # unused
     pdl = cfg.pdl and has_pdl(x.device)
     magic, offset = MAGIC[x.dtype]
-    m = _meta(M, K, N, group, bm, bk, R, W, cfg, bias is not None, split, pdl)
     _w4a16_mma_kernel[(n_tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt,
         M, N, K // 8, split, tps, magic * 0x10001, offset,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), **m["meta"], **m["opts"])
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP_SIZE=group, BM=bm, BK=bk, R=R, W=W, HAS_BIAS=bias is not None, USE_SPLIT=split > 1, MASK_M=M != bm,
+        MASK_N=N % (16 * R * W) != 0, MASK_K=K % bk != 0, USE_GDC=pdl, PREFETCH=cfg.prefetch,
+        **_layouts(bm, bk, R, W), num_warps=W, **({"launch_pdl": True} if pdl else {}))
     return y
 
 
-# --------------------------------------------------------------------------------------------------------------
 # Tuner candidates and their W4A16Config form
-# --------------------------------------------------------------------------------------------------------------
 def to_mma_config(cfg: W4A16Config) -> MmaConfig:
     """W4A16Config(method="mma") -> MmaConfig: num_warps = warps, block_n = warps x cols_per_warp."""
     return MmaConfig(warps=cfg.num_warps, cols_per_warp=cfg.block_n // cfg.num_warps, split_k=cfg.split_k,

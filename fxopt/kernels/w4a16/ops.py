@@ -1,15 +1,7 @@
-"""The W4A16 ops and their entry point.
-
-* ``torch.ops.fxopt.w4a16_linear(x, qweight, scales, zeros, group_size, bias=None) -> y [..., N]`` (contiguous,
-  ``x.dtype``): CUDA runs the tuner's pick (``tuner.choose_config``); CPU the reference (dequantize + matmul in
-  float32, cast). Autograd with respect to ``x`` and ``bias``: ``grad_x = grad_y @ W``; the packed tensors get none.
-* ``torch.ops.fxopt.w4a16_linear_cat(x, qweights, scales, zeros, group_size, biases)``: the concatenation of several
-  linears' outputs; one kernel call over their joint columns when the packed tensors are adjacent slices of one
-  storage (``column_span``, checked on every call), else one call per linear.
-* ``torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, group_size) -> W [N, K]`` in ``scales.dtype``.
-
-``w4a16_matmul`` is the Python entry point under the ops; it replays recorded launches (``launch_plan``) keyed on the
-arguments' metadata plus what the routing reads beyond them (``_plan_state``).
+"""The W4A16 ops: ``fxopt::w4a16_linear`` (CUDA: the tuner's pick; CPU: the float32 reference; autograd for x and
+bias), ``fxopt::w4a16_linear_cat`` (several linears' outputs concatenated, one kernel call when the packed tensors
+are adjacent slices of one storage) and ``fxopt::dequantize_w4``. ``w4a16_matmul`` is the entry point under them; it
+replays launch plans keyed on the arguments plus what the routing reads beyond them (``_plan_state``).
 """
 from __future__ import annotations
 
@@ -22,8 +14,8 @@ import torch
 from fxopt import env
 from fxopt.kernels.launch_plan import plan_cached
 from fxopt.kernels.w4a16 import routing, tuner
-from fxopt.kernels.w4a16.common import (MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
-                                        interpreting, mark_integer_zeros)
+from fxopt.kernels.w4a16.common import (INTERPRET, MAGIC, W4A16Config, check_inputs, fit_block_k, integer_zeros,
+                                        mark_integer_zeros)
 from fxopt.kernels.w4a16.dequant import dequantize_w4_triton
 from fxopt.quant.format import PACK, dequantize as _dequantize_reference
 
@@ -35,9 +27,7 @@ _LAUNCH_PLANS = env.launch_plans()
 
 
 def _plan_state(x, qweight, scales, zeros, *args, **kwargs) -> tuple:
-    """What the launch path routes on beyond the arguments' metadata: whether the zero points are integers (a fact
-    about their values, kept on the tensor: "swapd" is chosen only then), the tuner's table (a new entry may change
-    the config of a shape), the active routes and the untuned switch."""
+    """The routing state beyond the arguments' metadata: integer zeros, the tuner's table, routes, untuned switch."""
     return (integer_zeros(zeros) if zeros.is_cuda else None, len(tuner._TUNED), routing.active(), env.no_tune())
 
 
@@ -73,9 +63,7 @@ def w4a16_reference(x, qweight, scales, zeros, group_size: int, bias=None) -> to
     return y.to(x.dtype).contiguous()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Custom ops
-# ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("fxopt::dequantize_w4", mutates_args=())
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [N, K] = (q - zeros) * scales in scales.dtype, contiguous."""
@@ -123,7 +111,7 @@ def _slice_route(x, qweight, scales, zeros, group_size, bias) -> Optional[W4A16C
         return None
     K = qweight.shape[0] * PACK
     x2d = x.reshape(-1, K)
-    if x2d.stride(1) != 1 or x2d.shape[0] == 0 or interpreting():
+    if x2d.stride(1) != 1 or x2d.shape[0] == 0 or INTERPRET:
         return None
     cfg = tuner.tuned_config(x2d, qweight.shape[1], zeros, K if group_size == -1 else group_size, bias is not None)
     return cfg if cfg is not None and cfg.method == "dequant_matmul" else None
@@ -157,11 +145,9 @@ w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 def column_span(parts) -> Optional[torch.Tensor]:
-    """The contiguous tensor whose blocks along the last dim are ``parts``, in order, when they are adjacent slices of
-    one storage (as :func:`fxopt.quant.linear.share_sibling_storage` lays siblings out); else None.
-
-    Parts are all 2-D ``[R, N_i]`` or all 1-D ``[N_i]``. Reads only sizes, strides, offsets and storage identity, so it
-    works on the pass's fake tensors (the proof) and on the op's real ones (the check on every call)."""
+    """The contiguous tensor whose blocks along the last dim are ``parts`` (all 2-D [R, N_i] or all 1-D), in order,
+    when they are adjacent slices of one storage (``fxopt.quant.linear.share_sibling_storage``), else None. Reads
+    only metadata: it works on the pass's fake tensors and on the op's real ones."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
@@ -202,11 +188,8 @@ def _check_cat_inputs(x, qweights, scales, zeros, group_size, biases):
 @torch.library.custom_op("fxopt::w4a16_linear_cat", mutates_args=())
 def w4a16_linear_cat(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
                      zeros: list[torch.Tensor], group_size: int, biases: list[torch.Tensor]) -> torch.Tensor:
-    """``cat([w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size, biases[i]) for i], -1)``, contiguous
-    (``biases``: one per linear, or empty for none).
-
-    One kernel call over ``[K // 8, sum N]`` when each list is adjacent slices of one storage (checked on every call,
-    :func:`column_span`), else one call per linear: never a different result, only slower."""
+    """``cat([w4a16_linear(x, qweights[i], scales[i], zeros[i], group_size, biases[i]) for i], -1)`` (``biases``:
+    one per linear or empty): one kernel call when every list spans one storage (:func:`column_span`)."""
     _check_cat_inputs(x, qweights, scales, zeros, group_size, biases)
     spans = [column_span(t) for t in (qweights, scales, zeros)]
     bias = column_span(biases) if biases else None

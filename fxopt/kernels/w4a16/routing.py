@@ -1,14 +1,7 @@
-"""Which W4A16 builds the tuner may list: the user's kernel choices, from ``fxopt.Config.kernels`` to the op.
-
-The op runs long after the compile that inserted it (and eager code calls it with no config at all), so the choices
-are one process-wide value, :class:`Routes`, read by the tuner when it lists a shape's candidates:
-
-* the W4A16 pass sets it from the compiling ``Config.kernels`` (``use_config``): the last compile wins;
-* ``with routes(gluon=False): ...`` holds other routes for a block (tests, benchmarks, eager code), compiles inside
-  it included, and restores the configured ones after.
-
-The active value is part of the tuner's cache keys and of the launch-plan state, so a change of routes never reuses
-a pick or a recorded launch made under other routes.
+"""Which W4A16 builds the tuner may list: one process-wide :class:`Routes`, since the op runs long after the
+compile that inserted it. The W4A16 pass sets it from the compiling ``Config.kernels`` (``use_config``, the last
+compile wins); ``with routes(gluon=False): ...`` overrides it for a block. The active value is part of the tuner's
+keys and of the launch-plan state, so no pick or recorded launch is reused under other routes.
 """
 from __future__ import annotations
 
@@ -21,15 +14,8 @@ DequantMatmul = Literal["auto", "on", "off"]
 
 @dataclass(frozen=True)
 class Routes:
-    """The W4A16 builds a tuner list may hold.
-
-    Args:
-        dequant_matmul: "dequantize to a 16-bit W, then cuBLAS" (a temporary copy of one linear's weight): "auto"
-            lists it above M = 256 (where it won every shape measured), "on" from M = 33, "off" never.
-        gluon: the Gluon kernel (sm_90, bf16).
-        mma: the mma.sync kernel (M <= 16).
-        gemv1: the one-launch CUDA-core kernel (M <= 4).
-    """
+    """The W4A16 builds a tuner list may hold: ``dequant_matmul`` ("auto": above M = 256, "on": from M = 33,
+    "off"), the ``gluon`` (sm_90, bf16), ``mma`` (M <= 16) and ``gemv1`` (M <= 4) kernels."""
 
     dequant_matmul: DequantMatmul = "auto"
     gluon: bool = True

@@ -1,22 +1,12 @@
 """Triton W4A16 tiles "swapx" and "swapd": the weight as the dot's first operand, x prepared once per call.
 
-``_w4a16_swap_kernel`` computes ``y^T[BLOCK_N, BLOCK_M] = codes[BLOCK_N, BLOCK_K] @ x^T`` over a K slice. The
-unpacked codes are the first operand, which Hopper's wgmma reads from registers (they never pass through shared
-memory), and the tensor-core M side is the weight's N: 1 to 16 activation rows cost one BLOCK_M = 16 tile.
-``_prep_x_kernel`` first writes x in the codes' K order with its sums per K tile, so no program permutes or reduces
-x in its inner loop; with BLOCK_K a multiple of 32 the codes are unpacked in FRAG order (wgmma's register fragment:
-a thread reads each packed word once and uses all 8 nibbles).
-
-* "swapx": the dot runs on the offset codes, scale and zero are applied once per K tile to the accumulator:
-  ``acc += (codes @ x^T - (OFFSET + z) * sum_k x) * s``.
-* "swapd": the codes are dequantized before the dot by packed PTX ``sub`` / ``mul`` (two weights per instruction,
-  rounded as the reference rounds ``(q - z) * s``), so the dot accumulates over K with no per-tile correction and
-  its wgmma stays asynchronous. Exact only for integer zeros (otherwise it runs as "swapx").
-
-The main kernel is launched with programmatic dependent launch (``pdl``): its programs load their first scales
-while the prep kernel runs and wait (``gdc_wait``) before reading x. Small grids split K: partials go to an fp32
-workspace and the last program to arrive at a tile's counter sums them, adds the bias and writes y (one launch).
-Measurements: ``docs/kernels.md`` ("W4A16").
+``_w4a16_swap_kernel`` computes ``y^T[BLOCK_N, BLOCK_M] = codes @ x^T`` over a K slice (the codes are wgmma's register
+operand and the tensor-core M side is the weight's N, so 1-16 activation rows cost one BLOCK_M = 16 tile);
+``_prep_x_kernel`` first writes x in the codes' FRAG K order with its sums per K tile. "swapx" runs the dot on the
+offset codes and applies scale and zero once per K tile, ``acc += (codes @ x^T - (OFFSET + z) * sum_k x) * s``;
+"swapd" dequantizes before the dot with packed PTX (exact only for integer zeros). The main kernel is launched with
+programmatic dependent launch; small grids split K through an fp32 workspace and a per-tile counter (the last
+program sums). Design and measurements: ``docs/kernels.md`` ("W4A16").
 """
 from __future__ import annotations
 
@@ -28,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fxopt.kernels import cdiv, has_pdl
-from fxopt.kernels.w4a16.common import MAGIC, W4A16Config, balanced_split, counters, integer_zeros, interpreting
+from fxopt.kernels.w4a16.common import INTERPRET, MAGIC, W4A16Config, balanced_split, counters, integer_zeros
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +145,8 @@ def _w4a16_swap_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FRAG: tl.constexpr = False, USE_GDC: tl.constexpr = False, DEQ: tl.constexpr = False, ASM: tl.constexpr = True,
 ):
-    """Swapped operands: ``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]``.
-
-    The unpacked weight tile is the dot's first operand, which Hopper's wgmma can read from registers, so the codes
-    never pass through shared memory; x (tiny) is the second. The tensor-core M dimension is the weight's N, so a
-    tile needs only BLOCK_M >= 16 activation rows (M = 1..16 cost one tile). Codes are exact (OFFSET + q); scale and
-    zero are applied once per K tile on the [BLOCK_N, BLOCK_M] product. BLOCK_K divides the group. x is prepared
-    by ``_prep_x_kernel`` (PERM or FRAG order, sums per K tile).
-    """
+    """``y^T[BLOCK_N, BLOCK_M] += codes[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]`` over one K slice, x prepared by
+    ``_prep_x_kernel`` (PERM or FRAG order, sums per K tile); BLOCK_K divides the group (see the module docstring)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -281,8 +265,7 @@ def launch_swap(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config)
     else:
         ws, cnt = y, y  # unused
     frag = cfg.block_k % 32 == 0
-    interp = interpreting()
-    pdl = cfg.pdl and x2d.is_cuda and not interp and has_pdl(x2d.device)
+    pdl = cfg.pdl and x2d.is_cuda and not INTERPRET and has_pdl(x2d.device)
     xin, xs = prep_x(x2d, cfg.block_k, frag, pdl)
     _w4a16_swap_kernel[(n_mn, split)](
         xin, qweight, scales, zeros, bias if bias is not None else y, y, ws, cnt, xs,
@@ -291,7 +274,7 @@ def launch_swap(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config)
         scales.stride(1), y.stride(0), y.stride(1), xs.stride(0),
         GROUP_SIZE=group_size, OFFSET=offset, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FRAG=frag,
-        DEQ=cfg.method == "swapd", ASM=not interp, USE_GDC=pdl, num_warps=cfg.num_warps,
+        DEQ=cfg.method == "swapd", ASM=not INTERPRET, USE_GDC=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y

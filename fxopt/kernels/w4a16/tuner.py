@@ -1,21 +1,13 @@
 """The W4A16 tuner: per (M bucket, K, N, group, dtype) it times a short candidate list once and keeps the pick.
 
-Candidates (``candidate_configs``, first = the untuned default): the Triton "swapx" / "swapd" tiles of the
-bucket, "dequant_matmul" above M = 256 (``Routes.dequant_matmul``), then where they apply the Gluon tiles (sm_90,
-bf16, integer zeros, group 128), "gemv1" (M <= 4) and "mma" (M <= 16, sm_80+), each behind a ``Routes`` switch.
-
-Timing (``_pick_fastest``): every candidate replayed from a CUDA graph, then the ones within 8% of the best timed
-again, longer (near-equal builds are within one round's noise). Buckets up to M = 16 are timed as calls back to back
-over weight copies larger than L2 (``bench_streamed_us``: as a model's layers run, PDL overlap included), larger
-ones one call at a time after emptying L2 by reading 256 MB (a zero-fill would leave dirty lines whose write-back
-the timed call pays). "gemv1" / "mma" are timed only after their output matched the default candidate's. Under
-CUDA-graph capture nothing is timed (the tuner's file, else the default).
-
-Picks are kept in the process, in the tuner's file (``FXOPT_W4A16_TUNE_CACHE``: key = GPU model, software versions,
-shape, and a digest of the candidate labels, so a pick is never reused against other candidates) and, for the
-benchmarked models' shapes on the H200, in the shipped ``picks_h200.json`` (the same key without software versions;
-``benchmarks/generate.py --export-w4a16-picks`` writes it; ``tests/kernels/test_w4a16_tuner.py`` checks that every
-shipped key matches today's candidate list).
+Candidates (``candidate_configs``, first = the untuned default): the Triton tiles of the bucket, "dequant_matmul"
+above M = 256, then where they apply Gluon (sm_90, bf16, integer zeros, group 128), "gemv1" (M <= 4) and "mma"
+(M <= 16), each behind a ``Routes`` switch. ``_pick_fastest`` times every candidate from a CUDA graph, then the ones
+within 8% of the best again, longer; buckets up to M = 16 back to back over weight copies larger than L2
+(``bench_streamed_us``), larger ones one call at a time after emptying L2. "gemv1" / "mma" are timed only after
+their output matched the default's; under CUDA-graph capture nothing is timed. Picks live in the process, in the
+tuner's file (``FXOPT_W4A16_TUNE_CACHE``, keyed on GPU model, software versions, shape and a digest of the
+candidate labels) and in the shipped ``picks_h200.json`` (the same key without versions). ``docs/kernels.md``.
 """
 from __future__ import annotations
 
@@ -33,22 +25,16 @@ import triton
 from fxopt import env
 from fxopt.kernels import cdiv, outside_graph_pools
 from fxopt.kernels.w4a16 import routing
-from fxopt.kernels.w4a16.common import (NUM_SMS_DEFAULT, W4A16Config, config_from_dict, fit_block_k, integer_zeros,
-                                        interpreting, m_bucket, num_sms, split_for)
+from fxopt.kernels.w4a16.common import (INTERPRET, NUM_SMS_DEFAULT, W4A16Config, config_from_dict, fit_block_k,
+                                        integer_zeros, m_bucket, num_sms, split_for)
 from fxopt.kernels.w4a16.dequant import launch_dequant_matmul
 from fxopt.kernels.w4a16.gemv1 import gemv1_configs, launch_gemv1
 from fxopt.kernels.w4a16.triton_tiles import launch_swap
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Candidate lists
-# ----------------------------------------------------------------------------------------------------------------
 # The Triton tiles per M bucket, from H200 sweeps: (method, block_m, block_n, waves, warps, stages); waves = programs
-# per SM that the K split aims at (0: no split). "swapx" wins up to M = 32, "swapd" from M = 64 to 256 (12-35% over
-# swapx). At M <= 16 about 5 programs of 4 warps fit per SM at BLOCK_N = 64 and 3 at 128 (registers), and the
-# kernel is short of eligible warps at M = 1, so grids that fill those slots are listed. At M = 128 two warpgroups
-# split BLOCK_N (170 registers at 128 x 128 against 255 and a spill with one).
+# per SM that the K split aims at (0: no split). "swapx" wins up to M = 32, "swapd" from M = 64 to 256.
 _SWAP16 = (("swapx", 16, 64, 4, 4, 3), ("swapx", 16, 64, 5, 4, 3), ("swapx", 16, 128, 2, 4, 3),
            ("swapx", 16, 128, 3, 4, 3), ("swapx", 16, 128, 8, 4, 3), ("swapx", 16, 64, 8, 4, 3),
            ("swapx", 16, 128, 4, 4, 4))
@@ -135,11 +121,9 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = NU
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None, device=None,
                       capability: Optional[tuple] = None, routes: Optional[routing.Routes] = None
                       ) -> list[W4A16Config]:
-    """The configs the tuner times for this shape (first = untuned default). ``integer_zeros``: whether the layer's
-    zero points are integers ("swapd" and "gluon" are exact only then). ``device`` (a CUDA one) or ``capability``
-    (its compute capability, for lists computed without a GPU) admit the GPU-only builds, listed after the Triton
-    tiles so that the default does not change: Gluon (also needs ``dtype`` bf16), gemv1, mma. ``routes``: the
-    builds allowed (default: ``routing.active()``)."""
+    """The configs the tuner times for this shape (first = untuned default). A CUDA ``device`` or a ``capability``
+    admits the GPU-only builds (Gluon, gemv1, mma), listed after the Triton tiles; ``routes`` default to
+    ``routing.active()``."""
     r = routes or routing.active()
     out = _triton_configs(M, N, K, group_size, num_sms, integer_zeros, r.dequant_matmul)
     cuda = capability is not None or (device is not None and torch.device(device).type == "cuda")
@@ -187,11 +171,8 @@ _TUNED: dict = {}
 
 
 def _bench_us(fn, reps: int = 10) -> float:
-    # L2 is emptied by *reading* 256 MB: a zero-fill would leave ~50 MB of dirty lines whose write-back the timed
-    # call then pays (about 12 us on an H200, more than a small-M call's own time).
-    # The call is replayed from a CUDA graph: timed eagerly, a config that launches two kernels ("swapx": x is
-    # prepared first) would also be charged the host's launch gap between them, which a compiled model's graph
-    # does not have.
+    # L2 is emptied by reading 256 MB (a zero-fill leaves dirty lines whose write-back the timed call pays); the call
+    # is replayed from a CUDA graph (timed eagerly, a two-kernel config would pay the host's launch gap).
     flush = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -220,10 +201,8 @@ _STREAMED_CALLS = 24
 
 
 def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
-    """The layer's packed weight and enough copies that together they exceed three times the L2 cache (at most 8
-    copies, at most ``budget_bytes``), for timing calls back to back with every call reading its weight from HBM.
-    [] when one extra copy does not fit the budget or the allocation fails (the tuner then times one call after an
-    L2 flush)."""
+    """The packed weight and copies that together exceed three times L2 (at most 8, within ``budget_bytes``), for
+    timing calls back to back from HBM; [] when one extra copy does not fit (the tuner then flushes L2 instead)."""
     one = qweight.numel() * 4 + (scales.numel() + zeros.numel()) * scales.element_size()
     try:
         l2 = torch.cuda.get_device_properties(qweight.device).L2_cache_size
@@ -239,10 +218,8 @@ def _weight_copies(qweight, scales, zeros, budget_bytes: int) -> list:
 
 
 def bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) -> float:
-    """Per-call time (median over ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the
-    next weight copy, as a model's layers run: a PDL launch then overlaps the previous call's tail, which a single
-    call timed after an L2 flush never shows (at M <= 4 the tuner's pick flipped between otherwise equal PDL and
-    non-PDL builds from run to run). ``benchmarks/common.streamed_us`` is this."""
+    """Per-call time (median of ``reps`` replays) of ``calls`` calls back to back in one CUDA graph, each on the next
+    weight copy, as a model's layers run (PDL overlap included). ``benchmarks/common.streamed_us`` is this."""
     for c in copies:
         fn_on(c)
     torch.cuda.synchronize()
@@ -265,9 +242,8 @@ def bench_streamed_us(fn_on, copies, reps: int, calls: int = _STREAMED_CALLS) ->
 
 def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A16Config,
                          default: W4A16Config) -> bool:
-    """Safety net of the tuner for the methods whose kernels reduce across CTAs with atomics ("gemv1", "mma"):
-    the output on the tuning inputs must match the default candidate's (within the output dtype's rounding: 2e-2 of max |y| for bf16, 4e-3
-    for fp16) before it is timed; otherwise it is dropped with a warning, never picked for being fast."""
+    """"gemv1" / "mma" (cross-CTA atomics) must match the default candidate's output (2e-2 of max |y| for bf16, 4e-3
+    for fp16) before they are timed; otherwise they are dropped with a warning."""
     ref = launch(x2d, qweight, scales, zeros, group_size, bias, default).float()
     y = launch(x2d, qweight, scales, zeros, group_size, bias, cfg).float()
     tol = (2e-2 if x2d.dtype == torch.bfloat16 else 4e-3) * float(ref.abs().max()) + 1e-3
@@ -280,10 +256,8 @@ def _agrees_with_default(x2d, qweight, scales, zeros, group_size, bias, cfg: W4A
 
 
 def _tune_disk_key(device_name: str, key: tuple, cands: list) -> str:
-    """One entry per device model, software versions, shape key and candidate list (a digest of the labels: routes
-    that add or remove candidates get their own timing): a pick timed on another GPU, Triton or fxopt build, or
-    against other candidates, is never reused. ``key``: (device index, dtype, M bucket, K, N, group, bias, integer
-    zeros, ...)."""
+    """The tuner file's key: device model, software versions, shape and a digest of the candidate labels (a pick is
+    never reused on another GPU, build or candidate list). ``key``: (device, dtype, M bucket, K, N, G, bias, intz)."""
     import fxopt  # not at module level: fxopt imports this module
 
     return (f"{device_name}|torch {torch.__version__}|triton {triton.__version__}|fxopt {fxopt.__version__}|"
@@ -342,12 +316,8 @@ _FINAL_ROUND_REPS = 30
 
 
 def _pick_fastest(cands: list, time_us) -> tuple:
-    """(config, us) of the fastest candidate; (first candidate, inf) when none could be timed.
-
-    ``time_us(config, reps)`` gives a median time in us; a config that raises (e.g. out of shared memory) is
-    skipped. Two rounds: every candidate with ``_FIRST_ROUND_REPS``, then the ones within 8% of the best (at most
-    four) again with ``_FINAL_ROUND_REPS``, since near-equal builds are within one round's run-to-run noise (2-5%).
-    Timing the small-M buckets back to back (``bench_streamed_us``) is what keeps their picks stable from run to run."""
+    """(config, us) of the fastest candidate by ``time_us(config, reps)`` (a config that raises is skipped; (first,
+    inf) when none ran): every candidate once, then the ones within 8% of the best (at most four) again, longer."""
     timed = []
     for c in cands:
         try:
@@ -390,7 +360,7 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     when tuning is impossible."""
     M, K = x2d.shape
     N = qweight.shape[1]
-    if interpreting() or x2d.device.type != "cuda":
+    if INTERPRET or x2d.device.type != "cuda":
         return interpreter_config(M, K, group_size)
     intz = integer_zeros(zeros)
     routes = routing.active()
@@ -454,10 +424,8 @@ def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Co
     return best
 
 
-# Picks timed on the GPU models the project benchmarks on, keyed like the tuner's file without the software versions
-# (every candidate is correct on any version; only its speed was measured on one): the first compile on such a GPU
-# times nothing for these shapes. gemv1 / mma picks are still checked against the default build before use.
-# Written by ``export_picks`` (``benchmarks/generate.py --export-w4a16-picks``).
+# Picks timed on the benchmark GPU, keyed like the tuner's file without software versions (gemv1 / mma picks are
+# still checked against the default build). Written by ``export_picks`` (``benchmarks/generate.py``).
 SHIPPED_PICKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "picks_h200.json")
 _TIMED_HERE: dict = {}  # shipped key -> (config, us) for every shape this process timed
 
