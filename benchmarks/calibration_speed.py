@@ -87,7 +87,7 @@ METHODS = {
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0], _args)
+    args = parse_args(__doc__.splitlines()[0], _args, smoke=lambda a: a.device == "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/calibration_speed.py measures on CUDA; for a CPU smoke run pass "
                  "--device cpu --dim 128 --layers 2 --cal-samples 4 --seq 64")

@@ -11,6 +11,8 @@ Usage::
     rows = [{"shape": "...", "fxopt_ms": bench_ms(lambda: f(x)), "anchor_ms": bench_ms(lambda: g(x))}]
     write_results("w4a16", rows, title="W4A16 linear", notes="...")
 
+Each script writes one file pair named after it. A script with several modes writes each as a part of that pair
+(``write_results("distributed", rows, part="plan", ...)``): a run replaces only its own part's section.
 ``--out DIR`` (parsed by :func:`parse_args`) writes the files somewhere else (e.g. ``$OUT`` on the device machine).
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 import torch
 
@@ -28,13 +31,23 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, no install
 
 
-def parse_args(description: str, extra=None) -> argparse.Namespace:
+def parse_args(description: str, extra=None, smoke=None) -> argparse.Namespace:
+    """The common flags, ``extra(parser)``'s, parsed; ``smoke(args)`` true: results go to a temporary directory
+    unless ``--out`` is given (a CPU smoke run never overwrites the committed tables)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and markdown results")
+    p.add_argument("--out", default=None, help="directory for the JSON and markdown results (default "
+                   "benchmarks/results; a temporary directory for smoke runs)")
     p.add_argument("--quick", action="store_true", help="a few rows only (smoke run)")
     if extra:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    args.out = args.out or default_out(bool(smoke and smoke(args)))
+    return args
+
+
+def default_out(smoke: bool) -> str:
+    """``benchmarks/results``, or for a smoke run a fresh temporary directory."""
+    return tempfile.mkdtemp(prefix="fxopt-bench-smoke-") if smoke else RESULTS_DIR
 
 
 def env_info() -> dict:
@@ -148,61 +161,39 @@ def round_order(names: list, r: int) -> list:
 
 
 def write_results(name: str, rows: list[dict], *, title: str, notes: str = "", out_dir: str | None = None,
-                  command: str | None = None, echo: bool = True) -> None:
+                  command: str | None = None, echo: bool = True, part: str | None = None) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` in ``out_dir``.
+
+    With ``part``, the file holds one section per part (``{"parts": {part: {title, env, command, notes, rows}}}``):
+    this call replaces only its own part's section, keeps the others of an existing ``<name>.json``, and rewrites
+    ``<name>.md`` with a ``##`` section per part, each with its own environment and command.
+    """
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
-    info = env_info()
-    command = command or "python " + " ".join(sys.argv)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"title": title, "env": info, "command": command, "notes": notes, "rows": rows}, f, indent=1)
-    env_line = ", ".join(f"{k} {v}" for k, v in info.items())
-    md = f"# {title}\n\n{env_line}\n\nCommand: `{command}`\n\n{markdown_table(rows)}"
-    if notes:
-        md += f"\n{notes}\n"
+    json_path = os.path.join(out_dir, f"{name}.json")
+    section = {"title": title, "env": env_info(), "command": command or "python " + " ".join(sys.argv),
+               "notes": notes, "rows": rows}
+    if part is None:
+        data, md = section, _section_md(section, "#")
+    else:
+        parts = {}
+        if os.path.exists(json_path):
+            with open(json_path) as f:
+                parts = json.load(f).get("parts", {})
+        parts[part] = section
+        data = {"parts": parts}
+        md = f"# benchmarks/{name}.py\n\n" + "\n".join(_section_md(s, "##", p) for p, s in parts.items())
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(md)
     if echo:
         print(markdown_table(rows))
-        print(f"wrote {out_dir}/{name}.json and .md")
+        print(f"wrote {out_dir}/{name}.json and .md" + (f" (part {part})" if part else ""))
 
 
-# ---- helpers of the Gluon check scripts (a wrong mbarrier phase hangs the GPU instead of failing)
-
-
-def arm_watchdog(seconds: float) -> None:
-    """(Re)arm a watchdog: after ``seconds`` every thread's stack is printed and the process hard-exits."""
-    import faulthandler
-
-    faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(seconds, exit=True)
-
-
-def try_bench_ms(fn, quick: bool, width: int = 160):
-    """Median ms of ``fn`` (short do_bench with ``quick``), or None, with the error's first line printed, when the
-    backend does not take the inputs."""
-    import triton.testing
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                             return_mode="median"))
-    except Exception as e:  # a backend that does not support the shape
-        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''})", flush=True)
-        return None
-
-
-def save_state(out_dir: str, name: str, state: dict, title: str, sections: list) -> None:
-    """Write a check script's ``state`` as ``<name>.json`` and a markdown page: the title, the environment, the
-    command, then one table per (heading, state key) of ``sections``, then ``state["notes"]``."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(state, f, indent=1, default=str)
-    md = [f"# {title}\n", ", ".join(f"{k} {v}" for k, v in (state["env"] or {}).items()) + "\n",
-          f"Command: `python {' '.join(sys.argv)}`\n"]
-    for i, (heading, key) in enumerate(sections):
-        md += [("\n" if i else "") + f"## {heading}\n", markdown_table(state[key])]
-    if state["notes"]:
-        md += ["\n## Notes\n"] + [f"- {n}\n" for n in state["notes"]]
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write("\n".join(md))
+def _section_md(s: dict, heading: str, part: str | None = None) -> str:
+    env_line = ", ".join(f"{k} {v}" for k, v in s["env"].items())
+    md = (f"{heading} {f'{part}: ' if part else ''}{s['title']}\n\n{env_line}\n\nCommand: `{s['command']}`\n\n"
+          + markdown_table(s["rows"]))
+    return md + (f"\n{s['notes']}\n" if s["notes"] else "")

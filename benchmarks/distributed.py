@@ -13,7 +13,10 @@ One GPU (``--one-gpu``): prefill tokens/s and a training step's time of the full
 
 Several GPUs (``torchrun --nproc-per-node N benchmarks/distributed.py --mesh 1x2x2``): the same rows for fxopt's
 mesh, and with pp = 1 the hand-written DTensor plan (``parallelize_module``, Colwise q/k/v/gate/up, Rowwise o/down)
-in the same run. ``--smoke-cpu`` checks this path on gloo with a small model.
+in the same run. ``--smoke-cpu`` checks this path on gloo with a small model (results to a temporary directory
+unless ``--out`` is given).
+
+All modes write ``results/distributed.{md,json}``, each its own part: ``plan``, ``one_gpu``, ``mesh <dp x pp x tp>``.
 """
 from __future__ import annotations
 
@@ -158,7 +161,6 @@ def mesh_rows(args) -> list:
     model = build(args.layers, device, small=args.smoke_cpu)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 32000, (args.batch, args.seq), generator=g).to(device)
-    y = torch.randint(0, 32000, (args.batch, args.seq), generator=g).to(device)
     mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     rows = []
     r = distribute(model, (x,), mesh=mesh, microbatches=args.microbatches if pp > 1 else 1, schedule="1F1B",
@@ -179,18 +181,18 @@ def mesh_rows(args) -> list:
 
 
 def main():
-    args = parse_args("fxopt.distribute: plans, one device, meshes", _args)
+    args = parse_args("fxopt.distribute: plans, one device, meshes", _args, smoke=lambda a: a.smoke_cpu)
     if args.plan:
         rows = plan_rows(args)
-        write_results("distributed_plan", rows, title=f"fxopt.distribute plans, Llama-3-8B-shaped, {args.layers} "
-                      f"layers, batch {args.batch} x {args.seq} tokens (fake process group, rank 0)",
+        write_results("distributed", rows, part="plan", title=f"fxopt.distribute plans, Llama-3-8B-shaped, "
+                      f"{args.layers} layers, batch {args.batch} x {args.seq} tokens (fake process group, rank 0)",
                       out_dir=args.out)
         return
     if args.one_gpu:
         device = torch.device("cpu") if args.smoke_cpu else torch.device("cuda")
         rows = one_gpu_rows(args, device)
-        write_results("distributed_one_gpu", rows, title=f"one device, Llama-3-8B-shaped, {args.layers} layers",
-                      out_dir=args.out)
+        write_results("distributed", rows, part="one_gpu", title=f"one device, Llama-3-8B-shaped, {args.layers} "
+                      "layers", out_dir=args.out)
         return
     if args.mesh is None:
         raise SystemExit("give --plan, --one-gpu or --mesh dp x pp x tp (under torchrun)")
@@ -198,7 +200,7 @@ def main():
     try:
         rows = mesh_rows(args)
         if dist.get_rank() == 0:
-            write_results(f"distributed_{args.mesh}", rows, title=f"fxopt.distribute {args.mesh}, "
+            write_results("distributed", rows, part=f"mesh {args.mesh}", title=f"fxopt.distribute {args.mesh}, "
                           f"{args.layers} layers", out_dir=args.out)
     finally:
         dist.destroy_process_group()

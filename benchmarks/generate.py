@@ -36,7 +36,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from common import default_out, write_results  # noqa: E402
 
 FAMILIES = {
     # Llama-3-8B shapes
@@ -423,8 +423,8 @@ def main():
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=RESULTS_DIR)
-    p.add_argument("--name", default="generate")
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results; with --tiny a "
+                   "temporary directory)")
     p.add_argument("--quick", action="store_true", help="llama3-8b x8 only, batch 1, fewer columns")
     p.add_argument("--models", default="llama3-8b,qwen3-8b,gemma3-4b")
     p.add_argument("--layers", type=int, default=8)
@@ -445,6 +445,7 @@ def main():
                    help="after the run, merge the W4A16 tuner's picks of this run into PATH "
                         "(fxopt/kernels/w4a16/picks_h200.json: the package's shipped table)")
     args = p.parse_args()
+    args.out = args.out or default_out(args.tiny)
     import fxopt  # noqa: F401  registers backend="fxopt" when run from a checkout
 
     if args.quick:
@@ -483,11 +484,11 @@ def main():
             print(r, flush=True)
             rows.append(r)
             add_ratios(rows)
-            write_results(args.name, rows, title="End to end: Hugging Face models through generate()",
+            write_results("generate", rows, title="End to end: Hugging Face models through generate()",
                           out_dir=args.out, echo=False,
                           notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of "
                                 "benchmarks/generate.py." + notes_extra)
-    write_results(args.name, rows, title="End to end: Hugging Face models through generate()", out_dir=args.out,
+    write_results("generate", rows, title="End to end: Hugging Face models through generate()", out_dir=args.out,
                   notes=f"copy bandwidth {bw / 1e12:.2f} TB/s. Columns: see the docstring of benchmarks/generate.py."
                   + notes_extra)
     if args.export_w4a16_picks:

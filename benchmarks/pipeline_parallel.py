@@ -7,7 +7,9 @@ Two GPUs (training step, 2 stages, 1F1B, M ∈ {1, 2, 4, 8, 16} micro-batches)::
 For every M: step time, tokens/s against the same step on one GPU (the whole model compiled with fxopt on rank 0),
 the measured bubble ``1 - M * t_slowest_stage / t_step`` (``t_slowest_stage``: fwd+bwd of one micro-batch on the
 slowest stage, timed alone) against the ideal ``(p - 1) / (M + p - 1)``, and the predicted against the measured
-forward time of each stage. Results: ``pipeline_parallel.{json,md}``.
+forward time of each stage. Part ``training`` (``training_cuda_graphs`` with ``--cuda-graphs``) of
+``pipeline_parallel.{json,md}``. ``--smoke-cpu`` (gloo, tiny model) writes to a temporary directory unless ``--out``
+is given.
 
 One GPU (cost model check, < 2 min)::
 
@@ -15,7 +17,7 @@ One GPU (cost model check, < 2 min)::
 
 captures the model, splits it with the pipeline pass (H200 profile calibrated by one matmul and one copy), and times
 every stage's forward on one micro-batch alone, eager and compiled with fxopt: predicted vs measured per stage, and
-the measured balance against the predicted one. Results: ``pipeline_cost_model.{json,md}``.
+the measured balance against the predicted one. Part ``cost_model`` of ``pipeline_parallel.{json,md}``.
 
 ``NCCL_NVLS_ENABLE=0`` is set here (NVLink multicast is not used by point-to-point sends and must stay off on the
 shared machines).
@@ -127,8 +129,8 @@ def single_gpu(args):
              f"forward only. Cost model profile: {profile.name} (matmul {profile.matmul_peak(torch.bfloat16) / 1e12:.0f} "
              f"TFLOP/s, {profile.mem_bw / 1e9:.0f} GB/s). Predicted balance {plan.balance:.3f}. "
              f"Wall time {time.time() - t0:.0f} s.\n\n```\n{plan}\n```")
-    write_results("pipeline_cost_model", rows, title="Pipeline cost model: predicted vs measured stage times",
-                  notes=notes, out_dir=args.out)
+    write_results("pipeline_parallel", rows, part="cost_model", notes=notes, out_dir=args.out,
+                  title="Pipeline cost model: predicted vs measured stage times")
 
 
 def two_gpus(args):
@@ -282,13 +284,13 @@ def two_gpus(args):
                  "rank N runs no compute kernel (NCCL kernels count as idle): the bubble as that GPU sees it, "
                  "host gaps included. "
                  f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}. Wall time {time.time() - t_start:.0f} s.")
-        write_results("pipeline_parallel" + ("_cuda_graphs" if args.cuda_graphs else "") + ("_smoke" if smoke else ""), rows, title="Pipeline parallel training step (2 stages)", notes=notes,
-                      out_dir=args.out)
+        write_results("pipeline_parallel", rows, part="training_cuda_graphs" if args.cuda_graphs else "training",
+                      title="Pipeline parallel training step (2 stages)", notes=notes, out_dir=args.out)
     dist.destroy_process_group()
 
 
 def main():
-    args = parse_args("pipeline parallel benchmark", _extra)
+    args = parse_args("pipeline parallel benchmark", _extra, smoke=lambda a: a.smoke_cpu)
     if args.single_gpu:
         single_gpu(args)
     else:

@@ -16,6 +16,9 @@ computes, without communication; the ideal is 1/tp of the full model's time::
 
     PYTHONUNBUFFERED=1 python benchmarks/tensor_parallel.py --local-compute --out $OUT
 
+Both write ``results/tensor_parallel.{md,json}``, each its own part: ``tp`` (torchrun) and ``local_compute``.
+``--smoke-cpu`` (gloo, tiny model) writes to a temporary directory unless ``--out`` is given.
+
 ``NCCL_NVLS_ENABLE=0`` is set by default (NVLink SHARP multicast is not available to these jobs).
 """
 from __future__ import annotations
@@ -200,7 +203,7 @@ def run_local_compute(args):
         rows.append({"phase": name, "shape": tuple(ins[name].shape), "layers": layers, "tp": args.tp,
                      "full_model_ms": full[name], "rank0_local_ms": local[name],
                      "local/full": local[name] / full[name], "ideal": 1.0 / args.tp})
-    write_results("tensor_parallel_local_compute", rows, out_dir=args.out,
+    write_results("tensor_parallel", rows, part="local_compute", out_dir=args.out,
                   title=f"TP={args.tp}: rank 0's local compute vs the full model (one GPU, no communication)",
                   notes=f"Llama-3-8B-sized blocks, bf16, fxopt backend; rank 0's graph built with a fake process "
                         f"group (collectives are no-ops). Wall time of the whole run "
@@ -304,7 +307,7 @@ def run_tp(args):
                   f"{os.environ.get('NCCL_NVLS_ENABLE')}. Wall time {time.perf_counter() - t0:.0f} s.")
         if smoke:
             notes = "CPU SMOKE RUN (gloo, tiny model, fxopt_eager): checks the code path, not a measurement. " + notes
-        write_results("tensor_parallel" + ("_smoke" if smoke else ""), rows, out_dir=args.out,
+        write_results("tensor_parallel", rows, part="tp", out_dir=args.out,
                       title=f"Tensor parallel TP={world}: fxopt.parallelize vs one GPU vs DTensor", notes=notes)
     dist.barrier()
     if smoke:
@@ -319,7 +322,7 @@ def run_tp(args):
 
 def main():
     global PROFILE_PHASE
-    args = parse_args(__doc__.splitlines()[0], _args)
+    args = parse_args(__doc__.splitlines()[0], _args, smoke=lambda a: a.smoke_cpu)
     PROFILE_PHASE = args.profile_phase
     if not torch.cuda.is_available() and not args.smoke_cpu:
         sys.exit("benchmarks/tensor_parallel.py needs CUDA (or --smoke-cpu)")
