@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism on one GPU: 2 gloo ranks, both on ``cuda:0``, CUDA tensors (issues 7 and 8).
+"""Tensor and pipeline parallelism on one GPU: 2 gloo ranks, both on ``cuda:0``, CUDA tensors.
 
 What the CPU tests (``test_tensor_parallel.py``, ``test_pipeline.py``) cannot show: fxopt's GPU kernels running inside
 sharded graphs and pipeline stages, and gloo carrying CUDA tensors.
@@ -20,7 +20,7 @@ sharded graphs and pipeline stages, and gloo carrying CUDA tensors.
   ``tensor.data_ptr()`` to the TCP transport, no CUDA staging, unlike its all_reduce/broadcast/all_gather), so the
   pipeline test needs the runner to stage p2p traffic through CPU when the group is gloo and the device is CUDA.
 
-``FXOPT_PARALLEL_TEST_PG=nccl`` runs the same tests on two GPUs, one rank each, with NCCL (issue 9): rank ``r`` on
+``FXOPT_PARALLEL_TEST_PG=nccl`` runs the same tests on two GPUs, one rank each, with NCCL: rank ``r`` on
 ``cuda:r``, p2p and collectives straight from GPU memory (no host staging). Skipped with fewer than two GPUs.
 
 ``FXOPT_PARALLEL_TEST_DEVICE=cpu`` runs the same bodies on CPU (fp32/fp16, backend ``fxopt_eager`` unless

@@ -464,7 +464,7 @@ def test_row5_neg_inf_fully_masked_rows_nan_gradients():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# issue 36 item 1: transformers models under dynamic=True, fullgraph=True
+# transformers models under dynamic=True, fullgraph=True
 # ---------------------------------------------------------------------------------------------------------------
 
 
