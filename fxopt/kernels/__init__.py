@@ -1,7 +1,5 @@
-"""Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op.
-
-Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
-``use_kernels`` / ``kernel_config``: the kernel route choices in force (``_common.py``).
+"""Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op; each kernel module registers its
+ops when imported (``fxopt.kernels.ops`` imports them all).
 """
 import functools
 import threading

@@ -1,13 +1,9 @@
 """Launch plans: an entry point's kernel launches replayed without Triton's per-call Python.
 
-A Triton / Gluon launch through ``JITFunction.run`` costs tens of microseconds of host time, and at short sequences
-the attention op was bound by its launch path. ``@plan_cached`` keys each call on every tensor's shape, strides,
-dtype, device and 16-byte alignment, every other argument's value, the current device and the entry point's
-``state`` function. The first call of a key runs the ordinary path; the second is recorded (each ``JITFunction.run``
-intercepted while a dispatch mode watches every aten op) and kept only if it did nothing but allocate, take views
-and launch kernels (each autotuned kernel once); later calls replay the same compiled kernels on the current stream
-with pointers and TMA descriptors re-based, so results are the same bit for bit. Python state outside the key may
-change only between ``clear_plans()`` calls; ``FXOPT_LAUNCH_PLANS=0`` (read at import) turns plans off.
+``@plan_cached`` keys each call on its tensors' metadata (16-byte alignment included), its other arguments, the
+current device and the entry point's ``state``; the second call of a key is recorded and kept if it only allocated,
+took views and launched kernels; later calls replay those kernels bit for bit. Python state outside the key may change
+only between ``clear_plans()`` calls; ``FXOPT_LAUNCH_PLANS=0`` turns plans off. ``docs/kernels.md`` ("Launch plans").
 """
 from __future__ import annotations
 

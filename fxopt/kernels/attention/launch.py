@@ -1,9 +1,8 @@
 """Launch paths of the attention family: ``flash_attention_triton`` (forward) and ``flash_attention_triton_bwd``.
 
-Each call is routed on the host: decode shapes to the split-KV kernels, calls a Gluon build can take to the build
-``routing.select`` names, the rest to the Triton kernels (autotuned per flags and power-of-two bucket of Sq, Sk). A
-Gluon build that fails is remembered per (device, dtype, head dim, causal), logged once, and the Triton kernel runs.
-Both entry points replay launch plans keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices.
+Each call is routed on the host: decode shapes to the split-KV kernels, others to the Gluon build ``routing.select``
+names where one applies, else to the autotuned Triton kernels. A Gluon build that fails is remembered per (device,
+dtype, head dim, causal) and not tried again. Both entry points replay launch plans.
 """
 from __future__ import annotations
 
@@ -156,6 +155,17 @@ def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_ma
     return build if gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None else None
 
 
+def _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale, window, softcap):
+    """(sm_scale, mask, mask strides, kpm, kpm strides, constexpr flags): what the forward and backward share."""
+    B, Hq, Sq, D = q.shape
+    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, k.shape[2])
+    flags = dict(HEAD_DIM=D, BLOCK_D=block_d(D), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
+                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm,
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    return sm_scale, mask, mstr, kpm, kstr, flags
+
+
 def _plan_state(dropout_p) -> tuple:
     """The launch plans' key beyond the arguments: the table, the kernel choices, the builds failed so far."""
     if dropout_p:  # a fresh seed in every call would only fill the plan table
@@ -183,14 +193,10 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    BLOCK_D = block_d(D)
-    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    sm_scale, mask, mstr, kpm, kstr, flags = _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale,
+                                                           window, softcap)
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
-                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, PREC=prec)
     if B * Hq * Sq == 0:
         return (o, lse.fill_(float("inf"))) if return_lse else o
     if Sk == 0:
@@ -256,20 +262,17 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    BLOCK_D = block_d(D)
-    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    sm_scale, mask, mstr, kpm, kstr, flags = _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale,
+                                                           window, softcap)
+    flags["HAS_DROPOUT"] = dropout_p > 0
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * Hq * Sq == 0 or Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     pre_bm = 16 if INTERPRET else 64
     _attn_bwd_preprocess[(cdiv(Sq, pre_bm), B * Hq)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
         BLOCK_M=pre_bm)
-    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
-                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, HAS_DROPOUT=dropout_p > 0,
-                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
     common = (Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
               _tune_bucket(Sq, Sk))
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

@@ -1,7 +1,5 @@
-"""The float reference of ``fxopt::flash_attention``: the ops' CPU path and the tests' oracle (in float64).
-
-Same semantics as the kernels (bottom-right causal alignment, window, softcap, key padding, bool / float masks,
-rows with no visible key giving 0 and lse = +inf). The plain case on CPU takes aten's fused CPU attention.
+"""The float reference of ``fxopt::flash_attention``: the ops' CPU path and the tests' oracle (in float64), with the
+kernels' semantics (rows with no visible key give 0 and lse = +inf). The plain CPU case takes aten's CPU attention.
 """
 from __future__ import annotations
 

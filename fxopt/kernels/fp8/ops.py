@@ -1,13 +1,8 @@
-"""The FP8 / INT8 attention ops (inference only, no backward) and the support check the attention pass uses.
+"""The FP8 / INT8 attention ops (inference only) and the support check the attention pass uses.
 
-    torch.ops.fxopt.fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0) -> Tensor
-    torch.ops.fxopt.int8_attention(q, k, v, is_causal=False, scale=None, seed=0) -> Tensor
-    torch.ops.fxopt.hadamard_transform(x, seed=0) -> Tensor
-
-``fp8_attention`` quantizes Q, K, V (``quant.quantize_qkv``) and runs the build ``attention.routing.ROUTES`` names
-for "fp8_forward": the Gluon kernel (``gluon_fwd``) on sm_90 at d = 64 / 128 (unless
-``KernelConfig.fp8_gluon`` is off or it failed earlier in the process), else the Triton kernel (``triton_fwd``).
-On CPU both ops run their references.
+``fxopt::fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0)`` runs the build
+``attention.routing.ROUTES`` names for "fp8_forward" (Gluon on sm_90, else Triton); ``fxopt::int8_attention`` and
+``fxopt::hadamard_transform`` the Triton kernels. On CPU the ops run their references.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Hadamard transform and block quantization of Q, K, V for the FP8 / INT8 attention kernels (Triton).
 
-Q and K are multiplied by the same random-signed Hadamard matrix M = H diag(signs) / sqrt(d), then Q, K, V are
-quantized with one fp32 scale per 128-row block, V transposed and not transformed. ``quantize_qkv`` does all three
-in one persistent launch where it takes the inputs, else three ``_quant_kernel`` launches; both give the same codes
-and scales bit for bit. ``docs/kernels.md`` ("FP8 attention").
+Q and K times M = H diag(signs) / sqrt(d); Q, K, V quantized with one fp32 scale per 128-row block, V transposed and
+not transformed; ``quantize_qkv`` in one launch where it can, else three, the same bits either way.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""References of the FP8 / INT8 attention (the ops' CPU path, the tests' and accuracy benchmark's oracles).
-
-``fp8_attention_reference`` emulates the kernels in fp32 with real e4m3 rounding: the same transform, block
-quantization and online softmax over 128-key blocks. ``int8_attention_reference`` is the INT8 design, emulated in
-float64 where its integer products are exact. ``attention_float64``: exact attention, the accuracy yardstick.
+"""References of the FP8 / INT8 attention: ``fp8_attention_reference`` (fp32 with e4m3 rounding, the kernels'
+blocks), ``int8_attention_reference`` (float64, exact integer products), ``attention_float64`` (the yardstick).
 """
 from __future__ import annotations
 

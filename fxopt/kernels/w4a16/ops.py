@@ -1,7 +1,6 @@
-"""The W4A16 ops: ``fxopt::w4a16_linear`` (CUDA: the tuner's pick; CPU: the float32 reference; autograd for x and
-bias), ``fxopt::w4a16_linear_cat`` (several linears' outputs concatenated, one kernel call when the packed tensors
-are adjacent slices of one storage) and ``fxopt::dequantize_w4``. ``w4a16_matmul`` is the entry point under them; it
-replays launch plans keyed on the arguments plus what the routing reads beyond them (``_plan_state``).
+"""The W4A16 ops: ``fxopt::w4a16_linear``, ``fxopt::w4a16_linear_cat`` (several linears, one kernel call when the
+packed tensors are adjacent slices of one storage) and ``fxopt::dequantize_w4``, over the entry point
+``w4a16_matmul`` (launch plans keyed on the arguments plus ``_plan_state``).
 """
 from __future__ import annotations
 
