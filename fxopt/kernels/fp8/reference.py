@@ -97,10 +97,8 @@ def _int8_blocks(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tens
 
 def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK,
                              block_n: Optional[int] = None):
-    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; the design and why it meets the
-    accuracy target e4m3 misses: ``docs/kernels.md``, "FP8 attention"): Q, K, V times the same signed Hadamard M
-    (the output transformed back by M^T), symmetric int8 per 128-row block, P as u = round(255 p) entering an
-    s8 x s8 product as u - 128 with 128 * colsum(V block) added back; integer products exact in float64 here."""
+    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; ``docs/kernels.md``, "FP8 attention"),
+    its integer products exact in float64."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
