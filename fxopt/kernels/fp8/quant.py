@@ -195,27 +195,35 @@ def _signs_cpu(d: int, seed: int) -> torch.Tensor:
     return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(torch.float32)
 
 
-_SIGNS_CACHE: dict = {}
+_ON_DEVICE: dict = {}
+
+
+def _kept_on_device(key, device, make) -> torch.Tensor:
+    """``make()`` (a CPU tensor) moved to ``device`` once per ``key`` and device, never into a CUDA-graph pool."""
+    device = torch.device(device)
+    key = (*key, str(device))
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        t = outside_graph_pools(lambda: make().to(device)) if device.type == "cuda" else make().to(device)
+        _ON_DEVICE[key] = t
+    return t
 
 
 def hadamard_signs(d: int, seed: int, device) -> torch.Tensor:
     """The random +-1 diagonal of M = H diag(signs) / sqrt(d), fp32, identical on every device for a seed."""
-    device = torch.device(device)
-    key = (d, int(seed), str(device))
-    s = _SIGNS_CACHE.get(key)
-    if s is None:
-        s = outside_graph_pools(lambda: _signs_cpu(d, int(seed)).to(device)) if device.type == "cuda" else \
-            _signs_cpu(d, int(seed)).to(device)
-        _SIGNS_CACHE[key] = s
-    return s
+    return _kept_on_device(("signs", d, int(seed)), device, lambda: _signs_cpu(d, int(seed)))
+
+
+def _sylvester(d: int, dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
 
 
 def hadamard_matrix(d: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
     """Dense M = H_d diag(signs) / sqrt(d) (for tests and documentation; the kernels never build it)."""
-    h = torch.ones(1, 1, dtype=dtype)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * _signs_cpu(d, seed).to(dtype)[None, :] / math.sqrt(d)
+    return _sylvester(d, dtype) * _signs_cpu(d, seed).to(dtype)[None, :] / math.sqrt(d)
 
 
 def hadamard_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -423,23 +431,12 @@ def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
     return not (INTERPRET and x.dtype == torch.bfloat16)
 
 
-_HMAT_CACHE: dict = {}
-
-
 def hadamard_dot_matrix(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     """H_d diag(signs) as a contiguous [d, d] matrix in ``dtype`` (entries +-1, exact in 16 bits); x M = (x @ this)
     / sqrt(d). Cached per (d, seed, dtype, device)."""
-    device = torch.device(device)
-    key = (d, int(seed), dtype, str(device))
-    m = _HMAT_CACHE.get(key)
-    if m is None:
-        h = torch.ones(1, 1, dtype=torch.float32)
-        while h.shape[0] < d:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        m = (h * _signs_cpu(d, int(seed))[None, :]).to(dtype).contiguous()
-        m = outside_graph_pools(lambda: m.to(device)) if device.type == "cuda" else m.to(device)
-        _HMAT_CACHE[key] = m
-    return m
+    return _kept_on_device(("dot", d, int(seed), dtype), device,
+                           lambda: (_sylvester(d, torch.float32) * _signs_cpu(d, int(seed))[None, :]).to(dtype)
+                           .contiguous())
 
 
 def check_attn_inputs(q, k, v, scale):

@@ -129,15 +129,28 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, grad_y):
-    qweight, scales, zeros = ctx.saved_tensors
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N, K]
-        grad_x = torch.matmul(grad_y, w.to(grad_y.dtype))
+def _grads(ctx, grad_y, packs):
+    """(grad x or None, [grad bias per linear] or None) of ``cat([x @ W_i.T + b_i], -1)``, W_i packed in ``packs``
+    [(qweight, scales, zeros)]."""
+    grad_x = grad_biases = None
     if ctx.has_bias and ctx.needs_input_grad[5]:
-        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-    return grad_x, None, None, None, None, grad_bias
+        grad_bias, grad_biases = grad_y.reshape(-1, grad_y.shape[-1]).sum(0), []
+    col = 0
+    for qweight, scales, zeros in packs:
+        n = qweight.shape[1]
+        if ctx.needs_input_grad[0]:
+            w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N_i, K]
+            g = torch.matmul(grad_y[..., col:col + n], w.to(grad_y.dtype))
+            grad_x = g if grad_x is None else grad_x + g
+        if grad_biases is not None:
+            grad_biases.append(grad_bias[col:col + n])
+        col += n
+    return grad_x, grad_biases
+
+
+def _backward(ctx, grad_y):
+    grad_x, grad_biases = _grads(ctx, grad_y, [ctx.saved_tensors])
+    return grad_x, None, None, None, None, grad_biases[0] if grad_biases else None
 
 
 w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -216,22 +229,9 @@ def _setup_context_cat(ctx, inputs, output):
 
 def _backward_cat(ctx, grad_y):
     saved, n = ctx.saved_tensors, ctx.n
-    grad_x, grad_biases = None, [None] * n
-    if ctx.needs_input_grad[0]:
-        col = 0
-        for i in range(n):
-            w = torch.ops.fxopt.dequantize_w4(saved[i], saved[n + i], saved[2 * n + i], ctx.group_size)  # [N_i, K]
-            g = torch.matmul(grad_y[..., col:col + w.shape[0]], w.to(grad_y.dtype))
-            grad_x = g if grad_x is None else grad_x + g
-            col += w.shape[0]
-    if ctx.has_bias and ctx.needs_input_grad[5]:
-        g = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-        grad_biases, col = [], 0
-        for i in range(n):
-            grad_biases.append(g[col:col + saved[i].shape[1]])
-            col += saved[i].shape[1]
+    grad_x, grad_biases = _grads(ctx, grad_y, list(zip(saved[:n], saved[n:2 * n], saved[2 * n:])))
     none = [None] * n  # list inputs take a list of gradients
-    return grad_x, none, none, none, None, grad_biases if ctx.has_bias else []
+    return grad_x, none, none, none, None, (grad_biases or none) if ctx.has_bias else []
 
 
 w4a16_linear_cat.register_autograd(_backward_cat, setup_context=_setup_context_cat)
