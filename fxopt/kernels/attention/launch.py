@@ -29,7 +29,6 @@ from .triton_kernels import (
     _attn_bwd_dq,
     _attn_bwd_preprocess,
     _attn_fwd,
-    _dropout_keep_kernel,
 )
 
 log = logging.getLogger(__name__)
@@ -308,11 +307,3 @@ def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
         bwd = gluon_backward_build(torch.empty_like(out), q, k, v, out, lse, is_causal=is_causal,
                                    scale=scale) or "triton"
     return {"forward": fwd, "backward": bwd}
-
-
-def dropout_keep_mask_triton(seed, shape, dropout_p, device):
-    """The bool keep mask [B, Hq, Sq, Sk] that the Triton kernels use for ``seed`` (Philox; tests)."""
-    B, Hq, Sq, Sk = shape
-    keep = torch.empty((B, Hq, Sq, Sk), dtype=torch.int8, device=device)
-    _dropout_keep_kernel[(B * Hq * Sq, cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
-    return keep.bool()
