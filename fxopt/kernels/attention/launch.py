@@ -196,9 +196,7 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
                                                            window, softcap)
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
-    if B * Hq * Sq == 0:
-        return (o, lse.fill_(float("inf"))) if return_lse else o
-    if Sk == 0:
+    if B * Hq * Sq == 0 or Sk == 0:  # no visible key anywhere: out 0, lse +inf
         o.zero_()
         lse.fill_(float("inf"))
         return (o, lse) if return_lse else o
