@@ -216,9 +216,8 @@ class Plan:
         self._layout_allocations(rec, allocs)
 
     def _layout_allocations(self, rec, allocs):
-        """Allocations a result is (or views whole) are allocated on their own, in the result's shape and strides
-        (no view to build at replay); the others are workspaces only the kernels see (through pointers), carved
-        from one byte buffer at 256-byte offsets: one allocator call instead of one per workspace."""
+        """Allocations a result is (or views whole) get their own, in the result's shape and strides; the
+        workspaces only kernels see are carved from one byte buffer at 256-byte offsets (one allocator call)."""
         owners = {}
 
         def walk(spec):
@@ -405,9 +404,8 @@ def record(fn, args, kwargs, inputs, stream_fn=None):
 
 def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., Any]] = None,
                 enabled: Optional[Callable[[], bool]] = None):
-    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring). ``state(*args,
-    **kwargs)``: the hashable routing state the arguments' metadata does not show (part of the key; ``NO_PLAN``: not
-    this call); ``enabled()``: the entry point's own switch, read per call."""
+    """Decorator: replay ``fn``'s launches for keys seen before. ``state(*args, **kwargs)``: the hashable routing
+    state beyond the arguments (``NO_PLAN``: not this call); ``enabled()``: the entry point's switch, read per call."""
     if fn is None:
         return functools.partial(plan_cached, state=state, enabled=enabled)
 

@@ -287,9 +287,8 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
 
 
 def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
-    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap
-    ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"), for benchmark tables. Runs the
-    forward once (the backward route needs its out / lse)."""
+    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap, for
+    benchmark tables ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"); runs the forward."""
     D = q.shape[-1]
     key = (q.device, q.dtype, D, bool(is_causal))
     if use_split(q, k, 0.0):

@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def fp8_attention_supported(q, k, v, training: bool = False, *, allow_cpu_reference: bool = False):
-    """(ok, reason) for routing this attention to ``fxopt::fp8_attention``; reason is '' when ok.
-
-    Works on real and fake tensors (only shapes, dtypes and devices are read)."""
+    """(ok, reason) for routing this attention to ``fxopt::fp8_attention`` (reason '' when ok); reads only shapes,
+    dtypes and devices (fake tensors too)."""
     if training:
         return False, "fp8 attention is forward-only (inference); training mode keeps bf16/fp16 attention"
     try:
@@ -99,8 +98,7 @@ def _run_into(q, kernel, reference, *args) -> torch.Tensor:
 
 def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
     """Run the op on the Gluon fp8 kernel where ``fp8_build`` names it; False leaves the call to the Triton kernel
-    (same quantization, so the two differ only in accumulation order). A build or launch that fails is remembered
-    for its (device, dtype, head dim, causal) and not retried."""
+    (same quantization). A build or launch that fails is remembered and not retried."""
     if fp8_build(q, k, v, is_causal, scale, out) != "gluon":
         return False
     try:

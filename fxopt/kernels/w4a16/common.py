@@ -144,9 +144,8 @@ def counters(device, n: int) -> torch.Tensor:
 
 
 def zeroed_workspace(device, n: int) -> torch.Tensor:
-    """The fp32 split-K workspace of gemv1 and mma (relaxed atomic adds), all zeros between calls: every call's last
-    CTA per column tile zeroes what it read (4 MB at least: a buffer that grows would leave captured CUDA graphs
-    pointing at a freed one)."""
+    """The fp32 split-K workspace of gemv1 and mma, all zeros between calls (each call's last CTA per column tile
+    zeroes what it read); 4 MB at least, so that captured CUDA graphs never see it replaced."""
     return kept_zeros(_ZEROED_WS, device, n, torch.float32, device, 1 << 20)
 
 

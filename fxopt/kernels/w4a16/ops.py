@@ -157,9 +157,8 @@ w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 def column_span(parts) -> Optional[torch.Tensor]:
-    """The contiguous tensor whose blocks along the last dim are ``parts`` (all 2-D [R, N_i] or all 1-D), in order,
-    when they are adjacent slices of one storage (``fxopt.quant.linear.share_sibling_storage``), else None. Reads
-    only metadata: it works on the pass's fake tensors and on the op's real ones."""
+    """The contiguous tensor whose blocks along the last dim are ``parts`` (all 2-D [R, N_i] or all 1-D) when they
+    are adjacent slices of one storage (``share_sibling_storage``), else None; reads only metadata (fake ones too)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if not parts or any(not isinstance(p, torch.Tensor) for p in parts):

@@ -116,9 +116,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = NU
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None, device=None,
                       capability: Optional[tuple] = None, routes: Optional[routing.Routes] = None
                       ) -> list[W4A16Config]:
-    """The configs the tuner times for this shape (first = untuned default). A CUDA ``device`` or a ``capability``
-    admits the GPU-only builds (Gluon, gemv1, mma), listed after the Triton tiles; ``routes`` default to
-    ``routing.active()``."""
+    """The configs the tuner times for this shape (first = untuned default); a CUDA ``device`` or a ``capability``
+    admits the GPU-only builds (Gluon, gemv1, mma) after the Triton tiles; ``routes`` default to the active ones."""
     r = routes or routing.active()
     out = _triton_configs(M, N, K, group_size, num_sms, integer_zeros, r.dequant_matmul)
     cuda = capability is not None or (device is not None and torch.device(device).type == "cuda")
@@ -340,9 +339,8 @@ def tuned_config(x2d, N: int, zeros, group_size: int, has_bias: bool) -> Optiona
 
 
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
-    """Tuned config for this shape under the active routes (timed once per key on CUDA, then cached in the process
-    and in the tuner's file, so a new process on the same GPU model and software reuses it); the default candidate
-    when tuning is impossible."""
+    """Tuned config for this shape under the active routes (timed once per key on CUDA, kept in the process and in
+    the tuner's file); the default candidate when tuning is impossible."""
     M, K = x2d.shape
     N = qweight.shape[1]
     if INTERPRET or x2d.device.type != "cuda":
