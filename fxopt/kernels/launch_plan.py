@@ -122,9 +122,6 @@ class _Recorder:
         if self.reason is None:
             self.reason = why
 
-    def launch(self, kernel, grid, values):
-        self.launches.append((kernel, grid, values))
-
     def holds_address(self, p: int) -> bool:
         """Whether p points into an input or an allocation (a raw pointer passed as an int would be replayed stale)."""
         for x in (*self.inputs, *self.allocs):
@@ -359,7 +356,7 @@ def _do_patch_triton():
             binder = self.device_caches[device][4]
             bound, _, _ = binder(*args, **kwargs)
             g = grid(bound) if callable(grid) else grid
-            rec.launch(kernel, g, list(bound.values()))
+            rec.launches.append((kernel, g, list(bound.values())))
             if rec.autotune_depth:
                 rec.autotune_launches[-1] += 1
         return kernel

@@ -21,6 +21,7 @@ from fxopt.kernels.attention.checks import check_qkv
 log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
 QUANT_BLOCK = 128  # rows per quantization block (Q, K, V)
 INTERPRET_QBLOCK = 32
 HADAMARD_DIMS = (16, 32, 64, 128, 256)
@@ -185,10 +186,6 @@ def _quant_qkv_kernel(Q, K, V, QQ, KQ, VT, QS, KS, VS, HMAT,
         _qkv_store_block(y, tl.where(is_k, KQ, QQ), tl.where(is_k, KS, QS), t, n_blocks, HEAD_DIM, QBLOCK, False)
 
 
-def _fp8_dtype():
-    return torch.float8_e4m3fn
-
-
 @functools.lru_cache(maxsize=64)
 def _signs_cpu(d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(seed))
@@ -281,7 +278,7 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock]). int8 with ``sum_chunk``: also the codes'
     column sums per ``sum_chunk`` rows. ``fused`` / ``tensor_core`` False: the per-tensor kernel / the butterflies."""
     qblock = qblock or _qblock()
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     int8 = qdtype == torch.int8
     if sum_chunk and (not int8 or qblock % sum_chunk):
         raise ValueError(f"quantize_blocks: sum_chunk={sum_chunk} needs int8 and must divide qblock={qblock}")
@@ -321,7 +318,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
     """(qq, qs, kq, ks, vt, vs): ``quantize_blocks`` of q and k (Hadamard when ``hadamard``) and of v (transposed, no
     transform), in one ``_quant_qkv_kernel`` launch where ``_fused_quant_ok`` takes them, else three launches."""
     qblock = qblock or _qblock()
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     D = q.shape[-1]
     if (fused and q.dim() == 4 and tuple(k.shape) == tuple(v.shape) and k.dim() == 4 and k.shape[-1] == D
             and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device

@@ -10,7 +10,7 @@ import torch
 
 from fxopt.kernels.attention.reference import attention_reference
 
-from .quant import FP8_MAX, QUANT_BLOCK, _fp8_dtype, hadamard_matrix, hadamard_reference
+from .quant import FP8_DTYPE, FP8_MAX, QUANT_BLOCK, hadamard_matrix, hadamard_reference
 
 LOG2E = 1.4426950408889634
 P_SHIFT = 8.0  # P is stored as p * 2**P_SHIFT in e4m3
@@ -20,7 +20,7 @@ def quantize_reference(x: torch.Tensor, granularity: str = "block", qblock: int 
                        qdtype=None):
     """Fake-quantize x [B, H, S, D] (fp32 math): returns (x_q as fp32 values of the qdtype grid, scale broadcastable
     to x). granularity: 'block' (one scale per qblock rows of a head, as the kernel), 'tensor' (one scale)."""
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     x = x.float()
     if granularity == "tensor":
         amax = x.abs().amax().clamp_min(1e-30)
@@ -47,7 +47,7 @@ def fp8_attention_reference(q, k, v, is_causal=False, scale=None, hadamard=True,
                             granularity: str = "block", qblock: int = QUANT_BLOCK, block_n: Optional[int] = None,
                             qdtype=None, quantize_p: bool = True):
     """Emulates the kernel in fp32 with real e4m3 rounding (``qdtype``), any device. Returns q's dtype."""
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     block_n = block_n or qblock
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
