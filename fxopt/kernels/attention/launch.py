@@ -24,12 +24,7 @@ from .decode import launch_split, use_split
 from .gluon_bwd import gluon_attention_bwd, gluon_bwd_supported, grad_strides_ok
 from .gluon_common import tma_stride_reason
 from .gluon_fwd import gluon_attention_fwd, gluon_supported
-from .triton_kernels import (
-    _attn_bwd_dkdv,
-    _attn_bwd_dq,
-    _attn_bwd_preprocess,
-    _attn_fwd,
-)
+from .triton_kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd
 
 log = logging.getLogger(__name__)
 

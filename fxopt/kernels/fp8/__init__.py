@@ -3,19 +3,8 @@
 ``docs/kernels.md`` ("FP8 attention").
 """
 from .ops import fp8_attention, fp8_attention_supported, hadamard_transform, int8_attention  # noqa: F401
-from .quant import (  # noqa: F401
-    QUANT_BLOCK,
-    hadamard_matrix,
-    hadamard_reference,
-    hadamard_signs,
-    hadamard_triton,
-    quantize_blocks,
-    quantize_qkv,
-)
-from .reference import (  # noqa: F401
-    attention_float64,
-    fp8_attention_reference,
-    int8_attention_reference,
-    quantize_reference,
-)
+from .quant import (QUANT_BLOCK, hadamard_matrix, hadamard_reference, hadamard_signs, hadamard_triton,  # noqa: F401
+                    quantize_blocks, quantize_qkv)
+from .reference import (attention_float64, fp8_attention_reference, int8_attention_reference,  # noqa: F401
+                        quantize_reference)
 from .triton_fwd import fp8_attention_quantized, fp8_attention_triton, int8_attention_triton  # noqa: F401
