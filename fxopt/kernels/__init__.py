@@ -1,7 +1,5 @@
-"""Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op.
-
-Each kernel module registers its own ops when imported; ``fxopt.kernels.ops`` imports them all (passes import that).
-``use_kernels`` / ``kernel_config``: the kernel route choices in force (``_common.py``).
+"""Triton kernels, each reached only through its ``torch.ops.fxopt.*`` custom op; each kernel module registers its
+ops when imported (``fxopt.kernels.ops`` imports them all).
 """
 import functools
 import threading
@@ -18,12 +16,9 @@ def next_pow2(n: int) -> int:
 
 
 def outside_graph_pools(fn):
-    """``fn()`` with its CUDA allocations from the ordinary caching allocator, never from a CUDA-graph pool.
-
-    Inductor's CUDA-graph trees route the calling thread's allocations to their pool during a warm-up run and refuse
-    pool tensors that are not graph outputs, so buffers kept across calls (and the W4A16 tuner's memory) are made in
-    a short-lived thread of their own, after a sync of the caller's stream. Not for use while capturing.
-    """
+    """``fn()`` with its CUDA allocations from the ordinary caching allocator, never from a CUDA-graph pool: run in a
+    short-lived thread after a sync of the caller's stream (CUDA-graph trees route the calling thread's allocations
+    to their pool during a warm-up run). Not for use while capturing."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():

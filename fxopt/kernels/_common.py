@@ -1,10 +1,7 @@
-"""Helpers every kernel family shares: the SM count, the interpreter flag, kept buffers, autotune lists, and the
-active kernel choices.
+"""Helpers every kernel family shares: the SM count, kept buffers, autotune lists, and the kernel choices in force.
 
-Kernel choices (:class:`fxopt.config.KernelConfig`) reach the kernels at run time and custom ops take no config,
-so they are process-wide: :func:`set_backend_kernels` (called by :class:`fxopt.Backend` when it compiles; the last
-compile wins), :func:`use_kernels` (a ``with`` block that overrides them, also over compiles inside it),
-:func:`kernel_config` (what routing reads) and :func:`kernel_config_key` (its hashable form, in launch plan keys).
+Custom ops take no config, so the choices are process-wide: :func:`set_backend_kernels` (each compile; the last one
+wins), :func:`use_kernels` (a ``with`` block that overrides them), :func:`kernel_config` / :func:`kernel_config_key`.
 """
 from __future__ import annotations
 

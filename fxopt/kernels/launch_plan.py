@@ -1,13 +1,9 @@
 """Launch plans: an entry point's kernel launches replayed without Triton's per-call Python.
 
-A Triton / Gluon launch through ``JITFunction.run`` costs tens of microseconds of host time, and at short sequences
-the attention op was bound by its launch path. ``@plan_cached`` keys each call on every tensor's shape, strides,
-dtype, device and 16-byte alignment, every other argument's value, the current device and the entry point's
-``state`` function. The first call of a key runs the ordinary path; the second is recorded (each ``JITFunction.run``
-intercepted while a dispatch mode watches every aten op) and kept only if it did nothing but allocate, take views
-and launch kernels (each autotuned kernel once); later calls replay the same compiled kernels on the current stream
-with pointers and TMA descriptors re-based, so results are the same bit for bit. Python state outside the key may
-change only between ``clear_plans()`` calls; ``FXOPT_LAUNCH_PLANS=0`` (read at import) turns plans off.
+``@plan_cached`` keys each call on its tensors' metadata (16-byte alignment included), its other arguments, the
+current device and the entry point's ``state``; the second call of a key is recorded and kept if it only allocated,
+took views and launched kernels; later calls replay those kernels bit for bit. Python state outside the key may change
+only between ``clear_plans()`` calls; ``FXOPT_LAUNCH_PLANS=0`` turns plans off. ``docs/kernels.md`` ("Launch plans").
 """
 from __future__ import annotations
 
@@ -126,9 +122,6 @@ class _Recorder:
         if self.reason is None:
             self.reason = why
 
-    def launch(self, kernel, grid, values):
-        self.launches.append((kernel, grid, values))
-
     def holds_address(self, p: int) -> bool:
         """Whether p points into an input or an allocation (a raw pointer passed as an int would be replayed stale)."""
         for x in (*self.inputs, *self.allocs):
@@ -220,9 +213,8 @@ class Plan:
         self._layout_allocations(rec, allocs)
 
     def _layout_allocations(self, rec, allocs):
-        """Allocations a result is (or views whole) are allocated on their own, in the result's shape and strides
-        (no view to build at replay); the others are workspaces only the kernels see (through pointers), carved
-        from one byte buffer at 256-byte offsets: one allocator call instead of one per workspace."""
+        """Allocations a result is (or views whole) get their own, in the result's shape and strides; the
+        workspaces only kernels see are carved from one byte buffer at 256-byte offsets (one allocator call)."""
         owners = {}
 
         def walk(spec):
@@ -364,7 +356,7 @@ def _do_patch_triton():
             binder = self.device_caches[device][4]
             bound, _, _ = binder(*args, **kwargs)
             g = grid(bound) if callable(grid) else grid
-            rec.launch(kernel, g, list(bound.values()))
+            rec.launches.append((kernel, g, list(bound.values())))
             if rec.autotune_depth:
                 rec.autotune_launches[-1] += 1
         return kernel
@@ -409,9 +401,8 @@ def record(fn, args, kwargs, inputs, stream_fn=None):
 
 def plan_cached(fn: Optional[Callable] = None, *, state: Optional[Callable[..., Any]] = None,
                 enabled: Optional[Callable[[], bool]] = None):
-    """Decorator: replay ``fn``'s launches for keys seen before (see the module docstring). ``state(*args,
-    **kwargs)``: the hashable routing state the arguments' metadata does not show (part of the key; ``NO_PLAN``: not
-    this call); ``enabled()``: the entry point's own switch, read per call."""
+    """Decorator: replay ``fn``'s launches for keys seen before. ``state(*args, **kwargs)``: the hashable routing
+    state beyond the arguments (``NO_PLAN``: not this call); ``enabled()``: the entry point's switch, read per call."""
     if fn is None:
         return functools.partial(plan_cached, state=state, enabled=enabled)
 

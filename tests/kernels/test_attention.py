@@ -7,11 +7,21 @@ import pytest
 import torch
 
 from fxopt.kernels import attention as A
+from fxopt.kernels import cdiv
 from fxopt.kernels.attention import decode, launch
 from fxopt.kernels.attention.reference import _cpu_dropout_keep
+from fxopt.kernels.attention.triton_kernels import _dropout_keep_kernel
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _dropout_keep_mask(seed, shape, dropout_p, device):
+    """The bool keep mask [B, Hq, Sq, Sk] that the Triton kernels use for ``seed`` (Philox)."""
+    B, Hq, Sq, Sk = shape
+    keep = torch.empty((B, Hq, Sq, Sk), dtype=torch.int8, device=device)
+    _dropout_keep_kernel[(B * Hq * Sq, cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
+    return keep.bool()
 
 
 def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype=torch.float32, device=DEV, seed=0, bshd=False):
@@ -262,7 +272,7 @@ def _bwd_vs_float64(case, dtype, dkdv_config, seed=4321, check_out=False):
     grads = A.flash_attention_triton_bwd(do, q, k, v, out, lse, seed=seed, dkdv_config=dkdv_config, **kw)
     keep = None
     if kw.get("dropout_p", 0) > 0:
-        keep = A.dropout_keep_mask_triton(seed, (B, Hq, Sq, Sk), kw["dropout_p"], q.device)
+        keep = _dropout_keep_mask(seed, (B, Hq, Sq, Sk), kw["dropout_p"], q.device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, dropout_keep=keep, **kw)
     ref.backward(do.double())
@@ -281,10 +291,10 @@ def test_backward_matches_float64(name):
 
 def test_dropout_mask_statistics_and_reuse():
     B, H, Sq, Sk, p = 1, 2, 16, 40, 0.25
-    keep = A.dropout_keep_mask_triton(7, (B, H, Sq, Sk), p, DEV)
+    keep = _dropout_keep_mask(7, (B, H, Sq, Sk), p, DEV)
     frac = keep.float().mean().item()
     assert abs(frac - (1 - p)) < 0.05
-    assert not torch.equal(keep, A.dropout_keep_mask_triton(8, (B, H, Sq, Sk), p, DEV))
+    assert not torch.equal(keep, _dropout_keep_mask(8, (B, H, Sq, Sk), p, DEV))
     q, k, v = _inputs(B, H, H, Sq, Sk, 16)
     o1 = A.flash_attention_triton(q, k, v, dropout_p=p, seed=7)
     o2 = A.flash_attention_triton(q, k, v, dropout_p=p, seed=7)
@@ -476,7 +486,7 @@ def test_gpu_forward_backward(name, dtype):
     dq, dk, dv = A.flash_attention_triton_bwd(do, q, k, v, out, lse, seed=seed, **kw)
     keep = None
     if kw.get("dropout_p", 0) > 0:
-        keep = A.dropout_keep_mask_triton(seed, (B, Hq, Sq, Sk), kw["dropout_p"], "cuda")
+        keep = _dropout_keep_mask(seed, (B, Hq, Sq, Sk), kw["dropout_p"], "cuda")
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = A.attention_reference(q64, k64, v64, compute_dtype=torch.float64, dropout_keep=keep, **kw)
     ref.backward(do.double())

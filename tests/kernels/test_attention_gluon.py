@@ -16,11 +16,14 @@ from fxopt.kernels._common import kernel_config_key
 from fxopt.kernels.attention import gluon_bwd as GB
 from fxopt.kernels.attention import gluon_fwd as G
 from fxopt.kernels.attention import launch, routing
-from fxopt.testing import (
+
+from gluon_helpers import (
     GLUON_BWD_CASES,
+    GLUON_BWD_TOL,
     GLUON_FWD_CASES,
     assert_gluon_bwd_close,
     assert_gluon_fwd_close,
+    attention_bwd_reference64,
     gluon_fwd_inputs,
     gluon_fwd_reference,
 )
@@ -244,8 +247,6 @@ def test_gpu_backward_grads_like_strided_inputs(head_dim, causal):
     """``grads_like_inputs=True`` on [B, S, H, D] views (GQA 4:2, ragged S): gradients laid out like
     ``torch.empty_like`` of q / k / v, dK / dV bit-identical to the same build on contiguous copies, dQ within the
     fp32 reduction-order tolerance."""
-    from fxopt.testing import GLUON_BWD_TOL
-
     B, Hq, Hkv, S = 2, 4, 2, 1100
     gen = torch.Generator(device="cuda").manual_seed(7)
     mk = lambda H: torch.randn(B, S, H, head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
@@ -272,8 +273,6 @@ def test_gpu_op_backward_routes(D, S, want, causal):
     """The op's backward runs the build the table names from its length floor (a [B, S, H, D] view: gradients laid
     out like the inputs), never fallen back; with ``attention_gluon_backward=False`` the Triton kernels; both
     against the float64 backward."""
-    from fxopt.testing import GLUON_BWD_TOL, attention_bwd_reference64
-
     gen = torch.Generator(device="cuda").manual_seed(S + D)
     q, k, v, dout = (torch.randn(1, S, 2, D, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
                      for _ in range(4))

@@ -1,16 +1,10 @@
 """FlashAttention for fxopt: the ``fxopt::flash_attention`` ops (``ops``, registered on import) and their kernels.
 
-Imports point one way: ``ops`` -> ``launch`` (host routing of each call) -> {``routing`` (the table), ``decode``,
-``gluon_fwd`` / ``gluon_bwd`` (Hopper builds), ``triton_kernels``} -> ``checks`` / ``gluon_common``; ``reference``
-is the float path on CPU. Design notes and measurements: ``docs/kernels.md``.
+``ops`` -> ``launch`` (host routing) -> {``routing``, ``decode``, ``gluon_fwd`` / ``gluon_bwd``, ``triton_kernels``};
+``reference`` is the float path on CPU. ``docs/kernels.md``.
 """
 from .checks import check_qkv  # noqa: F401
-from .launch import (  # noqa: F401
-    dropout_keep_mask_triton,
-    flash_attention_triton,
-    flash_attention_triton_bwd,
-    kernel_routes,
-)
+from .launch import flash_attention_triton, flash_attention_triton_bwd, kernel_routes  # noqa: F401
 from .ops import flash_attention, flash_attention_bwd, flash_attention_fwd, flash_attention_mask_grad  # noqa: F401
 from .reference import attention_reference  # noqa: F401
 from .routing import ROUTES, ROUTES_DIGEST  # noqa: F401

@@ -73,12 +73,9 @@ def mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk):
         m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 \
             else attn_mask
         m = m.expand(B, Hq, Sq, Sk)
-        if m.dtype == torch.bool:
-            m = m.view(torch.uint8)
-            kind = 1
-        else:
-            kind = 2
-        mask, mstr = m, tuple(m.stride())
+        kind = 1 if m.dtype == torch.bool else 2
+        mask = m.view(torch.uint8) if kind == 1 else m
+        mstr = tuple(mask.stride())
     if key_padding_mask is None:
         kpm, has_kpm, kstr = q, False, (0, 0)
     else:

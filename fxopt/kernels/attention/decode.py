@@ -1,6 +1,5 @@
-"""Host side of the split-KV decode (flash-decoding) kernels of ``triton_kernels``, for few query rows and long
-keys (``use_split``): key chunks so that B x Hkv x chunks fills the GPU about four times over, partials merged by
-``_attn_combine`` (programmatic dependent launch) or by the last split to finish. ``docs/kernels.md`` ("Decode").
+"""Host side of the split-KV decode kernels of ``triton_kernels``, for few query rows and long keys (``use_split``).
+``docs/kernels.md`` ("Decode").
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Launch paths of the attention family: ``flash_attention_triton`` (forward) and ``flash_attention_triton_bwd``.
 
-Each call is routed on the host: decode shapes to the split-KV kernels, calls a Gluon build can take to the build
-``routing.select`` names, the rest to the Triton kernels (autotuned per flags and power-of-two bucket of Sq, Sk). A
-Gluon build that fails is remembered per (device, dtype, head dim, causal), logged once, and the Triton kernel runs.
-Both entry points replay launch plans keyed on the arguments, ``routing.ROUTES_DIGEST`` and the kernel choices.
+Each call is routed on the host: decode shapes to the split-KV kernels, others to the Gluon build ``routing.select``
+names where one applies, else to the autotuned Triton kernels. A Gluon build that fails is remembered per (device,
+dtype, head dim, causal) and not tried again. Both entry points replay launch plans.
 """
 from __future__ import annotations
 
@@ -25,13 +24,7 @@ from .decode import launch_split, use_split
 from .gluon_bwd import gluon_attention_bwd, gluon_bwd_supported, grad_strides_ok
 from .gluon_common import tma_stride_reason
 from .gluon_fwd import gluon_attention_fwd, gluon_supported
-from .triton_kernels import (
-    _attn_bwd_dkdv,
-    _attn_bwd_dq,
-    _attn_bwd_preprocess,
-    _attn_fwd,
-    _dropout_keep_kernel,
-)
+from .triton_kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_fwd
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +149,17 @@ def gluon_backward_build(dout, q, k, v, out, lse, attn_mask=None, key_padding_ma
     return build if gluon_bwd_supported(dout, q, k, v, out, lse, bool(is_causal), scale) is None else None
 
 
+def _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale, window, softcap):
+    """(sm_scale, mask, mask strides, kpm, kpm strides, constexpr flags): what the forward and backward share."""
+    B, Hq, Sq, D = q.shape
+    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, k.shape[2])
+    flags = dict(HEAD_DIM=D, BLOCK_D=block_d(D), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
+                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm,
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    return sm_scale, mask, mstr, kpm, kstr, flags
+
+
 def _plan_state(dropout_p) -> tuple:
     """The launch plans' key beyond the arguments: the table, the kernel choices, the builds failed so far."""
     if dropout_p:  # a fresh seed in every call would only fill the plan table
@@ -183,17 +187,11 @@ def flash_attention_triton(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    BLOCK_D = block_d(D)
-    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    sm_scale, mask, mstr, kpm, kstr, flags = _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale,
+                                                           window, softcap)
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
-                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, PREC=prec)
-    if B * Hq * Sq == 0:
-        return (o, lse.fill_(float("inf"))) if return_lse else o
-    if Sk == 0:
+    if B * Hq * Sq == 0 or Sk == 0:  # no visible key anywhere: out 0, lse +inf
         o.zero_()
         lse.fill_(float("inf"))
         return (o, lse) if return_lse else o
@@ -256,20 +254,17 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    BLOCK_D = block_d(D)
-    mask, kind, mstr, kpm, has_kpm, kstr = mask_args(attn_mask, key_padding_mask, q, B, Hq, Sq, Sk)
+    sm_scale, mask, mstr, kpm, kstr, flags = _kernel_setup(q, k, attn_mask, key_padding_mask, is_causal, scale,
+                                                           window, softcap)
+    flags["HAS_DROPOUT"] = dropout_p > 0
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * Hq * Sq == 0 or Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     pre_bm = 16 if INTERPRET else 64
     _attn_bwd_preprocess[(cdiv(Sq, pre_bm), B * Hq)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, Sq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
         BLOCK_M=pre_bm)
-    flags = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window >= 0,
-                 HAS_SOFTCAP=softcap > 0, MASK_KIND=kind, HAS_KPM=has_kpm, HAS_DROPOUT=dropout_p > 0,
-                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
     common = (Hq, group, Sq, Sk, sm_scale, float(softcap), int(window), float(dropout_p), int(seed),
               _tune_bucket(Sq, Sk))
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, mask, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
@@ -287,9 +282,8 @@ def flash_attention_triton_bwd(dout, q, k, v, out, lse, attn_mask=None, dropout_
 
 
 def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
-    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap
-    ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"), for benchmark tables. Runs the
-    forward once (the backward route needs its out / lse)."""
+    """{"forward": ..., "backward": ...}: the builds these inputs run with no mask, dropout, window or softcap, for
+    benchmark tables ("gluon <build>", "triton", "triton split-kv", "gluon (fell back to triton)"); runs the forward."""
     D = q.shape[-1]
     key = (q.device, q.dtype, D, bool(is_causal))
     if use_split(q, k, 0.0):
@@ -305,11 +299,3 @@ def kernel_routes(q, k, v, is_causal: bool = False, scale=None) -> dict:
         bwd = gluon_backward_build(torch.empty_like(out), q, k, v, out, lse, is_causal=is_causal,
                                    scale=scale) or "triton"
     return {"forward": fwd, "backward": bwd}
-
-
-def dropout_keep_mask_triton(seed, shape, dropout_p, device):
-    """The bool keep mask [B, Hq, Sq, Sk] that the Triton kernels use for ``seed`` (Philox; tests)."""
-    B, Hq, Sq, Sk = shape
-    keep = torch.empty((B, Hq, Sq, Sk), dtype=torch.int8, device=device)
-    _dropout_keep_kernel[(B * Hq * Sq, cdiv(Sk, 64))](keep, Sq, Sk, float(dropout_p), int(seed), BLOCK=64)
-    return keep.bool()

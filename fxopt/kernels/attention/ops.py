@@ -1,10 +1,8 @@
 """The attention ops: ``torch.ops.fxopt.flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
 scale=None, window=-1, softcap=0.0, key_padding_mask=None)``, q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D], any strides.
 
-It is ``CompositeImplicitAutograd`` over ``fxopt::flash_attention_fwd`` -> (out, lse), ``fxopt::flash_attention_bwd``
-and ``fxopt::flash_attention_mask_grad`` (an additive float mask that requires grad: exact, S x S memory). CUDA runs
-``launch``, CPU the float32 ``reference``. Eager calls on real tensors take a plain ``autograd.Function`` over the
-same bodies (the custom ops' Python autograd layer cost about 0.5 ms of host time per fwd+bwd).
+``CompositeImplicitAutograd`` over ``fxopt::flash_attention_fwd`` / ``_bwd`` / ``_mask_grad``; CUDA runs ``launch``,
+CPU the float32 ``reference``. Eager calls on real tensors take a plain ``autograd.Function`` over the same bodies.
 """
 from __future__ import annotations
 

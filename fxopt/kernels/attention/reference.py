@@ -1,7 +1,5 @@
-"""The float reference of ``fxopt::flash_attention``: the ops' CPU path and the tests' oracle (in float64).
-
-Same semantics as the kernels (bottom-right causal alignment, window, softcap, key padding, bool / float masks,
-rows with no visible key giving 0 and lse = +inf). The plain case on CPU takes aten's fused CPU attention.
+"""The float reference of ``fxopt::flash_attention``: the ops' CPU path and the tests' oracle (in float64), with the
+kernels' semantics (rows with no visible key give 0 and lse = +inf). The plain CPU case takes aten's CPU attention.
 """
 from __future__ import annotations
 
@@ -87,9 +85,7 @@ def _cpu_flash_fwd(q, k, v, is_causal, scale):
     # gives garbage there, so such operands are copied first
     q, k, v = last_contig(q), last_contig(k), last_contig(v)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-    out = torch.empty_like(q)
-    out.copy_(o)
-    return out, lse.float().contiguous()
+    return torch.empty_like(q).copy_(o), lse.float().contiguous()
 
 
 def _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap, key_padding_mask, seed):
@@ -103,17 +99,14 @@ def _reference_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, window, soft
         keep = _cpu_dropout_keep(seed, (B, Hq, Sq, k.shape[2]), dropout_p, q.device)
     o, lse = attention_reference(q, k, v, attn_mask, dropout_p, is_causal, scale, window, softcap,
                                  key_padding_mask, dropout_keep=keep, return_lse=True)
-    out = torch.empty_like(q)
-    out.copy_(o)
-    return out, lse.float().contiguous()
+    return torch.empty_like(q).copy_(o), lse.float().contiguous()
 
 
 def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, window, softcap,
                    key_padding_mask, seed, from_lse: bool = True, logits_grad: bool = False):
-    """Explicit backward in float32 from the saved lse (mirrors the kernels); ``from_lse=False`` uses the
-    normalized probabilities instead (exact also on rows swamped by a finite fill, see ``_has_swamped_rows``).
-    ``logits_grad=True`` returns the gradient of the logits the additive mask is added to (after the softcap,
-    before the softmax), [B, Hq, Sq, Sk] float32, instead of (dq, dk, dv)."""
+    """Explicit backward in float32 from the saved lse, as the kernels do (``from_lse=False``: from the normalized
+    probabilities, see ``_has_swamped_rows``). ``logits_grad=True``: the gradient of the logits the additive mask is
+    added to, [B, Hq, Sq, Sk] float32, instead of (dq, dk, dv)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -141,9 +134,4 @@ def _reference_bwd(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, sca
     dv = (pd.reshape(B, Hkv, g, Sq, Sk).transpose(-1, -2) @ do.reshape(B, Hkv, g, Sq, D)).sum(2)
     dk = (ds.reshape(B, Hkv, g, Sq, Sk).transpose(-1, -2) @ q.to(f).reshape(B, Hkv, g, Sq, D)).sum(2)
     dq = (ds.reshape(B, Hkv, g, Sq, Sk) @ k.to(f)[:, :, None]).reshape(B, Hq, Sq, D)
-    res = []
-    for grad, like in ((dq, q), (dk, k), (dv, v)):
-        r = torch.empty_like(like)
-        r.copy_(grad)
-        res.append(r)
-    return tuple(res)
+    return tuple(torch.empty_like(like).copy_(grad) for grad, like in ((dq, q), (dk, k), (dv, v)))

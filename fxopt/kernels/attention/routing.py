@@ -1,9 +1,8 @@
 """The one routing table of the attention family: (arch, op, head dim, causal, lengths) -> build.
 
 ``ROUTES`` is read top to bottom; the first matching row names the build, no match runs the Triton kernel. The
-eligibility checks (16-bit, no mask / dropout / window / softcap, TMA strides, the ``KernelConfig`` switches, earlier
-failures) and the decode shapes come first (``launch``). ``ROUTES_DIGEST`` is part of every attention launch plan's
-key. The measurements behind each row: ``docs/kernels.md`` ("What runs by default").
+eligibility checks come first (``launch``). ``ROUTES_DIGEST`` is part of every attention launch plan's key.
+``docs/kernels.md`` ("What runs by default").
 """
 from __future__ import annotations
 

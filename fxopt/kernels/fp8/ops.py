@@ -1,13 +1,8 @@
-"""The FP8 / INT8 attention ops (inference only, no backward) and the support check the attention pass uses.
+"""The FP8 / INT8 attention ops (inference only) and the support check the attention pass uses.
 
-    torch.ops.fxopt.fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0) -> Tensor
-    torch.ops.fxopt.int8_attention(q, k, v, is_causal=False, scale=None, seed=0) -> Tensor
-    torch.ops.fxopt.hadamard_transform(x, seed=0) -> Tensor
-
-``fp8_attention`` quantizes Q, K, V (``quant.quantize_qkv``) and runs the build ``attention.routing.ROUTES`` names
-for "fp8_forward": the Gluon kernel (``gluon_fwd``) on sm_90 at d = 64 / 128 (unless
-``KernelConfig.fp8_gluon`` is off or it failed earlier in the process), else the Triton kernel (``triton_fwd``).
-On CPU both ops run their references.
+``fxopt::fp8_attention(q, k, v, is_causal=False, scale=None, hadamard=True, seed=0)`` runs the build
+``attention.routing.ROUTES`` names for "fp8_forward" (Gluon on sm_90, else Triton); ``fxopt::int8_attention`` and
+``fxopt::hadamard_transform`` the Triton kernels. On CPU the ops run their references.
 """
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def fp8_attention_supported(q, k, v, training: bool = False, *, allow_cpu_reference: bool = False):
-    """(ok, reason) for routing this attention to ``fxopt::fp8_attention``; reason is '' when ok.
-
-    Works on real and fake tensors (only shapes, dtypes and devices are read)."""
+    """(ok, reason) for routing this attention to ``fxopt::fp8_attention`` (reason '' when ok); reads only shapes,
+    dtypes and devices (fake tensors too)."""
     if training:
         return False, "fp8 attention is forward-only (inference); training mode keeps bf16/fp16 attention"
     try:
@@ -104,8 +98,7 @@ def _run_into(q, kernel, reference, *args) -> torch.Tensor:
 
 def _gluon_fp8(q, k, v, is_causal, scale, hadamard, seed, out) -> bool:
     """Run the op on the Gluon fp8 kernel where ``fp8_build`` names it; False leaves the call to the Triton kernel
-    (same quantization, so the two differ only in accumulation order). A build or launch that fails is remembered
-    for its (device, dtype, head dim, causal) and not retried."""
+    (same quantization). A build or launch that fails is remembered and not retried."""
     if fp8_build(q, k, v, is_causal, scale, out) != "gluon":
         return False
     try:

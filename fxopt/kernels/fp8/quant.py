@@ -1,9 +1,7 @@
 """Hadamard transform and block quantization of Q, K, V for the FP8 / INT8 attention kernels (Triton).
 
-Q and K are multiplied by the same random-signed Hadamard matrix M = H diag(signs) / sqrt(d), then Q, K, V are
-quantized with one fp32 scale per 128-row block, V transposed and not transformed. ``quantize_qkv`` does all three
-in one persistent launch where it takes the inputs, else three ``_quant_kernel`` launches; both give the same codes
-and scales bit for bit. ``docs/kernels.md`` ("FP8 attention").
+Q and K times M = H diag(signs) / sqrt(d); Q, K, V quantized with one fp32 scale per 128-row block, V transposed and
+not transformed; ``quantize_qkv`` in one launch where it can, else three, the same bits either way.
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ from fxopt.kernels.attention.checks import check_qkv
 log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
 QUANT_BLOCK = 128  # rows per quantization block (Q, K, V)
 INTERPRET_QBLOCK = 32
 HADAMARD_DIMS = (16, 32, 64, 128, 256)
@@ -187,37 +186,41 @@ def _quant_qkv_kernel(Q, K, V, QQ, KQ, VT, QS, KS, VS, HMAT,
         _qkv_store_block(y, tl.where(is_k, KQ, QQ), tl.where(is_k, KS, QS), t, n_blocks, HEAD_DIM, QBLOCK, False)
 
 
-def _fp8_dtype():
-    return torch.float8_e4m3fn
-
-
 @functools.lru_cache(maxsize=64)
 def _signs_cpu(d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(seed))
     return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(torch.float32)
 
 
-_SIGNS_CACHE: dict = {}
+_ON_DEVICE: dict = {}
+
+
+def _kept_on_device(key, device, make) -> torch.Tensor:
+    """``make()`` (a CPU tensor) moved to ``device`` once per ``key`` and device, never into a CUDA-graph pool."""
+    device = torch.device(device)
+    key = (*key, str(device))
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        t = outside_graph_pools(lambda: make().to(device)) if device.type == "cuda" else make().to(device)
+        _ON_DEVICE[key] = t
+    return t
 
 
 def hadamard_signs(d: int, seed: int, device) -> torch.Tensor:
     """The random +-1 diagonal of M = H diag(signs) / sqrt(d), fp32, identical on every device for a seed."""
-    device = torch.device(device)
-    key = (d, int(seed), str(device))
-    s = _SIGNS_CACHE.get(key)
-    if s is None:
-        s = outside_graph_pools(lambda: _signs_cpu(d, int(seed)).to(device)) if device.type == "cuda" else \
-            _signs_cpu(d, int(seed)).to(device)
-        _SIGNS_CACHE[key] = s
-    return s
+    return _kept_on_device(("signs", d, int(seed)), device, lambda: _signs_cpu(d, int(seed)))
+
+
+def _sylvester(d: int, dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
 
 
 def hadamard_matrix(d: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
     """Dense M = H_d diag(signs) / sqrt(d) (for tests and documentation; the kernels never build it)."""
-    h = torch.ones(1, 1, dtype=dtype)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * _signs_cpu(d, seed).to(dtype)[None, :] / math.sqrt(d)
+    return _sylvester(d, dtype) * _signs_cpu(d, seed).to(dtype)[None, :] / math.sqrt(d)
 
 
 def hadamard_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -275,7 +278,7 @@ def quantize_blocks(x: torch.Tensor, *, hadamard: bool, seed: int = 0, transpose
     (default e4m3), rows past S zero; scales fp32 [B * H, S_pad / qblock]). int8 with ``sum_chunk``: also the codes'
     column sums per ``sum_chunk`` rows. ``fused`` / ``tensor_core`` False: the per-tensor kernel / the butterflies."""
     qblock = qblock or _qblock()
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     int8 = qdtype == torch.int8
     if sum_chunk and (not int8 or qblock % sum_chunk):
         raise ValueError(f"quantize_blocks: sum_chunk={sum_chunk} needs int8 and must divide qblock={qblock}")
@@ -315,7 +318,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
     """(qq, qs, kq, ks, vt, vs): ``quantize_blocks`` of q and k (Hadamard when ``hadamard``) and of v (transposed, no
     transform), in one ``_quant_qkv_kernel`` launch where ``_fused_quant_ok`` takes them, else three launches."""
     qblock = qblock or _qblock()
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     D = q.shape[-1]
     if (fused and q.dim() == 4 and tuple(k.shape) == tuple(v.shape) and k.dim() == 4 and k.shape[-1] == D
             and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
@@ -425,23 +428,12 @@ def _had_dot_ok(x: torch.Tensor, D: int, qblock: int) -> bool:
     return not (INTERPRET and x.dtype == torch.bfloat16)
 
 
-_HMAT_CACHE: dict = {}
-
-
 def hadamard_dot_matrix(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     """H_d diag(signs) as a contiguous [d, d] matrix in ``dtype`` (entries +-1, exact in 16 bits); x M = (x @ this)
     / sqrt(d). Cached per (d, seed, dtype, device)."""
-    device = torch.device(device)
-    key = (d, int(seed), dtype, str(device))
-    m = _HMAT_CACHE.get(key)
-    if m is None:
-        h = torch.ones(1, 1, dtype=torch.float32)
-        while h.shape[0] < d:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        m = (h * _signs_cpu(d, int(seed))[None, :]).to(dtype).contiguous()
-        m = outside_graph_pools(lambda: m.to(device)) if device.type == "cuda" else m.to(device)
-        _HMAT_CACHE[key] = m
-    return m
+    return _kept_on_device(("dot", d, int(seed), dtype), device,
+                           lambda: (_sylvester(d, torch.float32) * _signs_cpu(d, int(seed))[None, :]).to(dtype)
+                           .contiguous())
 
 
 def check_attn_inputs(q, k, v, scale):

@@ -1,8 +1,5 @@
-"""References of the FP8 / INT8 attention (the ops' CPU path, the tests' and accuracy benchmark's oracles).
-
-``fp8_attention_reference`` emulates the kernels in fp32 with real e4m3 rounding: the same transform, block
-quantization and online softmax over 128-key blocks. ``int8_attention_reference`` is the INT8 design, emulated in
-float64 where its integer products are exact. ``attention_float64``: exact attention, the accuracy yardstick.
+"""References of the FP8 / INT8 attention: ``fp8_attention_reference`` (fp32 with e4m3 rounding, the kernels'
+blocks), ``int8_attention_reference`` (float64, exact integer products), ``attention_float64`` (the yardstick).
 """
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import torch
 
 from fxopt.kernels.attention.reference import attention_reference
 
-from .quant import FP8_MAX, QUANT_BLOCK, _fp8_dtype, hadamard_matrix, hadamard_reference
+from .quant import FP8_DTYPE, FP8_MAX, QUANT_BLOCK, hadamard_matrix, hadamard_reference
 
 LOG2E = 1.4426950408889634
 P_SHIFT = 8.0  # P is stored as p * 2**P_SHIFT in e4m3
@@ -23,7 +20,7 @@ def quantize_reference(x: torch.Tensor, granularity: str = "block", qblock: int 
                        qdtype=None):
     """Fake-quantize x [B, H, S, D] (fp32 math): returns (x_q as fp32 values of the qdtype grid, scale broadcastable
     to x). granularity: 'block' (one scale per qblock rows of a head, as the kernel), 'tensor' (one scale)."""
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     x = x.float()
     if granularity == "tensor":
         amax = x.abs().amax().clamp_min(1e-30)
@@ -50,7 +47,7 @@ def fp8_attention_reference(q, k, v, is_causal=False, scale=None, hadamard=True,
                             granularity: str = "block", qblock: int = QUANT_BLOCK, block_n: Optional[int] = None,
                             qdtype=None, quantize_p: bool = True):
     """Emulates the kernel in fp32 with real e4m3 rounding (``qdtype``), any device. Returns q's dtype."""
-    qdtype = qdtype or _fp8_dtype()
+    qdtype = qdtype or FP8_DTYPE
     block_n = block_n or qblock
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -100,10 +97,8 @@ def _int8_blocks(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tens
 
 def int8_attention_reference(q, k, v, is_causal=False, scale=None, seed=0, *, qblock: int = QUANT_BLOCK,
                              block_n: Optional[int] = None):
-    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; the design and why it meets the
-    accuracy target e4m3 misses: ``docs/kernels.md``, "FP8 attention"): Q, K, V times the same signed Hadamard M
-    (the output transformed back by M^T), symmetric int8 per 128-row block, P as u = round(255 p) entering an
-    s8 x s8 product as u - 128 with 128 * colsum(V block) added back; integer products exact in float64 here."""
+    """Emulation of the INT8 design (``int8_attention_triton`` is its kernel; ``docs/kernels.md``, "FP8 attention"),
+    its integer products exact in float64."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv

@@ -1,9 +1,7 @@
 """W4A16 linear: int4 weights in fxopt's packed format, fp16 / bf16 activations, fused dequantization.
 
-Importing the package registers ``fxopt::w4a16_linear``, ``fxopt::w4a16_linear_cat`` and ``fxopt::dequantize_w4``
-(``ops``). The builds the tuner (``tuner``) picks from, one module each: ``triton_tiles`` ("swapx" / "swapd"),
-``gemv1`` (M <= 4), ``mma`` (M <= 16, sm_80+), ``gluon`` (sm_90, bf16), ``dequant`` (16-bit W then cuBLAS);
-``common`` is what they share, ``routing`` the user's kernel choices. ``docs/kernels.md`` ("W4A16").
+Importing the package registers the ops (``ops``). Builds: ``triton_tiles`` ("swapx" / "swapd"), ``gemv1``, ``mma``,
+``gluon``, ``dequant``; ``tuner`` picks among them. ``docs/kernels.md`` ("W4A16").
 """
 from fxopt.kernels.w4a16.common import W4A16Config
 from fxopt.kernels.w4a16.dequant import dequantize_w4_triton

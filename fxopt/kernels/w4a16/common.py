@@ -1,9 +1,5 @@
 """What every W4A16 build shares: the launch config, input checks, the integer-zeros fact, buffers kept across
-calls (tile counters and a zeroed workspace per device, reset by each call's last program), grid arithmetic.
-
-Format (``fxopt/quant/format.py``): ``qweight`` int32 [K/8, N], nibble j of row i = code of W[n, 8i + j]; ``scales``
-/ ``zeros`` [K/G, N]; ``W = (q - zero) * scale``. ``MAGIC``: ``code | 0x4300`` read as bf16 is 128 + q (``| 0x6400``
-as fp16: 1024 + q), two per 32-bit operation.
+calls, grid arithmetic. ``MAGIC``: ``code | 0x4300`` read as bf16 is 128 + q (``| 0x6400`` as fp16: 1024 + q).
 """
 from __future__ import annotations
 
@@ -148,9 +144,8 @@ def counters(device, n: int) -> torch.Tensor:
 
 
 def zeroed_workspace(device, n: int) -> torch.Tensor:
-    """The fp32 split-K workspace of gemv1 and mma (relaxed atomic adds), all zeros between calls: every call's last
-    CTA per column tile zeroes what it read (4 MB at least: a buffer that grows would leave captured CUDA graphs
-    pointing at a freed one)."""
+    """The fp32 split-K workspace of gemv1 and mma, all zeros between calls (each call's last CTA per column tile
+    zeroes what it read); 4 MB at least, so that captured CUDA graphs never see it replaced."""
     return kept_zeros(_ZEROED_WS, device, n, torch.float32, device, 1 << 20)
 
 

@@ -1,8 +1,5 @@
-"""W4A16 "dequant_matmul": the packed weight dequantized to a 16-bit W [N, K] by a Triton kernel, then cuBLAS.
-
-Above M = 256 the product is compute-bound and cuBLAS on a 16-bit copy beat every fused kernel measured (0.96-1.09x
-bf16 at M = 4096 against 0.69-0.87x), at the price of writing and reading back a temporary W of one linear (freed
-after the call). ``dequantize_w4_triton`` is also the CUDA path of ``fxopt::dequantize_w4`` (the op's backward).
+"""W4A16 "dequant_matmul": the packed weight dequantized to a 16-bit W [N, K] by a Triton kernel, then cuBLAS
+(above M = 256, ``docs/kernels.md``). ``dequantize_w4_triton`` is also the CUDA path of ``fxopt::dequantize_w4``.
 """
 from __future__ import annotations
 

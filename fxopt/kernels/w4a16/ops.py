@@ -1,7 +1,6 @@
-"""The W4A16 ops: ``fxopt::w4a16_linear`` (CUDA: the tuner's pick; CPU: the float32 reference; autograd for x and
-bias), ``fxopt::w4a16_linear_cat`` (several linears' outputs concatenated, one kernel call when the packed tensors
-are adjacent slices of one storage) and ``fxopt::dequantize_w4``. ``w4a16_matmul`` is the entry point under them; it
-replays launch plans keyed on the arguments plus what the routing reads beyond them (``_plan_state``).
+"""The W4A16 ops: ``fxopt::w4a16_linear``, ``fxopt::w4a16_linear_cat`` (several linears, one kernel call when the
+packed tensors are adjacent slices of one storage) and ``fxopt::dequantize_w4``, over the entry point
+``w4a16_matmul`` (launch plans keyed on the arguments plus ``_plan_state``).
 """
 from __future__ import annotations
 
@@ -130,24 +129,36 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, grad_y):
-    qweight, scales, zeros = ctx.saved_tensors
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N, K]
-        grad_x = torch.matmul(grad_y, w.to(grad_y.dtype))
+def _grads(ctx, grad_y, packs):
+    """(grad x or None, [grad bias per linear] or None) of ``cat([x @ W_i.T + b_i], -1)``, W_i packed in ``packs``
+    [(qweight, scales, zeros)]."""
+    grad_x = grad_biases = None
     if ctx.has_bias and ctx.needs_input_grad[5]:
-        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-    return grad_x, None, None, None, None, grad_bias
+        grad_bias, grad_biases = grad_y.reshape(-1, grad_y.shape[-1]).sum(0), []
+    col = 0
+    for qweight, scales, zeros in packs:
+        n = qweight.shape[1]
+        if ctx.needs_input_grad[0]:
+            w = torch.ops.fxopt.dequantize_w4(qweight, scales, zeros, ctx.group_size)  # [N_i, K]
+            g = torch.matmul(grad_y[..., col:col + n], w.to(grad_y.dtype))
+            grad_x = g if grad_x is None else grad_x + g
+        if grad_biases is not None:
+            grad_biases.append(grad_bias[col:col + n])
+        col += n
+    return grad_x, grad_biases
+
+
+def _backward(ctx, grad_y):
+    grad_x, grad_biases = _grads(ctx, grad_y, [ctx.saved_tensors])
+    return grad_x, None, None, None, None, grad_biases[0] if grad_biases else None
 
 
 w4a16_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 def column_span(parts) -> Optional[torch.Tensor]:
-    """The contiguous tensor whose blocks along the last dim are ``parts`` (all 2-D [R, N_i] or all 1-D), in order,
-    when they are adjacent slices of one storage (``fxopt.quant.linear.share_sibling_storage``), else None. Reads
-    only metadata: it works on the pass's fake tensors and on the op's real ones."""
+    """The contiguous tensor whose blocks along the last dim are ``parts`` (all 2-D [R, N_i] or all 1-D) when they
+    are adjacent slices of one storage (``share_sibling_storage``), else None; reads only metadata (fake ones too)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
@@ -217,22 +228,9 @@ def _setup_context_cat(ctx, inputs, output):
 
 def _backward_cat(ctx, grad_y):
     saved, n = ctx.saved_tensors, ctx.n
-    grad_x, grad_biases = None, [None] * n
-    if ctx.needs_input_grad[0]:
-        col = 0
-        for i in range(n):
-            w = torch.ops.fxopt.dequantize_w4(saved[i], saved[n + i], saved[2 * n + i], ctx.group_size)  # [N_i, K]
-            g = torch.matmul(grad_y[..., col:col + w.shape[0]], w.to(grad_y.dtype))
-            grad_x = g if grad_x is None else grad_x + g
-            col += w.shape[0]
-    if ctx.has_bias and ctx.needs_input_grad[5]:
-        g = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-        grad_biases, col = [], 0
-        for i in range(n):
-            grad_biases.append(g[col:col + saved[i].shape[1]])
-            col += saved[i].shape[1]
+    grad_x, grad_biases = _grads(ctx, grad_y, list(zip(saved[:n], saved[n:2 * n], saved[2 * n:])))
     none = [None] * n  # list inputs take a list of gradients
-    return grad_x, none, none, none, None, grad_biases if ctx.has_bias else []
+    return grad_x, none, none, none, None, (grad_biases or none) if ctx.has_bias else []
 
 
 w4a16_linear_cat.register_autograd(_backward_cat, setup_context=_setup_context_cat)

@@ -1,7 +1,6 @@
-"""Which W4A16 builds the tuner may list: one process-wide :class:`Routes`, since the op runs long after the
-compile that inserted it. The W4A16 pass sets it from the compiling ``Config.kernels`` (``use_config``, the last
-compile wins); ``with routes(gluon=False): ...`` overrides it for a block. The active value is part of the tuner's
-keys and of the launch-plan state, so no pick or recorded launch is reused under other routes.
+"""Which W4A16 builds the tuner may list: one process-wide :class:`Routes` set by the W4A16 pass from the compiling
+``Config.kernels`` (the last compile wins), overridden by ``with routes(...)`` blocks; part of the tuner's and the
+launch plans' keys.
 """
 from __future__ import annotations
 

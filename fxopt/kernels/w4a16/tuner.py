@@ -1,13 +1,8 @@
 """The W4A16 tuner: per (M bucket, K, N, group, dtype) it times a short candidate list once and keeps the pick.
 
-Candidates (``candidate_configs``, first = the untuned default): the Triton tiles of the bucket, "dequant_matmul"
-above M = 256, then where they apply Gluon (sm_90, bf16, integer zeros, group 128), "gemv1" (M <= 4) and "mma"
-(M <= 16), each behind a ``Routes`` switch. ``_pick_fastest`` times every candidate from a CUDA graph, then the ones
-within 8% of the best again, longer; buckets up to M = 16 back to back over weight copies larger than L2
-(``bench_streamed_us``), larger ones one call at a time after emptying L2. "gemv1" / "mma" are timed only after
-their output matched the default's; under CUDA-graph capture nothing is timed. Picks live in the process, in the
-tuner's file (``FXOPT_W4A16_TUNE_CACHE``, keyed on GPU model, software versions, shape and a digest of the
-candidate labels) and in the shipped ``picks_h200.json`` (the same key without versions). ``docs/kernels.md``.
+Candidates (``candidate_configs``, first = the untuned default): the bucket's Triton tiles, "dequant_matmul" above
+M = 256, then Gluon / "gemv1" / "mma" where they apply and their ``Routes`` switch is on. Picks live in the process,
+in ``FXOPT_W4A16_TUNE_CACHE`` and in the shipped ``picks_h200.json``. ``docs/kernels.md`` ("tuner.py").
 """
 from __future__ import annotations
 
@@ -121,9 +116,8 @@ def candidate_configs(M: int, N: int, K: int, group_size: int, num_sms: int = NU
                       integer_zeros: bool = True, dtype: Optional[torch.dtype] = None, device=None,
                       capability: Optional[tuple] = None, routes: Optional[routing.Routes] = None
                       ) -> list[W4A16Config]:
-    """The configs the tuner times for this shape (first = untuned default). A CUDA ``device`` or a ``capability``
-    admits the GPU-only builds (Gluon, gemv1, mma), listed after the Triton tiles; ``routes`` default to
-    ``routing.active()``."""
+    """The configs the tuner times for this shape (first = untuned default); a CUDA ``device`` or a ``capability``
+    admits the GPU-only builds (Gluon, gemv1, mma) after the Triton tiles; ``routes`` default to the active ones."""
     r = routes or routing.active()
     out = _triton_configs(M, N, K, group_size, num_sms, integer_zeros, r.dequant_matmul)
     cuda = capability is not None or (device is not None and torch.device(device).type == "cuda")
@@ -318,31 +312,21 @@ _FINAL_ROUND_REPS = 30
 def _pick_fastest(cands: list, time_us) -> tuple:
     """(config, us) of the fastest candidate by ``time_us(config, reps)`` (a config that raises is skipped; (first,
     inf) when none ran): every candidate once, then the ones within 8% of the best (at most four) again, longer."""
-    timed = []
-    for c in cands:
-        try:
-            t = time_us(c, _FIRST_ROUND_REPS)
-        except Exception as e:
-            log.debug("w4a16 config %s failed: %s", c, e)
-            continue
-        timed.append((t, len(timed), c))
+    def time_all(entries, reps):  # entries (index, config) -> sorted (us, index, config) of those that ran
+        timed = []
+        for i, c in entries:
+            try:
+                timed.append((time_us(c, reps), i, c))
+            except Exception as e:
+                log.debug("w4a16 config %s failed: %s", c, e)
+        return sorted(timed, key=lambda e: (e[0], e[1]))
+
+    timed = time_all(enumerate(cands), _FIRST_ROUND_REPS)
     if not timed:
         return (cands[0] if cands else None), float("inf")
-    timed.sort(key=lambda e: (e[0], e[1]))
     close = [e for e in timed if e[0] <= 1.08 * timed[0][0]][:4]
-    if len(close) == 1:
-        return close[0][2], close[0][0]
-    final = []
-    for _, i, c in close:
-        try:
-            t = time_us(c, _FINAL_ROUND_REPS)
-        except Exception as e:  # it ran in the first round; be safe anyway
-            log.debug("w4a16 config %s failed: %s", c, e)
-            continue
-        final.append((t, i, c))
-    if not final:
-        return close[0][2], close[0][0]
-    t, _, c = min(final, key=lambda e: (e[0], e[1]))
+    final = time_all([(i, c) for _, i, c in close], _FINAL_ROUND_REPS) if len(close) > 1 else []
+    t, _, c = (final or close)[0]
     return c, t
 
 
@@ -355,9 +339,8 @@ def tuned_config(x2d, N: int, zeros, group_size: int, has_bias: bool) -> Optiona
 
 
 def choose_config(x2d, qweight, scales, zeros, group_size, bias=None) -> W4A16Config:
-    """Tuned config for this shape under the active routes (timed once per key on CUDA, then cached in the process
-    and in the tuner's file, so a new process on the same GPU model and software reuses it); the default candidate
-    when tuning is impossible."""
+    """Tuned config for this shape under the active routes (timed once per key on CUDA, kept in the process and in
+    the tuner's file); the default candidate when tuning is impossible."""
     M, K = x2d.shape
     N = qweight.shape[1]
     if INTERPRET or x2d.device.type != "cuda":
