@@ -43,6 +43,13 @@ class PipelineError(ValueError):
     """A model or setting that the pipeline split cannot handle (the message says why)."""
 
 
+def default_device(device: Any = None) -> torch.device:
+    """``device``, or CUDA when there is one, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass
 class DeviceProfile:
     """Throughputs and fixed times of the cost model (formulas in docs/architecture.md, "Pipeline parallel").
@@ -100,8 +107,7 @@ class DeviceProfile:
     @classmethod
     def for_device(cls, device: Any = None) -> "DeviceProfile":
         """The preset for ``device`` (CUDA → H200 numbers, named after the actual GPU; otherwise CPU)."""
-        device = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        device = default_device(device)
         if device.type == "cuda":
             prof = cls.h200()
             if torch.cuda.is_available():
@@ -116,7 +122,7 @@ class DeviceProfile:
         import time
 
         prof = cls.for_device(device)
-        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = default_device(device)
         n = 4096 if dev.type == "cuda" else 512
         n_small = 1024 if dev.type == "cuda" else 128
         dt = dtype if dev.type == "cuda" else torch.float32
@@ -501,13 +507,10 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     # Step 1: least bottleneck.
     best = np.full((stages + 1, n + 1), INF)
     best[0, 0] = 0.0
-    for k in range(1, stages + 1):
-        for j in range(1, n + 1):
-            if not valid[j] or (k < stages and j == n):
-                continue
-            ok = allowed_starts(j)
-            cand = np.where(ok, np.maximum(best[k - 1], prefix[j] - prefix), INF)
-            best[k, j] = cand.min()
+    # (k, j): the first k segments end just before position j (valid cuts; only the last segment ends at n)
+    ends = [(k, j) for k in range(1, stages + 1) for j in range(1, n + 1) if valid[j] and (k == stages or j < n)]
+    for k, j in ends:
+        best[k, j] = np.where(allowed_starts(j), np.maximum(best[k - 1], prefix[j] - prefix), INF).min()
     t_star = best[stages, n]
     if not np.isfinite(t_star):
         raise PipelineError(
@@ -522,31 +525,24 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     peak = np.full((stages + 1, n + 1), INF)
     comm[0, 0] = peak[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
-    for k in range(1, stages + 1):
-        for j in range(1, n + 1):
-            if not valid[j] or (k < stages and j == n):
-                continue
-            seg = prefix[j] - prefix
-            ok = allowed_starts(j) & (seg <= limit) & np.isfinite(comm[k - 1])
-            if not ok.any():
-                continue
-            c = np.where(ok, comm[k - 1] + np.where(idx > 0, live, 0.0), INF)
-            cmin = c.min()
-            tie = ok & (c <= cmin + 1e-9 * max(cmin, 1.0))
-            m = np.where(tie, np.maximum(peak[k - 1], seg), INF)
-            i = int(m.argmin())
-            comm[k, j], peak[k, j], arg[k, j] = c[i], m[i], i
-    cuts = []
-    j = n
+    for k, j in ends:
+        seg = prefix[j] - prefix
+        ok = allowed_starts(j) & (seg <= limit) & np.isfinite(comm[k - 1])
+        if not ok.any():
+            continue
+        c = np.where(ok, comm[k - 1] + np.where(idx > 0, live, 0.0), INF)
+        cmin = c.min()
+        tie = ok & (c <= cmin + 1e-9 * max(cmin, 1.0))
+        m = np.where(tie, np.maximum(peak[k - 1], seg), INF)
+        i = int(m.argmin())
+        comm[k, j], peak[k, j], arg[k, j] = c[i], m[i], i
+    cuts, j = [], n
     for k in range(stages, 0, -1):
-        i = int(arg[k, j])
-        cuts.append(i)
-        j = i
+        j = int(arg[k, j])
+        cuts.append(j)
     cuts = sorted(cuts)[1:]  # drop position 0
     assert all(p in cuts for p in pins)
-    stage = {}
-    for i, v in enumerate(order):
-        stage[v] = int(np.searchsorted(cuts, i, side="right"))
+    stage = {v: int(np.searchsorted(cuts, i, side="right")) for i, v in enumerate(order)}
     for v, data in dag.nodes(data=True):
         if v not in pos:
             stage[v] = 0 if data.get("pinned_stage", 0) == 0 else stages - 1
@@ -740,32 +736,28 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
 
     by_name = {n.name: n for n in nodes}
     stage_of = {by_name[v]: s for v, s in part.stage.items() if v in by_name}
-    rep_stages: dict = {}
+    readers: dict = {}  # replicated and state node -> the stages that read it, directly or through replicated nodes
 
-    def use_stages(n):  # the stages that read n, directly or through replicated nodes
+    def use_stages(n):
         st = set()
         for u in n.users:
             if u.op == "output":
                 st.add(stages - 1)
             elif u in replicated:
-                st |= rep_stages.get(u, set())
+                st |= readers.get(u, set())
             elif u in stage_of:
                 st.add(stage_of[u])
         return st
 
-    for n in reversed(nodes):
-        if n in replicated:
-            rep_stages[n] = use_stages(n)
-    state_stages = {n: use_stages(n) for n in nodes if is_state[n]}
-
+    for n in reversed(nodes):  # a replicated node's users come after it; state nodes have no inputs
+        if n in replicated or is_state[n]:
+            readers[n] = use_stages(n)
     for n in nodes:
         n.meta.pop(STAGE_KEY, None)
         if n in stage_of:
             n.meta[STAGE_KEY] = stage_of[n]
-        elif n in replicated:
-            n.meta[STAGE_KEY] = sorted(rep_stages[n])
-        elif is_state[n]:
-            n.meta[STAGE_KEY] = sorted(state_stages[n])
+        elif n in readers:
+            n.meta[STAGE_KEY] = sorted(readers[n])
 
     def qual(n):
         return state.get(n.name, n.target if n.op == "get_attr" else n.name)
@@ -773,14 +765,14 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
     stage_plans = []
     for s in range(stages):
         own = [n for n in compute if stage_of.get(n) == s]
-        rep = [n for n in nodes if n in replicated and s in rep_stages.get(n, ())]
+        rep = [n for n in nodes if n in replicated and s in readers[n]]
         members = [n for n in nodes if n in own or n in rep]
         ms = [mods.get(n.name, "") for n in own if mods.get(n.name)]
         stage_plans.append(StagePlan(
             index=s, nodes=[n.name for n in members],
             seconds=sum(costs[n].seconds for n in members), flops=sum(costs[n].flops for n in members),
             bytes=sum(costs[n].bytes for n in members),
-            params=sorted(qual(n) for n in nodes if is_state[n] and s in state_stages.get(n, ())),
+            params=sorted(qual(n) for n in nodes if is_state[n] and s in readers[n]),
             modules=(ms[0], ms[-1]) if ms else ("", ""), replicated=[n.name for n in rep]))
     boundaries = []
     for b in range(stages - 1):
@@ -797,12 +789,12 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
     # A parameter may reach the graph through several placeholders (tied weights read through two module paths):
     # group by qualified name.
     by_qual: dict = {}
-    for n, st in state_stages.items():
+    for n in [n for n in nodes if is_state[n]]:
         v = match.val(n)
         is_param = (qual(n) in trainable) if trainable is not None else (
             isinstance(v, torch.Tensor) and (v.requires_grad or "_parameters_" in n.name))
         if is_param:
-            by_qual.setdefault(qual(n), set()).update(st)
+            by_qual.setdefault(qual(n), set()).update(readers[n])
     shared = {q: sorted(st) for q, st in by_qual.items() if len(st) > 1}
     return PipelinePlan(stage_plans, boundaries, shared, profile.name, pins, "order-DP")
 
