@@ -288,8 +288,8 @@ def _is_free(node: fx.Node, name: str) -> bool:
     return False
 
 
-def _input_bytes(node: fx.Node, src: fx.Node, name: str, out_bytes: float) -> float:
-    b = float(sum(_nbytes(t) for t in _tensors(match.val(src))))
+def _input_bytes(src: fx.Node, name: str, out_bytes: float) -> float:
+    b = float(value_bytes(src))
     if name in _GATHER_OPS and b > out_bytes:  # the table: only the rows looked up are read
         return out_bytes
     return b
@@ -304,7 +304,7 @@ def node_cost(node: fx.Node, profile: DeviceProfile) -> NodeCost:
         return NodeCost()
     outs = _tensors(match.val(node))
     out_bytes = float(sum(_nbytes(t) for t in outs))
-    nbytes = out_bytes + sum(_input_bytes(node, a, name, out_bytes) for a in node.all_input_nodes)
+    nbytes = out_bytes + sum(_input_bytes(a, name, out_bytes) for a in node.all_input_nodes)
     ins = [t for a in node.all_input_nodes for t in _tensors(match.val(a))]
     dtype = (ins or outs)[0].dtype if (ins or outs) else torch.float32
     flops = _custom_op_flops(node) if node.op == "call_function" and isinstance(
@@ -386,7 +386,7 @@ def graph_costs(nodes: Sequence[fx.Node], profile: DeviceProfile) -> dict:
         for a in read:
             users = [u for u in a.users if u in mset]
             gather = users and all(names[u] in _GATHER_OPS for u in users)
-            nbytes += _input_bytes(users[0] if users else a, a, names[users[0]] if gather else "", out_b)
+            nbytes += _input_bytes(a, names[users[0]] if gather else "", out_b)
         dev = max(flops / profile.vector_flops, nbytes / profile.mem_bw)
         t = max(dev, profile.op_overhead_s)
         for n in members:
@@ -584,13 +584,9 @@ class PipelinePlan:
     method: str
 
     @property
-    def stage_seconds(self) -> list:
-        return [s.seconds for s in self.stages]
-
-    @property
     def balance(self) -> float:
         """Slowest stage over the mean stage (1.0 is perfect balance)."""
-        t = self.stage_seconds
+        t = [s.seconds for s in self.stages]
         return max(t) / (sum(t) / len(t)) if sum(t) > 0 else 1.0
 
     def lines(self) -> list:

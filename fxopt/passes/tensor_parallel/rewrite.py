@@ -40,14 +40,13 @@ class _Rewriter:
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
-        local = list(gshape)
-        local[sh.dim] = sh.local(self.tp)
         prev = self.plan.shards.get(ph.name)
         if prev is not None:
             if prev.shard != sh:
                 raise RuntimeError(f"tensor_parallel: {ph.name} would be cut two ways")
             return
-        self.plan.shards[ph.name] = TensorShard(ph.name, self.an.name(ph), sh, gshape, tuple(local), role)
+        self.plan.shards[ph.name] = TensorShard(ph.name, self.an.name(ph), sh, gshape, sh.local_shape(gshape, self.tp),
+                                                  role)
 
     def all_reduce(self, after: fx.Node, x: fx.Node) -> fx.Node:
         g = self.g
