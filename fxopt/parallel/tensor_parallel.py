@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..config import Config, TensorParallelConfig
+from ..config import Config
 from ..passes import match
 from ..passes.manager import run_passes
 from ..passes.tensor_parallel import TensorParallelPlan, TPContext
@@ -339,19 +339,18 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     if tp != world:
         raise ValueError(f"fxopt.parallelize: tp={tp} but the process group has {world} ranks (they must match)")
     cfg = copy.deepcopy(config) if config is not None else Config()
-    vp = cfg.tensor_parallel.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
-    chunks = cfg.tensor_parallel.overlap_chunks if overlap_chunks is None else overlap_chunks
+    tpcfg = cfg.tensor_parallel
+    vp = tpcfg.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
+    chunks = tpcfg.overlap_chunks if overlap_chunks is None else overlap_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"fxopt.parallelize: overlap_chunks must be a positive int, got {chunks!r}")
-    vpe = (cfg.tensor_parallel.vocab_parallel_embedding if vocab_parallel_embedding is None
-           else bool(vocab_parallel_embedding))
-    sp = cfg.tensor_parallel.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
+    vpe = tpcfg.vocab_parallel_embedding if vocab_parallel_embedding is None else bool(vocab_parallel_embedding)
+    sp = tpcfg.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
     if sp and chunks > 1:
         raise ValueError("fxopt.parallelize: sequence_parallel and overlap_chunks > 1 are two ways to place the "
                          "row-parallel communication; choose one")
-    cfg.tensor_parallel = TensorParallelConfig(
-        enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks, vocab_parallel_embedding=vpe,
-        sequence_parallel=sp, sequence_parallel_min_bytes=cfg.tensor_parallel.sequence_parallel_min_bytes)
+    cfg.tensor_parallel = dataclasses.replace(tpcfg, enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks,
+                                              vocab_parallel_embedding=vpe, sequence_parallel=sp)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
