@@ -201,8 +201,8 @@ class TensorParallelModule(nn.Module):
             full = params.get(what, buffers.get(what))
             ts = self._cuts.get(what)
             t = full if ts is None else ts.cut(full.detach(), rank, tp)
-            if what in params:
-                t = t if ts is None else nn.Parameter(t, requires_grad=full.requires_grad)
+            if what in params and ts is not None:
+                t = nn.Parameter(t, requires_grad=full.requires_grad)
             self._register(what, t, is_param=what in params)
         # a zero-memory skeleton for re-capturing at new input shapes
         memo = {id(t): _stand_in(t) for t in list(params.values()) + list(buffers.values())}
@@ -218,9 +218,8 @@ class TensorParallelModule(nn.Module):
                 child = nn.Module()
                 owner.add_module(p, child)
             owner = child
-        if is_param:
-            owner.register_parameter(parts[-1], t if isinstance(t, nn.Parameter) else nn.Parameter(
-                t, requires_grad=t.requires_grad))
+        if is_param:  # t is a Parameter: the model's own, or this rank's cut of it
+            owner.register_parameter(parts[-1], t)
         else:
             owner.register_buffer(parts[-1], t)
         self._slots[fqn] = (owner, parts[-1])

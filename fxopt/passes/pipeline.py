@@ -8,13 +8,10 @@ It rewrites nothing: each node's stage goes to ``node.meta[STAGE_KEY]``, the :cl
 per stage (:func:`fxopt.parallel.pipeline.build_stage_modules`); through ``torch.compile`` or :func:`fxopt.explain`
 the pass only reports the plan.
 
-Partition: the graph becomes a networkx DAG of its values. Parameters and buffers do not flow (each stage owns the
-ones it uses); nodes computed from them alone (rotary tables, constant masks, no random op) are replicated into every
-stage that uses them. Inputs live in stage 0, the output in the last stage; a value made in stage ``a`` and used in
-``b > a`` crosses ``b - a`` boundaries, and only tensors cross. :func:`partition_order` cuts the program order (which
-keeps modules contiguous) by dynamic programming; pinned ``split_points`` (module names) force a boundary before the
-module's first node. Parameters used by several stages are *shared* in the plan (their gradients are summed). A graph
-that cannot be cut is a ``result.skip`` reason, which :func:`fxopt.pipeline` raises as :class:`PipelineError`.
+The partition (docs/architecture.md, "Pipeline parallel"): nodes computed from parameters/buffers alone are
+replicated into the stages that use them, :func:`partition_order` cuts the program order by dynamic programming, and
+pinned ``split_points`` force a boundary. A graph that cannot be cut is a ``result.skip`` reason, which
+:func:`fxopt.pipeline` raises as :class:`PipelineError`.
 """
 from __future__ import annotations
 
