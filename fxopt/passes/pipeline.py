@@ -767,14 +767,14 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
             bytes=sum(costs[n].bytes for n in members),
             params=sorted(qual(n) for n in nodes if is_state[n] and s in readers[n]),
             modules=(ms[0], ms[-1]) if ms else ("", ""), replicated=[n.name for n in rep]))
+    # a value crosses every boundary between its stage and the last stage that reads it
+    last_use = {v: max((part.stage[u] for u in dag.successors(v)), default=s)
+                for v, s in part.stage.items() if v != "__output__"}
     boundaries = []
     for b in range(stages - 1):
         vals = []
         for v, s in part.stage.items():
-            if v == "__output__" or s > b:
-                continue
-            last = max((part.stage[u] for u in dag.successors(v)), default=s)
-            if last > b:
+            if v in last_use and s <= b < last_use[v]:
                 t = match.tensor_val(by_name[v])
                 vals.append((v, tuple(t.shape) if t is not None else (), t.dtype if t is not None else None))
         nbytes = int(part.boundary_bytes[b])
