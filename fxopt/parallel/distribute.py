@@ -412,9 +412,9 @@ def distribute(model: nn.Module, example_args: Any, example_kwargs: Optional[dic
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dev = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        mesh = init_device_mesh(dev.type, tuple(sizes[d] for d in _DIMS), mesh_dim_names=_DIMS)
+        from ..passes.pipeline import default_device
+
+        mesh = init_device_mesh(default_device(device).type, tuple(sizes[d] for d in _DIMS), mesh_dim_names=_DIMS)
     names = mesh.mesh_dim_names
     coords = {d: (mesh.get_local_rank(d) if d in names else 0) for d in _DIMS}
     groups = {d: (mesh[d].get_group() if d in names and sizes[d] > 1 else None) for d in _DIMS}

@@ -150,6 +150,15 @@ def capture_copies(leaves: list, caches: tuple, specs: dict, tp: int) -> list:
     return out
 
 
+def tensor_source(t: torch.Tensor, dummy_ids: dict, leaf_ids: dict, what: str) -> tuple:
+    """("graph", output index) or ("input", flat input index) of a tensor in the model's output."""
+    if id(t) in dummy_ids:
+        return ("graph", dummy_ids[id(t)])
+    if id(t) in leaf_ids:
+        return ("input", leaf_ids[id(t)])
+    raise RuntimeError(f"fxopt.parallelize: {what} is neither a graph output nor an input")
+
+
 @dataclass
 class CacheOutput:
     """How to rebuild one cache object of the model's output after a run of the graph."""
@@ -164,16 +173,8 @@ class CacheOutput:
     @classmethod
     def capture(cls, obj, dummy_ids: dict, leaf_ids: dict, inplace: Optional[int], before: Optional[dict]):
         slots = _slots(obj)
-        sources = []
-        for slot in slots:
-            t = _get(obj, slot)
-            if id(t) in dummy_ids:
-                sources.append(("graph", dummy_ids[id(t)]))
-            elif id(t) in leaf_ids:
-                sources.append(("input", leaf_ids[id(t)]))
-            else:
-                raise RuntimeError("fxopt.parallelize: a tensor of the output cache is neither a graph output nor "
-                                   "an input")
+        sources = [tensor_source(_get(obj, slot), dummy_ids, leaf_ids, "a tensor of the output cache")
+                   for slot in slots]
         changed = {}
         if before is not None:
             changed = {k: v for k, v in vars(obj).items() if k != "layers" and not isinstance(v, torch.Tensor)

@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..config import Config, TensorParallelConfig
+from ..config import Config
 from ..passes import match
 from ..passes.manager import run_passes
 from ..passes.tensor_parallel import TensorParallelPlan, TPContext
@@ -32,17 +32,16 @@ log = logging.getLogger(__name__)
 __all__ = ["parallelize", "TensorParallelModule"]
 
 
+@dataclasses.dataclass
 class _Captured:
     """One rewritten graph and how to feed it / rebuild the model's output."""
 
-    def __init__(self, gm, in_bind, out_bind, out_spec, plan, results):
-        self.gm = gm
-        self.in_bind = in_bind  # per placeholder: ("input", flat leaf index) | ("state", fqn) | ("const", tensor)
-        # per output leaf: ("graph", i) | ("input", flat leaf index) | ("cache", CacheOutput) | ("const", value)
-        self.out_bind = out_bind
-        self.out_spec = out_spec
-        self.plan = plan
-        self.results = results
+    gm: fx.GraphModule
+    in_bind: list  # per placeholder: ("input", flat leaf index) | ("state", fqn) | ("const", tensor)
+    out_bind: list  # per output leaf: ("graph", i) | ("input", flat leaf index) | ("cache", CacheOutput) | ("const", v)
+    out_spec: Any
+    plan: Optional[TensorParallelPlan]
+    results: list
 
 
 def _key(args, kwargs, flat, caches=(), specs=None) -> tuple:
@@ -68,9 +67,10 @@ def _signature(leaves) -> tuple:
     return tuple(sig)
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_factory, training: bool,
+def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, base: TPContext,
              cache_specs: Optional[dict] = None) -> _Captured:
-    """Dynamo-capture ``model(*args, **kwargs)``, run the passes with a TPContext, return the rewritten graph.
+    """Dynamo-capture ``model(*args, **kwargs)``, run the passes with ``base`` filled in for this graph, return the
+    rewritten graph.
 
     ``cache_specs``: flat leaf index -> Shard | None of the KV-cache tensors among the inputs (the capture sees
     zero-memory stand-ins of their global shapes; the pass starts the sharded ones sharded)."""
@@ -90,13 +90,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
         if "gm" in rec:
             raise RuntimeError("fxopt.parallelize: the model was captured as more than one graph")
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        bind, params, grads = [], {}, set()
+        bind = []
         for n, ex in zip(phs, example_inputs):
-            if isinstance(ex, torch.Tensor) and ex.requires_grad:
-                grads.add(n.name)
             if isinstance(ex, torch.Tensor) and id(ex) in state:
                 bind.append(("state", state[id(ex)]))
-                params[n.name] = state[id(ex)]
             elif isinstance(ex, torch.Tensor) and id(ex) in leaf_ids:
                 bind.append(("input", leaf_ids[id(ex)]))
             elif isinstance(ex, torch.Tensor):
@@ -112,8 +109,11 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
             v = match.val(o) if isinstance(o, fx.Node) else o
             dummies.append(torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor)
                            else v)
+        grads = frozenset(n.name for n, ex in zip(phs, example_inputs)
+                          if isinstance(ex, torch.Tensor) and ex.requires_grad)
+        params = {n.name: what for n, (kind, what) in zip(phs, bind) if kind == "state"}
         rec.update(gm=gm, example_inputs=list(example_inputs), phs=[n.name for n in phs], bind=bind,
-                   params=params, grads=frozenset(grads), dummies=dummies)
+                   params=params, grads=grads, dummies=dummies)
 
         def stand_in(*_):
             return tuple(rec["dummies"])
@@ -122,7 +122,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
 
     compiled = torch.compile(model, backend=recorder, fullgraph=True, dynamic=False)
     try:
-        with torch.set_grad_enabled(training):
+        with torch.set_grad_enabled(base.training):
             out = compiled(*args, **kwargs)
     finally:
         torch._dynamo.reset()  # drop the cache entry (it references the full parameters)
@@ -131,12 +131,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
     cache_leaves = {id(leaves[c.leaf]): c.leaf for c in caches}
     out_bind = []
     for x in out_leaves:
-        if isinstance(x, torch.Tensor) and id(x) in dummy_ids:
-            out_bind.append(("graph", dummy_ids[id(x)]))
-        elif isinstance(x, torch.Tensor) and id(x) in leaf_ids:
-            out_bind.append(("input", leaf_ids[id(x)]))
-        elif isinstance(x, torch.Tensor):
-            raise RuntimeError("fxopt.parallelize: an output tensor is neither a graph output nor an input")
+        if isinstance(x, torch.Tensor):
+            out_bind.append(kv_cache.tensor_source(x, dummy_ids, leaf_ids, "an output tensor"))
         elif kv_cache.is_cache(x):
             inplace = cache_leaves.get(id(x))
             out_bind.append(("cache", kv_cache.CacheOutput.capture(x, dummy_ids, leaf_ids, inplace,
@@ -144,20 +140,19 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, cfg: Config, tpc_facto
         else:
             out_bind.append(("const", x))
     # graph outputs that land only in a cache object may stay sharded (each rank keeps its heads)
+    direct = {what for kind, what in out_bind if kind == "graph"}
     shardable = {}
     for kind, what in out_bind:
         if kind == "cache":
-            shardable.update(what.graph_outputs())
-    for kind, what in out_bind:
-        if kind == "graph":
-            shardable.pop(what, None)
+            shardable.update((i, d) for i, d in what.graph_outputs().items() if i not in direct)
     names = kv_cache.slot_names(caches)
     sharded_inputs = {}
     for name, (kind, what) in zip(rec["phs"], rec["bind"]):
         sh = cache_specs.get(what) if kind == "input" else None
         if sh is not None:
             sharded_inputs[name] = (names[what], sh)
-    tpc = tpc_factory(rec["params"], rec["grads"], sharded_inputs=sharded_inputs, shardable_outputs=shardable)
+    tpc = dataclasses.replace(base, params=rec["params"], grad_inputs=rec["grads"], sharded_inputs=sharded_inputs,
+                              shardable_outputs=shardable)
     gm, results = run_passes(rec["gm"], rec["example_inputs"], cfg, {"tensor_parallel": tpc})
     real_recompile = getattr(gm, "real_recompile", None)  # Dynamo hands a lazy GraphModule: make it real
     if real_recompile is not None:
@@ -188,13 +183,13 @@ class TensorParallelModule(nn.Module):
     """This rank's part of a tensor-parallel model (returned by :func:`parallelize`): ``plan`` (printable),
     ``graph_module`` (the rewritten graph for the example inputs), ``pass_results`` (that capture's pass results)."""
 
-    def __init__(self, model: nn.Module, captured: _Captured, key: tuple, *, rank: int, tp: int,
-                 group, cfg: Config, training: bool):
+    def __init__(self, model: nn.Module, captured: _Captured, key: tuple, *, group, cfg: Config, base: TPContext):
         super().__init__()
         self.plan: TensorParallelPlan = captured.plan
         self.graph_module = captured.gm
         self.pass_results = captured.results
-        self._rank, self._tp, self._group, self._cfg, self._training = rank, tp, group, cfg, training
+        rank, tp = base.rank, base.tp
+        self._rank, self._tp, self._group, self._cfg, self._base = rank, tp, group, cfg, base
         self._token = object()  # owner of the KV-cache tensors this module returns
         self._cuts = {ts.name: ts for ts in self.plan.shards.values()}
         self._slots: dict = {}  # fqn -> (owner module, attribute)
@@ -206,8 +201,8 @@ class TensorParallelModule(nn.Module):
             full = params.get(what, buffers.get(what))
             ts = self._cuts.get(what)
             t = full if ts is None else ts.cut(full.detach(), rank, tp)
-            if what in params:
-                t = t if ts is None else nn.Parameter(t, requires_grad=full.requires_grad)
+            if what in params and ts is not None:
+                t = nn.Parameter(t, requires_grad=full.requires_grad)
             self._register(what, t, is_param=what in params)
         # a zero-memory skeleton for re-capturing at new input shapes
         memo = {id(t): _stand_in(t) for t in list(params.values()) + list(buffers.values())}
@@ -223,9 +218,8 @@ class TensorParallelModule(nn.Module):
                 child = nn.Module()
                 owner.add_module(p, child)
             owner = child
-        if is_param:
-            owner.register_parameter(parts[-1], t if isinstance(t, nn.Parameter) else nn.Parameter(
-                t, requires_grad=t.requires_grad))
+        if is_param:  # t is a Parameter: the model's own, or this rank's cut of it
+            owner.register_parameter(parts[-1], t)
         else:
             owner.register_buffer(parts[-1], t)
         self._slots[fqn] = (owner, parts[-1])
@@ -239,27 +233,21 @@ class TensorParallelModule(nn.Module):
         cap = self._graphs.get(key)
         if cap is None:
             cap = self._recapture(args, kwargs, key, specs)
-        inputs = []
-        for kind, what in cap.in_bind:
-            inputs.append(flat[what] if kind == "input" else self._get(what) if kind == "state" else what)
-        outs = cap.gm(*inputs)
-        out_leaves = []
-        for kind, what in cap.out_bind:
-            if kind == "graph":
-                out_leaves.append(outs[what])
-            elif kind == "input":
-                out_leaves.append(flat[what])
-            elif kind == "cache":
-                out_leaves.append(what.build(outs, flat, leaves, self._token))
-            else:
-                out_leaves.append(what)
-        return tree_unflatten(out_leaves, cap.out_spec)
+        outs = cap.gm(*(flat[what] if kind == "input" else self._get(what) if kind == "state" else what
+                        for kind, what in cap.in_bind))
+
+        def leaf(kind, what):
+            if kind == "cache":
+                return what.build(outs, flat, leaves, self._token)
+            return outs[what] if kind == "graph" else flat[what] if kind == "input" else what
+
+        return tree_unflatten([leaf(kind, what) for kind, what in cap.out_bind], cap.out_spec)
 
     @torch._dynamo.disable
     def _recapture(self, args, kwargs, key, cache_specs):
         skeleton = self._skeleton[0]
         log.info("fxopt.parallelize: new input signature, re-capturing the skeleton")
-        cap = _capture(skeleton, args, kwargs, self._cfg, self._tpc_factory(), self._training, cache_specs)
+        cap = _capture(skeleton, args, kwargs, self._cfg, self._base, cache_specs)
         new = {ts.name: ts.shard for ts in cap.plan.shards.values()}
         old = {name: ts.shard for name, ts in self._cuts.items()}
         used = {what for kind, what in cap.in_bind if kind == "state"}
@@ -271,10 +259,6 @@ class TensorParallelModule(nn.Module):
                 raise RuntimeError(f"fxopt.parallelize: the new graph needs {name}, unused at capture time")
         self._graphs[key] = cap
         return cap
-
-    def _tpc_factory(self):
-        group_name, rank, tp, training = self._group.group_name, self._rank, self._tp, self._training
-        return functools.partial(_tp_context, group_name, rank, tp, training)
 
     def generate(self, *args, **kwargs):
         """transformers' ``generate()`` of the model, each forward run by this module. Call it on every rank with the
@@ -308,10 +292,6 @@ class TensorParallelModule(nn.Module):
             full.index_add_(ts.shard.dim, idx, p.grad)
             dist.all_reduce(full, group=self._group)
             p.grad.copy_(full.index_select(ts.shard.dim, idx))
-
-
-def _tp_context(group_name, rank, tp, training, params, grads, **extra) -> TPContext:
-    return TPContext(group_name, rank, tp, params, bool(training), grads, **extra)
 
 
 def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None, *, tp: int,
@@ -358,19 +338,18 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     if tp != world:
         raise ValueError(f"fxopt.parallelize: tp={tp} but the process group has {world} ranks (they must match)")
     cfg = copy.deepcopy(config) if config is not None else Config()
-    vp = cfg.tensor_parallel.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
-    chunks = cfg.tensor_parallel.overlap_chunks if overlap_chunks is None else overlap_chunks
+    tpcfg = cfg.tensor_parallel
+    vp = tpcfg.vocab_parallel if vocab_parallel is None else bool(vocab_parallel)
+    chunks = tpcfg.overlap_chunks if overlap_chunks is None else overlap_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"fxopt.parallelize: overlap_chunks must be a positive int, got {chunks!r}")
-    vpe = (cfg.tensor_parallel.vocab_parallel_embedding if vocab_parallel_embedding is None
-           else bool(vocab_parallel_embedding))
-    sp = cfg.tensor_parallel.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
+    vpe = tpcfg.vocab_parallel_embedding if vocab_parallel_embedding is None else bool(vocab_parallel_embedding)
+    sp = tpcfg.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
     if sp and chunks > 1:
         raise ValueError("fxopt.parallelize: sequence_parallel and overlap_chunks > 1 are two ways to place the "
                          "row-parallel communication; choose one")
-    cfg.tensor_parallel = TensorParallelConfig(
-        enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks, vocab_parallel_embedding=vpe,
-        sequence_parallel=sp, sequence_parallel_min_bytes=cfg.tensor_parallel.sequence_parallel_min_bytes)
+    cfg.tensor_parallel = dataclasses.replace(tpcfg, enabled=True, tp=tp, vocab_parallel=vp, overlap_chunks=chunks,
+                                              vocab_parallel_embedding=vpe, sequence_parallel=sp)
     cfg.pipeline = dataclasses.replace(cfg.pipeline, enabled=False)
     if training is None:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
@@ -391,12 +370,12 @@ def parallelize(model: nn.Module, example_args: Any, example_kwargs: Optional[di
     agree(group, (_signature(flat), caches_sig, tuple(kwargs), n_params, bool(training)), errors,
           "fxopt.parallelize")
     key = _key(tuple(args), kwargs, flat, caches, {})
-    factory = functools.partial(_tp_context, group_name, rank, tp, training)
-    cap = _capture(model, tuple(args), kwargs, cfg, factory, bool(training))
+    base = TPContext(group_name, rank, tp, {}, bool(training))
+    cap = _capture(model, tuple(args), kwargs, cfg, base)
     if cap.plan is None:
         raise RuntimeError("fxopt.parallelize: the tensor_parallel pass did not run (is it disabled in config?)")
     if not cap.plan.shards:
         log.warning("fxopt.parallelize: nothing could be sharded; every rank runs the full model:\n%s", cap.plan)
-    mod = TensorParallelModule(model, cap, key, rank=rank, tp=tp, group=group, cfg=cfg, training=bool(training))
+    mod = TensorParallelModule(model, cap, key, group=group, cfg=cfg, base=base)
     log.info("%s", cap.plan)
     return mod

@@ -8,13 +8,10 @@ It rewrites nothing: each node's stage goes to ``node.meta[STAGE_KEY]``, the :cl
 per stage (:func:`fxopt.parallel.pipeline.build_stage_modules`); through ``torch.compile`` or :func:`fxopt.explain`
 the pass only reports the plan.
 
-Partition: the graph becomes a networkx DAG of its values. Parameters and buffers do not flow (each stage owns the
-ones it uses); nodes computed from them alone (rotary tables, constant masks, no random op) are replicated into every
-stage that uses them. Inputs live in stage 0, the output in the last stage; a value made in stage ``a`` and used in
-``b > a`` crosses ``b - a`` boundaries, and only tensors cross. :func:`partition_order` cuts the program order (which
-keeps modules contiguous) by dynamic programming; pinned ``split_points`` (module names) force a boundary before the
-module's first node. Parameters used by several stages are *shared* in the plan (their gradients are summed). A graph
-that cannot be cut is a ``result.skip`` reason, which :func:`fxopt.pipeline` raises as :class:`PipelineError`.
+The partition (docs/architecture.md, "Pipeline parallel"): nodes computed from parameters/buffers alone are
+replicated into the stages that use them, :func:`partition_order` cuts the program order by dynamic programming, and
+pinned ``split_points`` force a boundary. A graph that cannot be cut is a ``result.skip`` reason, which
+:func:`fxopt.pipeline` raises as :class:`PipelineError`.
 """
 from __future__ import annotations
 
@@ -41,6 +38,13 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 
 class PipelineError(ValueError):
     """A model or setting that the pipeline split cannot handle (the message says why)."""
+
+
+def default_device(device: Any = None) -> torch.device:
+    """``device``, or CUDA when there is one, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -100,8 +104,7 @@ class DeviceProfile:
     @classmethod
     def for_device(cls, device: Any = None) -> "DeviceProfile":
         """The preset for ``device`` (CUDA → H200 numbers, named after the actual GPU; otherwise CPU)."""
-        device = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        device = default_device(device)
         if device.type == "cuda":
             prof = cls.h200()
             if torch.cuda.is_available():
@@ -116,7 +119,7 @@ class DeviceProfile:
         import time
 
         prof = cls.for_device(device)
-        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = default_device(device)
         n = 4096 if dev.type == "cuda" else 512
         n_small = 1024 if dev.type == "cuda" else 128
         dt = dtype if dev.type == "cuda" else torch.float32
@@ -282,8 +285,8 @@ def _is_free(node: fx.Node, name: str) -> bool:
     return False
 
 
-def _input_bytes(node: fx.Node, src: fx.Node, name: str, out_bytes: float) -> float:
-    b = float(sum(_nbytes(t) for t in _tensors(match.val(src))))
+def _input_bytes(src: fx.Node, name: str, out_bytes: float) -> float:
+    b = float(value_bytes(src))
     if name in _GATHER_OPS and b > out_bytes:  # the table: only the rows looked up are read
         return out_bytes
     return b
@@ -298,7 +301,7 @@ def node_cost(node: fx.Node, profile: DeviceProfile) -> NodeCost:
         return NodeCost()
     outs = _tensors(match.val(node))
     out_bytes = float(sum(_nbytes(t) for t in outs))
-    nbytes = out_bytes + sum(_input_bytes(node, a, name, out_bytes) for a in node.all_input_nodes)
+    nbytes = out_bytes + sum(_input_bytes(a, name, out_bytes) for a in node.all_input_nodes)
     ins = [t for a in node.all_input_nodes for t in _tensors(match.val(a))]
     dtype = (ins or outs)[0].dtype if (ins or outs) else torch.float32
     flops = _custom_op_flops(node) if node.op == "call_function" and isinstance(
@@ -380,7 +383,7 @@ def graph_costs(nodes: Sequence[fx.Node], profile: DeviceProfile) -> dict:
         for a in read:
             users = [u for u in a.users if u in mset]
             gather = users and all(names[u] in _GATHER_OPS for u in users)
-            nbytes += _input_bytes(users[0] if users else a, a, names[users[0]] if gather else "", out_b)
+            nbytes += _input_bytes(a, names[users[0]] if gather else "", out_b)
         dev = max(flops / profile.vector_flops, nbytes / profile.mem_bw)
         t = max(dev, profile.op_overhead_s)
         for n in members:
@@ -501,13 +504,10 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     # Step 1: least bottleneck.
     best = np.full((stages + 1, n + 1), INF)
     best[0, 0] = 0.0
-    for k in range(1, stages + 1):
-        for j in range(1, n + 1):
-            if not valid[j] or (k < stages and j == n):
-                continue
-            ok = allowed_starts(j)
-            cand = np.where(ok, np.maximum(best[k - 1], prefix[j] - prefix), INF)
-            best[k, j] = cand.min()
+    # (k, j): the first k segments end just before position j (valid cuts; only the last segment ends at n)
+    ends = [(k, j) for k in range(1, stages + 1) for j in range(1, n + 1) if valid[j] and (k == stages or j < n)]
+    for k, j in ends:
+        best[k, j] = np.where(allowed_starts(j), np.maximum(best[k - 1], prefix[j] - prefix), INF).min()
     t_star = best[stages, n]
     if not np.isfinite(t_star):
         raise PipelineError(
@@ -522,31 +522,24 @@ def partition_order(dag, order: Sequence, stages: int, cut_before: Sequence = ()
     peak = np.full((stages + 1, n + 1), INF)
     comm[0, 0] = peak[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
-    for k in range(1, stages + 1):
-        for j in range(1, n + 1):
-            if not valid[j] or (k < stages and j == n):
-                continue
-            seg = prefix[j] - prefix
-            ok = allowed_starts(j) & (seg <= limit) & np.isfinite(comm[k - 1])
-            if not ok.any():
-                continue
-            c = np.where(ok, comm[k - 1] + np.where(idx > 0, live, 0.0), INF)
-            cmin = c.min()
-            tie = ok & (c <= cmin + 1e-9 * max(cmin, 1.0))
-            m = np.where(tie, np.maximum(peak[k - 1], seg), INF)
-            i = int(m.argmin())
-            comm[k, j], peak[k, j], arg[k, j] = c[i], m[i], i
-    cuts = []
-    j = n
+    for k, j in ends:
+        seg = prefix[j] - prefix
+        ok = allowed_starts(j) & (seg <= limit) & np.isfinite(comm[k - 1])
+        if not ok.any():
+            continue
+        c = np.where(ok, comm[k - 1] + np.where(idx > 0, live, 0.0), INF)
+        cmin = c.min()
+        tie = ok & (c <= cmin + 1e-9 * max(cmin, 1.0))
+        m = np.where(tie, np.maximum(peak[k - 1], seg), INF)
+        i = int(m.argmin())
+        comm[k, j], peak[k, j], arg[k, j] = c[i], m[i], i
+    cuts, j = [], n
     for k in range(stages, 0, -1):
-        i = int(arg[k, j])
-        cuts.append(i)
-        j = i
+        j = int(arg[k, j])
+        cuts.append(j)
     cuts = sorted(cuts)[1:]  # drop position 0
     assert all(p in cuts for p in pins)
-    stage = {}
-    for i, v in enumerate(order):
-        stage[v] = int(np.searchsorted(cuts, i, side="right"))
+    stage = {v: int(np.searchsorted(cuts, i, side="right")) for i, v in enumerate(order)}
     for v, data in dag.nodes(data=True):
         if v not in pos:
             stage[v] = 0 if data.get("pinned_stage", 0) == 0 else stages - 1
@@ -588,13 +581,9 @@ class PipelinePlan:
     method: str
 
     @property
-    def stage_seconds(self) -> list:
-        return [s.seconds for s in self.stages]
-
-    @property
     def balance(self) -> float:
         """Slowest stage over the mean stage (1.0 is perfect balance)."""
-        t = self.stage_seconds
+        t = [s.seconds for s in self.stages]
         return max(t) / (sum(t) / len(t)) if sum(t) > 0 else 1.0
 
     def lines(self) -> list:
@@ -740,32 +729,28 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
 
     by_name = {n.name: n for n in nodes}
     stage_of = {by_name[v]: s for v, s in part.stage.items() if v in by_name}
-    rep_stages: dict = {}
+    readers: dict = {}  # replicated and state node -> the stages that read it, directly or through replicated nodes
 
-    def use_stages(n):  # the stages that read n, directly or through replicated nodes
+    def use_stages(n):
         st = set()
         for u in n.users:
             if u.op == "output":
                 st.add(stages - 1)
             elif u in replicated:
-                st |= rep_stages.get(u, set())
+                st |= readers.get(u, set())
             elif u in stage_of:
                 st.add(stage_of[u])
         return st
 
-    for n in reversed(nodes):
-        if n in replicated:
-            rep_stages[n] = use_stages(n)
-    state_stages = {n: use_stages(n) for n in nodes if is_state[n]}
-
+    for n in reversed(nodes):  # a replicated node's users come after it; state nodes have no inputs
+        if n in replicated or is_state[n]:
+            readers[n] = use_stages(n)
     for n in nodes:
         n.meta.pop(STAGE_KEY, None)
         if n in stage_of:
             n.meta[STAGE_KEY] = stage_of[n]
-        elif n in replicated:
-            n.meta[STAGE_KEY] = sorted(rep_stages[n])
-        elif is_state[n]:
-            n.meta[STAGE_KEY] = sorted(state_stages[n])
+        elif n in readers:
+            n.meta[STAGE_KEY] = sorted(readers[n])
 
     def qual(n):
         return state.get(n.name, n.target if n.op == "get_attr" else n.name)
@@ -773,23 +758,23 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
     stage_plans = []
     for s in range(stages):
         own = [n for n in compute if stage_of.get(n) == s]
-        rep = [n for n in nodes if n in replicated and s in rep_stages.get(n, ())]
+        rep = [n for n in nodes if n in replicated and s in readers[n]]
         members = [n for n in nodes if n in own or n in rep]
         ms = [mods.get(n.name, "") for n in own if mods.get(n.name)]
         stage_plans.append(StagePlan(
             index=s, nodes=[n.name for n in members],
             seconds=sum(costs[n].seconds for n in members), flops=sum(costs[n].flops for n in members),
             bytes=sum(costs[n].bytes for n in members),
-            params=sorted(qual(n) for n in nodes if is_state[n] and s in state_stages.get(n, ())),
+            params=sorted(qual(n) for n in nodes if is_state[n] and s in readers[n]),
             modules=(ms[0], ms[-1]) if ms else ("", ""), replicated=[n.name for n in rep]))
+    # a value crosses every boundary between its stage and the last stage that reads it
+    last_use = {v: max((part.stage[u] for u in dag.successors(v)), default=s)
+                for v, s in part.stage.items() if v != "__output__"}
     boundaries = []
     for b in range(stages - 1):
         vals = []
         for v, s in part.stage.items():
-            if v == "__output__" or s > b:
-                continue
-            last = max((part.stage[u] for u in dag.successors(v)), default=s)
-            if last > b:
+            if v in last_use and s <= b < last_use[v]:
                 t = match.tensor_val(by_name[v])
                 vals.append((v, tuple(t.shape) if t is not None else (), t.dtype if t is not None else None))
         nbytes = int(part.boundary_bytes[b])
@@ -797,12 +782,12 @@ def build_plan(gm: fx.GraphModule, stages: int, *, state: dict, profile: DeviceP
     # A parameter may reach the graph through several placeholders (tied weights read through two module paths):
     # group by qualified name.
     by_qual: dict = {}
-    for n, st in state_stages.items():
+    for n in [n for n in nodes if is_state[n]]:
         v = match.val(n)
         is_param = (qual(n) in trainable) if trainable is not None else (
             isinstance(v, torch.Tensor) and (v.requires_grad or "_parameters_" in n.name))
         if is_param:
-            by_qual.setdefault(qual(n), set()).update(st)
+            by_qual.setdefault(qual(n), set()).update(readers[n])
     shared = {q: sorted(st) for q, st in by_qual.items() if len(st) > 1}
     return PipelinePlan(stage_plans, boundaries, shared, profile.name, pins, "order-DP")
 

@@ -625,7 +625,9 @@ def test_pass_outside_parallelize_leaves_graph():
 
 
 def test_reshape_map_rules():
-    from fxopt.passes.tensor_parallel import Shard, _Conflict, _reshape_map
+    from fxopt.passes.tensor_parallel import Shard
+    from fxopt.passes.tensor_parallel.plan import _Conflict
+    from fxopt.passes.tensor_parallel.rules import _reshape_map
 
     s = Shard(2, ((64, 1),))
     assert _reshape_map((2, 8, 64), (2, 8, 4, 16), s, 2) == Shard(2, ((4, 1),))  # heads

@@ -9,8 +9,6 @@ search, sequence_parallel, rewrite, entry.
 from .collectives import tp_copy
 from .entry import tensor_parallel_pass
 from .plan import Shard, ShardedInputError, TensorParallelPlan, TensorShard, TPContext
-from .plan import _Conflict  # noqa: F401  (the rule tests raise and catch it)
-from .rules import _reshape_map  # noqa: F401  (the rule tests call it)
 
 __all__ = ["Shard", "ShardedInputError", "TPContext", "TensorParallelPlan", "TensorShard", "tensor_parallel_pass",
            "tp_copy"]

@@ -30,18 +30,12 @@ def _repropagate(gm: fx.GraphModule, plan: TensorParallelPlan, expected: dict):
         from torch._subclasses.fake_tensor import FakeTensorMode
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
-    local_inputs = {}
-    for name, (_, sh) in plan.inputs.items():
-        shape = list(match.val(next(n for n in phs if n.name == name)).shape)
-        shape[sh.dim] = sh.local(plan.tp)
-        local_inputs[name] = tuple(shape)
     with mode:
         for n, v in zip(phs, vals):
-            ts = plan.shards.get(n.name)
-            local = ts.local_shape if ts is not None else local_inputs.get(n.name)
+            ts, held = plan.shards.get(n.name), plan.inputs.get(n.name)  # a parameter's cut, a KV cache's shard
+            local = ts.local_shape if ts is not None else held[1].local_shape(v.shape, plan.tp) if held else None
             if local is not None:
-                t = torch.empty(local, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
-                inputs.append(t)
+                inputs.append(torch.empty(local, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad))
             elif isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.FakeTensor):
                 inputs.append(mode.from_tensor(v))
             else:
@@ -70,12 +64,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, cfg: TensorParallelConfig, ctx: Pas
     an = _TPAnalysis(gm, cfg, tpc, result)
     prop = an.solve()
     # expected local shapes of every node the plan touches (checked after re-propagation)
-    expected = {}
-    for n, st in prop.state.items():
-        if isinstance(st, Shard):
-            s = list(_shape(n))
-            s[st.dim] = st.local(tpc.tp)
-            expected[n] = tuple(s)
+    expected = {n: st.local_shape(_shape(n), tpc.tp) for n, st in prop.state.items() if isinstance(st, Shard)}
     for n in gm.graph.nodes:
         if n not in expected and n.op not in ("placeholder", "output") and _shape(n) is not None:
             expected[n] = tuple(_shape(n))

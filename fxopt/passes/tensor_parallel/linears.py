@@ -36,6 +36,12 @@ def _strip_casts(n):
     return n, chain
 
 
+def _int4(node, x, kind: str, qparams: tuple, bias, group_size: int, **extra) -> _Linear:
+    """An int4 linear: qweight [K / 8, N]; group size -1 means one group over all of K."""
+    K, N = _shape(qparams[0])[0] * 8, _shape(qparams[0])[1]
+    return _Linear(node, x, kind, qparams[0], bias, N, K, qparams, K if group_size == -1 else group_size, **extra)
+
+
 class _Finder:
     def __init__(self, gm: fx.GraphModule, tpc: TPContext):
         self.gm, self.tpc = gm, tpc
@@ -69,10 +75,7 @@ class _Finder:
                     all_casts += c
                 if not all(self.is_state(s) for s in srcs) or not isinstance(G, int):
                     return None
-                qsh = _shape(srcs[0])
-                K = qsh[0] * 8
-                return _Linear(node, x, "dequant", srcs[0], b, qsh[1], K, tuple(srcs), K if G == -1 else G, ws,
-                               tuple(all_casts))
+                return _int4(node, x, "dequant", tuple(srcs), b, G, dequant=ws, casts=tuple(all_casts))
             return None
         if k == "w4a16_linear":
             x, qw, sc, zr = node.args[:4]
@@ -80,9 +83,7 @@ class _Finder:
             b = node.args[5] if len(node.args) > 5 else node.kwargs.get("bias")
             if not all(self.is_state(t) for t in (qw, sc, zr)) or (b is not None and not self.is_state(b)):
                 return None
-            qsh = _shape(qw)
-            K = qsh[0] * 8
-            return _Linear(node, x, "w4a16", qw, b, qsh[1], K, (qw, sc, zr), K if G == -1 else G)
+            return _int4(node, x, "w4a16", (qw, sc, zr), b, G)
         if k == "addmm":
             b, x, w = node.args[:3]
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3:

@@ -26,6 +26,12 @@ class Shard:
     def valid(self, tp: int) -> bool:
         return all(s > 0 and tp % rf == 0 and s % (tp // rf) == 0 for s, rf in self.sections)
 
+    def local_shape(self, shape, tp: int) -> tuple:
+        """``shape`` (the global one) with ``dim`` cut to one rank's part."""
+        out = list(shape)
+        out[self.dim] = self.local(tp)
+        return tuple(out)
+
     def moved(self, dim: int) -> "Shard":
         return Shard(dim, self.sections)
 

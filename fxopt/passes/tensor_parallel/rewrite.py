@@ -19,6 +19,12 @@ from .search import _TPAnalysis
 from .sequence_parallel import _SequenceParallel
 
 
+# (side, linear kind) -> (cut dim of the weight, role); int4 linears cut their qparams in _cut_linear
+_WEIGHT_CUTS = {("column", "dense"): (0, "column weight"), ("column", "conv1d"): (1, "column weight (Conv1D)"),
+                ("row", "dense"): (1, "row weight"), ("row", "conv1d"): (0, "row weight (Conv1D)")}
+_BIAS_ARG = {"dense": 2, "dequant": 2, "w4a16": 5}  # position of the bias argument (conv1d: addmm's first)
+
+
 class _Rewriter:
     def __init__(self, an: _TPAnalysis, prop: _Propagation):
         self.an, self.prop = an, prop
@@ -34,14 +40,13 @@ class _Rewriter:
 
     def shard_placeholder(self, ph: fx.Node, sh: Shard, role: str):
         gshape = tuple(_shape(ph))
-        local = list(gshape)
-        local[sh.dim] = sh.local(self.tp)
         prev = self.plan.shards.get(ph.name)
         if prev is not None:
             if prev.shard != sh:
                 raise RuntimeError(f"tensor_parallel: {ph.name} would be cut two ways")
             return
-        self.plan.shards[ph.name] = TensorShard(ph.name, self.an.name(ph), sh, gshape, tuple(local), role)
+        self.plan.shards[ph.name] = TensorShard(ph.name, self.an.name(ph), sh, gshape, sh.local_shape(gshape, self.tp),
+                                                  role)
 
     def all_reduce(self, after: fx.Node, x: fx.Node) -> fx.Node:
         g = self.g
@@ -79,32 +84,18 @@ class _Rewriter:
         the waits after the last chunk's matmul; cat. Chunk i's all-reduce then runs on the communication stream
         while chunk i + 1's matmul runs on the compute stream."""
         g = self.g
-        pending, outs = [], []
-        cursor = node
-        with g.inserting_after(cursor):
+        with g.inserting_before(node.next):
             parts = g.call_function(torch.chunk, (x, chunks, -2))
-        cursor = parts
-        for i in range(chunks):
-            with g.inserting_after(cursor):
+            new, pending = [parts], []
+            for i in range(chunks):
                 xi = g.call_function(operator.getitem, (parts, i))
-            with g.inserting_after(xi):
                 yi = g.node_copy(node, lambda n: xi if n is x else n)
-            with g.inserting_after(yi):
-                ar = g.call_function(_ALL_REDUCE, (yi, "sum", self.tpc.group_name))
-            for n in (xi, yi, ar):
-                _copy_meta(n, node)
-            pending.append(ar)
-            cursor = ar
-        for ar in pending:
-            with g.inserting_after(cursor):
-                w = g.call_function(_WAIT, (ar,))
-            _copy_meta(w, node)
-            outs.append(w)
-            cursor = w
-        with g.inserting_after(cursor):
+                pending.append(g.call_function(_ALL_REDUCE, (yi, "sum", self.tpc.group_name)))
+                new += [xi, yi, pending[-1]]
+            outs = [g.call_function(_WAIT, (ar,)) for ar in pending]
             out = g.call_function(torch.cat, (outs, -2))
-        _copy_meta(out, node)
-        _copy_meta(parts, node)
+        for n in new + outs + [out]:
+            _copy_meta(n, node)
         self.plan.all_reduces += chunks
         self.plan.overlap_chunks = max(self.plan.overlap_chunks, chunks)
         # the unchunked linear has no users left once the caller rewires them to ``out``
@@ -130,11 +121,8 @@ class _Rewriter:
         order = {n: i for i, n in enumerate(g.nodes)}
         todo = sorted([(n, "column") for n in prop.columns] + [(n, "row") for n in prop.rows],
                       key=lambda t: order[t[0]])
-        for node, kind in todo:
-            if kind == "column":
-                self._column(node, prop.columns[node])
-            else:
-                self._row(node, prop.rows[node])
+        for node, side in todo:
+            self._cut_linear(node, side, prop.columns[node] if side == "column" else prop.rows[node])
         # 4. vocab-parallel embeddings
         if an.cfg.vocab_parallel:
             self._vocab_embeddings()
@@ -156,43 +144,34 @@ class _Rewriter:
             else:
                 _SequenceParallel(self).run()
 
-    def _column(self, node, sh):
+    def _cut_linear(self, node, side: str, sh: Shard):
+        """Shard the weight (and a column bias) of a column / row linear; a row one also gets its all-reduce."""
         an = self.an
         lin = an.linears[node]
         secs = sh.sections
-        if lin.kind == "dense":
-            self.shard_placeholder(lin.weight, Shard(0, secs), "column weight")
-        elif lin.kind == "conv1d":
-            self.shard_placeholder(lin.weight, Shard(1, secs), "column weight (Conv1D)")
-        else:
+        if (side, lin.kind) in _WEIGHT_CUTS:
+            dim, role = _WEIGHT_CUTS[side, lin.kind]
+            self.shard_placeholder(lin.weight, Shard(dim, secs), role)
+        elif side == "column":
             for t in lin.qparams:
-                self.shard_placeholder(t, Shard(1, secs), "column int4 " + self.an.name(t).rsplit(".", 1)[-1])
-        if lin.bias is not None:
-            self.shard_placeholder(lin.bias, Shard(0, secs), "column bias")
-        secs_txt = "" if secs == ((lin.N, 1),) else "  " + sh.describe().split(", ", 1)[-1]
-        self.plan.linears.append(("column", an.lin_name(lin), f"out features {lin.N} -> {sh.local(self.tp)}"
-                                  f"{secs_txt}"))
-        an.result.rewrites += 1
-
-    def _row(self, node, sh):
-        an = self.an
-        lin = an.linears[node]
-        secs = sh.sections
-        if lin.kind == "dense":
-            self.shard_placeholder(lin.weight, Shard(1, secs), "row weight")
-        elif lin.kind == "conv1d":
-            self.shard_placeholder(lin.weight, Shard(0, secs), "row weight (Conv1D)")
+                self.shard_placeholder(t, Shard(1, secs), "column int4 " + an.name(t).rsplit(".", 1)[-1])
         else:
             qw, sc, zr = lin.qparams
             self.shard_placeholder(qw, Shard(0, tuple((s // 8, rf) for s, rf in secs)), "row int4 qweight")
             for t in (sc, zr):
                 self.shard_placeholder(t, Shard(0, tuple((s // lin.group_size, rf) for s, rf in secs)),
-                                       "row int4 " + self.an.name(t).rsplit(".", 1)[-1])
-        chunks = self._row_rewrite(lin)
-        chunked = f" in {chunks} token chunks" if chunks > 1 else ""
-        self.plan.linears.append(("row", an.lin_name(lin), f"in features {lin.K} -> {sh.local(self.tp)}"
-                                  f"{' (bias after all_reduce)' if lin.bias is not None else ''} + all_reduce"
-                                  f"{chunked}"))
+                                       "row int4 " + an.name(t).rsplit(".", 1)[-1])
+        if side == "column":
+            if lin.bias is not None:
+                self.shard_placeholder(lin.bias, Shard(0, secs), "column bias")
+            secs_txt = "" if secs == ((lin.N, 1),) else "  " + sh.describe().split(", ", 1)[-1]
+            detail = f"out features {lin.N} -> {sh.local(self.tp)}{secs_txt}"
+        else:
+            chunks = self._row_rewrite(lin)
+            detail = (f"in features {lin.K} -> {sh.local(self.tp)}"
+                      f"{' (bias after all_reduce)' if lin.bias is not None else ''} + all_reduce"
+                      f"{f' in {chunks} token chunks' if chunks > 1 else ''}")
+        self.plan.linears.append((side, an.lin_name(lin), detail))
         an.result.rewrites += 1
 
     def _row_rewrite(self, lin: _Linear) -> int:
@@ -200,11 +179,9 @@ class _Rewriter:
         node, g = lin.node, self.g
         bias = lin.bias
         if bias is not None:
-            if lin.kind == "dense" or lin.kind == "dequant":
-                _set_arg(node, 2, "bias", None)
-            elif lin.kind == "w4a16":
-                _set_arg(node, 5, "bias", None)
-            elif lin.kind == "conv1d":
+            if lin.kind in _BIAS_ARG:
+                _set_arg(node, _BIAS_ARG[lin.kind], "bias", None)
+            else:  # conv1d: addmm(bias, x, w) -> mm(x, w)
                 with g.inserting_before(node):
                     mm = g.call_function(torch.mm, (lin.x, lin.weight))
                 _copy_meta(mm, node)
@@ -241,30 +218,26 @@ class _Rewriter:
             V, E = _shape(w)
             max_norm = match.get_arg(node, 3, "max_norm")
             padding_idx = match.get_arg(node, 2, "padding_idx")
-            if V not in head_sizes:
-                an.result.skip(node, f"embedding rows {V} != the gathered lm_head's out features {head_sizes}: "
-                                     f"not the vocabulary embedding, replicated")
-                continue
-            if V % tp:
-                an.result.skip(node, f"vocab {V} not divisible by tp={tp}: embedding replicated")
-                self.plan.replicated.append((an.name(w), f"vocab {V} not divisible by tp={tp}"))
-                continue
-            if max_norm is not None:
-                an.result.skip(node, "embedding with max_norm: replicated")
-                continue
             other = [u for u in w.users if u is not node]
-            if not other and not an.cfg.vocab_parallel_embedding:
-                reason = ("untied vocabulary embedding kept replicated (vocab_parallel_embedding=False): no masked "
-                          "lookup, no all-reduce")
-                an.result.skip(node, reason)
-                self.plan.replicated.append((an.name(w), reason))
-                continue
-            ok = all(u in self.prop.columns and self.prop.columns[u].sections == ((V, 1),) and
-                     an.linears[u].kind == "dense" for u in other)
-            if not ok:
-                reason = "embedding weight is tied to an op that is not vocab-parallel"
-                an.result.skip(node, reason)
-                self.plan.replicated.append((an.name(w), reason))
+            skip = listed = None  # the skip reason, and the one plan.replicated lists
+            if V not in head_sizes:
+                skip = (f"embedding rows {V} != the gathered lm_head's out features {head_sizes}: not the vocabulary "
+                        f"embedding, replicated")
+            elif V % tp:
+                listed = f"vocab {V} not divisible by tp={tp}"
+                skip = listed + ": embedding replicated"
+            elif max_norm is not None:
+                skip = "embedding with max_norm: replicated"
+            elif not other and not an.cfg.vocab_parallel_embedding:
+                skip = listed = ("untied vocabulary embedding kept replicated (vocab_parallel_embedding=False): no "
+                                 "masked lookup, no all-reduce")
+            elif not all(u in self.prop.columns and self.prop.columns[u].sections == ((V, 1),) and
+                         an.linears[u].kind == "dense" for u in other):
+                skip = listed = "embedding weight is tied to an op that is not vocab-parallel"
+            if skip is not None:
+                an.result.skip(node, skip)
+                if listed is not None:
+                    self.plan.replicated.append((an.name(w), listed))
                 continue
             Vl = V // tp
             start = r * Vl
@@ -282,9 +255,8 @@ class _Rewriter:
                 p = padding_idx % V
                 _set_arg(node, 2, "padding_idx", (p - start) if start <= p < start + Vl else None)
             users = list(node.users)
-            with g.inserting_after(node):
+            with g.inserting_before(node.next):
                 m = g.call_method("unsqueeze", (outside, -1))
-            with g.inserting_after(m):
                 masked = g.call_method("masked_fill", (node, m, 0.0))
             _copy_meta(m, node)
             _copy_meta(masked, node)

@@ -221,16 +221,18 @@ class _Propagation:
         sh = self.state[x]
         in_shape, out_shape = _shape(x), self._out_shape(node)
         new = _reshape_map(in_shape, out_shape, sh, self.tp)
-        sizes, setter = _shape_arg_list(node)
-        if len(sizes) != len(out_shape):
-            raise _Conflict("reshape size list does not match the output rank")
-        v = sizes[new.dim]
-        if isinstance(v, fx.Node):
-            raise _Conflict("symbolic size at the sharded position of a reshape")
-        if v != -1:
-            local = new.local(self.tp)
-            self.rewrites[node] = lambda: setter([local if i == new.dim else s for i, s in enumerate(sizes)])
+        self._local_size(node, new.dim, new.local(self.tp), "a reshape", rank=len(out_shape))
         return new
+
+    def _local_size(self, node, d: int, local: int, what: str, rank=None):
+        """Record the edit of a view/expand size list: position ``d`` becomes ``local`` (unless it is -1)."""
+        sizes, setter = _shape_arg_list(node)
+        if rank is not None and len(sizes) != rank:
+            raise _Conflict("reshape size list does not match the output rank")
+        if isinstance(sizes[d], fx.Node):
+            raise _Conflict(f"symbolic size at the sharded position of {what}")
+        if sizes[d] != -1:
+            self.rewrites[node] = lambda: setter([local if i == d else s for i, s in enumerate(sizes)])
 
     def rule_flatten(self, node, ins):
         if node.args[0] not in ins:
@@ -244,13 +246,7 @@ class _Propagation:
         d = sh.dim + len(out_shape) - len(in_shape)
         if in_shape[sh.dim] != out_shape[d]:
             raise _Conflict("expand along the sharded dim")
-        sizes, setter = _shape_arg_list(node)
-        v = sizes[d]
-        if isinstance(v, fx.Node):
-            raise _Conflict("symbolic size at the sharded position of expand")
-        if v != -1:
-            local = sh.local(self.tp)
-            self.rewrites[node] = lambda: setter([local if i == d else s for i, s in enumerate(sizes)])
+        self._local_size(node, d, sh.local(self.tp), "expand")
         return sh.moved(d)
 
     def rule_transpose(self, node, ins):
@@ -322,35 +318,29 @@ class _Propagation:
         return st.moved(i_out + st.dim - i_in)
 
     def rule_split(self, node, ins):
+        """split and chunk (whose raw size argument is None: nothing to edit, the sections must be equal)."""
         x = node.args[0]
         sh = self.state[x]
         sizes, d, raw = _split_sizes(node, x)
         if d != sh.dim:
             return tuple(sh for _ in sizes)
+        if raw is None and (sizes != [s for s, _ in sh.sections] or len(set(sh.sections)) != 1):
+            raise _Conflict("chunk of the sharded dim does not follow the shard sections")
         if sizes != [s for s, _ in sh.sections]:
             raise _Conflict(f"split {sizes} does not follow the shard sections {[s for s, _ in sh.sections]}")
         outs = tuple(Shard(d, (sec,)) for sec in sh.sections)
-        if raw is not None:
-            if isinstance(raw, int):
-                locs = {o.local(self.tp) for o in outs}
-                if len(locs) != 1:
-                    raise _Conflict("split by one size over unequal local sections")
-                loc = locs.pop()
-                self.rewrites[node] = lambda: _set_arg(node, 1, "split_size_or_sections", loc)
-            else:
-                new = [o.local(self.tp) for o in outs]
-                self.rewrites[node] = lambda: _set_arg(node, 1, "split_size_or_sections", type(raw)(new))
+        if isinstance(raw, int):
+            locs = {o.local(self.tp) for o in outs}
+            if len(locs) != 1:
+                raise _Conflict("split by one size over unequal local sections")
+            loc = locs.pop()
+            self.rewrites[node] = lambda: _set_arg(node, 1, "split_size_or_sections", loc)
+        elif raw is not None:
+            new = [o.local(self.tp) for o in outs]
+            self.rewrites[node] = lambda: _set_arg(node, 1, "split_size_or_sections", type(raw)(new))
         return outs
 
-    def rule_chunk(self, node, ins):
-        x = node.args[0]
-        sh = self.state[x]
-        sizes, d, _ = _split_sizes(node, x)
-        if d != sh.dim:
-            return tuple(sh for _ in sizes)
-        if sizes != [s for s, _ in sh.sections] or len({o for o in sh.sections}) != 1:
-            raise _Conflict("chunk of the sharded dim does not follow the shard sections")
-        return tuple(Shard(d, (sec,)) for sec in sh.sections)
+    rule_chunk = rule_split
 
     def rule_unbind(self, node, ins):
         x = node.args[0]
@@ -435,7 +425,7 @@ class _Propagation:
                 raise _Conflict("replicated matmul operand not broadcast along the sharded batch dim")
         return sh.moved(d)
 
-    def _attention(self, node, ins, q, k, v, masks):
+    def _attention(self, q, k, v, mask):
         sq, sk, sv = self.state.get(q), self.state.get(k), self.state.get(v)
         if sq is None or sk is None or sv is None:
             missing = [n for n, s in (("q", sq), ("k", sk), ("v", sv)) if s is None]
@@ -458,11 +448,8 @@ class _Propagation:
             g = len(lq) // len(lk)
             if any(h // (Hq // Hkv) != lk[j // g] for j, h in enumerate(lq)):
                 raise _Conflict(f"rank {r}'s query heads would read the wrong kv heads")
-        for m in masks:
-            if not isinstance(m, fx.Node):
-                continue
-            sm = self.state.get(m)
-            mshape = _shape(m)
+        if isinstance(mask, fx.Node):
+            sm, mshape = self.state.get(mask), _shape(mask)
             if sm is None:
                 d = hd - (len(qs) - len(mshape))
                 if d >= 0 and mshape[d] != 1 and len(mshape) == len(qs):
@@ -473,16 +460,11 @@ class _Propagation:
 
     def rule_sdpa(self, node, ins):
         q, k, v = (match.get_arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
-        mask = match.get_arg(node, 3, "attn_mask")
-        qs, ks = _shape(q), _shape(k)
-        if qs[-3] != ks[-3] and not node.kwargs.get("enable_gqa", False):
+        if _shape(q)[-3] != _shape(k)[-3] and not node.kwargs.get("enable_gqa", False):
             raise _Conflict("GQA attention without enable_gqa")
-        return self._attention(node, ins, q, k, v, [mask])
+        return self._attention(q, k, v, match.get_arg(node, 3, "attn_mask"))
 
     def rule_flash_attention(self, node, ins):
-        q, k, v = node.args[:3]
-        mask = match.get_arg(node, 3, "attn_mask")
-        kpm = match.get_arg(node, 9, "key_padding_mask")
-        if self.state.get(kpm) is not None:
+        if self.state.get(match.get_arg(node, 9, "key_padding_mask")) is not None:
             raise _Conflict("sharded key padding mask")
-        return self._attention(node, ins, q, k, v, [mask])
+        return self._attention(*node.args[:3], match.get_arg(node, 3, "attn_mask"))

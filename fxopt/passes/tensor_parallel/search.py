@@ -91,14 +91,10 @@ class _TPAnalysis:
             if Hkv % self.tp == 0 or Hq % self.tp or self.tp % Hkv or Hq % Hkv:
                 continue
             rf = self.tp // Hkv
-            q_src = self._source_linears(q)
-            for t in (kk, v):
-                for lin in self._source_linears(t):
-                    if lin in q_src:
-                        continue
-                    rfs[lin] = rf
+            for lin in (self._source_linears(kk) | self._source_linears(v)) - self._source_linears(q):
+                rfs[lin] = rf
             note = (f"tensor_parallel: {Hkv} kv head(s) < tp={self.tp}: kv projections replicated over {rf} ranks "
-                f"(rank r holds kv head r // {rf})")
+                    f"(rank r holds kv head r // {rf})")
             if note not in self.result.notes:
                 self.result.notes.append(note)
         return rfs

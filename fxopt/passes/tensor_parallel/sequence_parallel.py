@@ -94,37 +94,35 @@ class _SequenceParallel:
         if any(self._tokens(self.gshape[a]) != n for a in tok):
             return False
         kind = _kind(node)  # the op tables the sharding rules use
+        x = node.args[0] if node.args else None
+        skip = (0,)  # operand positions _rewrite_operands leaves alone (None: no operand to rewrite)
         if kind == "reshape":
             # a view that only regroups the token dims keeps the local rows as they are
-            x = node.args[0]
             if x not in self.gshape or out[-1] != self.gshape[x][-1] or self._tokens(out) != n:
                 return False
             node.args = (x, (n // self.tp, out[-1]))
             node.kwargs = {}
+            skip = None
         elif kind == "reduce":
-            x = node.args[0]
             if x not in self.gshape or len(out) != len(self.gshape[x]) or out[-1] != 1 or self._tokens(out) != n:
                 return False  # only keepdim reductions over the last dim
-            if not self._rewrite_operands(node, out, n, skip=(0,)):
-                return False
         elif node.op == "call_function" and node.target in (F.layer_norm, getattr(F, "rms_norm", None)):
             shape_arg = match.get_arg(node, 1, "normalized_shape")
-            if node.args[0] not in self.gshape or tuple(shape_arg or ()) != (out[-1],):
+            if x not in self.gshape or tuple(shape_arg or ()) != (out[-1],):
                 return False  # normalized over more than the last dim
-            if not self._rewrite_operands(node, out, n, skip=(0,)):
-                return False
         elif node.op == "call_function" and node.target in (F.dropout, torch.dropout):
             training = match.get_arg(node, 2, "training", node.kwargs.get("train", True))
-            if training is not False or node.args[0] not in self.gshape:
+            if training is not False or x not in self.gshape:
                 return False  # eval-mode dropout (the identity) only: a random mask per rank would differ
+            skip = None
         elif kind in ("elementwise", "cast"):
             if self._tokens(out) != n:
                 return False
             # a cast reads data from its first argument only (``type_as``'s second gives just a dtype)
             skip = tuple(range(1, len(node.args))) if kind == "cast" else ()
-            if not self._rewrite_operands(node, out, n, skip=skip):
-                return False
         else:
+            return False
+        if skip is not None and not self._rewrite_operands(node, out, n, skip=skip):
             return False
         self.gshape[node] = tuple(out)
         self.rw.local_shapes[node] = (n // self.tp, out[-1])
@@ -209,11 +207,9 @@ class _SequenceParallel:
 
     def _gather_2d(self, a: fx.Node) -> fx.Node:
         if a not in self.gathered_2d:
-            with self.g.inserting_after(a):
+            with self.g.inserting_before(a.next):
                 cont = self.g.call_method("contiguous", (a,))
-            with self.g.inserting_after(cont):
                 ag = self.g.call_function(_ALL_GATHER, (cont, self.tp, self.group))
-            with self.g.inserting_after(ag):
                 w = self.g.call_function(_WAIT, (ag,))
             for nd in (cont, ag, w):
                 _copy_meta(nd, a)
