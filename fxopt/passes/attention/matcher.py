@@ -121,11 +121,8 @@ def _is_last2_transpose(n: fx.Node) -> bool:
         return False
     nd = v.dim()
     if name == "transpose":
-        d0 = get_arg(n, 1, "dim0")
-        d1 = get_arg(n, 2, "dim1")
-        if not isinstance(d0, int) or not isinstance(d1, int):
-            return False
-        return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+        d0, d1 = get_arg(n, 1, "dim0"), get_arg(n, 2, "dim1")
+        return isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
     if name == "t" and nd == 2:
         return True
     if name == "permute":
@@ -138,8 +135,7 @@ def _is_last2_transpose(n: fx.Node) -> bool:
 
 
 def _parse_einsum(node: fx.Node):
-    eq = node.args[0]
-    ops = node.args[1:]
+    eq, ops = node.args[0], node.args[1:]
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = ops[0]
     if not isinstance(eq, str) or len(ops) != 2 or "..." in eq or "->" not in eq:
@@ -203,9 +199,7 @@ def repeat_kv_source(n: fx.Node) -> Optional[tuple[fx.Node, int]]:
     name = op_name(n)
     if n.op == "call_function" and n.target is torch.repeat_interleave or \
             (n.op == "call_method" and n.target == "repeat_interleave"):
-        x = n.args[0]
-        rep = get_arg(n, 1, "repeats")
-        dim = get_arg(n, 2, "dim")
+        x, rep, dim = n.args[0], get_arg(n, 1, "repeats"), get_arg(n, 2, "dim")
         xv = tensor_val(x)
         if isinstance(rep, int) and dim in (1, -3) and xv is not None and xv.dim() == 4 and \
                 "output_size" not in n.kwargs:
