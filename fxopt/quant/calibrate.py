@@ -397,14 +397,13 @@ class _Calibrator:
             if nf is not None:
                 self.folds[x] = _Fold("norm", norm=nf, reason=nf.description)
                 continue
-            found = False
+            n_probes = len(probes)
             for L1 in self._frontier_linears(x):
                 p = self.params.get(_weight_arg(L1))
                 S = None if p is None or id(p) not in owner or len(L1.args) < 1 else self._between(L1, x)
                 if S is not None:
                     probes.append((x, L1, S, owner[id(p)]))
-                    found = True
-            if not found:
+            if len(probes) == n_probes:
                 self.folds[x] = _Fold("explicit", reason="no norm or preceding linear can absorb the scale")
         if probes:
             self._run_probes(probes)
@@ -565,7 +564,7 @@ class _Calibrator:
 
                 bar = tqdm(total=len(self.targets), desc=f"fxopt.quantize {self.method}", unit="linear")
             except ImportError:  # pragma: no cover
-                bar = None
+                pass
         dev = self.device
         # float_target: a second stream through the same graph with the float model's parameters. Every change to
         # a parameter (quantized weights, AWQ folds) goes through touch(), which keeps the original for this stream.
@@ -756,18 +755,15 @@ class _Calibrator:
 
     @torch.no_grad()
     def install(self, QuantLinear):
+        from .linear import _set_submodule
+
         for t in self.targets.values():
             mod = t.module
-            if QuantLinear is not None:
-                new = QuantLinear.from_packed(t.result.packed, None if mod.bias is None else mod.bias.detach())
-                new = new.to(mod.weight.device)
-            else:
+            if QuantLinear is None:
                 self.set_weight(mod, t.result.weight)
-                new = mod
-            if new is not mod:
-                parent_name, _, child = t.name.rpartition(".")
-                parent = self.model.get_submodule(parent_name) if parent_name else self.model
-                setattr(parent, child, new)
+            else:
+                new = QuantLinear.from_packed(t.result.packed, None if mod.bias is None else mod.bias.detach())
+                _set_submodule(self.model, t.name, new.to(mod.weight.device))
         self.saved.clear()
 
 
