@@ -301,14 +301,17 @@ class _Calibrator:
         self.const_env: dict[fx.Node, Any] = {}
         self.input_index: dict[fx.Node, int] = {}
         self.params: dict[fx.Node, nn.Parameter] = {}
+
+        def constant(node, v):
+            self.const_env[node] = v
+            if isinstance(v, nn.Parameter):
+                self.params[node] = v
+
         for node, value in zip(placeholders, example_inputs):
-            if id(value) in by_id:
-                self.const_env[node] = by_id[id(value)]
-                if isinstance(by_id[id(value)], nn.Parameter):
-                    self.params[node] = by_id[id(value)]
-                continue
             idx = next((i for i, leaf in enumerate(leaves0) if leaf is value), None)
-            if idx is None:
+            if id(value) in by_id:
+                constant(node, by_id[id(value)])
+            elif idx is None:
                 if isinstance(value, torch.Tensor):
                     raise ValueError(f"captured graph input {node.name!r} is neither a calibration input nor a "
                                      "parameter/buffer of the model (a tensor held elsewhere); cannot calibrate")
@@ -317,10 +320,7 @@ class _Calibrator:
                 self.input_index[node] = idx
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                v = _run_node(node, (), {}, gm)
-                self.const_env[node] = v
-                if isinstance(v, nn.Parameter):
-                    self.params[node] = v
+                constant(node, _run_node(node, (), {}, gm))
         self.gm = gm
 
     def select(self):
@@ -527,11 +527,10 @@ class _Calibrator:
         return env
 
     def _last_use(self, nodes):
-        pos = {n: i for i, n in enumerate(nodes)}
         last = {}
-        for n in nodes:
+        for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
-                last[a] = max(last.get(a, -1), pos[n])
+                last[a] = i
         return last
 
     def run(self):
@@ -655,13 +654,12 @@ class _Calibrator:
         else:
             self._awq_group(x, xs, members, H, absmean, sd, cross)
         for t in members if self.report is not None else ():  # per-linear errors only when asked
-            eff = t.result.weight.float()
+            eff, w0 = t.result.weight.float(), originals[t.name]
             if t.name in self._awq_scales:
                 eff = eff / self._awq_scales[t.name].to(eff.device)
-            err = output_error(originals[t.name], eff, H)
-            rtn_err = output_error(originals[t.name],
-                                   rtn_quantize(originals[t.name], self.group_size, self.sym, sd).weight, H)
-            ref = output_error(originals[t.name], torch.zeros_like(eff), H)
+            err = output_error(w0, eff, H)
+            rtn_err = output_error(w0, rtn_quantize(w0, self.group_size, self.sym, sd).weight, H)
+            ref = output_error(w0, torch.zeros_like(eff), H)
             self.report.rows.append({"linear": t.name, "in": K, "out": t.module.out_features,
                                      "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
                                      "err_vs_rtn": err / max(rtn_err, 1e-30)})
