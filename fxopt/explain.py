@@ -50,18 +50,6 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def report_from_results(all_results: list, graphs: int, graph_breaks: int = 0,
-                        break_reasons: Optional[list] = None) -> ExplainReport:
-    rep = ExplainReport(graphs=graphs, graph_breaks=graph_breaks, break_reasons=list(break_reasons or []))
-    for results in all_results:
-        for r in results:
-            rep.rewrites[r.name] = rep.rewrites.get(r.name, 0) + r.rewrites
-            rep.skipped.extend(r.skipped)
-            rep.pass_seconds[r.name] = rep.pass_seconds.get(r.name, 0.0) + r.seconds
-            rep.notes.extend(r.notes)
-    return rep
-
-
 def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwargs: Any) -> ExplainReport:
     """Capture ``model_or_fn(*args, **kwargs)`` with Dynamo, run fxopt's passes without codegen, and report."""
     from torch._dynamo.utils import counters
@@ -73,8 +61,13 @@ def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwa
     with _fresh_code(model_or_fn) as target:
         torch.compile(target, backend=backend)(*args, **kwargs)
     grown = {r: n - before.get(r, 0) for r, n in counters["graph_break"].items() if n > before.get(r, 0)}
-    return report_from_results(backend.results, graphs=len(backend.results),
-                               graph_breaks=sum(grown.values()), break_reasons=list(grown))
+    rep = ExplainReport(graphs=len(backend.results), graph_breaks=sum(grown.values()), break_reasons=list(grown))
+    for r in (r for results in backend.results for r in results):
+        rep.rewrites[r.name] = rep.rewrites.get(r.name, 0) + r.rewrites
+        rep.skipped.extend(r.skipped)
+        rep.pass_seconds[r.name] = rep.pass_seconds.get(r.name, 0.0) + r.seconds
+        rep.notes.extend(r.notes)
+    return rep
 
 
 def _copy_function(fn: types.FunctionType) -> types.FunctionType:

@@ -45,19 +45,15 @@ def _is_transpose_2d(node: fx.Node, src: fx.Node) -> bool:
     name = match.op_name(node)
     if name == "t" or (node.op == "call_function" and node.target in (torch.t, torch.Tensor.t)):
         return match.get_arg(node, 0, "input") is src
+    if name not in ("transpose", "permute") or match.get_arg(node, 0, "input") is not src:
+        return False
     if name == "transpose":
-        if match.get_arg(node, 0, "input") is not src:
-            return False
         d0, d1 = match.get_arg(node, 1, "dim0"), match.get_arg(node, 2, "dim1")
         return isinstance(d0, int) and isinstance(d1, int) and {d0 % 2, d1 % 2} == {0, 1}
-    if name == "permute":
-        if match.get_arg(node, 0, "input") is not src:
-            return False
-        dims = list(node.args[1:]) if len(node.args) > 1 else list(node.kwargs.get("dims", ()))
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = list(dims[0])
-        return all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]
-    return False
+    dims = list(node.args[1:]) if len(node.args) > 1 else list(node.kwargs.get("dims", ()))
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = list(dims[0])
+    return all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]
 
 
 class _Use(NamedTuple):

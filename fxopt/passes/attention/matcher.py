@@ -621,14 +621,9 @@ def is_sdpa(n: fx.Node) -> bool:
 
 def match_sdpa(node: fx.Node) -> tuple[Optional[Match], str]:
     """The SDPA call ``node`` as a :class:`Match`, or (None, reason)."""
-    q = get_arg(node, 0, "query")
-    k = get_arg(node, 1, "key")
-    v = get_arg(node, 2, "value")
-    mask = get_arg(node, 3, "attn_mask")
-    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
-    is_causal = get_arg(node, 5, "is_causal", False)
-    scale = get_arg(node, 6, "scale")
-    enable_gqa = get_arg(node, 7, "enable_gqa", False)
+    q, k, v, mask = (get_arg(node, i, name) for i, name in enumerate(("query", "key", "value", "attn_mask")))
+    dropout_p, is_causal = get_arg(node, 4, "dropout_p", 0.0), get_arg(node, 5, "is_causal", False)
+    scale, enable_gqa = get_arg(node, 6, "scale"), get_arg(node, 7, "enable_gqa", False)
     if not all(isinstance(x, fx.Node) for x in (q, k, v)):
         return None, "q/k/v are not tensors"
     if num(dropout_p) is None or not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
