@@ -34,8 +34,7 @@ class ExplainReport:
 
     def __str__(self) -> str:
         lines = [f"fxopt.explain: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
-        for r in self.break_reasons:
-            lines.append(f"  break: {r}")
+        lines += [f"  break: {r}" for r in self.break_reasons]
         lines.append(f"{'pass':<16}{'rewrites':>9}{'skipped':>9}{'ms':>9}")
         for p in PASS_ORDER:
             n_skip = sum(1 for s in self.skipped if s.pass_name == p)
@@ -43,10 +42,8 @@ class ExplainReport:
             lines.append(f"{p:<16}{self.rewrites.get(p, 0):>9}{n_skip:>9}{'-' if ms is None else f'{ms * 1e3:.1f}':>9}")
         if self.skipped:
             lines.append("left alone:")
-            for s in self.skipped:
-                lines.append(f"  [{s.pass_name}] {s.node}: {s.reason}")
-        for n in self.notes:
-            lines.append(n)
+            lines += [f"  [{s.pass_name}] {s.node}: {s.reason}" for s in self.skipped]
+        lines += self.notes
         return "\n".join(lines)
 
 

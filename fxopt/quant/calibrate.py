@@ -13,6 +13,7 @@ import fnmatch
 import logging
 import operator
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -314,20 +315,11 @@ class _Calibrator:
         has_linear_after: dict[fx.Node, bool] = {}
         for n in reversed(nodes):
             has_linear_after[n] = any(_is_linear(u) or has_linear_after.get(u, False) for u in n.users)
-        skipped = []
-        weight_uses: dict[int, int] = {}
-        for n in nodes:
-            if _is_linear(n):
-                p = self.params.get(_weight_arg(n))
-                if p is not None:
-                    weight_uses[id(p)] = weight_uses.get(id(p), 0) + 1
-        n_linear = 0
-        indivisible = []
-        G = self.group_size
-        for n in nodes:
-            if not _is_linear(n):
-                continue
-            n_linear += 1
+        skipped, indivisible, G = [], [], self.group_size
+        linears = [n for n in nodes if _is_linear(n)]
+        weights = [self.params.get(_weight_arg(n)) for n in linears]
+        weight_uses = Counter(id(p) for p in weights if p is not None)
+        for n in linears:
             w = _weight_arg(n)
             p = self.params.get(w)
             if p is None or id(p) not in owner:
@@ -359,7 +351,7 @@ class _Calibrator:
             if indivisible:
                 raise ValueError(f"group size {G} divides the in_features of no linear (e.g. {indivisible[0]}, "
                                  f"in_features {dict(self.model.named_modules())[indivisible[0]].in_features})")
-            raise ValueError(f"no linear to quantize in {type(self.model).__name__}'s graph ({n_linear} linear "
+            raise ValueError(f"no linear to quantize in {type(self.model).__name__}'s graph ({len(linears)} linear "
                              f"calls; skipped: {skipped})")
         # groups: targets reading the same input node
         self.groups: dict[fx.Node, list[_Target]] = {}
@@ -552,21 +544,19 @@ class _Calibrator:
         # a parameter (quantized weights, AWQ folds) goes through touch(), which keeps the original for this stream.
         env_f: dict[fx.Node, list] = {}
 
-        def getter(e, float_stream, i):
-            def get(a):
-                if a in self.const_env:
-                    v = self.const_env[a]
-                    return self.float_weights.get(id(v), v) if float_stream else v
-                v = e[a][i]
-                if self.offload and isinstance(v, torch.Tensor):
-                    v = v.to(dev, non_blocking=True)
-                return v
-            return get
-
         def compute(n, e, float_stream):
             vals = []
             for i in range(ns):
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), getter(e, float_stream, i))
+                def get(a):
+                    if a in self.const_env:
+                        v = self.const_env[a]
+                        return self.float_weights.get(id(v), v) if float_stream else v
+                    v = e[a][i]
+                    if self.offload and isinstance(v, torch.Tensor):
+                        v = v.to(dev, non_blocking=True)
+                    return v
+
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), get)
                 v = _run_node(n, args, kwargs, self.gm)
                 if self.offload and isinstance(v, torch.Tensor):
                     v = v.to("cpu")

@@ -55,9 +55,8 @@ class PackedW4:
     perm: Optional[torch.Tensor] = None
 
     def __post_init__(self):
-        K = self.qweight.shape[0] * PACK
         if self.group_size == -1:
-            self.group_size = K
+            self.group_size = self.in_features
         check_packed(self.qweight, self.scales, self.zeros, self.group_size, self.perm)
 
     @property
