@@ -328,9 +328,7 @@ def const_eval(node: fx.Node, facts: GraphFacts) -> Optional[Any]:
         return None
     env: dict = {}
     for n in nodes:
-        if not is_pure_eval_target(n):
-            return None
-        if not try_eval(n, env):
+        if not is_pure_eval_target(n) or not try_eval(n, env):
             return None
     facts.values[node] = env[node]
     return env[node]

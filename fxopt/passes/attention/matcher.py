@@ -92,16 +92,16 @@ def _strip_scalar(node: fx.Node, matched: list, facts: GraphFacts, syms: list) -
             c = scalar_value(a, facts)
             if c is not None:
                 a = b
+        sym = None
         if c is None and sym_scalar(b) is not None and isinstance(a, fx.Node) and node.kwargs.get(
                 "rounding_mode") is None:
-            syms.append((b, name == "div"))
+            sym, rest = (b, name == "div"), a
+        elif c is None and name == "mul" and sym_scalar(a) is not None and isinstance(b, fx.Node):
+            sym, rest = (a, False), b
+        if sym is not None:
+            syms.append(sym)
             matched.append(node)
-            node = a
-            continue
-        if c is None and name == "mul" and sym_scalar(a) is not None and isinstance(b, fx.Node):
-            syms.append((a, False))
-            matched.append(node)
-            node = b
+            node = rest
             continue
         if c is None or not isinstance(a, fx.Node):
             return node, factor
@@ -568,14 +568,12 @@ def _match_qk(qk: fx.Node, m: Match, scale: float, facts: GraphFacts) -> str:
 
 def _match_rank(m: Match, qk: fx.Node, layout: _Layout, mask_ranks: list) -> str:
     """The layout the op runs in: 4-D, 3-D (bmm) or 3-D viewed as 4-D by the chain (``m.heads``)."""
-    qv = tensor_val(qk)
-    m.three_d = qv is not None and qv.dim() == 3 and op_name(qk) == "bmm"
-    if op_name(qk) == "bmm" and not m.three_d:
+    qv, name = tensor_val(qk), op_name(qk)
+    if name == "bmm" and (qv is None or qv.dim() != 3):
         return "bmm of unexpected rank"
-    if op_name(qk) == "matmul" and (qv is None or qv.dim() not in (3, 4)):
+    if name == "matmul" and (qv is None or qv.dim() not in (3, 4)):
         return "matmul of rank other than 3 or 4"
-    if op_name(qk) == "matmul" and qv.dim() == 3:
-        m.three_d = True
+    m.three_d = name in ("bmm", "matmul") and qv.dim() == 3
     if layout.heads is not None:
         # the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk] (or back): the op runs on [A, C, S, D]. A mask applied to
         # the 3-D scores broadcasts the same way in 4-D only when it does not index the merged dim.

@@ -75,9 +75,8 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
         return "q/k/v on different devices"
     # B and the lengths may be symbolic (a comparison of two becomes a guard); head counts and the head dim pick the
     # kernel's configuration and must be static.
-    for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3]):
-        if not isinstance(s, int):
-            return "dynamic head count or head dim"
+    if not all(isinstance(s, int) for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3])):
+        return "dynamic head count or head dim"
     B, Hq, Sq, D = qs
     if list(ks) != list(vs):
         return f"k {list(ks)} and v {list(vs)} shapes differ"
@@ -260,9 +259,7 @@ def _mask_kwargs(b: Builder, m: Match, ops: _Operands, plan: _Plan, qv: torch.Te
     B, Hq, Sq, _ = ops.qs
     Sk = ops.ks[2]
     kwargs: dict = {}
-    is_causal = False
-    attn_mask = None
-    low, trial = plan.low, plan.trial
+    is_causal, attn_mask, low, trial = False, None, plan.low, plan.trial
     if m.sdpa_causal:
         if Sq == Sk:  # with symbolic lengths, a guard
             is_causal = True
