@@ -30,14 +30,10 @@ def _median_ms(fn, device: str, iters: int) -> float:
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    seen = set()
-    total = 0
+    first: dict = {}  # tied tensors counted once
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+        first.setdefault(t.data_ptr(), t.numel() * t.element_size())
+    return sum(first.values())
 
 
 def _run_one(label, model, ids, device, iters, out):

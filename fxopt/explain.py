@@ -34,8 +34,7 @@ class ExplainReport:
 
     def __str__(self) -> str:
         lines = [f"fxopt.explain: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
-        for r in self.break_reasons:
-            lines.append(f"  break: {r}")
+        lines += [f"  break: {r}" for r in self.break_reasons]
         lines.append(f"{'pass':<16}{'rewrites':>9}{'skipped':>9}{'ms':>9}")
         for p in PASS_ORDER:
             n_skip = sum(1 for s in self.skipped if s.pass_name == p)
@@ -43,23 +42,9 @@ class ExplainReport:
             lines.append(f"{p:<16}{self.rewrites.get(p, 0):>9}{n_skip:>9}{'-' if ms is None else f'{ms * 1e3:.1f}':>9}")
         if self.skipped:
             lines.append("left alone:")
-            for s in self.skipped:
-                lines.append(f"  [{s.pass_name}] {s.node}: {s.reason}")
-        for n in self.notes:
-            lines.append(n)
+            lines += [f"  [{s.pass_name}] {s.node}: {s.reason}" for s in self.skipped]
+        lines += self.notes
         return "\n".join(lines)
-
-
-def report_from_results(all_results: list, graphs: int, graph_breaks: int = 0,
-                        break_reasons: Optional[list] = None) -> ExplainReport:
-    rep = ExplainReport(graphs=graphs, graph_breaks=graph_breaks, break_reasons=list(break_reasons or []))
-    for results in all_results:
-        for r in results:
-            rep.rewrites[r.name] = rep.rewrites.get(r.name, 0) + r.rewrites
-            rep.skipped.extend(r.skipped)
-            rep.pass_seconds[r.name] = rep.pass_seconds.get(r.name, 0.0) + r.seconds
-            rep.notes.extend(r.notes)
-    return rep
 
 
 def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwargs: Any) -> ExplainReport:
@@ -73,8 +58,13 @@ def explain(model_or_fn: Any, *args: Any, config: Optional[Config] = None, **kwa
     with _fresh_code(model_or_fn) as target:
         torch.compile(target, backend=backend)(*args, **kwargs)
     grown = {r: n - before.get(r, 0) for r, n in counters["graph_break"].items() if n > before.get(r, 0)}
-    return report_from_results(backend.results, graphs=len(backend.results),
-                               graph_breaks=sum(grown.values()), break_reasons=list(grown))
+    rep = ExplainReport(graphs=len(backend.results), graph_breaks=sum(grown.values()), break_reasons=list(grown))
+    for r in (r for results in backend.results for r in results):
+        rep.rewrites[r.name] = rep.rewrites.get(r.name, 0) + r.rewrites
+        rep.skipped.extend(r.skipped)
+        rep.pass_seconds[r.name] = rep.pass_seconds.get(r.name, 0.0) + r.seconds
+        rep.notes.extend(r.notes)
+    return rep
 
 
 def _copy_function(fn: types.FunctionType) -> types.FunctionType:

@@ -11,9 +11,10 @@ become one ``w4a16_linear_cat`` call. Details: docs/architecture.md, "The W4A16 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import re
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -44,26 +45,24 @@ def _is_transpose_2d(node: fx.Node, src: fx.Node) -> bool:
     name = match.op_name(node)
     if name == "t" or (node.op == "call_function" and node.target in (torch.t, torch.Tensor.t)):
         return match.get_arg(node, 0, "input") is src
+    if name not in ("transpose", "permute") or match.get_arg(node, 0, "input") is not src:
+        return False
     if name == "transpose":
-        if match.get_arg(node, 0, "input") is not src:
-            return False
         d0, d1 = match.get_arg(node, 1, "dim0"), match.get_arg(node, 2, "dim1")
         return isinstance(d0, int) and isinstance(d1, int) and {d0 % 2, d1 % 2} == {0, 1}
-    if name == "permute":
-        if match.get_arg(node, 0, "input") is not src:
-            return False
-        dims = list(node.args[1:]) if len(node.args) > 1 else list(node.kwargs.get("dims", ()))
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = list(dims[0])
-        return all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]
-    return False
+    dims = list(node.args[1:]) if len(node.args) > 1 else list(node.kwargs.get("dims", ()))
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = list(dims[0])
+    return all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]
 
 
-class _Use:
+class _Use(NamedTuple):
     """One product ``x @ W.T (+ bias)`` reading the dequantized weight."""
 
-    def __init__(self, node: fx.Node, x, bias, transpose: Optional[fx.Node]):
-        self.node, self.x, self.bias, self.transpose = node, x, bias, transpose
+    node: fx.Node
+    x: Any
+    bias: Any
+    transpose: Optional[fx.Node]
 
 
 def _as_linear_use(user: fx.Node, w: fx.Node) -> Optional[_Use]:
@@ -242,13 +241,10 @@ def w4a16_pass(gm: fx.GraphModule, cfg: W4A16Config, ctx: PassContext) -> PassRe
         uses = [use for _, use in read if use is not None]
         others = [u for u, use in read if use is None]
         if others:
-            casts = [o for o in others if match.op_name(o) in ("to", "float", "half", "bfloat16", "type_as")]
-            if casts and len(casts) == len(others):
-                result.skip(dq, "dequantized weight is cast before use (activation dtype differs from the scales "
-                            "dtype): " + ", ".join(_describe(o) for o in others))
-            else:
-                result.skip(dq, "dequantized weight is used elsewhere, so it must be materialized: "
-                            + ", ".join(_describe(o) for o in others))
+            cast = all(match.op_name(o) in ("to", "float", "half", "bfloat16", "type_as") for o in others)
+            why = ("dequantized weight is cast before use (activation dtype differs from the scales dtype): " if cast
+                   else "dequantized weight is used elsewhere, so it must be materialized: ")
+            result.skip(dq, why + ", ".join(_describe(o) for o in others))
             continue
         for use in uses:
             reason = (_check(use, qweight, scales, zeros, group_size)
@@ -319,16 +315,14 @@ def _module_path(node: fx.Node) -> str:
     return re.sub(r"^L\['[^']*'\](\[\d+\])*\.?", "", path)  # Dynamo's source prefix, e.g. L['self'].
 
 
-
 def _is_fused(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.fxopt.w4a16_linear.default
 
 
 def _fused_parts(node: fx.Node):
     """(x, qweight, scales, zeros, group_size, bias) of a ``w4a16_linear`` node."""
-    x, q, s, z, g = (match.get_arg(node, i, n) for i, n in enumerate(("x", "qweight", "scales", "zeros",
-                                                                       "group_size")))
-    return x, q, s, z, g, match.get_arg(node, 5, "bias")
+    return tuple(match.get_arg(node, i, n) for i, n in enumerate(("x", "qweight", "scales", "zeros", "group_size",
+                                                                   "bias")))
 
 
 # From this many static rows (a prefill) dequantize + cuBLAS beat every fused kernel, and Inductor calls it with no
@@ -355,10 +349,7 @@ def _rows(xv) -> Optional[int]:
     """The number of rows of x [..., K] when static, else None."""
     if xv is None or not _static(*xv.shape[:-1]):
         return None
-    rows = 1
-    for d in xv.shape[:-1]:
-        rows *= int(d)
-    return rows
+    return math.prod(int(d) for d in xv.shape[:-1])
 
 
 def _group_siblings(graph: fx.Graph, result: PassResult) -> None:

@@ -13,6 +13,7 @@ import fnmatch
 import logging
 import operator
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -70,36 +71,19 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
              progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
 
-    Args:
-        model: any module Dynamo can capture in one graph for the calibration inputs.
-        calibration: iterable of model inputs: tensors, tuples of positional args, or kwargs dicts
-            (``{"input_ids": ...}``); all with the same shapes. RTN uses only the first (to capture the graph).
-        method: ``"gptq"``, ``"awq"`` or ``"rtn"``.
-        bits: 4 (the packed format's only width).
-        group_size: 32, 64, 128 or -1 (per output channel over all of K).
-        sym: symmetric quantization (zero point 8).
-        act_order: GPTQ: quantize columns by decreasing Hessian diagonal (stored as a permutation of K).
-        static_groups: GPTQ: group parameters from the original weight (no permutation needed with act-order).
-        damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
-        mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
-            of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
-        float_target: aim each linear at the float model's output ``W x`` instead of ``W x̃`` (a float copy of the
-            graph runs alongside; a least-squares correction ridge-regularised by ``damp``).
-            ``None``: on for GPTQ and AWQ, off for RTN; ``False`` gives the papers' plain algorithms.
-        block_size: GPTQ lazy-batch block.
-        exclude: ``fnmatch`` patterns of module names kept in float.
-        include_head: also quantize the output head (excluded by default).
-        n_grid, max_shrink, clip: AWQ scale grid size, clip search range, and whether to clip at all.
-        awq_rounding: AWQ's last step (``None``, the default, is ``"gptq"``): GPTQ's error feedback on the grids
-            the clip search picked (no permutation, AWQ's layout), or ``"nearest"`` (the paper's round-to-nearest).
-        offload: keep calibration activations on the CPU between nodes (for models on an accelerator).
-        pack: replace linears with :class:`fxopt.quant.linear.QuantLinear`; ``False`` keeps ``nn.Linear`` with the
-            dequantized weights (simulated quantization, same numbers; for quality studies).
-        progress: tqdm bar over linears.
-        report: a :class:`QuantizeReport` to fill with per-linear output errors (method vs. RTN) and skips.
-
-    The defaults are the settings that measured best on held-out text; the papers' plain algorithms are
-    ``float_target=False`` (and ``awq_rounding="nearest"``). Costs and quality: benchmarks/results/quant_quality.md.
+    ``calibration``: model inputs (tensors, tuples of positional args or kwargs dicts, all of one shape; RTN uses
+    only the first, to capture the graph). ``method``: ``"gptq"``, ``"awq"`` or ``"rtn"``; ``bits`` 4 only;
+    ``group_size`` 32, 64, 128 or -1 (per output channel); ``sym``: zero point 8. GPTQ: ``act_order`` (columns by
+    decreasing Hessian diagonal, stored as a permutation), ``static_groups``, ``damp`` (a fraction of the mean
+    Hessian diagonal), ``block_size``, ``mse`` (group ranges searched on the rounding error).
+    ``float_target``: aim each linear at the float model's output; ``None``: on for GPTQ and AWQ, off for RTN.
+    AWQ: ``n_grid``, ``max_shrink``, ``clip``, ``awq_rounding`` (``None``, the default, is ``"gptq"``): GPTQ's
+    error feedback on the clipped grids, or ``"nearest"``, the paper's. ``exclude``: ``fnmatch`` patterns kept in
+    float; ``include_head`` quantizes the output head too; ``offload`` keeps activations on the CPU between nodes;
+    ``pack=False`` keeps ``nn.Linear`` with the dequantized weights (simulated quantization); ``progress``: a tqdm
+    bar; ``report``: a :class:`QuantizeReport` to fill. The defaults measured best on held-out text; the papers'
+    plain algorithms are ``float_target=False`` (and ``awq_rounding="nearest"``). Design: docs/architecture.md,
+    "Quantization"; costs and quality: benchmarks/results/quant_quality.md.
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -301,14 +285,17 @@ class _Calibrator:
         self.const_env: dict[fx.Node, Any] = {}
         self.input_index: dict[fx.Node, int] = {}
         self.params: dict[fx.Node, nn.Parameter] = {}
+
+        def constant(node, v):
+            self.const_env[node] = v
+            if isinstance(v, nn.Parameter):
+                self.params[node] = v
+
         for node, value in zip(placeholders, example_inputs):
-            if id(value) in by_id:
-                self.const_env[node] = by_id[id(value)]
-                if isinstance(by_id[id(value)], nn.Parameter):
-                    self.params[node] = by_id[id(value)]
-                continue
             idx = next((i for i, leaf in enumerate(leaves0) if leaf is value), None)
-            if idx is None:
+            if id(value) in by_id:
+                constant(node, by_id[id(value)])
+            elif idx is None:
                 if isinstance(value, torch.Tensor):
                     raise ValueError(f"captured graph input {node.name!r} is neither a calibration input nor a "
                                      "parameter/buffer of the model (a tensor held elsewhere); cannot calibrate")
@@ -317,10 +304,7 @@ class _Calibrator:
                 self.input_index[node] = idx
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                v = _run_node(node, (), {}, gm)
-                self.const_env[node] = v
-                if isinstance(v, nn.Parameter):
-                    self.params[node] = v
+                constant(node, _run_node(node, (), {}, gm))
         self.gm = gm
 
     def select(self):
@@ -331,20 +315,11 @@ class _Calibrator:
         has_linear_after: dict[fx.Node, bool] = {}
         for n in reversed(nodes):
             has_linear_after[n] = any(_is_linear(u) or has_linear_after.get(u, False) for u in n.users)
-        skipped = []
-        weight_uses: dict[int, int] = {}
-        for n in nodes:
-            if _is_linear(n):
-                p = self.params.get(_weight_arg(n))
-                if p is not None:
-                    weight_uses[id(p)] = weight_uses.get(id(p), 0) + 1
-        n_linear = 0
-        indivisible = []
-        G = self.group_size
-        for n in nodes:
-            if not _is_linear(n):
-                continue
-            n_linear += 1
+        skipped, indivisible, G = [], [], self.group_size
+        linears = [n for n in nodes if _is_linear(n)]
+        weights = [self.params.get(_weight_arg(n)) for n in linears]
+        weight_uses = Counter(id(p) for p in weights if p is not None)
+        for n in linears:
             w = _weight_arg(n)
             p = self.params.get(w)
             if p is None or id(p) not in owner:
@@ -376,7 +351,7 @@ class _Calibrator:
             if indivisible:
                 raise ValueError(f"group size {G} divides the in_features of no linear (e.g. {indivisible[0]}, "
                                  f"in_features {dict(self.model.named_modules())[indivisible[0]].in_features})")
-            raise ValueError(f"no linear to quantize in {type(self.model).__name__}'s graph ({n_linear} linear "
+            raise ValueError(f"no linear to quantize in {type(self.model).__name__}'s graph ({len(linears)} linear "
                              f"calls; skipped: {skipped})")
         # groups: targets reading the same input node
         self.groups: dict[fx.Node, list[_Target]] = {}
@@ -397,14 +372,13 @@ class _Calibrator:
             if nf is not None:
                 self.folds[x] = _Fold("norm", norm=nf, reason=nf.description)
                 continue
-            found = False
+            n_probes = len(probes)
             for L1 in self._frontier_linears(x):
                 p = self.params.get(_weight_arg(L1))
                 S = None if p is None or id(p) not in owner or len(L1.args) < 1 else self._between(L1, x)
                 if S is not None:
                     probes.append((x, L1, S, owner[id(p)]))
-                    found = True
-            if not found:
+            if len(probes) == n_probes:
                 self.folds[x] = _Fold("explicit", reason="no norm or preceding linear can absorb the scale")
         if probes:
             self._run_probes(probes)
@@ -528,11 +502,10 @@ class _Calibrator:
         return env
 
     def _last_use(self, nodes):
-        pos = {n: i for i, n in enumerate(nodes)}
         last = {}
-        for n in nodes:
+        for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
-                last[a] = max(last.get(a, -1), pos[n])
+                last[a] = i
         return last
 
     def run(self):
@@ -565,27 +538,25 @@ class _Calibrator:
 
                 bar = tqdm(total=len(self.targets), desc=f"fxopt.quantize {self.method}", unit="linear")
             except ImportError:  # pragma: no cover
-                bar = None
+                pass
         dev = self.device
         # float_target: a second stream through the same graph with the float model's parameters. Every change to
         # a parameter (quantized weights, AWQ folds) goes through touch(), which keeps the original for this stream.
         env_f: dict[fx.Node, list] = {}
 
-        def getter(e, float_stream, i):
-            def get(a):
-                if a in self.const_env:
-                    v = self.const_env[a]
-                    return self.float_weights.get(id(v), v) if float_stream else v
-                v = e[a][i]
-                if self.offload and isinstance(v, torch.Tensor):
-                    v = v.to(dev, non_blocking=True)
-                return v
-            return get
-
         def compute(n, e, float_stream):
             vals = []
             for i in range(ns):
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), getter(e, float_stream, i))
+                def get(a):
+                    if a in self.const_env:
+                        v = self.const_env[a]
+                        return self.float_weights.get(id(v), v) if float_stream else v
+                    v = e[a][i]
+                    if self.offload and isinstance(v, torch.Tensor):
+                        v = v.to(dev, non_blocking=True)
+                    return v
+
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), get)
                 v = _run_node(n, args, kwargs, self.gm)
                 if self.offload and isinstance(v, torch.Tensor):
                     v = v.to("cpu")
@@ -656,13 +627,12 @@ class _Calibrator:
         else:
             self._awq_group(x, xs, members, H, absmean, sd, cross)
         for t in members if self.report is not None else ():  # per-linear errors only when asked
-            eff = t.result.weight.float()
+            eff, w0 = t.result.weight.float(), originals[t.name]
             if t.name in self._awq_scales:
                 eff = eff / self._awq_scales[t.name].to(eff.device)
-            err = output_error(originals[t.name], eff, H)
-            rtn_err = output_error(originals[t.name],
-                                   rtn_quantize(originals[t.name], self.group_size, self.sym, sd).weight, H)
-            ref = output_error(originals[t.name], torch.zeros_like(eff), H)
+            err = output_error(w0, eff, H)
+            rtn_err = output_error(w0, rtn_quantize(w0, self.group_size, self.sym, sd).weight, H)
+            ref = output_error(w0, torch.zeros_like(eff), H)
             self.report.rows.append({"linear": t.name, "in": K, "out": t.module.out_features,
                                      "rel_err": err / max(ref, 1e-30), "rtn_rel_err": rtn_err / max(ref, 1e-30),
                                      "err_vs_rtn": err / max(rtn_err, 1e-30)})
@@ -756,18 +726,15 @@ class _Calibrator:
 
     @torch.no_grad()
     def install(self, QuantLinear):
+        from .linear import _set_submodule
+
         for t in self.targets.values():
             mod = t.module
-            if QuantLinear is not None:
-                new = QuantLinear.from_packed(t.result.packed, None if mod.bias is None else mod.bias.detach())
-                new = new.to(mod.weight.device)
-            else:
+            if QuantLinear is None:
                 self.set_weight(mod, t.result.weight)
-                new = mod
-            if new is not mod:
-                parent_name, _, child = t.name.rpartition(".")
-                parent = self.model.get_submodule(parent_name) if parent_name else self.model
-                setattr(parent, child, new)
+            else:
+                new = QuantLinear.from_packed(t.result.packed, None if mod.bias is None else mod.bias.detach())
+                _set_submodule(self.model, t.name, new.to(mod.weight.device))
         self.saved.clear()
 
 
@@ -786,14 +753,11 @@ def _float_target_weight(W: torch.Tensor, C: torch.Tensor, H: torch.Tensor, damp
 
 def _split_rows(res: QuantResult, rows: list[int]) -> list[QuantResult]:
     """A quantized stack of linears' weights (along N) back into one result per linear of ``rows`` outputs."""
-    out, a = [], 0
-    for n in rows:
-        out.append(QuantResult(_split_packed(res.packed, a, a + n), res.weight[a:a + n]))
-        a += n
+    out, a, p = [], 0, res.packed
+    for n in rows:  # N is the fast axis of every packed tensor
+        b = a + n
+        packed = PackedW4(p.qweight[:, a:b].contiguous(), p.scales[:, a:b].contiguous(), p.zeros[:, a:b].contiguous(),
+                          p.group_size, None if p.perm is None else p.perm.clone())
+        out.append(QuantResult(packed, res.weight[a:b]))
+        a = b
     return out
-
-
-def _split_packed(p: PackedW4, a: int, b: int) -> PackedW4:
-    """Output rows [a, b) of a packed weight (N is the fast axis of every tensor)."""
-    return PackedW4(p.qweight[:, a:b].contiguous(), p.scales[:, a:b].contiguous(), p.zeros[:, a:b].contiguous(),
-                    p.group_size, None if p.perm is None else p.perm.clone())

@@ -55,9 +55,8 @@ class PackedW4:
     perm: Optional[torch.Tensor] = None
 
     def __post_init__(self):
-        K = self.qweight.shape[0] * PACK
         if self.group_size == -1:
-            self.group_size = K
+            self.group_size = self.in_features
         check_packed(self.qweight, self.scales, self.zeros, self.group_size, self.perm)
 
     @property
@@ -92,7 +91,9 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = False,
                  dtype: Optional[torch.dtype] = None) -> PackedW4:
     """Round-to-nearest int4 quantization of ``weight`` [N, K] (the baseline every method is compared to)."""
     scales, zeros = group_params(weight, group_size, sym)
-    codes = quantize_codes(weight, scales, zeros, group_size)
+    G = weight.shape[1] if group_size == -1 else group_size
+    s, z = scales.repeat_interleave(G, dim=1), zeros.repeat_interleave(G, dim=1)
+    codes = torch.clamp(torch.round(weight.float() / s) + z, 0, 15).to(torch.uint8)
     dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
     return pack_result(codes, scales, zeros, group_size, dtype)
 
@@ -121,16 +122,6 @@ def range_params(lo: torch.Tensor, hi: torch.Tensor, sym: bool, maxq: int = 15):
         return scale, torch.full_like(scale, (maxq + 1) / 2)
     scale = ((hi - lo) / maxq).clamp(min=1e-10)
     return scale, torch.round(-lo / scale)
-
-
-def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                   maxq: int = 15) -> torch.Tensor:
-    """Codes [N, K] of ``weight`` [N, K] for per-group float32 (scale, zero) [N, K // G]."""
-    N, K = weight.shape
-    G = K if group_size == -1 else group_size
-    s = scale.repeat_interleave(G, dim=1)
-    z = zero.repeat_interleave(G, dim=1)
-    return torch.clamp(torch.round(weight.float() / s) + z, 0, maxq).to(torch.uint8)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -182,12 +182,7 @@ SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("que
 
 def _side_by_side(parts: list) -> list:
     """One new tensor holding ``parts`` side by side along their last dim; return its slices (views), in order."""
-    base = torch.cat(parts, dim=-1)
-    out, col = [], 0
-    for p in parts:
-        out.append(base.narrow(-1, col, p.shape[-1]))
-        col += p.shape[-1]
-    return out
+    return list(torch.cat(parts, dim=-1).split([p.shape[-1] for p in parts], dim=-1))
 
 
 def share_sibling_storage(model: nn.Module, names=SIBLING_NAMES) -> list[tuple[str, ...]]:

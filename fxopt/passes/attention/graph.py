@@ -60,11 +60,7 @@ _IMPURE_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "empty", "
 
 def num(x: Any) -> Optional[float]:
     """``x`` as a float when it is a Python int or float (not a bool), else None."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    return None
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
@@ -72,11 +68,9 @@ def cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
     name = op_name(node)
     if name not in _CASTS:
         return None
-    if name == "to":
-        # .to(dtype) / .to(device) / .to(device, dtype) / .to(other): only dtype/device changes are casts here
-        for a in list(node.args[1:]) + list(node.kwargs.values()):
-            if isinstance(a, fx.Node):
-                return None
+    # .to(dtype) / .to(device) / .to(device, dtype) / .to(other): only dtype/device changes are casts here
+    if name == "to" and any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
+        return None
     if name == "type" and (len(node.args) < 2 and "dtype" not in node.kwargs):
         return None
     v = tensor_val(node)
@@ -120,12 +114,7 @@ class Builder:
 
     def call(self, target, args=(), kwargs=None, method: bool = False) -> fx.Node:
         kwargs = kwargs or {}
-
-        def to_val(a):
-            return a.meta["val"] if isinstance(a, fx.Node) else a
-
-        fargs = fx.node.map_aggregate(args, to_val)
-        fkwargs = fx.node.map_aggregate(kwargs, to_val)
+        fargs, fkwargs = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
         with self.mode if self.mode is not None else contextlib.nullcontext():
             if method:
                 value = getattr(fargs[0], target)(*fargs[1:], **fkwargs)
@@ -339,9 +328,7 @@ def const_eval(node: fx.Node, facts: GraphFacts) -> Optional[Any]:
         return None
     env: dict = {}
     for n in nodes:
-        if not is_pure_eval_target(n):
-            return None
-        if not try_eval(n, env):
+        if not is_pure_eval_target(n) or not try_eval(n, env):
             return None
     facts.values[node] = env[node]
     return env[node]

@@ -70,8 +70,7 @@ def where_zero_fill(m: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, fl
     if not all(dt.is_floating_point for dt in dtypes):
         return None
     cond, a, b = m.args
-    za = scalar_value(a, facts)
-    fb = scalar_value(b, facts)
+    za, fb = scalar_value(a, facts), scalar_value(b, facts)
     if za != 0.0 or fb is None:
         return None
     cv = tensor_val(cond)
@@ -105,9 +104,7 @@ def _padding_probe(node: fx.Node, facts: GraphFacts) -> Optional[tuple[fx.Node, 
         if n is p:
             continue
         if not any(a in dep for a in n.all_input_nodes):
-            if not is_pure_eval_target(n):
-                return None
-            if not try_eval(n, env):
+            if not is_pure_eval_target(n) or not try_eval(n, env):
                 return None
             continue
         dep.add(n)

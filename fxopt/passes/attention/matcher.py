@@ -92,16 +92,16 @@ def _strip_scalar(node: fx.Node, matched: list, facts: GraphFacts, syms: list) -
             c = scalar_value(a, facts)
             if c is not None:
                 a = b
+        sym = None
         if c is None and sym_scalar(b) is not None and isinstance(a, fx.Node) and node.kwargs.get(
                 "rounding_mode") is None:
-            syms.append((b, name == "div"))
+            sym, rest = (b, name == "div"), a
+        elif c is None and name == "mul" and sym_scalar(a) is not None and isinstance(b, fx.Node):
+            sym, rest = (a, False), b
+        if sym is not None:
+            syms.append(sym)
             matched.append(node)
-            node = a
-            continue
-        if c is None and name == "mul" and sym_scalar(a) is not None and isinstance(b, fx.Node):
-            syms.append((a, False))
-            matched.append(node)
-            node = b
+            node = rest
             continue
         if c is None or not isinstance(a, fx.Node):
             return node, factor
@@ -121,11 +121,8 @@ def _is_last2_transpose(n: fx.Node) -> bool:
         return False
     nd = v.dim()
     if name == "transpose":
-        d0 = get_arg(n, 1, "dim0")
-        d1 = get_arg(n, 2, "dim1")
-        if not isinstance(d0, int) or not isinstance(d1, int):
-            return False
-        return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+        d0, d1 = get_arg(n, 1, "dim0"), get_arg(n, 2, "dim1")
+        return isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
     if name == "t" and nd == 2:
         return True
     if name == "permute":
@@ -138,8 +135,7 @@ def _is_last2_transpose(n: fx.Node) -> bool:
 
 
 def _parse_einsum(node: fx.Node):
-    eq = node.args[0]
-    ops = node.args[1:]
+    eq, ops = node.args[0], node.args[1:]
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = ops[0]
     if not isinstance(eq, str) or len(ops) != 2 or "..." in eq or "->" not in eq:
@@ -203,9 +199,7 @@ def repeat_kv_source(n: fx.Node) -> Optional[tuple[fx.Node, int]]:
     name = op_name(n)
     if n.op == "call_function" and n.target is torch.repeat_interleave or \
             (n.op == "call_method" and n.target == "repeat_interleave"):
-        x = n.args[0]
-        rep = get_arg(n, 1, "repeats")
-        dim = get_arg(n, 2, "dim")
+        x, rep, dim = n.args[0], get_arg(n, 1, "repeats"), get_arg(n, 2, "dim")
         xv = tensor_val(x)
         if isinstance(rep, int) and dim in (1, -3) and xv is not None and xv.dim() == 4 and \
                 "output_size" not in n.kwargs:
@@ -574,14 +568,12 @@ def _match_qk(qk: fx.Node, m: Match, scale: float, facts: GraphFacts) -> str:
 
 def _match_rank(m: Match, qk: fx.Node, layout: _Layout, mask_ranks: list) -> str:
     """The layout the op runs in: 4-D, 3-D (bmm) or 3-D viewed as 4-D by the chain (``m.heads``)."""
-    qv = tensor_val(qk)
-    m.three_d = qv is not None and qv.dim() == 3 and op_name(qk) == "bmm"
-    if op_name(qk) == "bmm" and not m.three_d:
+    qv, name = tensor_val(qk), op_name(qk)
+    if name == "bmm" and (qv is None or qv.dim() != 3):
         return "bmm of unexpected rank"
-    if op_name(qk) == "matmul" and (qv is None or qv.dim() not in (3, 4)):
+    if name == "matmul" and (qv is None or qv.dim() not in (3, 4)):
         return "matmul of rank other than 3 or 4"
-    if op_name(qk) == "matmul" and qv.dim() == 3:
-        m.three_d = True
+    m.three_d = name in ("bmm", "matmul") and qv.dim() == 3
     if layout.heads is not None:
         # the chain views [A*C, Sq, Sk] as [A, C, Sq, Sk] (or back): the op runs on [A, C, S, D]. A mask applied to
         # the 3-D scores broadcasts the same way in 4-D only when it does not index the merged dim.
@@ -627,14 +619,9 @@ def is_sdpa(n: fx.Node) -> bool:
 
 def match_sdpa(node: fx.Node) -> tuple[Optional[Match], str]:
     """The SDPA call ``node`` as a :class:`Match`, or (None, reason)."""
-    q = get_arg(node, 0, "query")
-    k = get_arg(node, 1, "key")
-    v = get_arg(node, 2, "value")
-    mask = get_arg(node, 3, "attn_mask")
-    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
-    is_causal = get_arg(node, 5, "is_causal", False)
-    scale = get_arg(node, 6, "scale")
-    enable_gqa = get_arg(node, 7, "enable_gqa", False)
+    q, k, v, mask = (get_arg(node, i, name) for i, name in enumerate(("query", "key", "value", "attn_mask")))
+    dropout_p, is_causal = get_arg(node, 4, "dropout_p", 0.0), get_arg(node, 5, "is_causal", False)
+    scale, enable_gqa = get_arg(node, 6, "scale"), get_arg(node, 7, "enable_gqa", False)
     if not all(isinstance(x, fx.Node) for x in (q, k, v)):
         return None, "q/k/v are not tensors"
     if num(dropout_p) is None or not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):

@@ -75,9 +75,8 @@ def _check_shapes(qs, ks, vs, qv, kv_, vv) -> str:
         return "q/k/v on different devices"
     # B and the lengths may be symbolic (a comparison of two becomes a guard); head counts and the head dim pick the
     # kernel's configuration and must be static.
-    for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3]):
-        if not isinstance(s, int):
-            return "dynamic head count or head dim"
+    if not all(isinstance(s, int) for s in (qs[1], qs[3], ks[1], ks[3], vs[1], vs[3])):
+        return "dynamic head count or head dim"
     B, Hq, Sq, D = qs
     if list(ks) != list(vs):
         return f"k {list(ks)} and v {list(vs)} shapes differ"
@@ -128,8 +127,8 @@ def _check_operands(m: Match) -> tuple[Optional[_Operands], str]:
     if ov is None or ov.dtype != qv.dtype:
         return None, "attention output dtype differs from q's"
     B, Hq, Sq, D = ops.qs
-    Sk = ops.ks[2]
-    empty = [n for n, x in zip(("B", "Hq", "Sq", "Sk", "D"), (B, Hq, Sq, Sk, D)) if isinstance(x, int) and x == 0]
+    sizes = zip(("B", "Hq", "Sq", "Sk", "D"), (B, Hq, Sq, ops.ks[2], D))
+    empty = [n for n, x in sizes if isinstance(x, int) and x == 0]
     if empty:
         return None, f"empty dim {', '.join(empty)} = 0: the kernels are not called on empty tensors"
     bad_casts = [dt for dt in m.casts if dt not in (torch.float32, torch.float64, qv.dtype)]
@@ -260,9 +259,7 @@ def _mask_kwargs(b: Builder, m: Match, ops: _Operands, plan: _Plan, qv: torch.Te
     B, Hq, Sq, _ = ops.qs
     Sk = ops.ks[2]
     kwargs: dict = {}
-    is_causal = False
-    attn_mask = None
-    low, trial = plan.low, plan.trial
+    is_causal, attn_mask, low, trial = False, None, plan.low, plan.trial
     if m.sdpa_causal:
         if Sq == Sk:  # with symbolic lengths, a guard
             is_causal = True
@@ -364,10 +361,9 @@ def _graph_output(b: Builder, m: Match, out: fx.Node) -> fx.Node:
 
 
 def _emit(gm: fx.GraphModule, m: Match, cfg: AttentionConfig, op, facts: GraphFacts,
-          result: PassResult) -> Optional[fx.Node]:
-    """Build the flash_attention call for ``m``; returns the replacement node or None (graph untouched).
-
-    Every check runs before the first node is created."""
+          result: PassResult) -> Optional[tuple[fx.Node, bool, Optional[dict]]]:
+    """Build the flash_attention call for ``m``: (replacement node, native GQA, the lowered masks), or None (graph
+    untouched). Every check runs before the first node is created."""
     ops, why = _check_operands(m)
     plan = None
     if not why:
@@ -390,13 +386,9 @@ def _emit(gm: fx.GraphModule, m: Match, cfg: AttentionConfig, op, facts: GraphFa
         result.skip(m.out, f"rewrite failed: {type(e).__name__}: {e}")
         return None
     low = plan.low
-    out.meta["fxopt_attention"] = {
-        "lowered": None if low is None else {"is_causal": low.is_causal, "window": low.window,
-                                             "key_padding_mask": low.kpm is not None},
-        "gqa": ops.k_src is not None or (ops.qs[1] != ops.ks[1]),
-        "dead_rows": plan.dead,
-    }
-    return out
+    lowered = None if low is None else {"is_causal": low.is_causal, "window": low.window,
+                                        "key_padding_mask": low.kpm is not None}
+    return out, ops.k_src is not None or ops.qs[1] != ops.ks[1], lowered
 
 
 def _erase_dead(g: fx.Graph, candidates: list) -> None:
@@ -469,17 +461,16 @@ def _rewrite_graph(gm: fx.GraphModule, cfg: AttentionConfig, result: PassResult,
         if m is None:
             result.skip(n, why)
             continue
-        new = _emit(gm, m, cfg, op, facts, result)
-        if new is None:
+        emitted = _emit(gm, m, cfg, op, facts, result)
+        if emitted is None:
             continue
+        new, gqa, low = emitted
         m.out.replace_all_uses_with(new)
         dead = [m.out] + list(m.matched)
         _erase_dead(gm.graph, dead + [a for d in dead for a in d.all_input_nodes])
         facts.mutations = Mutations(gm.graph)
         result.rewrites += 1
-        info = new.meta.get("fxopt_attention", {})
-        low = info.get("lowered")
         result.notes.append(f"attention {n.name}: -> flash_attention"
-                            + (" (GQA native)" if info.get("gqa") else "")
+                            + (" (GQA native)" if gqa else "")
                             + (" (activation checkpoint)" if checkpointed else "")
                             + ("" if not low else f" mask lowered {low}"))
