@@ -1,6 +1,6 @@
 """fxopt's configuration: one dataclass per pass, nested in :class:`Config`, validated by
 :meth:`Config.from_options` (nested or dotted keys; an unknown key, wrong type or bad value raises
-:class:`ConfigError`). Every option (field) is described in docs/configuration.md, "fxopt.Config options"."""
+:class:`ConfigError`). Every option is described in docs/configuration.md."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class AttentionConfig:
-    """Attention pass settings (options ``attention.*``)."""
+    """Attention pass settings.
+
+    Args:
+        enabled: rewrite SDPA and hand-written attention into ``torch.ops.fxopt.flash_attention``.
+        fp8: route eligible inference attention to the FP8 kernel (Hopper only).
+        lower_masks: pass proven causal / window / key-padding masks as kernel arguments, not tensors.
+    """
 
     enabled: bool = True
     fp8: bool = False
@@ -26,7 +32,12 @@ class AttentionConfig:
 
 @dataclass
 class W4A16Config:
-    """W4A16 pass settings (options ``w4a16.*``)."""
+    """W4A16 pass settings.
+
+    Args:
+        enabled: fuse ``dequantize_w4 -> linear`` into ``torch.ops.fxopt.w4a16_linear``.
+        group_siblings: one kernel call for linears reading one input whose packed weights share a storage.
+    """
 
     enabled: bool = True
     group_siblings: bool = True
@@ -37,8 +48,19 @@ ATTENTION_TMA_CHOICES = ("auto", "on", "off")
 
 @dataclass
 class KernelConfig:
-    """Kernel route choices of the ``torch.ops.fxopt.*`` ops (options ``kernels.*``), applied process-wide
-    at run time: the backend that compiled last sets them."""
+    """Kernel route choices of the ``torch.ops.fxopt.*`` ops, applied process-wide at run time (the backend that
+    compiled last sets them).
+
+    Args:
+        attention_gluon: on sm_90, the attention forward may run the Gluon builds the routing table picks.
+        attention_gluon_backward: the same for the attention backward.
+        attention_tma: TMA descriptors in the Triton attention forward: ``"auto"``, ``"on"`` or ``"off"``.
+        fp8_gluon: on sm_90, ``fxopt::fp8_attention`` may run the Gluon FP8 forward.
+        w4a16_dequant_matmul: W4A16 dequantize + cuBLAS route: ``"auto"`` (above M = 256), ``"on"``, ``"off"``.
+        w4a16_gluon: the W4A16 tuner may pick the Gluon kernel (sm_90, bf16).
+        w4a16_mma: the W4A16 tuner may pick the mma.sync kernel (M <= 16).
+        w4a16_gemv1: the W4A16 tuner may pick the CUDA-core kernel (M <= 4).
+    """
 
     attention_gluon: bool = True
     attention_gluon_backward: bool = True
@@ -59,7 +81,18 @@ class KernelConfig:
 
 @dataclass
 class TensorParallelConfig:
-    """Tensor-parallel pass settings (options ``tensor_parallel.*``, set by :func:`fxopt.parallelize`)."""
+    """Tensor-parallel pass settings (used by :func:`fxopt.parallelize`).
+
+    Args:
+        enabled: run the pass (off unless a process group and ``tp`` > 1 are given).
+        tp: tensor-parallel degree; must equal the process group's world size.
+        vocab_parallel: also shard the lm_head (and an embedding tied to it) over the vocabulary.
+        vocab_parallel_embedding: with ``vocab_parallel``, also cut an untied embedding by rows.
+        overlap_chunks: inference: cut each row-parallel linear into this many token chunks, each with its own
+            all-reduce.
+        sequence_parallel: inference: reduce-scatter / all-gather around the token-wise ops (Megatron's SP).
+        sequence_parallel_min_bytes: with ``sequence_parallel``, smaller all-reduces stay all-reduces.
+    """
 
     enabled: bool = False
     tp: int = 1
@@ -72,7 +105,15 @@ class TensorParallelConfig:
 
 @dataclass
 class PipelineConfig:
-    """Pipeline pass settings (options ``pipeline.*``, set by :func:`fxopt.pipeline`)."""
+    """Pipeline pass settings (used by :func:`fxopt.pipeline`).
+
+    Args:
+        enabled: run the pass (off unless stages > 1).
+        stages: number of pipeline stages.
+        microbatches: micro-batches per step.
+        schedule: one of ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``.
+        split_points: module names (qualified) that must start a new stage; the pass balances the rest.
+    """
 
     enabled: bool = False
     stages: int = 1
@@ -83,7 +124,18 @@ class PipelineConfig:
 
 @dataclass
 class Config:
-    """All fxopt settings; every field is an option of docs/configuration.md."""
+    """All fxopt settings.
+
+    Args:
+        enabled: master switch; ``False`` runs no pass (the graph goes to Inductor as Dynamo produced it).
+        attention: :class:`AttentionConfig`.
+        w4a16: :class:`W4A16Config`.
+        tensor_parallel: :class:`TensorParallelConfig`.
+        pipeline: :class:`PipelineConfig`.
+        kernels: :class:`KernelConfig` (kernel route choices).
+        inductor_options: Inductor ``config_patches``, e.g. ``{"max_autotune": True}``.
+        cudagraphs: replay the compiled graphs from CUDA graphs (``mode="reduce-overhead"``, usable with options).
+    """
 
     enabled: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
