@@ -71,19 +71,36 @@ def quantize(model: nn.Module, calibration: Optional[Iterable], method: str = "g
              progress: bool = True, report: Optional[QuantizeReport] = None) -> nn.Module:
     """Quantize ``model``'s linears to int4 in place and return it.
 
-    ``calibration``: model inputs (tensors, tuples of positional args or kwargs dicts, all of one shape; RTN uses
-    only the first, to capture the graph). ``method``: ``"gptq"``, ``"awq"`` or ``"rtn"``; ``bits`` 4 only;
-    ``group_size`` 32, 64, 128 or -1 (per output channel); ``sym``: zero point 8. GPTQ: ``act_order`` (columns by
-    decreasing Hessian diagonal, stored as a permutation), ``static_groups``, ``damp`` (a fraction of the mean
-    Hessian diagonal), ``block_size``, ``mse`` (group ranges searched on the rounding error).
-    ``float_target``: aim each linear at the float model's output; ``None``: on for GPTQ and AWQ, off for RTN.
-    AWQ: ``n_grid``, ``max_shrink``, ``clip``, ``awq_rounding`` (``None``, the default, is ``"gptq"``): GPTQ's
-    error feedback on the clipped grids, or ``"nearest"``, the paper's. ``exclude``: ``fnmatch`` patterns kept in
-    float; ``include_head`` quantizes the output head too; ``offload`` keeps activations on the CPU between nodes;
-    ``pack=False`` keeps ``nn.Linear`` with the dequantized weights (simulated quantization); ``progress``: a tqdm
-    bar; ``report``: a :class:`QuantizeReport` to fill. The defaults measured best on held-out text; the papers'
-    plain algorithms are ``float_target=False`` (and ``awq_rounding="nearest"``). Design: docs/architecture.md,
-    "Quantization"; costs and quality: benchmarks/results/quant_quality.md.
+    Args:
+        model: any module Dynamo can capture in one graph for the calibration inputs.
+        calibration: iterable of model inputs: tensors, tuples of positional args, or kwargs dicts
+            (``{"input_ids": ...}``); all with the same shapes. RTN uses only the first (to capture the graph).
+        method: ``"gptq"``, ``"awq"`` or ``"rtn"``.
+        bits: 4 (the packed format's only width).
+        group_size: 32, 64, 128 or -1 (per output channel over all of K).
+        sym: symmetric quantization (zero point 8).
+        act_order: GPTQ: quantize columns by decreasing Hessian diagonal (stored as a permutation of K).
+        static_groups: GPTQ: group parameters from the original weight (no permutation needed with act-order).
+        damp: GPTQ dampening, a fraction of the mean Hessian diagonal.
+        mse: GPTQ: per-group (scale, zero) from a search over shrunk ranges minimising the rounding error, instead
+            of the group's min/max (helps weights that are already on a coarser grid, e.g. dequantized GGUF).
+        float_target: aim each linear at the float model's output ``W x`` instead of ``W x̃`` (a float copy of the
+            graph runs alongside; a least-squares correction ridge-regularised by ``damp``).
+            ``None``: on for GPTQ and AWQ, off for RTN; ``False`` gives the papers' plain algorithms.
+        block_size: GPTQ lazy-batch block.
+        exclude: ``fnmatch`` patterns of module names kept in float.
+        include_head: also quantize the output head (excluded by default).
+        n_grid, max_shrink, clip: AWQ scale grid size, clip search range, and whether to clip at all.
+        awq_rounding: AWQ's last step (``None``, the default, is ``"gptq"``): GPTQ's error feedback on the grids
+            the clip search picked (no permutation, AWQ's layout), or ``"nearest"`` (the paper's round-to-nearest).
+        offload: keep calibration activations on the CPU between nodes (for models on an accelerator).
+        pack: replace linears with :class:`fxopt.quant.linear.QuantLinear`; ``False`` keeps ``nn.Linear`` with the
+            dequantized weights (simulated quantization, same numbers; for quality studies).
+        progress: tqdm bar over linears.
+        report: a :class:`QuantizeReport` to fill with per-linear output errors (method vs. RTN) and skips.
+
+    The defaults are the settings that measured best on held-out text; the papers' plain algorithms are
+    ``float_target=False`` (and ``awq_rounding="nearest"``). Costs and quality: benchmarks/results/quant_quality.md.
     """
     t0 = time.perf_counter()
     if method not in METHODS:

@@ -264,10 +264,17 @@ def _expected_shapes(fmt: str, K: int, N: int, G: int) -> dict:
 
 def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] = None,
                    strict: bool = True) -> nn.Module:
-    """Load a GPTQ (v1/v2) or AWQ (GEMM) 4-bit safetensors checkpoint (a directory with its config, or one
-    ``.safetensors`` file) into ``model`` in place; every linear ``name`` with ``name.qweight`` in the file becomes a
-    :class:`QuantLinear`. ``dtype``: of the scales / zeros / bias (default: the replaced linear's when fp16/bf16, else
-    the file's); ``strict``: reject model tensors missing from the file and file tensors the model lacks."""
+    """Load a GPTQ (v1/v2) or AWQ (GEMM) 4-bit safetensors checkpoint into ``model`` (in place); return ``model``.
+
+    Args:
+        model: the float model (or one already holding :class:`QuantLinear` modules of the same shapes).
+        path: checkpoint directory (safetensors [+ index] and its config), or one ``.safetensors`` file.
+        dtype: dtype of the quantized layers' scales / zeros / bias (default: the replaced linear's when fp16/bf16,
+            else the file's).
+        strict: reject model tensors missing from the file and file tensors the model does not have.
+
+    Every linear ``name`` with ``name.qweight`` in the file becomes a :class:`QuantLinear`.
+    """
     ckpt_dir, files = _checkpoint_dir_and_files(path)
     spec = read_quant_config(ckpt_dir)
     headers = _read_headers(files)
@@ -381,10 +388,15 @@ def load_quantized(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] 
 
 
 def save_quantized(model: nn.Module, path: str, *, format: str = "gptq") -> None:
-    """Save a model holding :class:`QuantLinear` modules (other tensors as they are, tied ones once) as a GPTQ
-    checkpoint in directory ``path`` (created; no other ``.safetensors`` there): ``model.safetensors``,
-    ``config.json`` (with ``quantization_config``), ``quantize_config.json``. ``format``: ``"gptq"`` (v1, AutoGPTQ:
-    zeros stored minus one) or ``"gptq_v2"`` (GPTQModel)."""
+    """Save a model holding :class:`QuantLinear` modules as a GPTQ safetensors checkpoint in directory ``path``.
+
+    Args:
+        model: the model (its other parameters and buffers are saved as they are; tied tensors once).
+        path: output directory (created; it must not already hold other ``.safetensors`` files).
+        format: ``"gptq"`` (v1, AutoGPTQ: zeros stored minus one) or ``"gptq_v2"`` (GPTQModel).
+
+    Writes ``model.safetensors``, ``config.json`` (with ``quantization_config``) and ``quantize_config.json``.
+    """
     from safetensors.torch import save_file
 
     fmt = {"gptq": "gptq", "gptq_v1": "gptq", "gptq_v2": "gptq_v2"}.get(str(format).lower())
