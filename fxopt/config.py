@@ -227,10 +227,8 @@ def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     name = path[0]
-    unknown = ConfigError(f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: "
-                          f"{', '.join(Config.valid_keys())}")
     if name not in names:
-        raise unknown
+        raise _unknown(prefix, path)
     t = hints[name]
     full = prefix + name
     if dataclasses.is_dataclass(t):
@@ -246,8 +244,13 @@ def _apply(obj: Any, path: list[str], value: Any, prefix: str) -> None:
             raise ConfigError(f"fxopt option {full!r} takes a dict or {t.__name__}, got {type(value).__name__}")
         return
     if len(path) > 1:
-        raise unknown
+        raise _unknown(prefix, path)
     setattr(obj, name, _check_type(full, value, t))
+
+
+def _unknown(prefix: str, path: list[str]) -> ConfigError:
+    return ConfigError(f"unknown fxopt option {prefix + '.'.join(path)!r}; valid keys: "
+                       f"{', '.join(Config.valid_keys())}")
 
 
 def _check_type(key: str, value: Any, t: Any) -> Any:
